@@ -1,0 +1,1 @@
+//! GGUF reader (work in progress).

@@ -1,0 +1,1 @@
+//! Quantized block formats (work in progress).

@@ -1,0 +1,1 @@
+//! ferrum-llm: large language models on ferrum's kernels.

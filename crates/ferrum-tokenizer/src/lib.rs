@@ -1,0 +1,1 @@
+//! Tokenizers (work in progress).
