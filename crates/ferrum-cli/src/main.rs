@@ -1,1 +1,40 @@
-fn main() {}
+//! `ferrum`: run LLMs from GGUF files on the CPU.
+
+mod cmd;
+mod common;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "ferrum", version, about = "ferrum: an inference engine for LLMs on the CPU", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Continue a prompt, streaming the text to stdout (or one JSON object with --json).
+    Generate(cmd::generate::Args),
+    /// Interactive chat using the model's chat template; reads user turns from stdin (a TTY or a pipe).
+    Chat(cmd::chat::Args),
+    /// Perplexity of a text file, computed the way llama.cpp's perplexity tool does.
+    Perplexity(cmd::perplexity::Args),
+    /// Print a GGUF file's architecture, hyperparameters, tokenizer, chat template and tensors.
+    Info(cmd::info::Args),
+}
+
+fn main() {
+    common::init_logging();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => cmd::generate::run(a),
+        Command::Chat(a) => cmd::chat::run(a),
+        Command::Perplexity(a) => cmd::perplexity::run(a),
+        Command::Info(a) => cmd::info::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

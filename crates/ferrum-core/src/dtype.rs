@@ -117,7 +117,9 @@ impl DType {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
             DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => 32,
-            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => 256,
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => {
+                256
+            }
         }
     }
 
@@ -148,7 +150,7 @@ impl DType {
     /// Bytes taken by a row of `n` elements, or `None` when `n` is not a whole number of blocks
     /// or the size overflows.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        if n % self.block_size() != 0 {
+        if !n.is_multiple_of(self.block_size()) {
             return None;
         }
         (n / self.block_size()).checked_mul(self.block_bytes())

@@ -6,4 +6,7 @@
 //! - [`ops`]: RMSNorm, RoPE, activations, softmax.
 //! - [`attention`]: causal attention over an f16 KV cache.
 
+pub mod attention;
+pub mod matmul;
+pub mod ops;
 pub mod quant;

@@ -1,1 +1,197 @@
-//! Quantized block formats (work in progress).
+//! Quantized block formats (GGML types): dequantization, activation quantizers and dot products.
+//!
+//! * [`dequantize_row`]: any [`DType`] to f32, bit-identical to ggml's `dequantize_row_*`.
+//! * [`vec_dot_type`] / [`quantize_row`]: the activation format llama.cpp pairs with a weight type,
+//!   and its quantizer, bit-exact with llama.cpp's x86 build.
+//! * [`vec_dot`]: weight row x quantized activation row with the best kernel for this CPU;
+//!   [`vec_dot_ref`]: the plain scalar reference (ggml's generic C float order).
+//!
+//! With the AVX2 kernels active, [`quantize_row`] and [`vec_dot`] reproduce an x86 AVX2 build of
+//! ggml (`libggml-cpu-haswell`) bit for bit for every weight type (checked by
+//! `tests/quant_ggml.rs` on random and real rows). Note llama.cpp may route a matmul elsewhere
+//! (llamafile sgemm, repacked Q4_0/Q4_K rows, AVX-512 builds), which changes the float order.
+//!
+//! Q8_1 blocks are 40 bytes here (`DType::Q8_1.block_bytes()`): d, s, qs[32] and 4 zero bytes of
+//! padding (ggml's own `block_q8_1` is 36 bytes; Q8_1 never appears in files).
+//!
+//! Layout of the module: `blocks` (field offsets, unpacking), `dequant`, `quantize`, `dot`
+//! (scalar), `dot_avx2` / `dot_avx2_k` / `quantize_avx2` (x86_64 AVX2+FMA+F16C kernels, chosen
+//! at run time; other ISAs, e.g. AVX-512 or NEON, slot into [`Isa`] and the dispatch below).
+
+// Index loops mirror the block layouts of ggml-common.h; iterator chains would hide them.
+#![allow(clippy::needless_range_loop)]
+
+mod blocks;
+mod dequant;
+mod dot;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx2;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx2_k;
+mod quantize;
+#[cfg(target_arch = "x86_64")]
+mod quantize_avx2;
+
+use ferrum_core::DType;
+use std::sync::OnceLock;
+
+pub use blocks::{QK, QK_K};
+
+/// Instruction-set level the dispatcher picked for this process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, no explicit SIMD.
+    Scalar,
+    /// x86_64 with AVX2, FMA and F16C.
+    Avx2,
+}
+
+/// The kernel set [`vec_dot`] and [`quantize_row`] use (detected once per process; setting the
+/// environment variable `FERRUM_FORCE_SCALAR` forces [`Isa::Scalar`]).
+pub fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(detect)
+}
+
+fn detect() -> Isa {
+    if std::env::var_os("FERRUM_FORCE_SCALAR").is_some() {
+        return Isa::Scalar;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Scalar
+}
+
+fn row_bytes_or_panic(dtype: DType, n: usize, what: &str) -> usize {
+    dtype.row_bytes(n).unwrap_or_else(|| {
+        panic!(
+            "{what}: {n} elements is not a whole number of {dtype} blocks ({})",
+            dtype.block_size()
+        )
+    })
+}
+
+/// Dequantizes `dst.len()` elements (a multiple of `dtype.block_size()`) from `src`, which must be
+/// exactly `dtype.row_bytes(dst.len())` bytes. Works for every type in [`DType::ALL`].
+/// Results are bit-identical to ggml's `dequantize_row_*` (f32 operations in the same order).
+///
+/// # Panics
+/// On a length mismatch (a caller bug).
+pub fn dequantize_row(dtype: DType, src: &[u8], dst: &mut [f32]) {
+    let bytes = row_bytes_or_panic(dtype, dst.len(), "dequantize_row");
+    assert_eq!(
+        src.len(),
+        bytes,
+        "dequantize_row: {} elements of {dtype} need {bytes} bytes, got {}",
+        dst.len(),
+        src.len()
+    );
+    dequant::dequantize(dtype, src, dst);
+}
+
+/// The activation format llama.cpp pairs with a weight type (`type_traits_cpu[..].vec_dot_type`):
+/// F32->F32, F16->F16, BF16->BF16, Q4_0|Q5_0|Q8_0->Q8_0, Q4_1|Q5_1->Q8_1, Q2_K..Q6_K->Q8_K.
+/// Activation-only types map to themselves.
+pub fn vec_dot_type(weight: DType) -> DType {
+    match weight {
+        DType::F32 => DType::F32,
+        DType::F16 => DType::F16,
+        DType::BF16 => DType::BF16,
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => DType::Q8_0,
+        DType::Q4_1 | DType::Q5_1 | DType::Q8_1 => DType::Q8_1,
+        DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => {
+            DType::Q8_K
+        }
+    }
+}
+
+/// Quantizes an activation row into `dtype` (one of F32, F16, BF16, Q8_0, Q8_1, Q8_K), bit-exactly
+/// as llama.cpp's x86 build does:
+/// * Q8_0/Q8_1: d = amax/127 stored as f16, multiplier 127/amax in f32, round half to even;
+///   Q8_1 also s = f16(d·Σq) with the unrounded d.
+/// * Q8_K: `quantize_row_q8_K_ref` (signed max, iscale = -127/max, ties to even, min 127, bsums).
+/// * F16/BF16: round to nearest even.
+///
+/// # Panics
+/// If `dtype` is not an activation format, or `dst.len() != dtype.row_bytes(src.len())`.
+pub fn quantize_row(dtype: DType, src: &[f32], dst: &mut [u8]) {
+    let bytes = row_bytes_or_panic(dtype, src.len(), "quantize_row");
+    assert_eq!(
+        dst.len(),
+        bytes,
+        "quantize_row: {} elements as {dtype} need {bytes} bytes, got {}",
+        src.len(),
+        dst.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 && dot_avx2::quantize(dtype, src, dst) {
+        return;
+    }
+    quantize::quantize(dtype, src, dst);
+}
+
+/// Scalar version of [`quantize_row`] (same bytes; for tests and benchmarks).
+pub fn quantize_row_ref(dtype: DType, src: &[f32], dst: &mut [u8]) {
+    let bytes = row_bytes_or_panic(dtype, src.len(), "quantize_row_ref");
+    assert_eq!(
+        dst.len(),
+        bytes,
+        "quantize_row_ref: wrong destination length"
+    );
+    quantize::quantize(dtype, src, dst);
+}
+
+fn check_dot(weight: DType, w_row: &[u8], act: &[u8], n: usize) {
+    let wb = row_bytes_or_panic(weight, n, "vec_dot");
+    let at = vec_dot_type(weight);
+    let ab = row_bytes_or_panic(at, n, "vec_dot");
+    assert_eq!(
+        w_row.len(),
+        wb,
+        "vec_dot: {n} elements of {weight} need {wb} bytes, got {}",
+        w_row.len()
+    );
+    assert_eq!(
+        act.len(),
+        ab,
+        "vec_dot: {n} activations as {at} need {ab} bytes, got {}",
+        act.len()
+    );
+}
+
+/// Dot product of one weight row (type `weight`, `n` elements) with one activation row already
+/// quantized as [`vec_dot_type`]`(weight)`. Uses the best SIMD kernel available at run time
+/// (see [`isa`]), falling back to [`vec_dot_ref`]. Integer partial sums are exact; only the float
+/// accumulation order differs from the scalar reference (the AVX2 order is llama.cpp's).
+/// Activation quants must lie in [-127, 127], as [`quantize_row`] produces them.
+///
+/// # Panics
+/// If `weight` is activation-only (Q8_1, Q8_K) or a length does not match `n`.
+pub fn vec_dot(weight: DType, w_row: &[u8], act: &[u8], n: usize) -> f32 {
+    check_dot(weight, w_row, act, n);
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        if let Some(v) = dot_avx2::vec_dot(weight, w_row, act, n) {
+            return v;
+        }
+    }
+    dot::vec_dot_ref(weight, w_row, act)
+}
+
+/// Plain scalar reference for [`vec_dot`]: the formulas of ggml's generic C
+/// (`ggml_vec_dot_*_generic`), exact integer sums, same float order. F32/F16/BF16 accumulate the
+/// (exact for F16/BF16) f32 products in f64, as ggml's non-SIMD `ggml_vec_dot_f16` does.
+///
+/// # Panics
+/// As [`vec_dot`].
+pub fn vec_dot_ref(weight: DType, w_row: &[u8], act: &[u8], n: usize) -> f32 {
+    check_dot(weight, w_row, act, n);
+    dot::vec_dot_ref(weight, w_row, act)
+}

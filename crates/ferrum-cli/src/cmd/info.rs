@@ -1,0 +1,135 @@
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args as ClapArgs;
+use ferrum_gguf::GgufFile;
+use ferrum_llm::Config;
+
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    /// The GGUF file to describe.
+    pub path: PathBuf,
+    /// Print every tensor (default: the first 40 and a per-type summary).
+    #[arg(long)]
+    pub all_tensors: bool,
+}
+
+fn human(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1024.0 * 1024.0 * 1024.0 {
+        format!("{:.2} GiB", b / (1024.0 * 1024.0 * 1024.0))
+    } else if b >= 1024.0 * 1024.0 {
+        format!("{:.2} MiB", b / (1024.0 * 1024.0))
+    } else if b >= 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let f = GgufFile::open(&a.path)?;
+    println!("file: {} ({})", a.path.display(), human(f.file_size()));
+    println!(
+        "GGUF v{}, {} metadata keys, {} tensors, alignment {}, data at byte {}",
+        f.version,
+        f.metadata.len(),
+        f.tensors.len(),
+        f.alignment,
+        f.data_offset
+    );
+    println!("architecture: {}", f.architecture().unwrap_or("(none)"));
+    match Config::from_gguf(&f) {
+        Ok(c) => {
+            println!("\nhyperparameters:");
+            println!(
+                "  layers {}  embedding {}  feed-forward {}  vocab {}",
+                c.n_layer, c.n_embd, c.n_ff, c.n_vocab
+            );
+            println!(
+                "  heads {}  kv heads {}  head dim {}  rope dims {} ({:?}, base {})",
+                c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.rope_style, c.rope_base
+            );
+            println!(
+                "  rms eps {:e}  trained context {}",
+                c.rms_eps, c.n_ctx_train
+            );
+            if let Some(w) = c.sliding_window {
+                println!(
+                    "  sliding window {w} (every {}th layer global, local rope base {})",
+                    c.swa_pattern, c.rope_base_swa
+                );
+            }
+        }
+        Err(e) => println!("\nhyperparameters: not runnable by ferrum: {e}"),
+    }
+    println!("\nmetadata:");
+    let mut template = None;
+    for (k, v) in &f.metadata {
+        if k == "tokenizer.chat_template" {
+            template = v.as_str();
+            continue;
+        }
+        println!("  {k} = {v}");
+    }
+    match ferrum_tokenizer::Tokenizer::from_gguf(&f) {
+        Ok(t) => println!(
+            "\ntokenizer: {} tokens, bos {:?}, eos {:?}, adds bos: {}",
+            t.vocab_size(),
+            t.bos(),
+            t.eos(),
+            t.add_bos()
+        ),
+        Err(e) => println!("\ntokenizer: cannot be built: {e}"),
+    }
+    match template {
+        Some(t) => println!("\nchat template:\n{t}"),
+        None => println!("\nchat template: (none in the file)"),
+    }
+    println!("\ntensors:");
+    println!(
+        "  {:<40} {:<6} {:>20} {:>12}",
+        "name", "type", "shape", "bytes"
+    );
+    let mut by_type: BTreeMap<&str, (usize, u64, u64)> = BTreeMap::new();
+    let (mut total_bytes, mut total_elems) = (0u64, 0u64);
+    for (i, t) in f.tensors.iter().enumerate() {
+        if a.all_tensors || i < 40 {
+            let shape = format!("{:?}", t.dims);
+            println!(
+                "  {:<40} {:<6} {:>20} {:>12}",
+                t.name,
+                t.dtype.name(),
+                shape,
+                t.n_bytes
+            );
+        } else if i == 40 {
+            println!(
+                "  ... {} more (--all-tensors lists them)",
+                f.tensors.len() - 40
+            );
+        }
+        let e = by_type.entry(t.dtype.name()).or_default();
+        e.0 += 1;
+        e.1 += t.n_elements();
+        e.2 += t.n_bytes;
+        total_bytes += t.n_bytes;
+        total_elems += t.n_elements();
+    }
+    println!("\nby type:");
+    for (ty, (n, elems, bytes)) in &by_type {
+        println!(
+            "  {ty:<6} {n:>5} tensors {elems:>12} elements {:>12}",
+            human(*bytes)
+        );
+    }
+    println!(
+        "total: {} tensors, {} parameters, {} ({:.2} bits per weight)",
+        f.tensors.len(),
+        total_elems,
+        human(total_bytes),
+        total_bytes as f64 * 8.0 / total_elems.max(1) as f64
+    );
+    Ok(())
+}

@@ -1,0 +1,4 @@
+pub mod chat;
+pub mod generate;
+pub mod info;
+pub mod perplexity;

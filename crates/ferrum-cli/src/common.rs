@@ -1,0 +1,162 @@
+//! Flags and helpers shared by the subcommands: model location, threads, sampling, loading.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferrum_llm::{Llm, LoadOptions, SamplingParams};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// The model used when --model is not given.
+pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FERRUM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Path to a GGUF model file. Default: SmolLM2-135M-Instruct Q4_1 from $FERRUM_MODELS_DIR or
+    /// ./models (fetched by `python3 scripts/fetch_models.py`).
+    #[arg(short, long)]
+    pub model: Option<PathBuf>,
+    /// Worker threads for the kernels (default: all cores).
+    #[arg(short, long)]
+    pub threads: Option<usize>,
+    /// Store all weights as F32 and run without quantized kernels (slow; a reference path).
+    #[arg(long)]
+    pub dequantize: bool,
+}
+
+impl ModelArgs {
+    pub fn path(&self) -> Result<PathBuf> {
+        if let Some(p) = &self.model {
+            return Ok(p.clone());
+        }
+        let dir = std::env::var_os("FERRUM_MODELS_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("models"));
+        let p = dir.join(DEFAULT_MODEL);
+        if !p.exists() {
+            bail!(
+                "no --model given and the default model {} is missing: run `python3 scripts/fetch_models.py`",
+                p.display()
+            );
+        }
+        Ok(p)
+    }
+
+    /// Sets the thread count, then loads the model with a progress bar if loading takes over a second.
+    pub fn load(&self) -> Result<Llm> {
+        set_threads(self.threads)?;
+        let path = self.path()?;
+        if !path.exists() {
+            bail!("{}: no such file", path.display());
+        }
+        let start = Instant::now();
+        let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
+        bar.set_style(
+            ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        bar.set_message(
+            path.file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        );
+        let mut shown = false;
+        let opts = LoadOptions {
+            dequantize: self.dequantize,
+        };
+        let llm = Llm::load(&path, &opts, &mut |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            if !shown && start.elapsed() > Duration::from_secs(1) {
+                bar.set_draw_target(ProgressDrawTarget::stderr());
+                shown = true;
+            }
+        })
+        .with_context(|| format!("loading {}", path.display()))?;
+        bar.finish_and_clear();
+        tracing::info!(model = %llm.name, seconds = start.elapsed().as_secs_f64(), "model loaded");
+        Ok(llm)
+    }
+}
+
+pub fn set_threads(threads: Option<usize>) -> Result<()> {
+    let n = match threads {
+        Some(0) => bail!("--threads must be at least 1"),
+        Some(n) => n,
+        None => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+    };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .context("starting the thread pool")?;
+    Ok(())
+}
+
+/// Sampling flags (defaults are llama.cpp's).
+#[derive(Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Temperature; 0 means greedy (always the most likely token).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0: off).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability adds up to P (1.0: off).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than P times the most likely one (0: off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalise tokens seen in the last --repeat-last-n tokens (1.0: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// How many recent tokens the penalties look at.
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Subtracted from the logit of every token already seen (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit per time it was seen (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Random seed; the same seed and settings reproduce the same text. Default: random.
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> Result<SamplingParams> {
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        });
+        let p = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            penalty_last_n: self.repeat_last_n,
+            seed,
+        };
+        p.validate().map_err(anyhow::Error::msg)?;
+        Ok(p)
+    }
+}

@@ -1,0 +1,166 @@
+//! Autoregressive generation: prefill the prompt, then sample (or teacher-force) one token per step,
+//! streaming text as it is produced.
+
+use std::time::Instant;
+
+use ferrum_core::{Error, Result};
+
+use crate::model::{KvCache, Logits};
+use crate::sampling::{top_logprobs, Sampler, SamplingParams};
+use crate::text::{StopMatcher, Utf8Stream};
+use crate::Llm;
+
+/// Prompt tokens processed per forward pass during prefill (bounds activation memory).
+pub const PREFILL_CHUNK: usize = 512;
+
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    /// Keep going past end-of-generation tokens.
+    pub ignore_eos: bool,
+    /// Teacher forcing: feed these ids instead of sampling (top-K is still reported per position).
+    pub force_tokens: Option<Vec<u32>>,
+    /// Report this many most likely tokens (full-vocabulary log-softmax) per generated position.
+    pub top_logprobs: usize,
+    /// KV-cache capacity in tokens (prompt + generated).
+    pub ctx_size: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// max_tokens reached (or the forced tokens ran out).
+    Length,
+    /// An end-of-generation token or a stop string.
+    Stop,
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub prompt_tokens: usize,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    /// Per generated position, its most likely `(token, logprob)`.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    pub finish: FinishReason,
+    pub prompt_seconds: f64,
+    pub generate_seconds: f64,
+}
+
+impl Generation {
+    pub fn prompt_tokens_per_second(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt_seconds.max(1e-9)
+    }
+    pub fn tokens_per_second(&self) -> f64 {
+        // The first token comes out of the prefill pass; later ones each cost one decode step.
+        self.tokens.len().saturating_sub(1) as f64 / self.generate_seconds.max(1e-9)
+    }
+}
+
+/// Runs `req`, calling `on_text` with each piece of text as soon as it is final.
+pub fn generate(
+    llm: &Llm,
+    req: &GenerateRequest,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<Generation> {
+    let cfg = &llm.model.config;
+    if req.prompt.is_empty() {
+        return Err(Error::msg("the prompt is empty (no tokens)"));
+    }
+    req.sampling.validate().map_err(Error::msg)?;
+    let n_forced = req.force_tokens.as_ref().map(|f| f.len());
+    let budget = n_forced.unwrap_or(req.max_tokens);
+    if req.prompt.len() > req.ctx_size {
+        return Err(Error::msg(format!(
+            "the prompt has {} tokens, more than the context of {}: shorten it or raise --ctx-size (the model was trained with {})",
+            req.prompt.len(),
+            req.ctx_size,
+            cfg.n_ctx_train
+        )));
+    }
+    if let Some(&bad) = req
+        .force_tokens
+        .iter()
+        .flatten()
+        .find(|&&t| t as usize >= cfg.n_vocab)
+    {
+        return Err(Error::msg(format!(
+            "forced token id {bad} is outside the vocabulary of {}",
+            cfg.n_vocab
+        )));
+    }
+    let capacity = req.ctx_size.min(req.prompt.len() + budget);
+    let mut cache = KvCache::new(cfg, capacity.max(1));
+    let mut sampler = Sampler::new(req.sampling.clone());
+    for &t in &req.prompt {
+        sampler.accept(t);
+    }
+
+    let t0 = Instant::now();
+    let mut logits = Vec::new();
+    for (i, chunk) in req.prompt.chunks(PREFILL_CHUNK).enumerate() {
+        let last = (i + 1) * PREFILL_CHUNK >= req.prompt.len();
+        let want = if last { Logits::Last } else { Logits::None };
+        logits = llm
+            .model
+            .forward(chunk, i * PREFILL_CHUNK, &mut cache, want)?;
+    }
+    let prompt_seconds = t0.elapsed().as_secs_f64();
+
+    let t1 = Instant::now();
+    let mut out = Generation {
+        prompt_tokens: req.prompt.len(),
+        tokens: Vec::new(),
+        text: String::new(),
+        top_logprobs: Vec::new(),
+        finish: FinishReason::Length,
+        prompt_seconds,
+        generate_seconds: 0.0,
+    };
+    let mut utf8 = Utf8Stream::default();
+    let mut stops = StopMatcher::new(&req.stop);
+    let mut pos = req.prompt.len();
+    while out.tokens.len() < budget {
+        if req.top_logprobs > 0 {
+            out.top_logprobs
+                .push(top_logprobs(&logits, req.top_logprobs));
+        }
+        let id = match &req.force_tokens {
+            Some(f) => f[out.tokens.len()],
+            None => sampler.sample(&logits),
+        };
+        sampler.accept(id);
+        out.tokens.push(id);
+        if req.force_tokens.is_none() && !req.ignore_eos && llm.tokenizer.is_eog(id) {
+            out.finish = FinishReason::Stop;
+            break;
+        }
+        let piece = utf8.push(&llm.tokenizer.token_bytes(id, false));
+        let (shown, hit) = stops.push(&piece);
+        on_text(&shown);
+        if hit {
+            out.finish = FinishReason::Stop;
+            break;
+        }
+        if out.tokens.len() == budget {
+            break;
+        }
+        if pos >= capacity {
+            // The context is full: stop as max_tokens would.
+            break;
+        }
+        logits = llm.model.forward(&[id], pos, &mut cache, Logits::Last)?;
+        pos += 1;
+    }
+    if out.finish == FinishReason::Length {
+        let tail = utf8.finish();
+        let (shown, _) = stops.push(&tail);
+        on_text(&shown);
+        on_text(&stops.finish());
+    }
+    out.text = stops.text().to_string();
+    out.generate_seconds = t1.elapsed().as_secs_f64();
+    Ok(out)
+}

