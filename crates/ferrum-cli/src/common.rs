@@ -109,28 +109,28 @@ pub fn set_threads(threads: Option<usize>) -> Result<()> {
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
     /// Temperature; 0 means greedy (always the most likely token).
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Keep only the K most likely tokens (0: off).
     #[arg(long, default_value_t = 40)]
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability adds up to P (1.0: off).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Drop tokens less likely than P times the most likely one (0: off).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Penalise tokens seen in the last --repeat-last-n tokens (1.0: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repeat_penalty: f32,
     /// How many recent tokens the penalties look at.
     #[arg(long, default_value_t = 64)]
     pub repeat_last_n: usize,
     /// Subtracted from the logit of every token already seen (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
     /// Subtracted from a token's logit per time it was seen (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// Random seed; the same seed and settings reproduce the same text. Default: random.
     #[arg(long)]

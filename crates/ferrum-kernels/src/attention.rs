@@ -6,6 +6,7 @@
 //! dot products and softmax run in f32, and the V.p accumulator is f16.
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// Shape and masking of one attention call.
@@ -45,52 +46,136 @@ pub fn attention(
     );
     let group = nh / nkv;
 
+    let fast = has_avx2_fma_f16c();
     out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
         let (t, h) = (idx / nh, idx % nh);
         let pos = positions[t];
-        let kvh = h / group;
-        let qh: Vec<f32> = q[idx * hd..(idx + 1) * hd]
-            .iter()
-            .map(|&x| f16::from_f32(x).to_f32())
-            .collect();
         let start = match p.window {
             Some(w) => (pos + 1).saturating_sub(w),
             None => 0,
         };
-        let mut m = f32::NEG_INFINITY;
-        let mut s = 0f32;
-        // The V.p accumulator is kept in f16 and rounded after every update, as llama.cpp's CPU
-        // flash attention does with an f16 V cache (its `VKQ16`).
-        let mut acc = vec![f16::ZERO; hd];
-        for j in start..=pos {
-            let kr = &k[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
-            let mut dot = 0f32;
-            for (a, b) in qh.iter().zip(kr) {
-                dot += a * b.to_f32();
-            }
-            let score = dot * p.scale;
-            let vr = &v[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
-            let mut ms = 1f32;
-            let mut vs = 1f32;
-            if score > m {
-                ms = (m - score).exp();
-                m = score;
-                for a in acc.iter_mut() {
-                    *a = f16::from_f32(a.to_f32() * ms);
-                }
-            } else {
-                vs = (score - m).exp();
-            }
-            for (a, b) in acc.iter_mut().zip(vr) {
-                *a = f16::from_f32(b.to_f32().mul_add(vs, a.to_f32()));
-            }
-            s = s * ms + vs;
+        let job = Row {
+            q: &q[idx * hd..(idx + 1) * hd],
+            k,
+            v,
+            at: (h / group) * hd,
+            kv_row,
+            keys: start..pos + 1,
+            scale: p.scale,
+        };
+        #[cfg(target_arch = "x86_64")]
+        if fast {
+            // SAFETY: `fast` is true only when the CPU reports AVX2, FMA and F16C.
+            unsafe { attend_row_avx2(&job, o) };
+            return;
         }
-        let inv = 1.0 / s;
-        for (dst, a) in o.iter_mut().zip(&acc) {
-            *dst = a.to_f32() * inv;
-        }
+        let _ = fast;
+        attend_row(&job, o);
     });
+}
+
+/// One query row of one head against its KV head's cached rows `keys`.
+struct Row<'a> {
+    q: &'a [f32],
+    k: &'a [f16],
+    v: &'a [f16],
+    /// Offset of the KV head within a cache row.
+    at: usize,
+    kv_row: usize,
+    keys: std::ops::Range<usize>,
+    scale: f32,
+}
+
+fn has_avx2_fma_f16c() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *FAST.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// [`attend_row`] compiled with AVX2/FMA/F16C so `mul_add` and the f16 conversions are single
+/// instructions.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_row_avx2(r: &Row, o: &mut [f32]) {
+    attend_row(r, o)
+}
+
+#[inline(always)]
+fn attend_row(r: &Row, o: &mut [f32]) {
+    let hd = r.q.len();
+    // Q rounded to f16 (bulk conversions use F16C where the CPU has it).
+    let mut qh = vec![f16::ZERO; hd];
+    qh.convert_from_f32_slice(r.q);
+    let mut qf = vec![0f32; hd];
+    qh.convert_to_f32_slice(&mut qf);
+    let mut m = f32::NEG_INFINITY;
+    let mut s = 0f32;
+    // The V.p accumulator holds f16 values and is rounded after every update, as llama.cpp's
+    // CPU flash attention does with an f16 V cache (its `VKQ16`); `acc16` is the rounding step.
+    let mut acc = vec![0f32; hd];
+    let mut acc16 = vec![f16::ZERO; hd];
+    let mut row = vec![0f32; hd];
+    for j in r.keys.clone() {
+        let at = j * r.kv_row + r.at;
+        r.k[at..at + hd].convert_to_f32_slice(&mut row);
+        let score = dot(&qf, &row) * r.scale;
+        let mut ms = 1f32;
+        let mut vs = 1f32;
+        if score > m {
+            ms = (m - score).exp();
+            m = score;
+            for a in acc.iter_mut() {
+                *a *= ms;
+            }
+            round_to_f16(&mut acc, &mut acc16);
+        } else {
+            vs = (score - m).exp();
+        }
+        r.v[at..at + hd].convert_to_f32_slice(&mut row);
+        for (a, &b) in acc.iter_mut().zip(&row) {
+            *a = b.mul_add(vs, *a);
+        }
+        round_to_f16(&mut acc, &mut acc16);
+        s = s * ms + vs;
+    }
+    let inv = 1.0 / s;
+    for (dst, a) in o.iter_mut().zip(&acc) {
+        *dst = a * inv;
+    }
+}
+
+/// f32 dot product in eight interleaved lanes (vectorizes; the order is fixed, so results do not
+/// depend on the batch).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            lanes[i] = x[i].mul_add(y[i], lanes[i]);
+        }
+    }
+    let mut sum = lanes.iter().sum::<f32>();
+    for (x, y) in ra.iter().zip(rb) {
+        sum += x * y;
+    }
+    sum
+}
+
+/// Rounds every value to the nearest f16 (through `scratch`).
+#[inline(always)]
+fn round_to_f16(x: &mut [f32], scratch: &mut [f16]) {
+    scratch.convert_from_f32_slice(x);
+    scratch.convert_to_f32_slice(x);
 }
 
 /// Plain reference: full scores, f64 softmax, no f16 rounding of Q.

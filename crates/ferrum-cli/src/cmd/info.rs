@@ -1,7 +1,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args as ClapArgs;
 use ferrum_gguf::GgufFile;
 use ferrum_llm::Config;
@@ -29,6 +29,9 @@ fn human(bytes: u64) -> String {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    if a.path.is_dir() {
+        bail!("{} is a directory, not a GGUF file", a.path.display());
+    }
     let f = GgufFile::open(&a.path)?;
     println!("file: {} ({})", a.path.display(), human(f.file_size()));
     println!(

@@ -2,7 +2,7 @@
 
 /// Normalises each row of `x` (rows of `w.len()` elements) into `out`, then multiplies by `w`.
 ///
-/// As in ggml: the sum of squares accumulates in f64, the mean is rounded to f32,
+/// As in ggml: squares are taken in f32 and summed in f64, the mean is rounded to f32,
 /// `scale = 1/sqrtf(mean + eps)`, `y = x * scale`, then a separate multiply by the weight.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
@@ -11,7 +11,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
         "rms_norm: shapes differ"
     );
     for (xr, yr) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let sum: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
         let mean = (sum / n as f64) as f32;
         let scale = 1.0 / (mean + eps).sqrt();
         for ((y, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
@@ -23,9 +23,12 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 /// [`rms_norm`] in place.
 pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     let n = w.len();
-    assert!(n > 0 && x.len().is_multiple_of(n), "rms_norm: shapes differ");
+    assert!(
+        n > 0 && x.len().is_multiple_of(n),
+        "rms_norm: shapes differ"
+    );
     for xr in x.chunks_exact_mut(n) {
-        let sum: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let sum: f64 = xr.iter().map(|&v| (v * v) as f64).sum();
         let mean = (sum / n as f64) as f32;
         let scale = 1.0 / (mean + eps).sqrt();
         for (v, &g) in xr.iter_mut().zip(w) {
