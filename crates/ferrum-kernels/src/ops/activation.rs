@@ -40,12 +40,62 @@ fn gelu_ggml(table: &[f16], x: f32) -> f32 {
     }
 }
 
-/// `gate[i] = silu(gate[i]) * up[i]`.
-pub fn swiglu(gate: &mut [f32], up: &[f32]) {
-    assert_eq!(gate.len(), up.len(), "swiglu: lengths differ");
-    for (g, &u) in gate.iter_mut().zip(up) {
+/// exp(x) as ggml's vectorised SiLU computes it (an Arm optimized-routines style approximation,
+/// max error ~1.5 ulp): n = round(x log2 e), b = x - n ln2 (two-part constant), a degree-5
+/// polynomial for e^b, scaled by 2^n. Each step is one fused multiply-add, as in the SIMD code,
+/// so our SwiGLU rounds where llama.cpp's does.
+#[inline(always)]
+fn expf_ggml(x: f32) -> f32 {
+    const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), SHIFT); // log2(e)
+    let n = z - SHIFT;
+    let b = (-n).mul_add(
+        f32::from_bits(0x35bf_be8e),
+        (-n).mul_add(f32::from_bits(0x3f31_7200), x),
+    ); // ln2 lo, hi
+    if n.abs() > 192.0 {
+        return if n > 0.0 { f32::INFINITY } else { 0.0 };
+    }
+    let u = b * b;
+    // Coefficients c5..c1 of e^b ~ 1 + c1 b + c2 b^2 + ... + c5 b^5.
+    let p45 = f32::from_bits(0x3c07_2010).mul_add(b, f32::from_bits(0x3d2b_9f17));
+    let p23 = f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3eff_fedb));
+    let p01 = f32::from_bits(0x3f7f_fff6).mul_add(b, 1.0);
+    let j = p45.mul_add(u, p23).mul_add(u, p01);
+    // j * 2^n, exact while the result is a normal number.
+    j * 2f32.powi(n as i32)
+}
+
+/// SIMD width of ggml's SiLU on AVX-512: elements past the last full block use libm's expf.
+const GGML_SILU_BLOCK: usize = 16;
+
+#[inline(always)]
+fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
+    let full = gate.len() / GGML_SILU_BLOCK * GGML_SILU_BLOCK;
+    for (g, &u) in gate[..full].iter_mut().zip(&up[..full]) {
+        *g = (*g / (1.0 + expf_ggml(-*g))) * u;
+    }
+    for (g, &u) in gate[full..].iter_mut().zip(&up[full..]) {
         *g = silu(*g) * u;
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn swiglu_fma(gate: &mut [f32], up: &[f32]) {
+    swiglu_ggml(gate, up)
+}
+
+/// `gate[i] = silu(gate[i]) * up[i]`, SiLU computed as ggml's vector code does.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "swiglu: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU reports FMA.
+        unsafe { swiglu_fma(gate, up) };
+        return;
+    }
+    swiglu_ggml(gate, up);
 }
 
 /// `gate[i] = gelu(gate[i]) * up[i]`, GELU as ggml tabulates it.
@@ -87,5 +137,27 @@ mod tests {
         let mut big = vec![-11.0f32, 12.0];
         geglu(&mut big, &[1.0, 1.0]);
         assert_eq!(big, vec![0.0, 12.0]);
+    }
+}
+
+#[cfg(test)]
+mod ggml_exp_tests {
+    use super::*;
+
+    #[test]
+    fn expf_ggml_is_within_two_ulp_of_f64_exp() {
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let got = expf_ggml(x) as f64;
+            let want = (x as f64).exp();
+            let ulp = (want.abs() * f32::EPSILON as f64).max(f32::MIN_POSITIVE as f64);
+            assert!(
+                got.is_finite() && (got - want).abs() <= 2.0 * ulp,
+                "x={x}: {got} vs {want}"
+            );
+            x += 0.0137;
+        }
+        assert_eq!(expf_ggml(-200.0), 0.0);
+        assert_eq!(expf_ggml(200.0), f32::INFINITY);
     }
 }

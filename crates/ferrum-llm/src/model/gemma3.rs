@@ -14,12 +14,14 @@
 use ferrum_kernels::ops;
 
 use super::weights::Weights;
-use super::{rms_norm, Step};
+use super::{rms_norm, trace, Step};
 
 pub fn forward(w: &Weights, s: &mut Step, x: &mut [f32]) {
     let cfg = s.cfg;
     let (nh, nkv, hd, eps) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps);
-    ops::scale_inplace(x, (cfg.n_embd as f32).sqrt());
+    let e = cfg.n_embd;
+    ops::scale_inplace(x, (e as f32).sqrt());
+    trace("inp_scaled", None, x, e);
     let q_scale = 1.0 / (hd as f32).sqrt();
     for (il, l) in w.layers.iter().enumerate() {
         let swa = cfg.is_swa_layer(il);
@@ -32,6 +34,7 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut [f32]) {
             unreachable!("Weights::load requires Gemma 3's norms");
         };
         let h = rms_norm(x, &l.attn_norm, eps);
+        trace("attn_norm", Some(il), &h, e);
         let mut q = l.attn_q.forward(&h); // [T, n_head * head_dim]
         let mut k = l.attn_k.forward(&h); // [T, n_head_kv * head_dim]
         let v = l.attn_v.forward(&h); // [T, n_head_kv * head_dim]
@@ -44,15 +47,25 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut [f32]) {
         rope.apply(&mut q, nh, hd);
         rope.apply(&mut k, nkv, hd);
         ops::scale_inplace(&mut q, q_scale);
+        trace("Qcur", Some(il), &q, nh * hd);
+        trace("Kcur", Some(il), &k, nkv * hd);
+        trace("Vcur", Some(il), &v, nkv * hd);
         let window = if swa { cfg.sliding_window } else { None };
         let a = s.attend(il, &q, &k, &v, 1.0, window);
+        trace("kqv_out", Some(il), &a, nh * hd);
         let o = rms_norm(&l.attn_output.forward(&a), post_attn, eps);
+        trace("attn_post_norm", Some(il), &o, e);
         ops::add_inplace(x, &o);
+        trace("ffn_inp", Some(il), x, e);
 
         let h = rms_norm(x, &l.ffn_norm, eps);
+        trace("ffn_norm", Some(il), &h, e);
         let mut g = l.ffn_gate.forward(&h); // [T, n_ff]
         ops::geglu(&mut g, &l.ffn_up.forward(&h));
+        trace("ffn_geglu", Some(il), &g, cfg.n_ff);
         let f = rms_norm(&l.ffn_down.forward(&g), post_ffw, eps);
+        trace("ffn_post_norm", Some(il), &f, e);
         ops::add_inplace(x, &f);
+        trace("l_out", Some(il), x, e);
     }
 }

@@ -11,25 +11,37 @@
 use ferrum_kernels::ops;
 
 use super::weights::Weights;
-use super::{rms_norm, Step};
+use super::{rms_norm, trace, Step};
 
 pub fn forward(w: &Weights, s: &mut Step, x: &mut [f32]) {
     let cfg = s.cfg;
     let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
     let kq_scale = 1.0 / (hd as f32).sqrt();
     for (il, l) in w.layers.iter().enumerate() {
+        let e = cfg.n_embd;
         let h = rms_norm(x, &l.attn_norm, cfg.rms_eps);
+        trace("attn_norm", Some(il), &h, e);
         let mut q = l.attn_q.forward(&h); // [T, n_head * head_dim]
         let mut k = l.attn_k.forward(&h); // [T, n_head_kv * head_dim]
         let v = l.attn_v.forward(&h); // [T, n_head_kv * head_dim]
         s.rope.apply(&mut q, nh, hd);
         s.rope.apply(&mut k, nkv, hd);
+        trace("Qcur", Some(il), &q, nh * hd);
+        trace("Kcur", Some(il), &k, nkv * hd);
+        trace("Vcur", Some(il), &v, nkv * hd);
         let a = s.attend(il, &q, &k, &v, kq_scale, None);
+        trace("kqv_out", Some(il), &a, nh * hd);
         ops::add_inplace(x, &l.attn_output.forward(&a));
+        trace("ffn_inp", Some(il), x, e);
 
         let h = rms_norm(x, &l.ffn_norm, cfg.rms_eps);
+        trace("ffn_norm", Some(il), &h, e);
         let mut g = l.ffn_gate.forward(&h); // [T, n_ff]
         ops::swiglu(&mut g, &l.ffn_up.forward(&h));
-        ops::add_inplace(x, &l.ffn_down.forward(&g));
+        trace("ffn_swiglu", Some(il), &g, cfg.n_ff);
+        let f = l.ffn_down.forward(&g);
+        trace("ffn_out", Some(il), &f, e);
+        ops::add_inplace(x, &f);
+        trace("l_out", Some(il), x, e);
     }
 }

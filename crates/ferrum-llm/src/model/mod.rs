@@ -73,6 +73,34 @@ impl Step<'_> {
     }
 }
 
+/// Named-tensor trace, on with `FERRUM_TRACE=1` (names follow llama.cpp's graph callbacks:
+/// `attn_norm-0`, `Qcur-0`, ...): one stderr line per intermediate with its shape, sum and first
+/// values of the first and last rows, to find where a run parts from a reference. Off, it costs
+/// one cached flag check.
+pub fn trace(name: &str, il: Option<usize>, x: &[f32], cols: usize) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var_os("FERRUM_TRACE").is_some_and(|v| v != "0")) {
+        return;
+    }
+    let rows = x.len() / cols.max(1);
+    let sum: f64 = x.iter().map(|&v| v as f64).sum();
+    let head = |r: usize| -> Vec<String> {
+        x[r * cols..][..cols.min(4)]
+            .iter()
+            .map(|v| format!("{v:.6}"))
+            .collect()
+    };
+    let full = match il {
+        Some(il) => format!("{name}-{il}"),
+        None => name.to_string(),
+    };
+    eprintln!(
+        "ferrum-trace {full} rows={rows} cols={cols} sum={sum:.6} first=[{}] last_row=[{}]",
+        head(0).join(", "),
+        head(rows.saturating_sub(1)).join(", ")
+    );
+}
+
 /// RMSNorm of every row, returning a new buffer.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
@@ -143,7 +171,10 @@ impl Model {
             Logits::From(i) => i.min(t - 1),
         };
         let h = rms_norm(&x[first * e..], &self.weights.output_norm, cfg.rms_eps);
-        Ok(self.weights.output.forward(&h))
+        trace("result_norm", None, &h, e);
+        let logits = self.weights.output.forward(&h);
+        trace("result_output", None, &logits, cfg.n_vocab);
+        Ok(logits)
     }
 }
 
