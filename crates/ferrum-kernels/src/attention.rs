@@ -126,7 +126,7 @@ fn attend_row(r: &Row, o: &mut [f32]) {
     for j in r.keys.clone() {
         let at = j * r.kv_row + r.at;
         r.k[at..at + hd].convert_to_f32_slice(&mut row);
-        let score = dot(&qf, &row) * r.scale;
+        let score = dot_f16_order(&qf, &row) * r.scale;
         let mut ms = 1f32;
         let mut vs = 1f32;
         if score > m {
@@ -144,7 +144,7 @@ fn attend_row(r: &Row, o: &mut [f32]) {
             *a = b.mul_add(vs, *a);
         }
         round_to_f16(&mut acc, &mut acc16);
-        s = s * ms + vs;
+        s = s.mul_add(ms, vs);
     }
     let inv = 1.0 / s;
     for (dst, a) in o.iter_mut().zip(&acc) {
@@ -152,23 +152,35 @@ fn attend_row(r: &Row, o: &mut [f32]) {
     }
 }
 
-/// f32 dot product in eight interleaved lanes (vectorizes; the order is fixed, so results do not
-/// depend on the batch).
+/// Q.K in the order of ggml's AVX-512 `ggml_vec_dot_f16`, which llama.cpp's flash attention uses:
+/// four 16-lane accumulators updated by FMA (element i goes to accumulator (i/16)%4, lane i%16),
+/// combined as (a0+a2)+(a1+a3), then a halving tree over the 16 lanes; the tail past a multiple of
+/// 64 is added in f64. Same inputs, same bits, whatever the batch.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            lanes[i] = x[i].mul_add(y[i], lanes[i]);
+fn dot_f16_order(a: &[f32], b: &[f32]) -> f32 {
+    let full = a.len() / 64 * 64;
+    let mut acc = [[0f32; 16]; 4];
+    for (ca, cb) in a[..full].chunks_exact(64).zip(b[..full].chunks_exact(64)) {
+        for (j, lanes) in acc.iter_mut().enumerate() {
+            for (l, v) in lanes.iter_mut().enumerate() {
+                *v = ca[j * 16 + l].mul_add(cb[j * 16 + l], *v);
+            }
         }
     }
-    let mut sum = lanes.iter().sum::<f32>();
-    for (x, y) in ra.iter().zip(rb) {
-        sum += x * y;
+    let mut r = [0f32; 16];
+    for (l, v) in r.iter_mut().enumerate() {
+        *v = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
     }
-    sum
+    let mut t8 = [0f32; 8];
+    for (l, v) in t8.iter_mut().enumerate() {
+        *v = r[l] + r[l + 8];
+    }
+    let t4 = [t8[0] + t8[4], t8[1] + t8[5], t8[2] + t8[6], t8[3] + t8[7]];
+    let mut sum = ((t4[0] + t4[2]) + (t4[1] + t4[3])) as f64;
+    for (x, y) in a[full..].iter().zip(&b[full..]) {
+        sum += (x * y) as f64;
+    }
+    sum as f32
 }
 
 /// Rounds every value to the nearest f16 (through `scratch`).

@@ -49,6 +49,16 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
     for (xr, ar) in x.chunks_exact(cols).zip(act.chunks_exact_mut(ab)) {
         quant::quantize_row(act_type, xr, ar);
     }
+    // llama.cpp runs Q4_K matrices with rows % 8 == 0 through its repacked kernel (its own float
+    // order); mirror that choice so results match it bit for bit.
+    let repacked = quant::uses_repacked_q4k(w.dtype, rows);
+    let dot = |wr: &[u8], ar: &[u8]| {
+        if repacked {
+            quant::vec_dot_q4k_repacked(wr, ar, cols)
+        } else {
+            quant::vec_dot(w.dtype, wr, ar, cols)
+        }
+    };
     if t == 1 {
         y.par_chunks_mut(ROWS_PER_TASK)
             .enumerate()
@@ -56,7 +66,7 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
                 let r0 = ci * ROWS_PER_TASK;
                 for (i, yv) in yc.iter_mut().enumerate() {
                     let wr = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
-                    *yv = quant::vec_dot(w.dtype, wr, &act, cols);
+                    *yv = dot(wr, &act);
                 }
             });
         return;
@@ -70,7 +80,7 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
             for (i, yrow) in yc.chunks_exact_mut(t).enumerate() {
                 let wr = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
                 for (tok, yv) in yrow.iter_mut().enumerate() {
-                    *yv = quant::vec_dot(w.dtype, wr, &act[tok * ab..(tok + 1) * ab], cols);
+                    *yv = dot(wr, &act[tok * ab..(tok + 1) * ab]);
                 }
             }
         });

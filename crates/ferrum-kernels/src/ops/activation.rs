@@ -18,25 +18,35 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
 }
 
+/// [`gelu_tanh`] as ggml's x86 build computes it when filling its table: GCC contracts
+/// `1 + a·x·x` into one fused multiply-add, `fma(a·x, x, 1)` (changes the f16 result for a few
+/// inputs, e.g. x = -1.999).
+#[inline]
+fn gelu_tanh_ggml(x: f32) -> f32 {
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (GELU_COEF_A * x).mul_add(x, 1.0)).tanh())
+}
+
 /// ggml evaluates GELU through a table indexed by the f16 bits of the input, holding f16 results
 /// (`GGML_GELU_FP16`); we do the same so Gemma's activations round where llama.cpp's do.
 fn gelu_table() -> &'static [f16] {
     static TABLE: OnceLock<Vec<f16>> = OnceLock::new();
     TABLE.get_or_init(|| {
         (0..=u16::MAX)
-            .map(|bits| f16::from_f32(gelu_tanh(f16::from_bits(bits).to_f32())))
+            .map(|bits| f16::from_f32(gelu_tanh_ggml(f16::from_bits(bits).to_f32())))
             .collect()
     })
 }
 
+/// gelu(x) * u as `ggml_vec_geglu_f32` computes it: +0 (never -0) below -10, x * u above 10,
+/// the f16 table in between.
 #[inline]
-fn gelu_ggml(table: &[f16], x: f32) -> f32 {
+fn geglu_ggml(table: &[f16], x: f32, u: f32) -> f32 {
     if x <= -10.0 {
         0.0
     } else if x >= 10.0 {
-        x
+        x * u
     } else {
-        table[f16::from_f32(x).to_bits() as usize].to_f32()
+        table[f16::from_f32(x).to_bits() as usize].to_f32() * u
     }
 }
 
@@ -103,7 +113,7 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "geglu: lengths differ");
     let table = gelu_table();
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = gelu_ggml(table, *g) * u;
+        *g = geglu_ggml(table, *g, u);
     }
 }
 

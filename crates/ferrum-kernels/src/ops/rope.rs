@@ -47,6 +47,27 @@ impl RopeCache {
         let n_pos = self.cos_sin.len() / half.max(1);
         assert_eq!(x.len(), n_pos * n_heads * head_dim, "rope: shape differs");
         assert!(self.n_rot <= head_dim, "rope: n_rot exceeds head_dim");
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU reports FMA.
+            unsafe { self.apply_fma(x, n_heads, head_dim) };
+            return;
+        }
+        self.apply_generic(x, n_heads, head_dim);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "fma")]
+    unsafe fn apply_fma(&self, x: &mut [f32], n_heads: usize, head_dim: usize) {
+        self.apply_generic(x, n_heads, head_dim)
+    }
+
+    /// The rotation as ggml's compiled code evaluates it: GCC contracts `x0*c - x1*s` into
+    /// `fma(x0, c, -(x1*s))` and `x0*s + x1*c` into `fma(x0, s, x1*c)`, and we do the same so the
+    /// rotated values agree bit for bit.
+    #[inline(always)]
+    fn apply_generic(&self, x: &mut [f32], n_heads: usize, head_dim: usize) {
+        let half = self.n_rot / 2;
         for (t, row) in x.chunks_exact_mut(n_heads * head_dim).enumerate() {
             let cs = &self.cos_sin[t * half..(t + 1) * half];
             for head in row.chunks_exact_mut(head_dim) {
@@ -56,8 +77,8 @@ impl RopeCache {
                         RopeStyle::Neox => (i, i + half),
                     };
                     let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * c - x1 * s;
-                    head[b] = x0 * s + x1 * c;
+                    head[a] = x0.mul_add(c, -(x1 * s));
+                    head[b] = x0.mul_add(s, x1 * c);
                 }
             }
         }

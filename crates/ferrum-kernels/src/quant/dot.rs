@@ -194,3 +194,26 @@ fn dot_q4k_q5k(weight: DType, w: &[u8], a: &[u8]) -> f32 {
     }
     sums.iter().fold(sumf, |s, &v| s + v)
 }
+
+/// Q4_K x Q8_K in the float order of llama.cpp's repacked kernel (`ggml_gemv_q4_K_8x8_q8_K`,
+/// x86), which ggml uses for Q4_K matrices whose row count is a multiple of 8: per super-block
+/// the exact integer sums Σ_sub scale·Σ q·y and Σ_sub min·bsums are converted to f32 and
+/// accumulated separately, `acc = fma(isum, d_w·d_x, acc)`, `acc_m = fma(imin, dmin_w·d_x,
+/// acc_m)`, and the result is `acc − acc_m`.
+pub(crate) fn dot_q4k_x8(w: &[u8], a: &[u8]) -> f32 {
+    let mut q = [0i8; QK_K];
+    let (mut acc, mut acc_m) = (0f32, 0f32);
+    for (bx, by) in w.chunks_exact(144).zip(a.chunks_exact(292)) {
+        unpack_q4k(bx, &mut q);
+        let (sc, m) = scale_min_k4(&bx[Q4_K_SCALES..Q4_K_SCALES + 12]);
+        let y = q8k_qs(by);
+        let isum: i32 = (0..QK_K)
+            .map(|e| sc[e / 32] as i32 * (q[e] as i32 * y[e] as i8 as i32))
+            .sum();
+        let imin: i32 = (0..16).map(|g| q8k_bsum(by, g) * m[g / 2] as i32).sum();
+        let dy = rd_f32(by, 0);
+        acc = (isum as f32).mul_add(rd_f16(bx, 0) * dy, acc);
+        acc_m = (imin as f32).mul_add(rd_f16(bx, 2) * dy, acc_m);
+    }
+    acc - acc_m
+}

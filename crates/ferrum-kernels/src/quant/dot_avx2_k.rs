@@ -84,6 +84,55 @@ pub(crate) fn dot_q4k(w: &[u8], a: &[u8]) -> f32 {
     dot_q45k(w, a, false)
 }
 
+/// Q4_K x Q8_K in the float order of llama.cpp's repacked `ggml_gemv_q4_K_8x8_q8_K` (see
+/// `dot::dot_q4k_x8`): the per-super-block integer sums are formed exactly in i32 lanes as in
+/// [`dot_q4k`], reduced horizontally (exact), then accumulated with scalar FMAs.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn dot_q4k_x8(w: &[u8], a: &[u8]) -> f32 {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let (mut acc, mut acc_m) = (0f32, 0f32);
+    for (bx, by) in w.chunks_exact(144).zip(a.chunks_exact(292)) {
+        let dy = rd_f32(by, 0);
+        let (sc, m) = scale_min_k4(&bx[Q4_K_SCALES..Q4_K_SCALES + 12]);
+        let mins = bsums_dot_mins(by, &m);
+        let mut sumi = _mm256_setzero_si256();
+        for c in 0..4 {
+            let q4 = ld256(&bx[Q4_K_QS + 32 * c..]);
+            let lo = _mm256_and_si256(q4, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q4), m4);
+            let y0 = ld256(&by[Q8_K_QS + 64 * c..]);
+            let y1 = ld256(&by[Q8_K_QS + 64 * c + 32..]);
+            let p0 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(lo, y0),
+                _mm256_set1_epi16(sc[2 * c] as i16),
+            );
+            let p1 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(hi, y1),
+                _mm256_set1_epi16(sc[2 * c + 1] as i16),
+            );
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+        }
+        let s4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sumi),
+            _mm256_extracti128_si256::<1>(sumi),
+        );
+        let isum = hsum4_i32(s4);
+        let imin = hsum4_i32(mins);
+        acc = (isum as f32).mul_add(h2f(bx, 0) * dy, acc);
+        acc_m = (imin as f32).mul_add(h2f(bx, 2) * dy, acc_m);
+    }
+    acc - acc_m
+}
+
+/// Exact horizontal sum of 4 i32 lanes (wrapping, as the SIMD adds; our sums never overflow).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hsum4_i32(x: __m128i) -> i32 {
+    let x = _mm_add_epi32(x, _mm_shuffle_epi32::<0b01_00_11_10>(x));
+    let x = _mm_add_epi32(x, _mm_shuffle_epi32::<0b10_11_00_01>(x));
+    _mm_cvtsi128_si32(x)
+}
+
 /// Q5_K x Q8_K.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn dot_q5k(w: &[u8], a: &[u8]) -> f32 {

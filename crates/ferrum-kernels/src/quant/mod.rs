@@ -185,6 +185,36 @@ pub fn vec_dot(weight: DType, w_row: &[u8], act: &[u8], n: usize) -> f32 {
     dot::vec_dot_ref(weight, w_row, act)
 }
 
+/// Whether llama.cpp's x86 build would repack this weight matrix (`ggml_repack_get_optimal_repack_type`:
+/// Q4_K with a row count divisible by 8, on an AVX2 CPU) and so run it through
+/// `ggml_gemv_q4_K_8x8_q8_K`, whose float order [`vec_dot_q4k_repacked`] reproduces.
+pub fn uses_repacked_q4k(weight: DType, rows: usize) -> bool {
+    weight == DType::Q4_K && rows.is_multiple_of(8) && isa() == Isa::Avx2
+}
+
+/// Q4_K weight row x Q8_K activation row in the float order of llama.cpp's repacked Q4_K kernel
+/// (`ggml_gemv_q4_K_8x8_q8_K`): per super-block the exact integer sums Σ scale·q·y and
+/// Σ min·bsums go to two f32 accumulators by FMA with d_w·d_x and dmin_w·d_x; the result is their
+/// difference. Same value as [`vec_dot_q4k_repacked_ref`], with AVX2 when available.
+///
+/// # Panics
+/// If a length does not match `n`.
+pub fn vec_dot_q4k_repacked(w_row: &[u8], act: &[u8], n: usize) -> f32 {
+    check_dot(DType::Q4_K, w_row, act, n);
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        // SAFETY: `isa()` detected AVX2, FMA and F16C at run time.
+        return unsafe { dot_avx2_k::dot_q4k_x8(w_row, act) };
+    }
+    dot::dot_q4k_x8(w_row, act)
+}
+
+/// Plain scalar reference for [`vec_dot_q4k_repacked`] (same bits).
+pub fn vec_dot_q4k_repacked_ref(w_row: &[u8], act: &[u8], n: usize) -> f32 {
+    check_dot(DType::Q4_K, w_row, act, n);
+    dot::dot_q4k_x8(w_row, act)
+}
+
 /// Plain scalar reference for [`vec_dot`]: the formulas of ggml's generic C
 /// (`ggml_vec_dot_*_generic`), exact integer sums, same float order. F32/F16/BF16 accumulate the
 /// (exact for F16/BF16) f32 products in f64, as ggml's non-SIMD `ggml_vec_dot_f16` does.
