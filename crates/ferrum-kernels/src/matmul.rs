@@ -1,9 +1,15 @@
 //! Weight x activation products: y[t, r] = sum_c W[r, c] * x[t, c].
 //!
 //! The weight keeps its storage type; each activation row is quantized once into the weight type's
-//! partner format ([`quant::vec_dot_type`]) and every output is one [`quant::vec_dot`]. Work is split
-//! by weight rows, so a weight row is read from memory once for all tokens, and each output depends
-//! only on its own token: results do not change with the batch size.
+//! partner format ([`quant::vec_dot_type`]) and every output is one dot product. Work is split by
+//! weight rows, so a weight row is read from memory once for all tokens.
+//!
+//! Each output depends only on its own token's activations, its weight row, and which of
+//! llama.cpp's kernels would have computed it ([`Order`]): llama.cpp picks Q4_K and Q6_K kernels
+//! by the number of rows in a call, and each kernel sums in its own order. We reproduce that choice
+//! so a single sequence's logits match llama.cpp's bit for bit; the price is that a token's bits
+//! depend on the row count of the call it is in (callers that need batch invariance across
+//! sequences must give each sequence's rows their own call).
 
 use crate::quant;
 use ferrum_core::DType;
@@ -23,6 +29,39 @@ impl WeightRef<'_> {
         self.dtype
             .row_bytes(self.cols)
             .expect("weight rows are whole blocks")
+    }
+}
+
+/// The float summation order of one output, named after the llama.cpp kernel that uses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// `ggml_vec_dot_*` (every type, and every row of a 1-row call).
+    Vec,
+    /// Q4_K repacked 8x8 GEMV: Q4_K matrices with rows % 8 == 0 (llama.cpp repacks them).
+    Q4kGemv,
+    /// Q4_K repacked 8x8 GEMM: rows 0 .. 4*floor(T/4) of a T-row call.
+    Q4kGemm,
+    /// Q6_K tiled matmul: every row of a call with at least [`TILED_MIN_ROWS`] rows.
+    Q6kTiled,
+}
+
+/// llama.cpp sends non-repacked K-quant matmuls of this many rows or more to its tiled kernel.
+pub const TILED_MIN_ROWS: usize = 8;
+
+impl Order {
+    /// The order llama.cpp uses for token `tok` of a `t`-row product with a `dtype` weight of `rows` rows.
+    pub fn of(dtype: DType, rows: usize, t: usize, tok: usize) -> Order {
+        if quant::uses_repacked_q4k(dtype, rows) {
+            if tok < t / 4 * 4 {
+                Order::Q4kGemm
+            } else {
+                Order::Q4kGemv
+            }
+        } else if dtype == DType::Q6_K && t >= TILED_MIN_ROWS {
+            Order::Q6kTiled
+        } else {
+            Order::Vec
+        }
     }
 }
 
@@ -49,15 +88,12 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
     for (xr, ar) in x.chunks_exact(cols).zip(act.chunks_exact_mut(ab)) {
         quant::quantize_row(act_type, xr, ar);
     }
-    // llama.cpp runs Q4_K matrices with rows % 8 == 0 through its repacked kernel (its own float
-    // order); mirror that choice so results match it bit for bit.
-    let repacked = quant::uses_repacked_q4k(w.dtype, rows);
-    let dot = |wr: &[u8], ar: &[u8]| {
-        if repacked {
-            quant::vec_dot_q4k_repacked(wr, ar, cols)
-        } else {
-            quant::vec_dot(w.dtype, wr, ar, cols)
-        }
+    let orders: Vec<Order> = (0..t).map(|tok| Order::of(w.dtype, rows, t, tok)).collect();
+    let dot = |wr: &[u8], ar: &[u8], tok: usize| match orders[tok] {
+        Order::Vec => quant::vec_dot(w.dtype, wr, ar, cols),
+        Order::Q4kGemv => quant::vec_dot_q4k_repacked(wr, ar, cols),
+        Order::Q4kGemm => quant::vec_dot_q4k_gemm_order(wr, ar, cols),
+        Order::Q6kTiled => quant::vec_dot_q6k_tiled_order(wr, ar, cols),
     };
     if t == 1 {
         y.par_chunks_mut(ROWS_PER_TASK)
@@ -66,7 +102,7 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
                 let r0 = ci * ROWS_PER_TASK;
                 for (i, yv) in yc.iter_mut().enumerate() {
                     let wr = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
-                    *yv = dot(wr, &act);
+                    *yv = dot(wr, &act, 0);
                 }
             });
         return;
@@ -80,7 +116,7 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
             for (i, yrow) in yc.chunks_exact_mut(t).enumerate() {
                 let wr = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
                 for (tok, yv) in yrow.iter_mut().enumerate() {
-                    *yv = dot(wr, &act[tok * ab..(tok + 1) * ab]);
+                    *yv = dot(wr, &act[tok * ab..(tok + 1) * ab], tok);
                 }
             }
         });

@@ -217,3 +217,50 @@ pub(crate) fn dot_q4k_x8(w: &[u8], a: &[u8]) -> f32 {
     }
     acc - acc_m
 }
+
+/// Q4_K x Q8_K in the float order of llama.cpp's repacked 8x8 GEMM (`ggml_gemm_q4_K_8x8_q8_K`,
+/// x86), its prefill path: per super-block `dd = d_w·d_x`, `dm = dmin_w·d_x` (rounded f32), then
+/// for each 64-element chunk p (sub-blocks 2p, 2p+1) the exact integer sums
+/// I_p = Σ_sub scale·Σ q·y and M_p = Σ_sub min·(bsums pair) go to `acc = fma(I_p, dd, acc)` and
+/// `acc_m = fma(M_p, dm, acc_m)`; the result is `acc − acc_m`.
+pub(crate) fn dot_q4k_gemm(w: &[u8], a: &[u8]) -> f32 {
+    let mut q = [0i8; QK_K];
+    let (mut acc, mut acc_m) = (0f32, 0f32);
+    for (bx, by) in w.chunks_exact(144).zip(a.chunks_exact(292)) {
+        unpack_q4k(bx, &mut q);
+        let (sc, m) = scale_min_k4(&bx[Q4_K_SCALES..Q4_K_SCALES + 12]);
+        let y = q8k_qs(by);
+        let dy = rd_f32(by, 0);
+        let dd = rd_f16(bx, 0) * dy;
+        let dm = rd_f16(bx, 2) * dy;
+        for p in 0..4 {
+            let ip: i32 = (64 * p..64 * p + 64)
+                .map(|e| sc[e / 32] as i32 * (q[e] as i32 * y[e] as i8 as i32))
+                .sum();
+            let mp = m[2 * p] as i32 * (q8k_bsum(by, 4 * p) + q8k_bsum(by, 4 * p + 1))
+                + m[2 * p + 1] as i32 * (q8k_bsum(by, 4 * p + 2) + q8k_bsum(by, 4 * p + 3));
+            acc = (ip as f32).mul_add(dd, acc);
+            acc_m = (mp as f32).mul_add(dm, acc_m);
+        }
+    }
+    acc - acc_m
+}
+
+/// Q6_K x Q8_K in the float order of llama.cpp's tiled VNNI matmul (`tiled_run_micro_vnni_8x16`,
+/// its Q6_K prefill path): per super-block the exact integer sum S = Σ_sub scale·Σ (q−32)·y is
+/// scaled `r = f32(S)·d_w` (rounded), then `acc = fma(r, d_x, acc)`.
+pub(crate) fn dot_q6k_tiled(w: &[u8], a: &[u8]) -> f32 {
+    let mut q = [0i8; QK_K];
+    let mut acc = 0f32;
+    for (bx, by) in w.chunks_exact(210).zip(a.chunks_exact(292)) {
+        unpack_q6k(bx, &mut q);
+        let sc = q6k_scales(bx);
+        let y = q8k_qs(by);
+        let s: i32 = (0..QK_K)
+            .map(|e| sc[e / 16] as i32 * (q[e] as i32 * y[e] as i8 as i32))
+            .sum();
+        let r = s as f32 * rd_f16(bx, Q6_K_D);
+        acc = r.mul_add(rd_f32(by, 0), acc);
+    }
+    acc
+}

@@ -5,7 +5,7 @@
 //! AVX2 `ggml_vec_dot_q4_K_q8_K` / `_q6_K_q8_K`.
 
 use super::blocks::*;
-use super::dot_avx2::{h2f, hsum8, ld128, ld256};
+use super::dot_avx2::{h2f, hsum8, hsum_i32x8, ld128, ld256};
 use core::arch::x86_64::*;
 
 /// Σ_g bsums[g] · min[g/2] of one Q8_K block as 4 exact i32 partial sums (lane j covers
@@ -84,12 +84,33 @@ pub(crate) fn dot_q4k(w: &[u8], a: &[u8]) -> f32 {
     dot_q45k(w, a, false)
 }
 
+/// Σ_{sub 2c, 2c+1} scale·Σ q·y of the 64-element chunk `c` of one Q4_K / Q8_K block pair as 8
+/// exact i32 partial sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4k_chunk_isums(bx: &[u8], by: &[u8], sc: &[u8; 8], c: usize) -> __m256i {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let q4 = ld256(&bx[Q4_K_QS + 32 * c..]);
+    let lo = _mm256_and_si256(q4, m4);
+    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q4), m4);
+    let y0 = ld256(&by[Q8_K_QS + 64 * c..]);
+    let y1 = ld256(&by[Q8_K_QS + 64 * c + 32..]);
+    let p0 = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(lo, y0),
+        _mm256_set1_epi16(sc[2 * c] as i16),
+    );
+    let p1 = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(hi, y1),
+        _mm256_set1_epi16(sc[2 * c + 1] as i16),
+    );
+    _mm256_add_epi32(p0, p1)
+}
+
 /// Q4_K x Q8_K in the float order of llama.cpp's repacked `ggml_gemv_q4_K_8x8_q8_K` (see
 /// `dot::dot_q4k_x8`): the per-super-block integer sums are formed exactly in i32 lanes as in
 /// [`dot_q4k`], reduced horizontally (exact), then accumulated with scalar FMAs.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn dot_q4k_x8(w: &[u8], a: &[u8]) -> f32 {
-    let m4 = _mm256_set1_epi8(0x0f);
     let (mut acc, mut acc_m) = (0f32, 0f32);
     for (bx, by) in w.chunks_exact(144).zip(a.chunks_exact(292)) {
         let dy = rd_f32(by, 0);
@@ -97,20 +118,7 @@ pub(crate) fn dot_q4k_x8(w: &[u8], a: &[u8]) -> f32 {
         let mins = bsums_dot_mins(by, &m);
         let mut sumi = _mm256_setzero_si256();
         for c in 0..4 {
-            let q4 = ld256(&bx[Q4_K_QS + 32 * c..]);
-            let lo = _mm256_and_si256(q4, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q4), m4);
-            let y0 = ld256(&by[Q8_K_QS + 64 * c..]);
-            let y1 = ld256(&by[Q8_K_QS + 64 * c + 32..]);
-            let p0 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(lo, y0),
-                _mm256_set1_epi16(sc[2 * c] as i16),
-            );
-            let p1 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(hi, y1),
-                _mm256_set1_epi16(sc[2 * c + 1] as i16),
-            );
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+            sumi = _mm256_add_epi32(sumi, q4k_chunk_isums(bx, by, &sc, c));
         }
         let s4 = _mm_add_epi32(
             _mm256_castsi256_si128(sumi),
@@ -122,6 +130,56 @@ pub(crate) fn dot_q4k_x8(w: &[u8], a: &[u8]) -> f32 {
         acc_m = (imin as f32).mul_add(h2f(bx, 2) * dy, acc_m);
     }
     acc - acc_m
+}
+
+/// Q4_K x Q8_K in the float order of llama.cpp's repacked 8x8 GEMM (`ggml_gemm_q4_K_8x8_q8_K`,
+/// see `dot::dot_q4k_gemm`): per 64-element chunk p the exact sums I_p (from
+/// [`q4k_chunk_isums`]) and M_p (lane p of [`bsums_dot_mins`]) go by scalar FMA into `acc` with
+/// d_w·d_x and `acc_m` with dmin_w·d_x.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn dot_q4k_gemm(w: &[u8], a: &[u8]) -> f32 {
+    let (mut acc, mut acc_m) = (0f32, 0f32);
+    for (bx, by) in w.chunks_exact(144).zip(a.chunks_exact(292)) {
+        let dy = rd_f32(by, 0);
+        let dd = h2f(bx, 0) * dy;
+        let dm = h2f(bx, 2) * dy;
+        let (sc, m) = scale_min_k4(&bx[Q4_K_SCALES..Q4_K_SCALES + 12]);
+        // Lane p of each: chunk p's 8 lanes folded to 4, then pairwise hadds (exact).
+        let i01 = _mm_hadd_epi32(
+            fold_i32x8(q4k_chunk_isums(bx, by, &sc, 0)),
+            fold_i32x8(q4k_chunk_isums(bx, by, &sc, 1)),
+        );
+        let i23 = _mm_hadd_epi32(
+            fold_i32x8(q4k_chunk_isums(bx, by, &sc, 2)),
+            fold_i32x8(q4k_chunk_isums(bx, by, &sc, 3)),
+        );
+        let ip = lanes4(_mm_hadd_epi32(i01, i23));
+        let mp = lanes4(bsums_dot_mins(by, &m));
+        for p in 0..4 {
+            acc = (ip[p] as f32).mul_add(dd, acc);
+            acc_m = (mp[p] as f32).mul_add(dm, acc_m);
+        }
+    }
+    acc - acc_m
+}
+
+/// The two 128-bit halves of 8 i32 lanes added (lane j + lane j+4; exact).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn fold_i32x8(v: __m256i) -> __m128i {
+    _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v))
+}
+
+/// The 4 i32 lanes of `x` as an array.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn lanes4(x: __m128i) -> [i32; 4] {
+    [
+        _mm_extract_epi32::<0>(x),
+        _mm_extract_epi32::<1>(x),
+        _mm_extract_epi32::<2>(x),
+        _mm_extract_epi32::<3>(x),
+    ]
 }
 
 /// Exact horizontal sum of 4 i32 lanes (wrapping, as the SIMD adds; our sums never overflow).
@@ -144,42 +202,63 @@ pub(crate) fn dot_q5k(w: &[u8], a: &[u8]) -> f32 {
 /// (lane l: groups 2l, 2l+1) subtracted once per super-block, as llama.cpp's AVX2 kernel does.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn dot_q6k(w: &[u8], a: &[u8]) -> f32 {
-    let m4 = _mm256_set1_epi8(0x0f);
-    let m2 = _mm256_set1_epi8(3);
     let mut acc = _mm256_setzero_ps();
     for (bx, by) in w.chunks_exact(210).zip(a.chunks_exact(292)) {
         let d = h2f(bx, Q6_K_D) * rd_f32(by, 0);
-        let scales = _mm256_cvtepi8_epi16(ld128(&bx[Q6_K_SCALES..]));
-        let sub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(ld256(&by[Q8_K_BSUMS..]), scales));
-        let mut sumi = _mm256_setzero_si256();
-        for h in 0..2 {
-            let ql0 = ld256(&bx[64 * h..]);
-            let ql1 = ld256(&bx[64 * h + 32..]);
-            let qh = ld256(&bx[Q6_K_QH + 32 * h..]);
-            let lows = [
-                _mm256_and_si256(ql0, m4),
-                _mm256_and_si256(ql1, m4),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
-            ];
-            for (k, &lo) in lows.iter().enumerate() {
-                let sh = _mm_cvtsi32_si128(2 * k as i32);
-                let hi = _mm256_and_si256(_mm256_srl_epi16(qh, sh), m2);
-                let q = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
-                let y = ld256(&by[Q8_K_QS + 128 * h + 32 * k..]);
-                let g = 8 * h + 2 * k;
-                let s = _mm256_set_m128i(
-                    _mm_set1_epi16(bx[Q6_K_SCALES + g + 1] as i8 as i16),
-                    _mm_set1_epi16(bx[Q6_K_SCALES + g] as i8 as i16),
-                );
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), s);
-                sumi = _mm256_add_epi32(sumi, p);
-            }
-        }
-        let sumi = _mm256_sub_epi32(sumi, sub);
+        let sumi = q6k_isums(bx, by);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
     hsum8(acc)
+}
+
+/// Σ_g scale_g·Σ (q − 32)·y of one Q6_K / Q8_K block pair as 8 exact i32 partial sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q6k_isums(bx: &[u8], by: &[u8]) -> __m256i {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m2 = _mm256_set1_epi8(3);
+    let scales = _mm256_cvtepi8_epi16(ld128(&bx[Q6_K_SCALES..]));
+    let sub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(ld256(&by[Q8_K_BSUMS..]), scales));
+    let mut sumi = _mm256_setzero_si256();
+    for h in 0..2 {
+        let ql0 = ld256(&bx[64 * h..]);
+        let ql1 = ld256(&bx[64 * h + 32..]);
+        let qh = ld256(&bx[Q6_K_QH + 32 * h..]);
+        let lows = [
+            _mm256_and_si256(ql0, m4),
+            _mm256_and_si256(ql1, m4),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+        ];
+        for (k, &lo) in lows.iter().enumerate() {
+            let sh = _mm_cvtsi32_si128(2 * k as i32);
+            let hi = _mm256_and_si256(_mm256_srl_epi16(qh, sh), m2);
+            let q = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
+            let y = ld256(&by[Q8_K_QS + 128 * h + 32 * k..]);
+            let g = 8 * h + 2 * k;
+            let s = _mm256_set_m128i(
+                _mm_set1_epi16(bx[Q6_K_SCALES + g + 1] as i8 as i16),
+                _mm_set1_epi16(bx[Q6_K_SCALES + g] as i8 as i16),
+            );
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), s);
+            sumi = _mm256_add_epi32(sumi, p);
+        }
+    }
+    _mm256_sub_epi32(sumi, sub)
+}
+
+/// Q6_K x Q8_K in the float order of llama.cpp's tiled VNNI matmul (see `dot::dot_q6k_tiled`):
+/// the integer sums of [`dot_q6k`], reduced exactly per super-block, then `r = f32(S)·d_w` and
+/// `acc = fma(r, d_x, acc)` as scalar float operations.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn dot_q6k_tiled(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = 0f32;
+    for (bx, by) in w.chunks_exact(210).zip(a.chunks_exact(292)) {
+        let s = hsum_i32x8(q6k_isums(bx, by));
+        let r = s as f32 * h2f(bx, Q6_K_D);
+        acc = r.mul_add(rd_f32(by, 0), acc);
+    }
+    acc
 }
 
 /// Q2_K x Q8_K: 2-bit q (unsigned) times scale per 16; the mins (high nibbles of the scale bytes)

@@ -215,6 +215,60 @@ pub fn vec_dot_q4k_repacked_ref(w_row: &[u8], act: &[u8], n: usize) -> f32 {
     dot::dot_q4k_x8(w_row, act)
 }
 
+/// Q4_K weight row x Q8_K activation row in the float order of llama.cpp's repacked 8x8 Q4_K GEMM
+/// (`ggml_gemm_q4_K_8x8_q8_K`, x86). llama.cpp's prefill matmul sends rows `0..4·⌊m/4⌋` of an
+/// m-row activation batch through that GEMM (the remainder through the GEMV order of
+/// [`vec_dot_q4k_repacked`]), so reproducing its logits needs this order. Per super-block
+/// `dd = d_w·d_x`, `dm = dmin_w·d_x` (rounded f32); for each 64-element chunk p (sub-blocks 2p,
+/// 2p+1) the exact integer sums I_p = Σ scale·Σ q·y and M_p = Σ min·bsums go to
+/// `acc = fma(I_p, dd, acc)` and `acc_m = fma(M_p, dm, acc_m)`; the result is `acc − acc_m`.
+/// Integer sums equal [`vec_dot_q4k_repacked`]'s; only the float rounding differs. Same value as
+/// [`vec_dot_q4k_gemm_order_ref`], with AVX2 when available.
+///
+/// # Panics
+/// If a length does not match `n`.
+pub fn vec_dot_q4k_gemm_order(w_row: &[u8], act: &[u8], n: usize) -> f32 {
+    check_dot(DType::Q4_K, w_row, act, n);
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        // SAFETY: `isa()` detected AVX2, FMA and F16C at run time.
+        return unsafe { dot_avx2_k::dot_q4k_gemm(w_row, act) };
+    }
+    dot::dot_q4k_gemm(w_row, act)
+}
+
+/// Plain scalar reference for [`vec_dot_q4k_gemm_order`] (same bits).
+pub fn vec_dot_q4k_gemm_order_ref(w_row: &[u8], act: &[u8], n: usize) -> f32 {
+    check_dot(DType::Q4_K, w_row, act, n);
+    dot::dot_q4k_gemm(w_row, act)
+}
+
+/// Q6_K weight row x Q8_K activation row in the float order of llama.cpp's tiled VNNI matmul
+/// (`tiled_run_micro_vnni_8x16`, the AMX/VNNI Q6_K kernel), which llama.cpp's prefill uses for
+/// Q6_K weights once a batch has 8 or more rows, so reproducing its logits needs this order. Per
+/// super-block the exact integer sum S = Σ_sub scale·Σ (q − 32)·y is scaled `r = f32(S)·d_w`
+/// (rounded f32), then `acc = fma(r, d_x, acc)`. Integer sums equal [`vec_dot`]'s for Q6_K; only
+/// the float rounding differs. Same value as [`vec_dot_q6k_tiled_order_ref`], with AVX2 when
+/// available.
+///
+/// # Panics
+/// If a length does not match `n`.
+pub fn vec_dot_q6k_tiled_order(w_row: &[u8], act: &[u8], n: usize) -> f32 {
+    check_dot(DType::Q6_K, w_row, act, n);
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        // SAFETY: `isa()` detected AVX2, FMA and F16C at run time.
+        return unsafe { dot_avx2_k::dot_q6k_tiled(w_row, act) };
+    }
+    dot::dot_q6k_tiled(w_row, act)
+}
+
+/// Plain scalar reference for [`vec_dot_q6k_tiled_order`] (same bits).
+pub fn vec_dot_q6k_tiled_order_ref(w_row: &[u8], act: &[u8], n: usize) -> f32 {
+    check_dot(DType::Q6_K, w_row, act, n);
+    dot::dot_q6k_tiled(w_row, act)
+}
+
 /// Plain scalar reference for [`vec_dot`]: the formulas of ggml's generic C
 /// (`ggml_vec_dot_*_generic`), exact integer sums, same float order. F32/F16/BF16 accumulate the
 /// (exact for F16/BF16) f32 products in f64, as ggml's non-SIMD `ggml_vec_dot_f16` does.

@@ -16,7 +16,7 @@ use ferrum_kernels::ops;
 use super::weights::Weights;
 use super::{rms_norm, trace, Step};
 
-pub fn forward(w: &Weights, s: &mut Step, x: &mut [f32]) {
+pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
     let cfg = s.cfg;
     let (nh, nkv, hd, eps) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps);
     let e = cfg.n_embd;
@@ -53,7 +53,9 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut [f32]) {
         let window = if swa { cfg.sliding_window } else { None };
         let a = s.attend(il, &q, &k, &v, 1.0, window);
         trace("kqv_out", Some(il), &a, nh * hd);
-        let o = rms_norm(&l.attn_output.forward(&a), post_attn, eps);
+        let mut o = l.attn_output.forward(&a);
+        s.keep_output_rows(il, x, &mut o);
+        let o = rms_norm(&o, post_attn, eps);
         trace("attn_post_norm", Some(il), &o, e);
         ops::add_inplace(x, &o);
         trace("ffn_inp", Some(il), x, e);

@@ -13,7 +13,7 @@ use ferrum_kernels::ops;
 use super::weights::Weights;
 use super::{rms_norm, trace, Step};
 
-pub fn forward(w: &Weights, s: &mut Step, x: &mut [f32]) {
+pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
     let cfg = s.cfg;
     let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
     let kq_scale = 1.0 / (hd as f32).sqrt();
@@ -31,7 +31,9 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut [f32]) {
         trace("Vcur", Some(il), &v, nkv * hd);
         let a = s.attend(il, &q, &k, &v, kq_scale, None);
         trace("kqv_out", Some(il), &a, nh * hd);
-        ops::add_inplace(x, &l.attn_output.forward(&a));
+        let mut o = l.attn_output.forward(&a);
+        s.keep_output_rows(il, x, &mut o);
+        ops::add_inplace(x, &o);
         trace("ffn_inp", Some(il), x, e);
 
         let h = rms_norm(x, &l.ffn_norm, cfg.rms_eps);

@@ -39,11 +39,26 @@ pub struct Step<'a> {
     pub rope: RopeCache,
     /// RoPE of sliding-window layers, when their base differs (Gemma 3).
     pub rope_swa: Option<RopeCache>,
+    /// First batch row whose output is needed (`None`: no row). As llama.cpp does, the last layer
+    /// runs its feed-forward block only on those rows.
+    pub out_first: Option<usize>,
 }
 
 impl Step<'_> {
     pub fn n_tokens(&self) -> usize {
         self.positions.len()
+    }
+
+    /// In the last layer, drops the rows of `x` (the residual stream) and `o` (the attention
+    /// output) that no logits need; both are [T, n_embd].
+    pub fn keep_output_rows(&self, il: usize, x: &mut Vec<f32>, o: &mut Vec<f32>) {
+        if il + 1 != self.cfg.n_layer {
+            return;
+        }
+        let e = self.cfg.n_embd;
+        let first = self.out_first.unwrap_or(self.n_tokens());
+        x.drain(..first * e);
+        o.drain(..first * e);
     }
 
     /// Writes this batch's K/V into layer `il`'s cache, then attends every query to the cached
@@ -144,12 +159,18 @@ impl Model {
         let rope = RopeCache::new(&positions, cfg.n_rot, cfg.rope_base, cfg.rope_style);
         let rope_swa = (cfg.sliding_window.is_some() && cfg.rope_base_swa != cfg.rope_base)
             .then(|| RopeCache::new(&positions, cfg.n_rot, cfg.rope_base_swa, cfg.rope_style));
+        let out_first = match want {
+            Logits::None => None,
+            Logits::Last => Some(t - 1),
+            Logits::From(i) => Some(i.min(t - 1)),
+        };
         let mut step = Step {
             cfg,
             cache,
             positions,
             rope,
             rope_swa,
+            out_first,
         };
 
         // x: [T, n_embd], the embedding rows (dequantized exactly).
@@ -165,12 +186,11 @@ impl Model {
             Arch::Gemma3 => gemma3::forward(&self.weights, &mut step, &mut x),
         }
 
-        let first = match want {
-            Logits::None => return Ok(Vec::new()),
-            Logits::Last => t - 1,
-            Logits::From(i) => i.min(t - 1),
-        };
-        let h = rms_norm(&x[first * e..], &self.weights.output_norm, cfg.rms_eps);
+        // The last layer kept only the rows that need logits.
+        if out_first.is_none() {
+            return Ok(Vec::new());
+        }
+        let h = rms_norm(&x, &self.weights.output_norm, cfg.rms_eps);
         trace("result_norm", None, &h, e);
         let logits = self.weights.output.forward(&h);
         trace("result_output", None, &logits, cfg.n_vocab);
