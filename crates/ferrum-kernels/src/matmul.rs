@@ -80,6 +80,10 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
     assert_eq!(y.len(), t * rows, "matmul: y shape");
     let rb = w.row_bytes();
     assert_eq!(w.data.len(), rb * rows, "matmul: weight bytes");
+    if t == 0 {
+        // No rows (e.g. a last layer whose outputs no logits need).
+        return;
+    }
     let act_type = quant::vec_dot_type(w.dtype);
     let ab = act_type
         .row_bytes(cols)
