@@ -13,6 +13,83 @@ use crate::Llm;
 /// Prompt tokens processed per forward pass during prefill (bounds activation memory).
 pub const PREFILL_CHUNK: usize = 512;
 
+/// How prefill cuts an `n`-token prompt into forward calls.
+///
+/// For models with sliding-window layers llama-server evaluates the prompt's last 4 tokens, and
+/// for prompts over 516 tokens also the 512 before them, in calls of their own (it takes context
+/// checkpoints there). llama.cpp's Q4_K kernels choose their summation order by the number of rows
+/// in a call, so following the same cuts reproduces its numerics exactly; models without a window
+/// get one piece. Every piece is then cut into [`PREFILL_CHUNK`]-token calls from its own start.
+pub fn prefill_calls(n: usize, sliding_window: bool) -> Vec<std::ops::Range<usize>> {
+    let pieces: Vec<std::ops::Range<usize>> = if !sliding_window || n <= 4 {
+        std::iter::once(0..n).collect()
+    } else if n <= 4 + PREFILL_CHUNK {
+        vec![0..n - 4, n - 4..n]
+    } else {
+        let a = n - 4 - PREFILL_CHUNK;
+        vec![0..a, a..n - 4, n - 4..n]
+    };
+    pieces
+        .into_iter()
+        .flat_map(|p| {
+            (p.start..p.end)
+                .step_by(PREFILL_CHUNK)
+                .map(move |s| s..(s + PREFILL_CHUNK).min(p.end))
+        })
+        .collect()
+}
+
+/// Runs `prompt` from position 0 into `cache` and returns the logits of its last token.
+pub fn prefill(llm: &Llm, prompt: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
+    let calls = prefill_calls(prompt.len(), llm.model.config.sliding_window.is_some());
+    let mut logits = Vec::new();
+    for r in &calls {
+        let want = if r.end == prompt.len() {
+            Logits::Last
+        } else {
+            Logits::None
+        };
+        logits = llm
+            .model
+            .forward(&prompt[r.clone()], r.start, cache, want)?;
+    }
+    Ok(logits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_calls_follow_llama_servers_cuts() {
+        assert_eq!(
+            prefill_calls(6, false),
+            std::iter::once(0..6).collect::<Vec<_>>()
+        );
+        assert_eq!(prefill_calls(6, true), vec![0..2, 2..6]);
+        assert_eq!(
+            prefill_calls(3, true),
+            std::iter::once(0..3).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            prefill_calls(1100, false),
+            vec![0..512, 512..1024, 1024..1100]
+        );
+        assert_eq!(
+            prefill_calls(1100, true),
+            vec![0..512, 512..584, 584..1096, 1096..1100]
+        );
+        for n in [1, 5, 516, 517, 2000] {
+            let calls = prefill_calls(n, true);
+            assert_eq!(calls.first().unwrap().start, 0);
+            assert_eq!(calls.last().unwrap().end, n);
+            assert!(calls
+                .windows(2)
+                .all(|w| w[0].end == w[1].start && w[0].len() <= PREFILL_CHUNK));
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,

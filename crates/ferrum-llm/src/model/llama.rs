@@ -29,10 +29,10 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
         trace("Qcur", Some(il), &q, nh * hd);
         trace("Kcur", Some(il), &k, nkv * hd);
         trace("Vcur", Some(il), &v, nkv * hd);
-        let a = s.attend(il, &q, &k, &v, kq_scale, None);
+        let mut a = s.attend(il, &q, &k, &v, kq_scale, None);
         trace("kqv_out", Some(il), &a, nh * hd);
-        let mut o = l.attn_output.forward(&a);
-        s.keep_output_rows(il, x, &mut o);
+        s.keep_output_rows(il, x, &mut a);
+        let o = l.attn_output.forward(&a);
         ops::add_inplace(x, &o);
         trace("ffn_inp", Some(il), x, e);
 

@@ -49,16 +49,17 @@ impl Step<'_> {
         self.positions.len()
     }
 
-    /// In the last layer, drops the rows of `x` (the residual stream) and `o` (the attention
-    /// output) that no logits need; both are [T, n_embd].
-    pub fn keep_output_rows(&self, il: usize, x: &mut Vec<f32>, o: &mut Vec<f32>) {
+    /// In the last layer, drops the rows of `x` (the residual stream, [T, n_embd]) and `a` (the
+    /// attention output before its projection, [T, n_head * head_dim]) that no logits need. As in
+    /// llama.cpp this happens before the output projection, so that projection (and the FFN) runs
+    /// only on the kept rows.
+    pub fn keep_output_rows(&self, il: usize, x: &mut Vec<f32>, a: &mut Vec<f32>) {
         if il + 1 != self.cfg.n_layer {
             return;
         }
-        let e = self.cfg.n_embd;
         let first = self.out_first.unwrap_or(self.n_tokens());
-        x.drain(..first * e);
-        o.drain(..first * e);
+        x.drain(..first * self.cfg.n_embd);
+        a.drain(..first * self.cfg.q_dim());
     }
 
     /// Writes this batch's K/V into layer `il`'s cache, then attends every query to the cached
@@ -98,6 +99,10 @@ pub fn trace(name: &str, il: Option<usize>, x: &[f32], cols: usize) {
         return;
     }
     let rows = x.len() / cols.max(1);
+    if rows == 0 {
+        eprintln!("ferrum-trace {name} rows=0 cols={cols}");
+        return;
+    }
     let sum: f64 = x.iter().map(|&v| v as f64).sum();
     let head = |r: usize| -> Vec<String> {
         x[r * cols..][..cols.min(4)]
