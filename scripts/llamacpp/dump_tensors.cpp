@@ -1,6 +1,10 @@
-// Precise tensor dumper (local tool, not part of ferrum): like llama-eval-callback but prints
+// Precise tensor dumper (a comparison tool, not part of ferrum): like llama-eval-callback but prints
 // full-precision values, a double-precision sum, and optionally writes raw f32 tensors.
-// usage: dump MODEL FA(0/1/-1) THREADS OUTDIR_OR_- id id id ...
+// usage: llama-dump-tensors MODEL FA(0/1/-1) THREADS OUTDIR_OR_- id id id ...
+// Environment: SPLIT=a,b,... decodes the ids in calls of those sizes (the rest in a last call), as
+// llama-server does for sliding-window models (e.g. SPLIT=3 for a 7-token prompt: 3 then 4);
+// DUMPLAST=1 (default) dumps only the last call; NCTX, NSEQ, KVU, SWAFULL, NBATCH, NUBATCH, SEQ set
+// the context parameters; the last call's top-5 is printed in double, f32 and llama-server style.
 #include "llama.h"
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -11,6 +15,7 @@
 #include <string>
 #include <vector>
 #include <map>
+#include <algorithm>
 static std::string outdir;
 static std::map<std::string,int> seen;
 static float getf(const uint8_t * d, ggml_type t, size_t off) {
@@ -19,8 +24,10 @@ static float getf(const uint8_t * d, ggml_type t, size_t off) {
     if (t == GGML_TYPE_I32) return (float)*(const int32_t *)(d + off);
     return NAN;
 }
+static bool g_dump=false;
 static bool cb(struct ggml_tensor * t, bool ask, void *) {
     if (ask) return true;
+    if (!g_dump) return true;
     if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16) return true;
     std::vector<uint8_t> buf(ggml_nbytes(t));
     ggml_backend_tensor_get(t, buf.data(), 0, buf.size());
@@ -58,16 +65,41 @@ int main(int argc, char ** argv) {
     auto mp = llama_model_default_params();
     llama_model * model = llama_model_load_from_file(argv[1], mp);
     auto cp = llama_context_default_params();
-    cp.n_ctx = 4096; cp.n_threads = nth; cp.n_threads_batch = nth;
+    auto envi=[](const char*k,int d){const char*v=getenv(k);return v?atoi(v):d;};
+    cp.n_ctx = envi("NCTX",4096); cp.n_threads = nth; cp.n_threads_batch = nth;
+    cp.n_seq_max = envi("NSEQ",1); cp.kv_unified = envi("KVU",0); cp.swa_full = envi("SWAFULL",0);
+    cp.n_batch = envi("NBATCH",2048); cp.n_ubatch = envi("NUBATCH",512);
     cp.flash_attn_type = (llama_flash_attn_type)fa;
     cp.cb_eval = cb; cp.cb_eval_user_data = nullptr;
     llama_context * ctx = llama_init_from_model(model, cp);
-    llama_batch b = llama_batch_get_one(toks.data(), (int)toks.size());
-    if (llama_decode(ctx, b)) { fprintf(stderr, "decode failed\n"); return 1; }
+    // SPLIT = comma list of chunk sizes (rest goes in last chunk); DUMPLAST=1 dumps tensors only for the last decode
+    std::vector<int> chunks; { const char*v=getenv("SPLIT"); if(v){ std::string s(v); size_t p=0; while(p<s.size()){ size_t q=s.find(',',p); if(q==std::string::npos)q=s.size(); chunks.push_back(atoi(s.substr(p,q-p).c_str())); p=q+1;} } }
+    int off=0; size_t ci=0; bool dumplast=envi("DUMPLAST",1);
+    while (off < (int)toks.size()) {
+        int n = ci<chunks.size()? chunks[ci++] : (int)toks.size()-off;
+        if (off+n > (int)toks.size()) n = (int)toks.size()-off;
+        bool last = off+n==(int)toks.size();
+        g_dump = envi("DUMP",1) && (!dumplast || last);
+        llama_batch b = llama_batch_init(n, 0, 1);
+        for (int i=0;i<n;i++){ b.token[i]=toks[off+i]; b.pos[i]=off+i; b.n_seq_id[i]=1; b.seq_id[i][0]=envi("SEQ",0); b.logits[i]= (i==n-1)&&last; }
+        b.n_tokens=n;
+        if (llama_decode(ctx, b)) { fprintf(stderr, "decode failed\n"); return 1; }
+        llama_batch_free(b); off+=n;
+    }
     float * lg = llama_get_logits_ith(ctx, -1);
     int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
     int best = 0; for (int i=1;i<n_vocab;i++) if (lg[i] > lg[best]) best = i;
     printf("llama-logits argmax=%d logit=%.9g\n", best, lg[best]);
+    { double mx=lg[best], z=0; for(int i=0;i<n_vocab;i++) z+=exp(lg[i]-mx);
+      std::vector<int> idx(n_vocab); for(int i=0;i<n_vocab;i++) idx[i]=i;
+      std::partial_sort(idx.begin(), idx.begin()+5, idx.end(), [&](int a,int c){return lg[a]>lg[c];});
+      printf("top5:"); for(int k=0;k<5;k++) printf(" %d:%.6f", idx[k], exp(lg[idx[k]]-mx)/z); printf("\n");
+      float fmx=lg[best], cs=0.0f; for(int i=0;i<n_vocab;i++) cs+=expf(lg[i]-fmx);
+      printf("top5f:"); for(int k=0;k<5;k++) printf(" %d:%.9g(logp=%.9g)", idx[k], expf(lg[idx[k]]-fmx)/cs, log(expf(lg[idx[k]]-fmx)/cs)); printf("\n"); }
+    { struct TD{int id; float logit; float p;}; std::vector<TD> cur(n_vocab); for(int i=0;i<n_vocab;i++) cur[i]={i,lg[i],0.0f};
+      std::partial_sort(cur.begin(), cur.begin()+5, cur.end(), [](const TD&a,const TD&b){return a.logit>b.logit;});
+      float mx=cur[0].logit, cs=0.0f; for(auto&t:cur){t.p=expf(t.logit-mx); cs+=t.p;} for(auto&t:cur) t.p/=cs;
+      printf("server-style:"); for(int k=0;k<5;k++) printf(" %d:%.17g", cur[k].id, (double)std::log(cur[k].p)); printf("\n"); }
     llama_free(ctx); llama_model_free(model);
     return 0;
 }
