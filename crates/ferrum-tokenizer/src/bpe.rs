@@ -13,6 +13,8 @@ use std::sync::OnceLock;
 
 use crate::{Error, Result};
 
+use crate::symbols::{char_symbols, Sym};
+
 /// The GPT-2 byte-to-unicode map: printable Latin-1 bytes (0x21-0x7E, 0xA1-0xAC, 0xAE-0xFF)
 /// map to themselves; the other 68 bytes map, in increasing order, to U+0100, U+0101, ...
 pub fn byte_to_char(b: u8) -> char {
@@ -111,15 +113,6 @@ impl Merges {
     }
 }
 
-/// One symbol of the word being merged: a byte range of the encoded word plus list links.
-#[derive(Clone, Copy)]
-struct Sym {
-    start: usize,
-    len: usize,
-    prev: Option<usize>,
-    next: Option<usize>,
-}
-
 /// A candidate merge in the queue; `Ord` makes the heap pop the lowest rank, then leftmost.
 #[derive(PartialEq, Eq)]
 struct Cand {
@@ -162,16 +155,7 @@ pub(crate) fn encode_word(
         }
     }
     let n = word.chars().count();
-    let mut syms: Vec<Sym> = word
-        .char_indices()
-        .enumerate()
-        .map(|(i, (start, c))| Sym {
-            start,
-            len: c.len_utf8(),
-            prev: i.checked_sub(1),
-            next: (i + 1 < n).then_some(i + 1),
-        })
-        .collect();
+    let mut syms = char_symbols(word);
     let text = |s: &Sym| &word[s.start..s.start + s.len];
     let mut buf = String::new();
     let mut heap = BinaryHeap::new();

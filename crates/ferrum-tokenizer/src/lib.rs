@@ -24,6 +24,7 @@ mod pretokenize;
 mod spec;
 mod special;
 mod spm;
+mod symbols;
 mod unicode;
 mod vocab;
 

@@ -13,6 +13,8 @@
 
 use std::collections::BinaryHeap;
 
+use crate::symbols::{char_symbols, Sym};
+
 /// A candidate merge; `Ord` pops the highest score first, then the smallest left index.
 struct Cand {
     score: f32,
@@ -42,14 +44,6 @@ impl PartialOrd for Cand {
     }
 }
 
-#[derive(Clone, Copy)]
-struct Sym {
-    start: usize,
-    len: usize,
-    prev: Option<usize>,
-    next: Option<usize>,
-}
-
 /// Tokenizes one escaped fragment and appends the ids.
 ///
 /// `lookup` maps text to `(id, score)`; `byte_token` maps a byte to its byte-fallback token.
@@ -63,16 +57,7 @@ pub(crate) fn encode(
         return;
     }
     let n = text.chars().count();
-    let mut syms: Vec<Sym> = text
-        .char_indices()
-        .enumerate()
-        .map(|(i, (start, c))| Sym {
-            start,
-            len: c.len_utf8(),
-            prev: i.checked_sub(1),
-            next: (i + 1 < n).then_some(i + 1),
-        })
-        .collect();
+    let mut syms = char_symbols(text);
     let mut heap = BinaryHeap::with_capacity(n);
     let try_add =
         |heap: &mut BinaryHeap<Cand>, syms: &[Sym], l: Option<usize>, r: Option<usize>| {

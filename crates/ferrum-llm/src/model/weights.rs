@@ -113,33 +113,6 @@ pub struct Weights {
 }
 
 impl Weights {
-    /// Bytes of all weights (tied matrices counted once).
-    pub fn n_bytes(&self) -> usize {
-        let lin = |l: &Linear| l.weight.data.len();
-        let mut n = self.token_embd.data.len() + 4 * self.output_norm.len();
-        if !std::ptr::eq(
-            self.output.weight.data.as_ptr(),
-            self.token_embd.data.as_ptr(),
-        ) {
-            n += lin(&self.output);
-        }
-        for l in &self.layers {
-            n += [
-                &l.attn_q,
-                &l.attn_k,
-                &l.attn_v,
-                &l.attn_output,
-                &l.ffn_gate,
-                &l.ffn_up,
-                &l.ffn_down,
-            ]
-            .iter()
-            .map(|x| lin(x))
-            .sum::<usize>();
-        }
-        n
-    }
-
     /// Loads every tensor the architecture needs, checking each shape against `cfg`.
     /// `progress(i, total)` is called after each layer.
     pub fn load(
