@@ -91,17 +91,10 @@ impl ModelArgs {
 }
 
 pub fn set_threads(threads: Option<usize>) -> Result<()> {
-    let n = match threads {
-        Some(0) => bail!("--threads must be at least 1"),
-        Some(n) => n,
-        None => std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
-    };
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .build_global()
-        .context("starting the thread pool")?;
+    if threads == Some(0) {
+        bail!("--threads must be at least 1");
+    }
+    ferrum_kernels::pool::set_threads(threads);
     Ok(())
 }
 

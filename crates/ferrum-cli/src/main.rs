@@ -22,6 +22,8 @@ enum Command {
     Perplexity(cmd::perplexity::Args),
     /// Print a GGUF file's architecture, hyperparameters, tokenizer, chat template and tensors.
     Info(cmd::info::Args),
+    /// Prompt-processing and generation speed (llama-bench's table), or this machine's ceilings (--machine).
+    Bench(cmd::bench::Args),
 }
 
 fn main() {
@@ -32,6 +34,7 @@ fn main() {
         Command::Chat(a) => cmd::chat::run(a),
         Command::Perplexity(a) => cmd::perplexity::run(a),
         Command::Info(a) => cmd::info::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -7,7 +7,8 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
+
+use crate::pool;
 
 /// Shape and masking of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -31,6 +32,31 @@ pub fn attention(
     positions: &[usize],
     out: &mut [f32],
 ) {
+    run(p, q, k, v, positions, out, true)
+}
+
+/// [`attention`] with the portable kernel only (the same float operations in the same order,
+/// without AVX-512): the plain version the SIMD kernels are tested against bit for bit.
+pub fn attention_portable(
+    p: &AttnParams,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    positions: &[usize],
+    out: &mut [f32],
+) {
+    run(p, q, k, v, positions, out, false)
+}
+
+fn run(
+    p: &AttnParams,
+    q: &[f32],
+    k: &[f16],
+    v: &[f16],
+    positions: &[usize],
+    out: &mut [f32],
+    simd: bool,
+) {
     let (hd, nh, nkv) = (p.head_dim, p.n_head, p.n_head_kv);
     assert!(
         nh % nkv == 0,
@@ -46,8 +72,9 @@ pub fn attention(
     );
     let group = nh / nkv;
 
-    let fast = has_avx2_fma_f16c();
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+    let fast = simd && has_avx2_fma_f16c();
+    let wide = simd && hd % 16 == 0 && hd <= MAX_WIDE_HEAD_DIM && has_avx512();
+    pool::parallel_chunks_mut(out, hd, |idx, o| {
         let (t, h) = (idx / nh, idx % nh);
         let pos = positions[t];
         let start = match p.window {
@@ -64,12 +91,19 @@ pub fn attention(
             scale: p.scale,
         };
         #[cfg(target_arch = "x86_64")]
+        if wide {
+            // SAFETY: `wide` is true only when the CPU reports AVX-512F and head_dim is a
+            // multiple of 16 no larger than MAX_WIDE_HEAD_DIM, as the kernel requires.
+            unsafe { attend_row_avx512(&job, o) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if fast {
             // SAFETY: `fast` is true only when the CPU reports AVX2, FMA and F16C.
             unsafe { attend_row_avx2(&job, o) };
             return;
         }
-        let _ = fast;
+        let _ = (fast, wide);
         attend_row(&job, o);
     });
 }
@@ -98,6 +132,106 @@ fn has_avx2_fma_f16c() -> bool {
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *WIDE.get_or_init(|| {
+            std::env::var_os("FERRUM_NO_AVX512").is_none()
+                && std::env::var_os("FERRUM_FORCE_SCALAR").is_none()
+                && is_x86_feature_detected!("avx512f")
+                && has_avx2_fma_f16c()
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Largest head size the AVX-512 kernel keeps on its stack.
+const MAX_WIDE_HEAD_DIM: usize = 512;
+
+/// [`attend_row`] with AVX-512: the same float operations in the same order (Q.K in ggml's
+/// AVX-512 `vec_dot_f16` lanes, f16 rounding of the V accumulator after every update), 16 lanes
+/// at a time and without heap buffers. `head_dim` must be a multiple of 16, at most
+/// [`MAX_WIDE_HEAD_DIM`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn attend_row_avx512(r: &Row, o: &mut [f32]) {
+    use core::arch::x86_64::*;
+    let hd = r.q.len();
+    let nv = hd / 16;
+    let round = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+    let mut q = [_mm512_setzero_ps(); MAX_WIDE_HEAD_DIM / 16];
+    let mut acc = [_mm512_setzero_ps(); MAX_WIDE_HEAD_DIM / 16];
+    for (i, qv) in q[..nv].iter_mut().enumerate() {
+        // SAFETY: i * 16 + 16 <= hd = r.q.len().
+        *qv = round(unsafe { _mm512_loadu_ps(r.q.as_ptr().add(i * 16)) });
+    }
+    let load_h = |row: &[f16], i: usize| -> __m512 {
+        // SAFETY: callers pass rows of hd f16 and i < hd / 16.
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(row.as_ptr().add(i * 16) as *const __m256i) })
+    };
+    let mut m = f32::NEG_INFINITY;
+    let mut s = 0f32;
+    for j in r.keys.clone() {
+        let at = j * r.kv_row + r.at;
+        let krow = &r.k[at..at + hd];
+        let vrow = &r.v[at..at + hd];
+        // Q.K: 4 accumulators over each 64 elements, as ggml's AVX-512 vec_dot_f16.
+        let mut a = [_mm512_setzero_ps(); 4];
+        for i in 0..hd / 64 * 4 {
+            a[i % 4] = _mm512_fmadd_ps(q[i], load_h(krow, i), a[i % 4]);
+        }
+        let rsum = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+        let t8 = _mm256_add_ps(
+            _mm512_castps512_ps256(rsum),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(rsum))),
+        );
+        let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+        let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4)); // [t0+t2, t1+t3, ..]
+        let dot = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+        // head_dim % 64 != 0 leaves elements that ggml adds in f64: none when hd % 64 == 0.
+        let dot = if hd % 64 == 0 {
+            dot
+        } else {
+            tail_f64(dot, r.q, krow, hd / 64 * 64)
+        };
+        let score = dot * r.scale;
+        let mut ms = 1f32;
+        let mut vs = 1f32;
+        if score > m {
+            ms = (m - score).exp();
+            m = score;
+            let msv = _mm512_set1_ps(ms);
+            for av in acc[..nv].iter_mut() {
+                *av = round(_mm512_mul_ps(*av, msv));
+            }
+        } else {
+            vs = (score - m).exp();
+        }
+        let vsv = _mm512_set1_ps(vs);
+        for (i, av) in acc[..nv].iter_mut().enumerate() {
+            *av = round(_mm512_fmadd_ps(load_h(vrow, i), vsv, *av));
+        }
+        s = s.mul_add(ms, vs);
+    }
+    let inv = _mm512_set1_ps(1.0 / s);
+    for (i, av) in acc[..nv].iter().enumerate() {
+        // SAFETY: i * 16 + 16 <= hd = o.len().
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(i * 16), _mm512_mul_ps(*av, inv)) };
+    }
+}
+
+/// Adds the Q.K products of elements `from..` in f64 to `sum`, as ggml does past the last full
+/// 64 (Q rounded to f16 first).
+fn tail_f64(sum: f32, q: &[f32], k: &[f16], from: usize) -> f32 {
+    let mut s = sum as f64;
+    for (x, y) in q[from..].iter().zip(&k[from..]) {
+        s += (f16::from_f32(*x).to_f32() * y.to_f32()) as f64;
+    }
+    s as f32
 }
 
 /// [`attend_row`] compiled with AVX2/FMA/F16C so `mul_add` and the f16 conversions are single

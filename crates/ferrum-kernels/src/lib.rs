@@ -5,8 +5,12 @@
 //! - [`matmul`]: weight x activations products (quantized weights, on-the-fly activation quantization).
 //! - [`ops`]: RMSNorm, RoPE, activations, softmax.
 //! - [`attention`]: causal attention over an f16 KV cache.
+//! - [`machine`]: measured ceilings (peak FMA, memory and cache bandwidth).
+//! - [`pool`]: the thread pool every parallel kernel runs on (`--threads`).
 
 pub mod attention;
+pub mod machine;
 pub mod matmul;
 pub mod ops;
+pub mod pool;
 pub mod quant;

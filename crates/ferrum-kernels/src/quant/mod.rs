@@ -21,7 +21,7 @@
 // Index loops mirror the block layouts of ggml-common.h; iterator chains would hide them.
 #![allow(clippy::needless_range_loop)]
 
-mod blocks;
+pub(crate) mod blocks;
 mod dequant;
 mod dot;
 #[cfg(target_arch = "x86_64")]

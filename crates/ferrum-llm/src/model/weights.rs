@@ -113,6 +113,60 @@ pub struct Weights {
 }
 
 impl Weights {
+    /// Every distinct tensor of the model (the tied LM head counted once).
+    pub fn tensors(&self) -> Vec<&RawTensor> {
+        let mut v = vec![&self.token_embd];
+        for l in &self.layers {
+            for lin in [
+                &l.attn_q,
+                &l.attn_k,
+                &l.attn_v,
+                &l.attn_output,
+                &l.ffn_gate,
+                &l.ffn_up,
+                &l.ffn_down,
+            ] {
+                v.push(&lin.weight);
+            }
+        }
+        if self.output.weight.data.as_ptr() != self.token_embd.data.as_ptr() {
+            v.push(&self.output.weight);
+        }
+        v
+    }
+
+    /// Bytes of the matrices (norm vectors and biases are not counted, as llama-bench does not).
+    pub fn n_bytes(&self) -> usize {
+        self.tensors().iter().map(|t| t.data.len()).sum()
+    }
+
+    /// Parameters in the matrices and norms.
+    pub fn n_params(&self) -> usize {
+        let norms: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.attn_norm.len()
+                    + l.ffn_norm.len()
+                    + [&l.attn_q_norm, &l.attn_k_norm, &l.post_attention_norm, &l.post_ffw_norm]
+                        .iter()
+                        .map(|n| n.as_ref().map_or(0, |n| n.len()))
+                        .sum::<usize>()
+            })
+            .sum();
+        self.tensors().iter().map(|t| t.n_elements()).sum::<usize>() + norms + self.output_norm.len()
+    }
+
+    /// Weight bytes one decode step reads: every matrix, except that the embedding table
+    /// contributes one row (unless it is also the LM head, which reads all of it).
+    pub fn bytes_per_token(&self) -> usize {
+        let embd = &self.token_embd;
+        let tied = self.output.weight.data.as_ptr() == embd.data.as_ptr();
+        let embd_rows = embd.dims.get(1).copied().unwrap_or(1).max(1);
+        let embd_read = if tied { embd.data.len() } else { embd.data.len() / embd_rows };
+        self.n_bytes() - embd.data.len() + embd_read
+    }
+
     /// Loads every tensor the architecture needs, checking each shape against `cfg`.
     /// `progress(i, total)` is called after each layer.
     pub fn load(

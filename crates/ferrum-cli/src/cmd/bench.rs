@@ -1,0 +1,183 @@
+//! `ferrum bench`: prompt-processing (ppN) and generation (tgN) speed in llama-bench's table shape,
+//! and `--machine`, this machine's compute and memory ceilings.
+//!
+//! As llama-bench does: `ppN` runs N tokens (BOS then pseudo-random ids) through an empty cache in
+//! prefill chunks and times it; `tgN` decodes N tokens one at a time from an empty cache (each
+//! step computes logits; no sampling). Each (test, threads) pair gets one warm-up run, then `-r`
+//! timed repetitions; the table shows the median tokens/s and the standard deviation.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Args as ClapArgs;
+use ferrum_llm::generate::PREFILL_CHUNK;
+use ferrum_llm::model::{KvCache, Logits};
+use ferrum_llm::Llm;
+use serde_json::json;
+
+use crate::common::ModelArgs;
+
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    /// Path to a GGUF model file (default: the default model, as for `generate`).
+    #[arg(short, long)]
+    pub model: Option<std::path::PathBuf>,
+    /// Prompt lengths to test (comma-separated; 0 skips prompt processing).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    pub n_prompt: Vec<usize>,
+    /// Generation lengths to test (comma-separated; 0 skips generation).
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    pub n_gen: Vec<usize>,
+    /// Thread counts to test (comma-separated). Default: all cores.
+    #[arg(short, long, value_delimiter = ',')]
+    pub threads: Vec<usize>,
+    /// Timed repetitions of each test (after one warm-up run).
+    #[arg(short, long, default_value_t = 5)]
+    pub repetitions: usize,
+    /// Print one JSON array (an object per test and thread count) instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Measure this machine's ceilings (FMA GFLOP/s, memory and cache bandwidth) instead, print
+    /// them, and cache them for `ferrum profile`.
+    #[arg(long)]
+    pub machine: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.machine {
+        return super::machine::run(a.json);
+    }
+    if a.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    if a.threads.contains(&0) {
+        bail!("--threads must be at least 1");
+    }
+    let threads = if a.threads.is_empty() {
+        vec![ferrum_kernels::pool::available_threads()]
+    } else {
+        a.threads.clone()
+    };
+    let margs = ModelArgs {
+        model: a.model.clone(),
+        threads: None,
+        dequantize: false,
+    };
+    let llm = margs.load()?;
+    let cfg = &llm.model.config;
+    let size = llm.model.weights.n_bytes();
+    let params = llm.model.weights.n_params();
+
+    let mut tests: Vec<(String, usize, bool)> = Vec::new();
+    for &p in a.n_prompt.iter().filter(|&&p| p > 0) {
+        tests.push((format!("pp{p}"), p, true));
+    }
+    for &n in a.n_gen.iter().filter(|&&n| n > 0) {
+        tests.push((format!("tg{n}"), n, false));
+    }
+    for (_, n, _) in &tests {
+        if *n > 1 << 20 {
+            bail!("test length {n} is too large");
+        }
+    }
+
+    let mut rows = Vec::new();
+    if !a.json {
+        println!(
+            "| model                          |       size |     params | backend    | threads |            test |                  t/s |"
+        );
+        println!(
+            "| ------------------------------ | ---------: | ---------: | ---------- | ------: | --------------: | -------------------: |"
+        );
+    }
+    for &t in &threads {
+        ferrum_kernels::pool::set_threads(Some(t));
+        for (name, n, is_prompt) in &tests {
+            let ctx = n + 1;
+            let mut cache = KvCache::new(cfg, ctx);
+            let run_once = |cache: &mut KvCache| -> Result<f64> {
+                let tokens = bench_tokens(&llm, *n);
+                let start = Instant::now();
+                if *is_prompt {
+                    for (i, chunk) in tokens.chunks(PREFILL_CHUNK).enumerate() {
+                        llm.model
+                            .forward(chunk, i * PREFILL_CHUNK, cache, Logits::Last)?;
+                    }
+                } else {
+                    for (pos, &tok) in tokens.iter().enumerate() {
+                        llm.model.forward(&[tok], pos, cache, Logits::Last)?;
+                    }
+                }
+                Ok(start.elapsed().as_secs_f64())
+            };
+            run_once(&mut cache)?;
+            let mut speeds: Vec<f64> = (0..a.repetitions)
+                .map(|_| run_once(&mut cache).map(|s| *n as f64 / s))
+                .collect::<Result<_>>()?;
+            speeds.sort_by(f64::total_cmp);
+            let median = if speeds.len() % 2 == 1 {
+                speeds[speeds.len() / 2]
+            } else {
+                (speeds[speeds.len() / 2 - 1] + speeds[speeds.len() / 2]) / 2.0
+            };
+            let mean = speeds.iter().sum::<f64>() / speeds.len() as f64;
+            let stddev = if speeds.len() > 1 {
+                (speeds.iter().map(|s| (s - mean).powi(2)).sum::<f64>()
+                    / (speeds.len() - 1) as f64)
+                    .sqrt()
+            } else {
+                0.0
+            };
+            if a.json {
+                rows.push(json!({
+                    "model": llm.name,
+                    "model_bytes": size,
+                    "model_params": params,
+                    "test": name,
+                    "threads": t,
+                    "tokens_per_second": median,
+                    "stddev": stddev,
+                    "repetitions": a.repetitions,
+                    "samples_tokens_per_second": speeds,
+                }));
+            } else {
+                println!(
+                    "| {:<30} | {:>6.2} MiB | {:>8.2} M | {:<10} | {:>7} | {:>15} | {:>20} |",
+                    truncate(&format!("{} {}", cfg.arch.name(), llm.name), 30),
+                    size as f64 / (1u64 << 20) as f64,
+                    params as f64 / 1e6,
+                    format!("CPU {:?}", ferrum_kernels::quant::isa()),
+                    t,
+                    name,
+                    format!("{median:.2} ± {stddev:.2}")
+                );
+            }
+        }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    }
+    Ok(())
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    s.chars().take(n).collect()
+}
+
+/// `n` token ids: BOS (when the model adds one), then a fixed pseudo-random sequence.
+fn bench_tokens(llm: &Llm, n: usize) -> Vec<u32> {
+    let n_vocab = llm.model.config.n_vocab as u64;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut v: Vec<u32> = (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n_vocab) as u32
+        })
+        .collect();
+    if let (Some(first), Some(bos)) = (v.first_mut(), llm.tokenizer.bos().filter(|_| llm.tokenizer.add_bos())) {
+        *first = bos;
+    }
+    v
+}

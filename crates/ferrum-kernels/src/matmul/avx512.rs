@@ -1,0 +1,282 @@
+//! AVX-512 (F, BW, VL, VNNI) tile kernels for Q4_1 and Q8_0 weights: 4 weight rows x up to 4
+//! tokens per call, each weight block unpacked once for all the tokens of the tile.
+//!
+//! Every output is summed in exactly the float order of the AVX2 `vec_dot` (llama.cpp's order):
+//! per block, the 8 i32 lanes of Σ w·a over 4 consecutive bytes (exact integers, so any way of
+//! computing them gives the same values), converted to f32 and accumulated by
+//! `acc[lane] = fma(d_w·d_a, lane, acc[lane])`; then the 8 lanes are reduced as `hsum_float_8`,
+//! and for Q4_1 the separately accumulated Σ m_w·s_a is added. A 512-bit register holds the 8
+//! lanes of two rows, which changes no float operation, so the tile results equal `vec_dot`'s bit
+//! for bit (tests/matmul_tiles.rs checks it on random data).
+//!
+//! Activations are first laid out per token and block ([`Prepared`]) so that a single 64-byte
+//! load serves a row pair:
+//! * Q8_1 (for Q4_1): `[a0..15, a0..15, a16..31, a16..31]` against weights unpacked as
+//!   `[row0 low nibbles, row1 low, row0 high, row1 high]`; plus `[d_a, s_a, d_a, s_a]`.
+//! * Q8_0: `[a0..31, a0..31]` against `[row0 q + 128, row1 q + 128]` (VNNI multiplies unsigned
+//!   by signed bytes), with the i32 correction `-128·Σ a` over each 4 bytes as the dot's start
+//!   value; plus `d_a`.
+
+use core::arch::x86_64::*;
+
+use ferrum_core::DType;
+
+use crate::quant::QK;
+
+/// Whether this CPU runs these kernels (and the scalar override is off).
+pub fn available() -> bool {
+    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OK.get_or_init(|| {
+        crate::quant::isa() == crate::quant::Isa::Avx2
+            && std::env::var_os("FERRUM_NO_AVX512").is_none()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+    })
+}
+
+/// Weight types with a tile kernel here.
+pub fn supports(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_1 | DType::Q8_0)
+}
+
+/// Activation rows in the tile layout, from rows quantized as Q8_1 (Q4_1 weights) or Q8_0.
+pub struct Prepared {
+    /// Blocks per row.
+    pub nb: usize,
+    /// Per token and block: 64 bytes of quants.
+    pub quants: Vec<u8>,
+    /// Q8_0 only: per token and block, 16 i32 start values (the correction for unsigned weights).
+    pub corr: Vec<i32>,
+    /// Per token and block: `[d, s, d, s]` (Q8_1) or `[d]` (Q8_0).
+    pub scales: Vec<f32>,
+}
+
+impl Prepared {
+    pub fn new() -> Prepared {
+        Prepared {
+            nb: 0,
+            quants: Vec::new(),
+            corr: Vec::new(),
+            scales: Vec::new(),
+        }
+    }
+
+    /// Lays out `t` quantized activation rows `act` (`ab` bytes each) for weights of type `w`.
+    pub fn fill(&mut self, w: DType, act: &[u8], ab: usize, t: usize) {
+        let nb = match w {
+            DType::Q4_1 => ab / 40,
+            _ => ab / 34,
+        };
+        self.nb = nb;
+        self.quants.clear();
+        self.quants.resize(t * nb * 64, 0);
+        self.scales.clear();
+        self.corr.clear();
+        match w {
+            DType::Q4_1 => {
+                self.scales.resize(t * nb * 4, 0.0);
+                for (i, blk) in act[..t * ab].chunks_exact(40).enumerate() {
+                    let d = crate::quant::blocks::rd_f16(blk, 0);
+                    let s = crate::quant::blocks::rd_f16(blk, 2);
+                    let q = &blk[4..36];
+                    let o = &mut self.quants[i * 64..(i + 1) * 64];
+                    o[0..16].copy_from_slice(&q[0..16]);
+                    o[16..32].copy_from_slice(&q[0..16]);
+                    o[32..48].copy_from_slice(&q[16..32]);
+                    o[48..64].copy_from_slice(&q[16..32]);
+                    self.scales[i * 4..(i + 1) * 4].copy_from_slice(&[d, s, d, s]);
+                }
+            }
+            _ => {
+                self.scales.resize(t * nb, 0.0);
+                self.corr.resize(t * nb * 16, 0);
+                for (i, blk) in act[..t * ab].chunks_exact(34).enumerate() {
+                    self.scales[i] = crate::quant::blocks::rd_f16(blk, 0);
+                    let q = &blk[2..34];
+                    let o = &mut self.quants[i * 64..(i + 1) * 64];
+                    o[0..32].copy_from_slice(q);
+                    o[32..64].copy_from_slice(q);
+                    let c = &mut self.corr[i * 16..(i + 1) * 16];
+                    for j in 0..8 {
+                        let s: i32 = q[4 * j..4 * j + 4].iter().map(|&b| b as i8 as i32).sum();
+                        c[j] = -128 * s;
+                        c[j + 8] = -128 * s;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Default for Prepared {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// `out[c][r] = row r · token tok0 + c`, for 4 weight rows (`rows[r]`, each `nb` blocks; they may
+/// repeat) and `C` consecutive tokens starting at `tok0`.
+pub fn tile<const C: usize>(
+    dtype: DType,
+    rows: [&[u8]; 4],
+    p: &Prepared,
+    tok0: usize,
+) -> [[f32; 4]; C] {
+    let nb = p.nb;
+    let bw = match dtype {
+        DType::Q4_1 => 20,
+        DType::Q8_0 => 34,
+        other => panic!("no AVX-512 tile kernel for {other}"),
+    };
+    for r in rows {
+        assert!(r.len() >= nb * bw, "tile: weight row too short");
+    }
+    assert!(p.quants.len() >= (tok0 + C) * nb * 64, "tile: activations");
+    assert!(available(), "tile: CPU lacks AVX-512 VNNI");
+    // SAFETY: `available()` confirmed AVX-512 F/BW/VL/VNNI (and AVX2/FMA/F16C) at run time, and
+    // the lengths the kernels read were checked above.
+    unsafe {
+        match dtype {
+            DType::Q4_1 => tile_q4_1::<C>(rows, p, tok0),
+            _ => tile_q8_0::<C>(rows, p, tok0),
+        }
+    }
+}
+
+/// Asks the CPU to bring `bytes` into L1 ahead of use (a hint; no effect on results).
+#[inline]
+pub fn prefetch(bytes: &[u8]) {
+    for i in (0..bytes.len()).step_by(64) {
+        // SAFETY: prefetch never faults and has no architectural effect; the address is in
+        // `bytes` anyway.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(i) as *const i8) };
+    }
+}
+
+/// `hsum_float_8` of the 8 lanes `l` (in lane order), in its exact order.
+#[inline(always)]
+fn hsum8_order(l: [f32; 8]) -> f32 {
+    let r = [l[4] + l[0], l[5] + l[1], l[6] + l[2], l[7] + l[3]];
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
+/// Loads `N` bytes at `p` (caller guarantees they are readable).
+#[inline(always)]
+unsafe fn ld128(p: *const u8) -> __m128i {
+    // SAFETY: the caller guarantees 16 readable bytes at `p`; no alignment is needed.
+    unsafe { _mm_loadu_si128(p as *const __m128i) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile_q4_1<const C: usize>(rows: [&[u8]; 4], p: &Prepared, tok0: usize) -> [[f32; 4]; C] {
+    let nb = p.nb;
+    let m4 = _mm256_set1_epi8(0x0f);
+    // Lanes of [d0, m0, d1, m1] feeding the d vector [d0 x4, d1 x4, d0 x4, d1 x4].
+    let didx = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2);
+    let mut acc = [[_mm512_setzero_ps(); C]; 2];
+    let mut summs = [[_mm_setzero_ps(); C]; 2];
+    let wp = rows.map(|r| r.as_ptr());
+    for b in 0..nb {
+        for pair in 0..2 {
+            let (r0, r1) = (wp[2 * pair], wp[2 * pair + 1]);
+            // SAFETY: block b of each row is within the row (lengths checked by `tile`).
+            let (x, dm) = unsafe {
+                let x = _mm256_set_m128i(ld128(r1.add(b * 20 + 4)), ld128(r0.add(b * 20 + 4)));
+                let dm0 = (r0.add(b * 20) as *const i32).read_unaligned();
+                let dm1 = (r1.add(b * 20) as *const i32).read_unaligned();
+                (x, _mm_cvtph_ps(_mm_setr_epi32(dm0, dm1, 0, 0)))
+            };
+            // dm = [d0, m0, d1, m1]
+            let lo = _mm256_and_si256(x, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), m4);
+            let wz = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            for c in 0..C {
+                let i = (tok0 + c) * nb + b;
+                // SAFETY: token tok0 + c < t and b < nb, checked by `tile`.
+                let (a, sc) = unsafe {
+                    (
+                        _mm512_loadu_si512(p.quants.as_ptr().add(i * 64) as *const _),
+                        _mm_loadu_ps(p.scales.as_ptr().add(i * 4)),
+                    )
+                };
+                let isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz, a);
+                let dmx = _mm_mul_ps(dm, sc); // [d0·da, m0·sa, d1·da, m1·sa]
+                summs[pair][c] = _mm_add_ps(summs[pair][c], dmx);
+                let d = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(dmx));
+                acc[pair][c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[pair][c]);
+            }
+        }
+    }
+    let mut out = [[0f32; 4]; C];
+    for pair in 0..2 {
+        for c in 0..C {
+            let mut l = [0f32; 16];
+            let mut s = [0f32; 4];
+            // SAFETY: `l` holds 16 f32 and `s` 4; unaligned stores.
+            unsafe {
+                _mm512_storeu_ps(l.as_mut_ptr(), acc[pair][c]);
+                _mm_storeu_ps(s.as_mut_ptr(), summs[pair][c]);
+            }
+            // Row 0 of the pair: lanes 0..4 and 8..12; row 1: 4..8 and 12..16.
+            let r0 = [l[0], l[1], l[2], l[3], l[8], l[9], l[10], l[11]];
+            let r1 = [l[4], l[5], l[6], l[7], l[12], l[13], l[14], l[15]];
+            out[c][2 * pair] = hsum8_order(r0) + s[1];
+            out[c][2 * pair + 1] = hsum8_order(r1) + s[3];
+        }
+    }
+    out
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile_q8_0<const C: usize>(rows: [&[u8]; 4], p: &Prepared, tok0: usize) -> [[f32; 4]; C] {
+    let nb = p.nb;
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let mut acc = [[_mm512_setzero_ps(); C]; 2];
+    let wp = rows.map(|r| r.as_ptr());
+    for b in 0..nb {
+        for pair in 0..2 {
+            let (r0, r1) = (wp[2 * pair], wp[2 * pair + 1]);
+            // SAFETY: block b of each row is within the row (lengths checked by `tile`).
+            let (wz, dw) = unsafe {
+                let q0 = _mm256_loadu_si256(r0.add(b * 34 + 2) as *const __m256i);
+                let q1 = _mm256_loadu_si256(r1.add(b * 34 + 2) as *const __m256i);
+                let d0 = (r0.add(b * 34) as *const u16).read_unaligned();
+                let d1 = (r1.add(b * 34) as *const u16).read_unaligned();
+                let wz = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q0), q1);
+                let dw = _mm_cvtph_ps(_mm_setr_epi16(d0 as i16, d1 as i16, 0, 0, 0, 0, 0, 0));
+                (_mm512_xor_si512(wz, flip), dw)
+            };
+            for c in 0..C {
+                let i = (tok0 + c) * nb + b;
+                // SAFETY: token tok0 + c < t and b < nb, checked by `tile`.
+                let (a, corr, da) = unsafe {
+                    (
+                        _mm512_loadu_si512(p.quants.as_ptr().add(i * 64) as *const _),
+                        _mm512_loadu_si512(p.corr.as_ptr().add(i * 16) as *const _),
+                        _mm_set1_ps(*p.scales.get_unchecked(i)),
+                    )
+                };
+                let isum = _mm512_dpbusd_epi32(corr, wz, a);
+                let d = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(_mm_mul_ps(dw, da)));
+                acc[pair][c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[pair][c]);
+            }
+        }
+    }
+    let mut out = [[0f32; 4]; C];
+    for pair in 0..2 {
+        for c in 0..C {
+            let mut l = [0f32; 16];
+            // SAFETY: `l` holds 16 f32; unaligned store.
+            unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[pair][c]) };
+            out[c][2 * pair] = hsum8_order(l[0..8].try_into().unwrap());
+            out[c][2 * pair + 1] = hsum8_order(l[8..16].try_into().unwrap());
+        }
+    }
+    out
+}
+
+/// Elements per block of the types here.
+pub const BLOCK: usize = QK;

@@ -1,0 +1,272 @@
+//! Weight x activation products: y[t, r] = sum_c W[r, c] * x[t, c].
+//!
+//! The weight keeps its storage type; each activation row is quantized once into the weight type's
+//! partner format ([`quant::vec_dot_type`]) and every output is one dot product. Work is split by
+//! weight rows, so a weight row is read from memory once for all tokens.
+//!
+//! Each output depends only on its own token's activations, its weight row, and which of
+//! llama.cpp's kernels would have computed it ([`Order`]): llama.cpp picks Q4_K and Q6_K kernels
+//! by the number of rows in a call, and each kernel sums in its own order. We reproduce that choice
+//! so a single sequence's logits match llama.cpp's bit for bit; the price is that a token's bits
+//! depend on the row count of the call it is in (callers that need batch invariance across
+//! sequences must give each sequence's rows their own call).
+//!
+//! Kernels: on CPUs with AVX-512 VNNI, Q4_1 and Q8_0 weights go through the tile kernels of
+//! [`avx512`] (4 rows x 4 tokens per call, same float order as `vec_dot`, so the same bits);
+//! everything else runs one [`quant::vec_dot`]-family product per output.
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
+
+use crate::pool;
+use crate::quant;
+use ferrum_core::DType;
+use std::cell::RefCell;
+
+/// A row-major weight matrix: `rows` rows of `cols` elements stored as `dtype` (GGUF `ne = [cols, rows]`).
+#[derive(Clone, Copy, Debug)]
+pub struct WeightRef<'a> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl WeightRef<'_> {
+    pub fn row_bytes(&self) -> usize {
+        self.dtype
+            .row_bytes(self.cols)
+            .expect("weight rows are whole blocks")
+    }
+}
+
+/// The float summation order of one output, named after the llama.cpp kernel that uses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// `ggml_vec_dot_*` (every type, and every row of a 1-row call).
+    Vec,
+    /// Q4_K repacked 8x8 GEMV: Q4_K matrices with rows % 8 == 0 (llama.cpp repacks them).
+    Q4kGemv,
+    /// Q4_K repacked 8x8 GEMM: rows 0 .. 4*floor(T/4) of a T-row call.
+    Q4kGemm,
+    /// Q6_K tiled matmul: every row of a call with at least [`TILED_MIN_ROWS`] rows.
+    Q6kTiled,
+}
+
+/// llama.cpp sends non-repacked K-quant matmuls of this many rows or more to its tiled kernel.
+pub const TILED_MIN_ROWS: usize = 8;
+
+impl Order {
+    /// The order llama.cpp uses for token `tok` of a `t`-row product with a `dtype` weight of `rows` rows.
+    pub fn of(dtype: DType, rows: usize, t: usize, tok: usize) -> Order {
+        if quant::uses_repacked_q4k(dtype, rows) {
+            if tok < t / 4 * 4 {
+                Order::Q4kGemm
+            } else {
+                Order::Q4kGemv
+            }
+        } else if dtype == DType::Q6_K && t >= TILED_MIN_ROWS {
+            Order::Q6kTiled
+        } else {
+            Order::Vec
+        }
+    }
+}
+
+/// Rows per parallel task: large enough to amortise scheduling, small enough to balance two cores.
+const ROWS_PER_TASK: usize = 16;
+
+/// `x`: [T, cols] f32; `y`: [T, rows].
+pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    assert!(
+        cols > 0 && x.len().is_multiple_of(cols),
+        "matmul: x has {} values, not a multiple of cols {cols}",
+        x.len()
+    );
+    let t = x.len() / cols;
+    assert_eq!(y.len(), t * rows, "matmul: y shape");
+    let rb = w.row_bytes();
+    assert_eq!(w.data.len(), rb * rows, "matmul: weight bytes");
+    if t == 0 {
+        // No rows (e.g. a last layer whose outputs no logits need).
+        return;
+    }
+    let act_type = quant::vec_dot_type(w.dtype);
+    let ab = act_type
+        .row_bytes(cols)
+        .expect("activation rows are whole blocks");
+    SCRATCH.with_borrow_mut(|sc| {
+        sc.act.resize(ab * t, 0);
+        for (xr, ar) in x.chunks_exact(cols).zip(sc.act.chunks_exact_mut(ab)) {
+            quant::quantize_row(act_type, xr, ar);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx512::available() && avx512::supports(w.dtype) {
+            sc.prepared.fill(w.dtype, &sc.act, ab, t);
+            matmul_tiles(w, &sc.prepared, t, y);
+            return;
+        }
+        matmul_dots(w, &sc.act, ab, t, y);
+    });
+}
+
+/// Per-thread buffers reused across calls (no allocation per token once warm).
+struct Scratch {
+    act: Vec<u8>,
+    #[cfg(target_arch = "x86_64")]
+    prepared: avx512::Prepared,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = const {
+        RefCell::new(Scratch {
+            act: Vec::new(),
+            #[cfg(target_arch = "x86_64")]
+            prepared: avx512::Prepared {
+                nb: 0,
+                quants: Vec::new(),
+                corr: Vec::new(),
+                scales: Vec::new(),
+            },
+        })
+    };
+}
+
+/// A raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint elements of one `&mut [f32]` that outlives the parallel call.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// Rows per task of the tiled kernels (a multiple of 4).
+#[cfg(target_arch = "x86_64")]
+const TILE_ROWS_PER_TASK: usize = 16;
+/// Tokens whose activations a task walks before moving to its next rows (keeps them in L1/L2).
+#[cfg(target_arch = "x86_64")]
+const TILE_TOKEN_BLOCK: usize = 64;
+
+/// How far ahead (in rows) the tiled kernels prefetch weights.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_ROWS: usize = 8;
+
+#[cfg(target_arch = "x86_64")]
+fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
+    let rows = w.rows;
+    let rb = w.row_bytes();
+    let out = OutPtr(y.as_mut_ptr());
+    let n_tasks = rows.div_ceil(TILE_ROWS_PER_TASK);
+    pool::parallel_for(n_tasks, |task| {
+        let out = out;
+        let r_begin = task * TILE_ROWS_PER_TASK;
+        let r_end = (r_begin + TILE_ROWS_PER_TASK).min(rows);
+        let row = |r: usize| &w.data[r.min(rows - 1) * rb..][..rb];
+        let store = |tok: usize, r0: usize, v: &[f32; 4]| {
+            for (i, &val) in v.iter().enumerate() {
+                if r0 + i < r_end {
+                    // SAFETY: `tok < t` and `r0 + i < rows`, so the index is inside `y`
+                    // ([t, rows]); only this task writes rows r_begin..r_end.
+                    unsafe { *out.0.add(tok * rows + r0 + i) = val };
+                }
+            }
+        };
+        for tb in (0..t).step_by(TILE_TOKEN_BLOCK) {
+            let te = (tb + TILE_TOKEN_BLOCK).min(t);
+            for r0 in (r_begin..r_end).step_by(4) {
+                let quad = [row(r0), row(r0 + 1), row(r0 + 2), row(r0 + 3)];
+                if r0 + PREFETCH_ROWS + 4 <= rows {
+                    avx512::prefetch(&w.data[(r0 + PREFETCH_ROWS) * rb..(r0 + PREFETCH_ROWS + 4) * rb]);
+                }
+                let mut tok = tb;
+                while tok + 4 <= te {
+                    let o = avx512::tile::<4>(w.dtype, quad, p, tok);
+                    for (c, v) in o.iter().enumerate() {
+                        store(tok + c, r0, v);
+                    }
+                    tok += 4;
+                }
+                match te - tok {
+                    3 => {
+                        let o = avx512::tile::<3>(w.dtype, quad, p, tok);
+                        o.iter().enumerate().for_each(|(c, v)| store(tok + c, r0, v));
+                    }
+                    2 => {
+                        let o = avx512::tile::<2>(w.dtype, quad, p, tok);
+                        o.iter().enumerate().for_each(|(c, v)| store(tok + c, r0, v));
+                    }
+                    1 => {
+                        let o = avx512::tile::<1>(w.dtype, quad, p, tok);
+                        store(tok, r0, &o[0]);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    });
+}
+
+/// One dot product per (row, token), in the order [`Order::of`] picks.
+fn matmul_dots(w: &WeightRef, act: &[u8], ab: usize, t: usize, y: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    let rb = w.row_bytes();
+    let orders: Vec<Order> = (0..t).map(|tok| Order::of(w.dtype, rows, t, tok)).collect();
+    let dot = |wr: &[u8], ar: &[u8], tok: usize| match orders[tok] {
+        Order::Vec => quant::vec_dot(w.dtype, wr, ar, cols),
+        Order::Q4kGemv => quant::vec_dot_q4k_repacked(wr, ar, cols),
+        Order::Q4kGemm => quant::vec_dot_q4k_gemm_order(wr, ar, cols),
+        Order::Q6kTiled => quant::vec_dot_q6k_tiled_order(wr, ar, cols),
+    };
+    if t == 1 {
+        pool::parallel_chunks_mut(y, ROWS_PER_TASK, |ci, yc| {
+            let r0 = ci * ROWS_PER_TASK;
+            for (i, yv) in yc.iter_mut().enumerate() {
+                let wr = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
+                *yv = dot(wr, &act, 0);
+            }
+        });
+        return;
+    }
+    // [rows, T] by weight row, then transposed to [T, rows].
+    let mut yt = vec![0f32; rows * t];
+    pool::parallel_chunks_mut(&mut yt, ROWS_PER_TASK * t, |ci, yc| {
+        let r0 = ci * ROWS_PER_TASK;
+        for (i, yrow) in yc.chunks_exact_mut(t).enumerate() {
+            let wr = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
+            for (tok, yv) in yrow.iter_mut().enumerate() {
+                *yv = dot(wr, &act[tok * ab..(tok + 1) * ab], tok);
+            }
+        }
+    });
+    for r in 0..rows {
+        for tok in 0..t {
+            y[tok * rows + r] = yt[r * t + tok];
+        }
+    }
+}
+
+/// Plain reference: dequantized weights, f64 sums, activations not quantized.
+pub fn matmul_ref(w: &WeightRef, x: &[f32], y: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    let t = x.len() / cols;
+    let rb = w.row_bytes();
+    let mut wr = vec![0f32; cols];
+    for r in 0..rows {
+        quant::dequantize_row(w.dtype, &w.data[r * rb..(r + 1) * rb], &mut wr);
+        for tok in 0..t {
+            let xr = &x[tok * cols..(tok + 1) * cols];
+            y[tok * rows + r] = wr
+                .iter()
+                .zip(xr)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum::<f64>() as f32;
+        }
+    }
+}
+
+/// Dequantizes row `r` of `w` (an embedding lookup: exact, no activation quantization).
+pub fn get_row(w: &WeightRef, r: usize, out: &mut [f32]) {
+    let rb = w.row_bytes();
+    quant::dequantize_row(w.dtype, &w.data[r * rb..(r + 1) * rb], out);
+}

@@ -1,0 +1,168 @@
+//! The fast matmul and attention paths against the plain ones. Fresh random inputs every run; the
+//! seed is in every failure message (rerun with `QUANT_SEED=<seed>`).
+//!
+//! * `matmul` (AVX-512 tiles where the CPU has them) == one `vec_dot` per output, bit for bit:
+//!   the tiles keep vec_dot's float order. Shapes cover odd row counts, every token remainder
+//!   of the 4-token tiles, and more tokens than one token block.
+//! * `matmul` vs `matmul_ref` (f64, unquantized activations): relative error of the quantized
+//!   activations, |Δ| ≤ 2^-6 · Σ|w·x| + 1e-6 (Q8 activations carry about 2^-8 relative error per
+//!   element; the bound leaves room for the f32 sums).
+//! * attention: the SIMD kernels == `attention_portable` (same float order) bit for bit, within
+//!   5e-3 of `attention_ref` (f64; Q and the V accumulator are f16), and one query at a time ==
+//!   the whole batch bit for bit (batch invariance).
+//! * Every check demands finite values, so a NaN never passes.
+
+use ferrum_core::{f16, DType};
+use ferrum_kernels::attention::{attention, attention_portable, attention_ref, AttnParams};
+use ferrum_kernels::matmul::{matmul, matmul_ref, WeightRef};
+use ferrum_kernels::quant::{quantize_row, vec_dot, vec_dot_type};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn seed() -> u64 {
+    match std::env::var("QUANT_SEED") {
+        Ok(s) => s.parse().expect("QUANT_SEED must be a u64"),
+        Err(_) => rand::random(),
+    }
+}
+
+fn put_f16(b: &mut [u8], off: usize, v: f32) {
+    b[off..off + 2].copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
+}
+
+/// Random weight rows with sane scale fields (random bytes elsewhere).
+fn random_weights(t: DType, rows: usize, cols: usize, rng: &mut StdRng) -> Vec<u8> {
+    let mut b = vec![0u8; t.row_bytes(cols).unwrap() * rows];
+    rng.fill(&mut b[..]);
+    for blk in b.chunks_exact_mut(t.block_bytes()) {
+        match t {
+            DType::Q4_1 => {
+                put_f16(blk, 0, rng.gen_range(0.001..0.1));
+                put_f16(blk, 2, rng.gen_range(-0.5..0.5));
+            }
+            DType::Q8_0 => put_f16(blk, 0, rng.gen_range(0.0001..0.01)),
+            _ => unreachable!(),
+        }
+    }
+    b
+}
+
+#[test]
+fn matmul_equals_vec_dot_bit_for_bit() {
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    for &dtype in &[DType::Q4_1, DType::Q8_0] {
+        for &(rows, cols, t) in &[
+            (1, 32, 1),
+            (3, 64, 2),
+            (5, 96, 3),
+            (17, 576, 5),
+            (64, 128, 7),
+            (33, 64, 70),
+            (8, 32, 131),
+        ] {
+            let data = random_weights(dtype, rows, cols, &mut rng);
+            let w = WeightRef {
+                dtype,
+                rows,
+                cols,
+                data: &data,
+            };
+            let x: Vec<f32> = (0..t * cols).map(|_| rng.gen_range(-3.0..3.0)).collect();
+            let mut y = vec![f32::NAN; t * rows];
+            matmul(&w, &x, &mut y);
+            let at = vec_dot_type(dtype);
+            let ab = at.row_bytes(cols).unwrap();
+            let rb = dtype.row_bytes(cols).unwrap();
+            let mut yr = vec![0f32; t * rows];
+            matmul_ref(&w, &x, &mut yr);
+            for tok in 0..t {
+                let mut act = vec![0u8; ab];
+                quantize_row(at, &x[tok * cols..(tok + 1) * cols], &mut act);
+                for r in 0..rows {
+                    let want = vec_dot(dtype, &data[r * rb..(r + 1) * rb], &act, cols);
+                    let got = y[tok * rows + r];
+                    assert!(
+                        got.is_finite() && got.to_bits() == want.to_bits(),
+                        "seed {seed}: {dtype} {rows}x{cols} t={t} token {tok} row {r}: {got} vs vec_dot {want}"
+                    );
+                    let mut deq = vec![0f32; cols];
+                    ferrum_kernels::quant::dequantize_row(
+                        dtype,
+                        &data[r * rb..(r + 1) * rb],
+                        &mut deq,
+                    );
+                    let mag: f32 = deq
+                        .iter()
+                        .zip(&x[tok * cols..])
+                        .map(|(a, b)| (a * b).abs())
+                        .sum();
+                    let bound = mag / 64.0 + 1e-6;
+                    assert!(
+                        (got - yr[tok * rows + r]).abs() <= bound,
+                        "seed {seed}: {dtype} token {tok} row {r}: {got} vs f64 reference {} (bound {bound})",
+                        yr[tok * rows + r]
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn random_cache(n: usize, rng: &mut StdRng) -> Vec<f16> {
+    (0..n).map(|_| f16::from_f32(rng.gen_range(-2.0..2.0))).collect()
+}
+
+#[test]
+fn attention_is_batch_invariant_and_close_to_f64() {
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    for &(nh, nkv, hd, window) in &[
+        (9, 3, 64, None),
+        (4, 1, 256, Some(7)),
+        (2, 2, 80, None),
+        (2, 1, 16, None),
+    ] {
+        let ctx = 40;
+        let k = random_cache(ctx * nkv * hd, &mut rng);
+        let v = random_cache(ctx * nkv * hd, &mut rng);
+        let positions: Vec<usize> = (25..40).collect();
+        let q: Vec<f32> = (0..positions.len() * nh * hd)
+            .map(|_| rng.gen_range(-1.0..1.0))
+            .collect();
+        let p = AttnParams {
+            n_head: nh,
+            n_head_kv: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window,
+        };
+        let mut all = vec![f32::NAN; q.len()];
+        attention(&p, &q, &k, &v, &positions, &mut all);
+        let mut plain = vec![f32::NAN; q.len()];
+        attention_portable(&p, &q, &k, &v, &positions, &mut plain);
+        for (i, (a, b)) in all.iter().zip(&plain).enumerate() {
+            assert!(
+                a.is_finite() && a.to_bits() == b.to_bits(),
+                "seed {seed}: hd {hd} element {i}: SIMD {a} vs portable {b}"
+            );
+        }
+        let mut refv = vec![0f32; q.len()];
+        attention_ref(&p, &q, &k, &v, &positions, &mut refv);
+        for (i, (a, b)) in all.iter().zip(&refv).enumerate() {
+            assert!(
+                a.is_finite() && (a - b).abs() < 5e-3,
+                "seed {seed}: hd {hd} element {i}: {a} vs f64 {b}"
+            );
+        }
+        // One query at a time gives the same bits as the whole batch.
+        let row = nh * hd;
+        for (t, &pos) in positions.iter().enumerate() {
+            let mut one = vec![f32::NAN; row];
+            attention(&p, &q[t * row..(t + 1) * row], &k, &v, &[pos], &mut one);
+            for (a, b) in one.iter().zip(&all[t * row..(t + 1) * row]) {
+                assert_eq!(a.to_bits(), b.to_bits(), "seed {seed}: hd {hd} query {t}");
+            }
+        }
+    }
+}
