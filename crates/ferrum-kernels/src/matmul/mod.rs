@@ -150,7 +150,7 @@ const TILE_TOKEN_BLOCK: usize = 64;
 
 /// How far ahead (in rows) the tiled kernels prefetch weights.
 #[cfg(target_arch = "x86_64")]
-const PREFETCH_ROWS: usize = 8;
+const PREFETCH_ROWS: usize = 32;
 
 #[cfg(target_arch = "x86_64")]
 fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {

@@ -267,12 +267,49 @@ impl Weights {
                 n_out: cfg.n_vocab,
             },
         };
-        Ok(Weights {
+        let mut w = Weights {
             output_norm: vector("output_norm.weight", e)?,
             token_embd,
             layers,
             output,
-        })
+        };
+        w.pack()?;
+        Ok(w)
+    }
+
+    /// Moves every matrix into one anonymous buffer backed by huge pages where the OS allows
+    /// ([`Bytes::pack`]): decoding reads all weights per token, and from a 4 KiB-page file map
+    /// that costs a TLB miss every few rows.
+    pub fn pack(&mut self) -> Result<()> {
+        let tied = self.output.weight.data.as_ptr() == self.token_embd.data.as_ptr();
+        let mut mats: Vec<&mut RawTensor> = vec![&mut self.token_embd];
+        for l in self.layers.iter_mut() {
+            for lin in [
+                &mut l.attn_q,
+                &mut l.attn_k,
+                &mut l.attn_v,
+                &mut l.attn_output,
+                &mut l.ffn_gate,
+                &mut l.ffn_up,
+                &mut l.ffn_down,
+            ] {
+                mats.push(&mut lin.weight);
+            }
+        }
+        if !tied {
+            mats.push(&mut self.output.weight);
+        }
+        let packed = {
+            let parts: Vec<&[u8]> = mats.iter().map(|t| &t.data[..]).collect();
+            Bytes::pack(&parts)?
+        };
+        for (t, b) in mats.into_iter().zip(packed) {
+            t.data = b;
+        }
+        if tied {
+            self.output.weight.data = self.token_embd.data.clone();
+        }
+        Ok(())
     }
 
     /// Every matrix re-stored as F32 (the unquantized reference path).

@@ -1,0 +1,105 @@
+//! Throughput of `matmul` (no criterion): `cargo bench -p ferrum-kernels --bench matmul`.
+//! GEMV (one token; weights 64 MiB, beyond the last-level cache): GB/s of weight bytes, beside
+//! the machine's read bandwidth when `ferrum bench --machine` has cached it. GEMM (512 tokens,
+//! a model-size matrix): GFLOP/s counting 2·rows·cols·tokens. Medians of 7 runs, 1 and 2 threads.
+
+use ferrum_core::{f16, Bytes, DType};
+use ferrum_kernels::matmul::{matmul, WeightRef};
+use ferrum_kernels::pool;
+use std::hint::black_box;
+use std::time::Instant;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Weights in a huge-page backed buffer, as models are loaded ([`Bytes::pack`]).
+fn weights(t: DType, rows: usize, cols: usize, rng: &mut Rng) -> Bytes {
+    let raw = raw_weights(t, rows, cols, rng);
+    Bytes::pack(&[&raw]).unwrap().pop().unwrap()
+}
+
+fn raw_weights(t: DType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut w: Vec<u8> = (0..rows * t.row_bytes(cols).unwrap())
+        .map(|_| rng.next() as u8)
+        .collect();
+    let fields: &[usize] = match t {
+        DType::Q4_0 | DType::Q8_0 => &[0],
+        DType::Q4_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q6_K => &[208],
+        _ => &[],
+    };
+    for blk in w.chunks_exact_mut(t.block_bytes()) {
+        for &o in fields {
+            blk[o..o + 2].copy_from_slice(&f16::from_f32(0.01).to_bits().to_le_bytes());
+        }
+    }
+    w
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    println!("| kernel | shape | threads | median ms | throughput |");
+    println!("|---|---|---:|---:|---:|");
+    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q6_K] {
+        let cols = if dtype.block_size() == 256 { 1024 } else { 576 };
+        let rb = dtype.row_bytes(cols).unwrap();
+        // GEMV over 64 MiB of weights.
+        let rows = (64 << 20) / rb / 16 * 16;
+        let w = weights(dtype, rows, cols, &mut rng);
+        let wr = WeightRef { dtype, rows, cols, data: &w };
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut y = vec![0f32; rows];
+        for threads in [1, 2] {
+            pool::set_threads(Some(threads));
+            matmul(&wr, &x, &mut y);
+            let times: Vec<f64> = (0..7)
+                .map(|_| {
+                    let t = Instant::now();
+                    matmul(&wr, black_box(&x), &mut y);
+                    t.elapsed().as_secs_f64()
+                })
+                .collect();
+            let s = median(times);
+            println!(
+                "| gemv {dtype} | {rows}x{cols} x 1 | {threads} | {:.3} | {:.1} GB/s |",
+                s * 1e3,
+                w.len() as f64 / s / 1e9
+            );
+        }
+        // GEMM: 1536 x cols weights, 512 tokens.
+        let (rows, t) = (1536, 512);
+        let w = weights(dtype, rows, cols, &mut rng);
+        let wr = WeightRef { dtype, rows, cols, data: &w };
+        let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut y = vec![0f32; t * rows];
+        for threads in [1, 2] {
+            pool::set_threads(Some(threads));
+            matmul(&wr, &x, &mut y);
+            let times: Vec<f64> = (0..7)
+                .map(|_| {
+                    let tm = Instant::now();
+                    matmul(&wr, black_box(&x), &mut y);
+                    tm.elapsed().as_secs_f64()
+                })
+                .collect();
+            let s = median(times);
+            println!(
+                "| gemm {dtype} | {rows}x{cols} x {t} | {threads} | {:.3} | {:.1} GFLOP/s |",
+                s * 1e3,
+                2.0 * (rows * cols * t) as f64 / s / 1e9
+            );
+        }
+    }
+}
