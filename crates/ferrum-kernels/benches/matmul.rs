@@ -30,7 +30,7 @@ fn raw_weights(t: DType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
         .map(|_| rng.next() as u8)
         .collect();
     let fields: &[usize] = match t {
-        DType::Q4_0 | DType::Q8_0 => &[0],
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
         DType::Q4_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
         DType::Q6_K => &[208],
         _ => &[],
@@ -52,13 +52,24 @@ fn main() {
     let mut rng = Rng(0x1234_5678_9abc_def1);
     println!("| kernel | shape | threads | median ms | throughput |");
     println!("|---|---|---:|---:|---:|");
-    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q6_K] {
+    for dtype in [
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q6_K,
+    ] {
         let cols = if dtype.block_size() == 256 { 1024 } else { 576 };
         let rb = dtype.row_bytes(cols).unwrap();
         // GEMV over 64 MiB of weights.
         let rows = (64 << 20) / rb / 16 * 16;
         let w = weights(dtype, rows, cols, &mut rng);
-        let wr = WeightRef { dtype, rows, cols, data: &w };
+        let wr = WeightRef {
+            dtype,
+            rows,
+            cols,
+            data: &w,
+        };
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut y = vec![0f32; rows];
         for threads in [1, 2] {
@@ -81,7 +92,12 @@ fn main() {
         // GEMM: 1536 x cols weights, 512 tokens.
         let (rows, t) = (1536, 512);
         let w = weights(dtype, rows, cols, &mut rng);
-        let wr = WeightRef { dtype, rows, cols, data: &w };
+        let wr = WeightRef {
+            dtype,
+            rows,
+            cols,
+            data: &w,
+        };
         let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut y = vec![0f32; t * rows];
         for threads in [1, 2] {

@@ -193,7 +193,7 @@ unsafe fn attend_row_avx512(r: &Row, o: &mut [f32]) {
         let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4)); // [t0+t2, t1+t3, ..]
         let dot = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
         // head_dim % 64 != 0 leaves elements that ggml adds in f64: none when hd % 64 == 0.
-        let dot = if hd % 64 == 0 {
+        let dot = if hd.is_multiple_of(64) {
             dot
         } else {
             tail_f64(dot, r.q, krow, hd / 64 * 64)

@@ -40,7 +40,7 @@ fn random_weights(t: DType, rows: usize, cols: usize, rng: &mut StdRng) -> Vec<u
                 put_f16(blk, 0, rng.gen_range(0.001..0.1));
                 put_f16(blk, 2, rng.gen_range(-0.5..0.5));
             }
-            DType::Q8_0 => put_f16(blk, 0, rng.gen_range(0.0001..0.01)),
+            DType::Q8_0 | DType::Q5_0 => put_f16(blk, 0, rng.gen_range(0.0001..0.01)),
             _ => unreachable!(),
         }
     }
@@ -51,7 +51,7 @@ fn random_weights(t: DType, rows: usize, cols: usize, rng: &mut StdRng) -> Vec<u
 fn matmul_equals_vec_dot_bit_for_bit() {
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
-    for &dtype in &[DType::Q4_1, DType::Q8_0] {
+    for &dtype in &[DType::Q4_1, DType::Q5_0, DType::Q8_0] {
         for &(rows, cols, t) in &[
             (1, 32, 1),
             (3, 64, 2),
@@ -110,7 +110,9 @@ fn matmul_equals_vec_dot_bit_for_bit() {
 }
 
 fn random_cache(n: usize, rng: &mut StdRng) -> Vec<f16> {
-    (0..n).map(|_| f16::from_f32(rng.gen_range(-2.0..2.0))).collect()
+    (0..n)
+        .map(|_| f16::from_f32(rng.gen_range(-2.0..2.0)))
+        .collect()
 }
 
 #[test]

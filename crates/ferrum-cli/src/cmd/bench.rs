@@ -23,10 +23,20 @@ pub struct Args {
     #[arg(short, long)]
     pub model: Option<std::path::PathBuf>,
     /// Prompt lengths to test (comma-separated; 0 skips prompt processing).
-    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_delimiter = ',',
+        default_value = "512"
+    )]
     pub n_prompt: Vec<usize>,
     /// Generation lengths to test (comma-separated; 0 skips generation).
-    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    #[arg(
+        short = 'n',
+        long = "n-gen",
+        value_delimiter = ',',
+        default_value = "128"
+    )]
     pub n_gen: Vec<usize>,
     /// Thread counts to test (comma-separated). Default: all cores.
     #[arg(short, long, value_delimiter = ',')]
@@ -81,6 +91,19 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
 
+    let ceilings = super::machine::load_cached();
+    let bytes_per_token = llm.model.weights.bytes_per_token();
+    // Decode bound: weight bytes per token over the measured read bandwidth at this thread count.
+    let bound = |t: usize| -> Option<f64> {
+        let c = ceilings.as_ref()?;
+        let gbs = if t <= 1 {
+            c.mem_read_gbs_1
+        } else {
+            c.mem_read_gbs_all
+        };
+        Some(gbs * 1e9 / bytes_per_token as f64)
+    };
+    let mut notes = Vec::new();
     let mut rows = Vec::new();
     if !a.json {
         println!(
@@ -122,14 +145,22 @@ pub fn run(a: Args) -> Result<()> {
             };
             let mean = speeds.iter().sum::<f64>() / speeds.len() as f64;
             let stddev = if speeds.len() > 1 {
-                (speeds.iter().map(|s| (s - mean).powi(2)).sum::<f64>()
-                    / (speeds.len() - 1) as f64)
+                (speeds.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (speeds.len() - 1) as f64)
                     .sqrt()
             } else {
                 0.0
             };
+            let tg_bound = if *is_prompt { None } else { bound(t) };
+            if let Some(b) = tg_bound {
+                notes.push(format!(
+                    "{name} at {t} thread(s): {median:.1} tok/s = {:.0}% of the memory-bandwidth bound {b:.0} tok/s ({:.1} MB of weights per token)",
+                    100.0 * median / b,
+                    bytes_per_token as f64 / 1e6
+                ));
+            }
             if a.json {
                 rows.push(json!({
+                    "bandwidth_bound_tokens_per_second": tg_bound,
                     "model": llm.name,
                     "model_bytes": size,
                     "model_params": params,
@@ -156,6 +187,13 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else if ceilings.is_none() && a.n_gen.iter().any(|&n| n > 0) {
+        println!("\n(run `ferrum bench --machine` once to see decode speed against the memory-bandwidth bound)");
+    } else if !notes.is_empty() {
+        println!();
+        for n in notes {
+            println!("{n}");
+        }
     }
     Ok(())
 }
@@ -176,7 +214,10 @@ fn bench_tokens(llm: &Llm, n: usize) -> Vec<u32> {
             (state % n_vocab) as u32
         })
         .collect();
-    if let (Some(first), Some(bos)) = (v.first_mut(), llm.tokenizer.bos().filter(|_| llm.tokenizer.add_bos())) {
+    if let (Some(first), Some(bos)) = (
+        v.first_mut(),
+        llm.tokenizer.bos().filter(|_| llm.tokenizer.add_bos()),
+    ) {
         *first = bos;
     }
     v

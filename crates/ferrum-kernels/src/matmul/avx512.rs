@@ -1,4 +1,4 @@
-//! AVX-512 (F, BW, VL, VNNI) tile kernels for Q4_1 and Q8_0 weights: 4 weight rows x up to 4
+//! AVX-512 (F, BW, VL, VNNI) tile kernels for Q4_1, Q5_0 and Q8_0 weights: 4 weight rows x up to 4
 //! tokens per call, each weight block unpacked once for all the tokens of the tile.
 //!
 //! Every output is summed in exactly the float order of the AVX2 `vec_dot` (llama.cpp's order):
@@ -13,9 +13,11 @@
 //! load serves a row pair:
 //! * Q8_1 (for Q4_1): `[a0..15, a0..15, a16..31, a16..31]` against weights unpacked as
 //!   `[row0 low nibbles, row1 low, row0 high, row1 high]`; plus `[d_a, s_a, d_a, s_a]`.
-//! * Q8_0: `[a0..31, a0..31]` against `[row0 q + 128, row1 q + 128]` (VNNI multiplies unsigned
-//!   by signed bytes), with the i32 correction `-128·Σ a` over each 4 bytes as the dot's start
+//! * Q8_0 (for Q8_0 and Q5_0): `[a0..31, a0..31]` against `[row0 q + 128, row1 q + 128]` (VNNI
+//!   multiplies unsigned by signed bytes), with the i32 correction `-128·Σ a` over each 4 bytes as the dot's start
 //!   value; plus `d_a`.
+
+#![allow(clippy::needless_range_loop)] // index loops over register arrays mirror the tile shape
 
 use core::arch::x86_64::*;
 
@@ -38,7 +40,7 @@ pub fn available() -> bool {
 
 /// Weight types with a tile kernel here.
 pub fn supports(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_1 | DType::Q8_0)
+    matches!(dtype, DType::Q4_1 | DType::Q5_0 | DType::Q8_0)
 }
 
 /// Activation rows in the tile layout, from rows quantized as Q8_1 (Q4_1 weights) or Q8_0.
@@ -67,7 +69,7 @@ impl Prepared {
     pub fn fill(&mut self, w: DType, act: &[u8], ab: usize, t: usize) {
         let nb = match w {
             DType::Q4_1 => ab / 40,
-            _ => ab / 34,
+            _ => ab / 34, // Q8_0 activations (Q8_0 and Q5_0 weights)
         };
         self.nb = nb;
         self.quants.clear();
@@ -127,6 +129,7 @@ pub fn tile<const C: usize>(
     let nb = p.nb;
     let bw = match dtype {
         DType::Q4_1 => 20,
+        DType::Q5_0 => 22,
         DType::Q8_0 => 34,
         other => panic!("no AVX-512 tile kernel for {other}"),
     };
@@ -140,7 +143,8 @@ pub fn tile<const C: usize>(
     unsafe {
         match dtype {
             DType::Q4_1 => tile_q4_1::<C>(rows, p, tok0),
-            _ => tile_q8_0::<C>(rows, p, tok0),
+            DType::Q5_0 => tile_x_q8_0::<C, 22>(rows, p, tok0, unpack_q5_0_pair),
+            _ => tile_x_q8_0::<C, 34>(rows, p, tok0, unpack_q8_0_pair),
         }
     }
 }
@@ -229,10 +233,52 @@ unsafe fn tile_q4_1<const C: usize>(rows: [&[u8]; 4], p: &Prepared, tok0: usize)
     out
 }
 
+/// Block `b` of rows `r0` and `r1` of a "_0" type as 64 unsigned bytes `q + 128`
+/// (`[row0 elements 0..32, row1 elements 0..32]`).
+type UnpackPair = unsafe fn(*const u8, *const u8, usize) -> __m512i;
+
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_q8_0<const C: usize>(rows: [&[u8]; 4], p: &Prepared, tok0: usize) -> [[f32; 4]; C] {
+unsafe fn unpack_q8_0_pair(r0: *const u8, r1: *const u8, b: usize) -> __m512i {
+    // SAFETY: the caller guarantees block b of both rows is readable.
+    let wz = unsafe {
+        let q0 = _mm256_loadu_si256(r0.add(b * 34 + 2) as *const __m256i);
+        let q1 = _mm256_loadu_si256(r1.add(b * 34 + 2) as *const __m256i);
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q0), q1)
+    };
+    _mm512_xor_si512(wz, _mm512_set1_epi8(0x80u8 as i8))
+}
+
+/// Q5_0: q = (nibble | 5th bit << 4) - 16, so q + 128 = (nibble | bit << 4) + 112.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_q5_0_pair(r0: *const u8, r1: *const u8, b: usize) -> __m512i {
+    // SAFETY: the caller guarantees block b of both rows is readable.
+    let (x, qh) = unsafe {
+        let x = _mm256_set_m128i(ld128(r1.add(b * 22 + 6)), ld128(r0.add(b * 22 + 6)));
+        let h0 = (r0.add(b * 22 + 2) as *const u32).read_unaligned() as u64;
+        let h1 = (r1.add(b * 22 + 2) as *const u32).read_unaligned() as u64;
+        (x, h0 | (h1 << 32))
+    };
+    let m4 = _mm256_set1_epi8(0x0f);
+    let lo = _mm256_and_si256(x, m4); // [row0 elements 0..16, row1 elements 0..16]
+    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), m4); // elements 16..32
+                                                              // [row0 lo, row0 hi, row1 lo, row1 hi]
+    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+    let z = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
+    let z = _mm512_or_si512(z, _mm512_maskz_mov_epi8(qh, _mm512_set1_epi8(0x10)));
+    _mm512_add_epi8(z, _mm512_set1_epi8(112))
+}
+
+/// "_0" weights (Q8_0, Q5_0; `BW` bytes per block) x Q8_0 activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile_x_q8_0<const C: usize, const BW: usize>(
+    rows: [&[u8]; 4],
+    p: &Prepared,
+    tok0: usize,
+    unpack: UnpackPair,
+) -> [[f32; 4]; C] {
     let nb = p.nb;
-    let flip = _mm512_set1_epi8(0x80u8 as i8);
     let didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     let mut acc = [[_mm512_setzero_ps(); C]; 2];
     let wp = rows.map(|r| r.as_ptr());
@@ -241,13 +287,10 @@ unsafe fn tile_q8_0<const C: usize>(rows: [&[u8]; 4], p: &Prepared, tok0: usize)
             let (r0, r1) = (wp[2 * pair], wp[2 * pair + 1]);
             // SAFETY: block b of each row is within the row (lengths checked by `tile`).
             let (wz, dw) = unsafe {
-                let q0 = _mm256_loadu_si256(r0.add(b * 34 + 2) as *const __m256i);
-                let q1 = _mm256_loadu_si256(r1.add(b * 34 + 2) as *const __m256i);
-                let d0 = (r0.add(b * 34) as *const u16).read_unaligned();
-                let d1 = (r1.add(b * 34) as *const u16).read_unaligned();
-                let wz = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q0), q1);
+                let d0 = (r0.add(b * BW) as *const u16).read_unaligned();
+                let d1 = (r1.add(b * BW) as *const u16).read_unaligned();
                 let dw = _mm_cvtph_ps(_mm_setr_epi16(d0 as i16, d1 as i16, 0, 0, 0, 0, 0, 0));
-                (_mm512_xor_si512(wz, flip), dw)
+                (unpack(r0, r1, b), dw)
             };
             for c in 0..C {
                 let i = (tok0 + c) * nb + b;

@@ -11,7 +11,7 @@
 //! depend on the row count of the call it is in (callers that need batch invariance across
 //! sequences must give each sequence's rows their own call).
 //!
-//! Kernels: on CPUs with AVX-512 VNNI, Q4_1 and Q8_0 weights go through the tile kernels of
+//! Kernels: on CPUs with AVX-512 VNNI, Q4_1, Q5_0 and Q8_0 weights go through the tile kernels of
 //! [`avx512`] (4 rows x 4 tokens per call, same float order as `vec_dot`, so the same bits);
 //! everything else runs one [`quant::vec_dot`]-family product per output.
 
@@ -102,7 +102,9 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
             quant::quantize_row(act_type, xr, ar);
         }
         #[cfg(target_arch = "x86_64")]
-        if avx512::available() && avx512::supports(w.dtype) {
+        if avx512::available() && avx512::supports(w.dtype) && (t > 1 || w.dtype == DType::Q4_1) {
+            // (One token of Q8_0 or Q5_0 streams faster through the row-at-a-time kernel below,
+            // with the same bits: see benches/matmul.rs.)
             sc.prepared.fill(w.dtype, &sc.act, ab, t);
             matmul_tiles(w, &sc.prepared, t, y);
             return;
@@ -140,6 +142,12 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    /// Element `i` (the caller keeps `i` inside the slice and writes no element another task writes).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
 
 /// Rows per task of the tiled kernels (a multiple of 4).
 #[cfg(target_arch = "x86_64")]
@@ -159,7 +167,6 @@ fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
     let out = OutPtr(y.as_mut_ptr());
     let n_tasks = rows.div_ceil(TILE_ROWS_PER_TASK);
     pool::parallel_for(n_tasks, |task| {
-        let out = out;
         let r_begin = task * TILE_ROWS_PER_TASK;
         let r_end = (r_begin + TILE_ROWS_PER_TASK).min(rows);
         let row = |r: usize| &w.data[r.min(rows - 1) * rb..][..rb];
@@ -168,7 +175,7 @@ fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
                 if r0 + i < r_end {
                     // SAFETY: `tok < t` and `r0 + i < rows`, so the index is inside `y`
                     // ([t, rows]); only this task writes rows r_begin..r_end.
-                    unsafe { *out.0.add(tok * rows + r0 + i) = val };
+                    unsafe { *out.at(tok * rows + r0 + i) = val };
                 }
             }
         };
@@ -177,7 +184,9 @@ fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
             for r0 in (r_begin..r_end).step_by(4) {
                 let quad = [row(r0), row(r0 + 1), row(r0 + 2), row(r0 + 3)];
                 if r0 + PREFETCH_ROWS + 4 <= rows {
-                    avx512::prefetch(&w.data[(r0 + PREFETCH_ROWS) * rb..(r0 + PREFETCH_ROWS + 4) * rb]);
+                    avx512::prefetch(
+                        &w.data[(r0 + PREFETCH_ROWS) * rb..(r0 + PREFETCH_ROWS + 4) * rb],
+                    );
                 }
                 let mut tok = tb;
                 while tok + 4 <= te {
@@ -190,11 +199,15 @@ fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
                 match te - tok {
                     3 => {
                         let o = avx512::tile::<3>(w.dtype, quad, p, tok);
-                        o.iter().enumerate().for_each(|(c, v)| store(tok + c, r0, v));
+                        o.iter()
+                            .enumerate()
+                            .for_each(|(c, v)| store(tok + c, r0, v));
                     }
                     2 => {
                         let o = avx512::tile::<2>(w.dtype, quad, p, tok);
-                        o.iter().enumerate().for_each(|(c, v)| store(tok + c, r0, v));
+                        o.iter()
+                            .enumerate()
+                            .for_each(|(c, v)| store(tok + c, r0, v));
                     }
                     1 => {
                         let o = avx512::tile::<1>(w.dtype, quad, p, tok);
@@ -223,7 +236,7 @@ fn matmul_dots(w: &WeightRef, act: &[u8], ab: usize, t: usize, y: &mut [f32]) {
             let r0 = ci * ROWS_PER_TASK;
             for (i, yv) in yc.iter_mut().enumerate() {
                 let wr = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
-                *yv = dot(wr, &act, 0);
+                *yv = dot(wr, act, 0);
             }
         });
         return;

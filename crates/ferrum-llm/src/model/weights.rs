@@ -148,13 +148,20 @@ impl Weights {
             .map(|l| {
                 l.attn_norm.len()
                     + l.ffn_norm.len()
-                    + [&l.attn_q_norm, &l.attn_k_norm, &l.post_attention_norm, &l.post_ffw_norm]
-                        .iter()
-                        .map(|n| n.as_ref().map_or(0, |n| n.len()))
-                        .sum::<usize>()
+                    + [
+                        &l.attn_q_norm,
+                        &l.attn_k_norm,
+                        &l.post_attention_norm,
+                        &l.post_ffw_norm,
+                    ]
+                    .iter()
+                    .map(|n| n.as_ref().map_or(0, |n| n.len()))
+                    .sum::<usize>()
             })
             .sum();
-        self.tensors().iter().map(|t| t.n_elements()).sum::<usize>() + norms + self.output_norm.len()
+        self.tensors().iter().map(|t| t.n_elements()).sum::<usize>()
+            + norms
+            + self.output_norm.len()
     }
 
     /// Weight bytes one decode step reads: every matrix, except that the embedding table
@@ -163,7 +170,11 @@ impl Weights {
         let embd = &self.token_embd;
         let tied = self.output.weight.data.as_ptr() == embd.data.as_ptr();
         let embd_rows = embd.dims.get(1).copied().unwrap_or(1).max(1);
-        let embd_read = if tied { embd.data.len() } else { embd.data.len() / embd_rows };
+        let embd_read = if tied {
+            embd.data.len()
+        } else {
+            embd.data.len() / embd_rows
+        };
         self.n_bytes() - embd.data.len() + embd_read
     }
 
