@@ -951,3 +951,98 @@ fn help_for_every_subcommand() {
     assert_eq!(out.status.code(), Some(2), "{}", out.describe());
     assert!(out.stderr.starts_with("error:"), "{}", out.describe());
 }
+
+#[test]
+fn bench_prints_llama_bench_rows_and_json() {
+    let m = smollm2();
+    let out = ferrum(
+        &[
+            "bench", "-m", &m, "-p", "16", "-n", "4", "-r", "2", "-t", "1,2", "--json",
+        ],
+        MODEL_RUN,
+    );
+    assert!(out.status.success(), "{}", out.describe());
+    let rows: Json = serde_json::from_str(&out.stdout).expect("bench --json prints JSON");
+    let rows = rows.as_array().expect("a JSON array");
+    let seen: Vec<(String, u64)> = rows
+        .iter()
+        .map(|r| {
+            let tps = r["tokens_per_second"].as_f64().expect("tokens_per_second");
+            assert!(tps.is_finite() && tps > 0.0, "{r}");
+            assert!(
+                r["stddev"]
+                    .as_f64()
+                    .is_some_and(|s| s.is_finite() && s >= 0.0),
+                "{r}"
+            );
+            assert_eq!(r["repetitions"], 2, "{r}");
+            assert!(r["model"].as_str().is_some_and(|s| !s.is_empty()), "{r}");
+            (
+                r["test"].as_str().unwrap().to_string(),
+                r["threads"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let want: Vec<(String, u64)> = [("pp16", 1), ("tg4", 1), ("pp16", 2), ("tg4", 2)]
+        .iter()
+        .map(|(t, n)| (t.to_string(), *n))
+        .collect();
+    assert_eq!(seen, want);
+
+    let out = ferrum(
+        &[
+            "bench", "-m", &m, "-p", "8", "-n", "0", "-r", "1", "-t", "1",
+        ],
+        MODEL_RUN,
+    );
+    assert!(out.status.success(), "{}", out.describe());
+    assert!(out.stdout.starts_with("| model"), "{}", out.describe());
+    let row = out
+        .stdout
+        .lines()
+        .find(|l| l.contains("pp8"))
+        .unwrap_or_else(|| panic!("no pp8 row: {}", out.describe()));
+    assert_eq!(row.matches('|').count(), 8, "{row}");
+
+    for bad in [["-t", "0"], ["-r", "0"]] {
+        let out = ferrum(&["bench", "-m", &m, bad[0], bad[1]], QUICK);
+        assert_clean_error(&out, &[]);
+    }
+}
+
+#[test]
+fn bench_machine_measures_and_caches_ceilings() {
+    let dir = TempDir::new("machine");
+    let file = dir.0.join("machine.json");
+    let file_s = file.to_string_lossy().into_owned();
+    let out = ferrum_with(
+        &["bench", "--machine", "--json"],
+        None,
+        MODEL_RUN,
+        &[("FERRUM_MACHINE_FILE", &file_s)],
+    );
+    assert!(out.status.success(), "{}", out.describe());
+    let printed: Json = serde_json::from_str(&out.stdout).expect("JSON ceilings");
+    let cached: Json =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("cache file written"))
+            .expect("cached JSON");
+    assert_eq!(printed, cached);
+    for key in [
+        "fma_gflops_1",
+        "fma_gflops_all",
+        "mem_read_gbs_1",
+        "mem_read_gbs_all",
+        "mem_copy_gbs_1",
+        "l2_read_gbs_1",
+        "l3_read_gbs_1",
+    ] {
+        let v = printed[key].as_f64().unwrap_or(f64::NAN);
+        assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+    }
+    // Caches are faster than memory: a check that the measurement measures something.
+    assert!(
+        printed["l2_read_gbs_1"].as_f64().unwrap() > printed["mem_read_gbs_1"].as_f64().unwrap(),
+        "{}",
+        out.stdout
+    );
+}

@@ -10,7 +10,7 @@ pub mod storage;
 
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use storage::Bytes;
+pub use storage::{Bytes, HugeBuf};
 
 /// IEEE binary16, re-exported so every crate converts the same way.
 pub use half::{bf16, f16};

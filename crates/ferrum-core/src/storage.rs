@@ -120,3 +120,33 @@ impl std::fmt::Debug for Bytes {
         write!(f, "Bytes({} bytes)", self.len())
     }
 }
+
+/// A writable, zero-filled anonymous buffer that asks the OS for transparent huge pages (on
+/// Linux), for large scratch or benchmark buffers that should not pay a TLB miss per 4 KiB.
+pub struct HugeBuf(memmap2::MmapMut);
+
+impl HugeBuf {
+    pub fn zeroed(len: usize) -> Result<Self> {
+        let map = memmap2::MmapMut::map_anon(len.max(1))
+            .map_err(|e| Error::msg(format!("allocating {len} bytes: {e}")))?;
+        #[cfg(target_os = "linux")]
+        {
+            // A hint only.
+            let _ = map.advise(memmap2::Advice::HugePage);
+        }
+        Ok(Self(map))
+    }
+}
+
+impl std::ops::Deref for HugeBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for HugeBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}

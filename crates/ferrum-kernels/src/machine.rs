@@ -13,6 +13,7 @@
 use std::time::Instant;
 
 use crate::pool;
+use ferrum_core::HugeBuf;
 
 /// GFLOP/s of `threads` threads issuing FMAs for about `seconds`.
 pub fn peak_fma_gflops(threads: usize, seconds: f64) -> f64 {
@@ -121,47 +122,54 @@ fn fma_loop_avx2(iters: u64) -> f32 {
     out.iter().sum()
 }
 
-/// Sum of `x` with 8 independent accumulators (the compiler vectorises the inner loop).
-fn sum_f32(x: &[f32]) -> f32 {
-    let mut acc = [0f32; 32];
-    let chunks = x.chunks_exact(32);
-    let tail: f32 = chunks.remainder().iter().sum();
+/// Wrapping sum of `x` as u64 words with 32 independent lanes (the compiler vectorises it);
+/// every byte is read once.
+fn sum_bytes(x: &[u8]) -> u64 {
+    let mut acc = [0u64; 32];
+    let chunks = x.chunks_exact(256);
+    let tail: u64 = chunks.remainder().iter().map(|&b| b as u64).sum();
     for c in chunks {
-        for (a, v) in acc.iter_mut().zip(c) {
-            *a += v;
+        for (a, w) in acc.iter_mut().zip(c.chunks_exact(8)) {
+            *a = a.wrapping_add(u64::from_ne_bytes(w.try_into().unwrap()));
         }
     }
-    acc.iter().sum::<f32>() + tail
+    acc.iter().fold(tail, |s, &a| s.wrapping_add(a))
+}
+
+fn huge(len: usize, fill: u8) -> HugeBuf {
+    let mut b = HugeBuf::zeroed(len).expect("allocating a benchmark buffer");
+    b.fill(fill);
+    b
 }
 
 /// Read bandwidth in GB/s over a buffer of `bytes` (per thread: `bytes / threads`), repeated
 /// until about `seconds` have passed. Small buffers measure cache bandwidth.
 pub fn read_bandwidth(bytes: usize, threads: usize, seconds: f64) -> f64 {
-    let per = (bytes / threads / 4).max(1024);
-    let bufs: Vec<Vec<f32>> = (0..threads).map(|i| vec![1.0 + i as f32; per]).collect();
+    let per = (bytes / threads).max(4096) / 256 * 256;
+    let bufs: Vec<HugeBuf> = (0..threads).map(|i| huge(per, i as u8 + 1)).collect();
     pool::set_threads(Some(threads));
-    // Warm up (page faults, cache fill).
+    // Warm up (cache fill).
     pool::parallel_for(threads, |i| {
-        std::hint::black_box(sum_f32(&bufs[i]));
+        std::hint::black_box(sum_bytes(&bufs[i]));
     });
-    let reps = repetitions(per * 4, seconds, |b| {
-        std::hint::black_box(sum_f32(&bufs[0][..b / 4]));
+    let reps = repetitions(per, seconds, |_| {
+        std::hint::black_box(sum_bytes(&bufs[0]));
     });
     let t = Instant::now();
     pool::parallel_for(threads, |i| {
         for _ in 0..reps {
-            std::hint::black_box(sum_f32(std::hint::black_box(&bufs[i])));
+            std::hint::black_box(sum_bytes(std::hint::black_box(&bufs[i])));
         }
     });
     let dt = t.elapsed().as_secs_f64();
-    (threads * per * 4 * reps) as f64 / dt / 1e9
+    (threads * per * reps) as f64 / dt / 1e9
 }
 
 /// Copy bandwidth in GB/s (bytes read + bytes written) over buffers of `bytes` each.
 pub fn copy_bandwidth(bytes: usize, threads: usize, seconds: f64) -> f64 {
     let per = (bytes / threads).max(4096);
-    let src: Vec<Vec<u8>> = (0..threads).map(|i| vec![i as u8 + 1; per]).collect();
-    let mut dst: Vec<Vec<u8>> = (0..threads).map(|_| vec![0u8; per]).collect();
+    let src: Vec<HugeBuf> = (0..threads).map(|i| huge(per, i as u8 + 1)).collect();
+    let mut dst: Vec<HugeBuf> = (0..threads).map(|_| huge(per, 0)).collect();
     pool::set_threads(Some(threads));
     let reps = {
         let (s0, d0) = (&src[0], &mut dst[0]);
@@ -202,7 +210,7 @@ mod tests {
         assert!(l2.is_finite() && l2 > 0.1 && mem > 0.1, "l2 {l2} mem {mem}");
         let cp = copy_bandwidth(16 << 20, 1, 0.02);
         assert!(cp.is_finite() && cp > 0.1, "copy {cp}");
-        assert_eq!(sum_f32(&[1.0; 100]), 100.0);
+        assert_eq!(sum_bytes(&[1u8; 1000]), 96 * 0x0101_0101_0101_0101 + 232);
         pool::set_threads(None);
     }
 }

@@ -177,7 +177,7 @@ pub fn run(a: Args) -> Result<()> {
                     truncate(&format!("{} {}", cfg.arch.name(), llm.name), 30),
                     size as f64 / (1u64 << 20) as f64,
                     params as f64 / 1e6,
-                    format!("CPU {:?}", ferrum_kernels::quant::isa()),
+                    backend(),
                     t,
                     name,
                     format!("{median:.2} ± {stddev:.2}")
@@ -196,6 +196,18 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The kernel set in use, for the table's backend column.
+fn backend() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if ferrum_kernels::matmul::avx512::available() {
+        return "CPU AVX512";
+    }
+    match ferrum_kernels::quant::isa() {
+        ferrum_kernels::quant::Isa::Avx2 => "CPU AVX2",
+        ferrum_kernels::quant::Isa::Scalar => "CPU scalar",
+    }
 }
 
 fn truncate(s: &str, n: usize) -> String {
