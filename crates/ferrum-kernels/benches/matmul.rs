@@ -61,33 +61,30 @@ fn main() {
     ] {
         let cols = if dtype.block_size() == 256 { 1024 } else { 576 };
         let rb = dtype.row_bytes(cols).unwrap();
-        // GEMV over 64 MiB of weights.
-        let rows = (64 << 20) / rb / 16 * 16;
-        let w = weights(dtype, rows, cols, &mut rng);
-        let wr = WeightRef {
-            dtype,
-            rows,
-            cols,
-            data: &w,
-        };
-        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
-        let mut y = vec![0f32; rows];
-        for threads in [1, 2] {
-            pool::set_threads(Some(threads));
-            matmul(&wr, &x, &mut y);
-            let times: Vec<f64> = (0..7)
-                .map(|_| {
-                    let t = Instant::now();
-                    matmul(&wr, black_box(&x), &mut y);
-                    t.elapsed().as_secs_f64()
-                })
-                .collect();
-            let s = median(times);
-            println!(
-                "| gemv {dtype} | {rows}x{cols} x 1 | {threads} | {:.3} | {:.1} GB/s |",
-                s * 1e3,
-                w.len() as f64 / s / 1e9
-            );
+        // GEMV over 64 MiB of weights (memory) and over 8 MiB (fits the last-level cache).
+        for mib in [64usize, 8] {
+            let rows = (mib << 20) / rb / 16 * 16;
+            let w = weights(dtype, rows, cols, &mut rng);
+            let wr = WeightRef { dtype, rows, cols, data: &w };
+            let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+            let mut y = vec![0f32; rows];
+            for threads in [1, 2] {
+                pool::set_threads(Some(threads));
+                matmul(&wr, &x, &mut y);
+                let times: Vec<f64> = (0..15)
+                    .map(|_| {
+                        let t = Instant::now();
+                        matmul(&wr, black_box(&x), &mut y);
+                        t.elapsed().as_secs_f64()
+                    })
+                    .collect();
+                let s = median(times);
+                println!(
+                    "| gemv {dtype} ({mib} MiB) | {rows}x{cols} x 1 | {threads} | {:.3} | {:.1} GB/s |",
+                    s * 1e3,
+                    w.len() as f64 / s / 1e9
+                );
+            }
         }
         // GEMM: 1536 x cols weights, 512 tokens.
         let (rows, t) = (1536, 512);
