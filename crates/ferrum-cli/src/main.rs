@@ -24,6 +24,8 @@ enum Command {
     Info(cmd::info::Args),
     /// Prompt-processing and generation speed (llama-bench's table), or this machine's ceilings (--machine).
     Bench(cmd::bench::Args),
+    /// Per-operator time, FLOPs, bytes and roofline position of a prompt and a generation.
+    Profile(cmd::profile::Args),
 }
 
 fn main() {
@@ -35,6 +37,7 @@ fn main() {
         Command::Perplexity(a) => cmd::perplexity::run(a),
         Command::Info(a) => cmd::info::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        Command::Profile(a) => cmd::profile::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

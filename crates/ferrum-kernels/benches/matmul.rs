@@ -65,7 +65,12 @@ fn main() {
         for mib in [64usize, 8] {
             let rows = (mib << 20) / rb / 16 * 16;
             let w = weights(dtype, rows, cols, &mut rng);
-            let wr = WeightRef { dtype, rows, cols, data: &w };
+            let wr = WeightRef {
+                dtype,
+                rows,
+                cols,
+                data: &w,
+            };
             let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
             let mut y = vec![0f32; rows];
             for threads in [1, 2] {

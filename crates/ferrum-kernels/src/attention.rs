@@ -73,15 +73,15 @@ fn run(
     let group = nh / nkv;
 
     let fast = simd && has_avx2_fma_f16c();
-    let wide = simd && hd % 16 == 0 && hd <= MAX_WIDE_HEAD_DIM && has_avx512();
-    pool::parallel_chunks_mut(out, hd, |idx, o| {
+    let wide = simd && matches!(hd, 64 | 128 | 256) && has_avx512();
+    let job = |idx: usize| {
         let (t, h) = (idx / nh, idx % nh);
         let pos = positions[t];
         let start = match p.window {
             Some(w) => (pos + 1).saturating_sub(w),
             None => 0,
         };
-        let job = Row {
+        Row {
             q: &q[idx * hd..(idx + 1) * hd],
             k,
             v,
@@ -89,14 +89,44 @@ fn run(
             kv_row,
             keys: start..pos + 1,
             scale: p.scale,
-        };
-        #[cfg(target_arch = "x86_64")]
-        if wide {
-            // SAFETY: `wide` is true only when the CPU reports AVX-512F and head_dim is a
-            // multiple of 16 no larger than MAX_WIDE_HEAD_DIM, as the kernel requires.
-            unsafe { attend_row_avx512(&job, o) };
-            return;
         }
+    };
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        // Rows (query, head) go H at a time through the kernel, whose per-key dependency chains
+        // then overlap; H = 2 keeps a one-token step split over enough tasks.
+        const H: usize = 2;
+        // SAFETY (every call below): `wide` is true only when the CPU reports AVX-512F and
+        // head_dim is 64, 128 or 256, which is 16 * NV for the NV each call names.
+        let one = |r: &Row, o: &mut [f32]| unsafe {
+            match hd {
+                64 => attend_rows_avx512::<1, 4>([r], o),
+                128 => attend_rows_avx512::<1, 8>([r], o),
+                _ => attend_rows_avx512::<1, 16>([r], o),
+            }
+        };
+        pool::parallel_chunks_mut(out, H * hd, |ci, o| {
+            let rows: Vec<Row> = (ci * H..ci * H + o.len() / hd).map(job).collect();
+            let paired = rows.len() == H && rows.iter().all(|r| r.keys == rows[0].keys);
+            if paired && hd <= 128 {
+                let pair: [&Row; H] = [&rows[0], &rows[1]];
+                // SAFETY: as above.
+                unsafe {
+                    match hd {
+                        64 => attend_rows_avx512::<H, 4>(pair, o),
+                        _ => attend_rows_avx512::<H, 8>(pair, o),
+                    }
+                }
+            } else {
+                for (r, oc) in rows.iter().zip(o.chunks_exact_mut(hd)) {
+                    one(r, oc);
+                }
+            }
+        });
+        return;
+    }
+    pool::parallel_chunks_mut(out, hd, |idx, o| {
+        let job = job(idx);
         #[cfg(target_arch = "x86_64")]
         if fast {
             // SAFETY: `fast` is true only when the CPU reports AVX2, FMA and F16C.
@@ -149,78 +179,103 @@ fn has_avx512() -> bool {
     false
 }
 
-/// Largest head size the AVX-512 kernel keeps on its stack.
-const MAX_WIDE_HEAD_DIM: usize = 512;
+thread_local! {
+    /// Per-thread score buffer of the AVX-512 kernel (one query row's keys).
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
-/// [`attend_row`] with AVX-512: the same float operations in the same order (Q.K in ggml's
-/// AVX-512 `vec_dot_f16` lanes, f16 rounding of the V accumulator after every update), 16 lanes
-/// at a time and without heap buffers. `head_dim` must be a multiple of 16, at most
-/// [`MAX_WIDE_HEAD_DIM`].
+/// [`attend_row`] with AVX-512 for `H` rows that share their key range: the same float
+/// operations in the same order per row (Q.K in ggml's AVX-512 `vec_dot_f16` lanes, f16 rounding
+/// of the V accumulator after every update), 16 lanes at a time, without heap buffers per call.
+/// The rows' per-key chains (exp, rescale, accumulate) are independent, so running them side by
+/// side overlaps their latencies. `head_dim` must be 16 * NV (NV fixed at compile time keeps
+/// the accumulators in registers); `o` holds the H output rows.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn attend_row_avx512(r: &Row, o: &mut [f32]) {
+unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o: &mut [f32]) {
     use core::arch::x86_64::*;
-    let hd = r.q.len();
-    let nv = hd / 16;
+    let hd = rows[0].q.len();
+    assert_eq!(hd, 16 * NV, "attend_rows_avx512: head_dim");
+    let keys = rows[0].keys.clone();
+    let n_keys = keys.len();
     let round = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
-    let mut q = [_mm512_setzero_ps(); MAX_WIDE_HEAD_DIM / 16];
-    let mut acc = [_mm512_setzero_ps(); MAX_WIDE_HEAD_DIM / 16];
-    for (i, qv) in q[..nv].iter_mut().enumerate() {
-        // SAFETY: i * 16 + 16 <= hd = r.q.len().
-        *qv = round(unsafe { _mm512_loadu_ps(r.q.as_ptr().add(i * 16)) });
-    }
     let load_h = |row: &[f16], i: usize| -> __m512 {
         // SAFETY: callers pass rows of hd f16 and i < hd / 16.
         _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(row.as_ptr().add(i * 16) as *const __m256i) })
     };
-    let mut m = f32::NEG_INFINITY;
-    let mut s = 0f32;
-    for j in r.keys.clone() {
-        let at = j * r.kv_row + r.at;
-        let krow = &r.k[at..at + hd];
-        let vrow = &r.v[at..at + hd];
-        // Q.K: 4 accumulators over each 64 elements, as ggml's AVX-512 vec_dot_f16.
-        let mut a = [_mm512_setzero_ps(); 4];
-        for i in 0..hd / 64 * 4 {
-            a[i % 4] = _mm512_fmadd_ps(q[i], load_h(krow, i), a[i % 4]);
-        }
-        let rsum = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
-        let t8 = _mm256_add_ps(
-            _mm512_castps512_ps256(rsum),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(rsum))),
-        );
-        let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
-        let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4)); // [t0+t2, t1+t3, ..]
-        let dot = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
-        // head_dim % 64 != 0 leaves elements that ggml adds in f64: none when hd % 64 == 0.
-        let dot = if hd.is_multiple_of(64) {
-            dot
-        } else {
-            tail_f64(dot, r.q, krow, hd / 64 * 64)
-        };
-        let score = dot * r.scale;
-        let mut ms = 1f32;
-        let mut vs = 1f32;
-        if score > m {
-            ms = (m - score).exp();
-            m = score;
-            let msv = _mm512_set1_ps(ms);
-            for av in acc[..nv].iter_mut() {
-                *av = round(_mm512_mul_ps(*av, msv));
+    let mut acc = [[_mm512_setzero_ps(); NV]; H];
+    let mut m = [f32::NEG_INFINITY; H];
+    let mut s = [0f32; H];
+    SCORES.with_borrow_mut(|scores| {
+        scores.clear();
+        scores.resize(H * n_keys, 0.0);
+        // Scores first: they do not depend on the running max and sum, so the Q.K products of
+        // many keys overlap; the pass below is then a short dependency chain per key.
+        for (hi, r) in rows.iter().enumerate() {
+            let mut q = [_mm512_setzero_ps(); NV];
+            for (i, qv) in q.iter_mut().enumerate() {
+                // SAFETY: i * 16 + 16 <= hd = r.q.len().
+                *qv = round(unsafe { _mm512_loadu_ps(r.q.as_ptr().add(i * 16)) });
             }
-        } else {
-            vs = (score - m).exp();
+            for (jj, j) in keys.clone().enumerate() {
+                let at = j * r.kv_row + r.at;
+                let krow = &r.k[at..at + hd];
+                // Q.K: 4 accumulators over each 64 elements, as ggml's AVX-512 vec_dot_f16.
+                let mut a = [_mm512_setzero_ps(); 4];
+                for i in 0..hd / 64 * 4 {
+                    a[i % 4] = _mm512_fmadd_ps(q[i], load_h(krow, i), a[i % 4]);
+                }
+                let rsum = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+                let t8 = _mm256_add_ps(
+                    _mm512_castps512_ps256(rsum),
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(rsum))),
+                );
+                let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+                let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4)); // [t0+t2, t1+t3, ..]
+                let dot = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+                // head_dim % 64 != 0 leaves elements ggml adds in f64: none when hd % 64 == 0.
+                let dot = if hd.is_multiple_of(64) {
+                    dot
+                } else {
+                    tail_f64(dot, r.q, krow, hd / 64 * 64)
+                };
+                scores[hi * n_keys + jj] = dot * r.scale;
+            }
         }
-        let vsv = _mm512_set1_ps(vs);
-        for (i, av) in acc[..nv].iter_mut().enumerate() {
-            *av = round(_mm512_fmadd_ps(load_h(vrow, i), vsv, *av));
+        for (jj, j) in keys.clone().enumerate() {
+            for hi in 0..H {
+                let r = rows[hi];
+                let score = scores[hi * n_keys + jj];
+                let at = j * r.kv_row + r.at;
+                let vrow = &r.v[at..at + hd];
+                let mut ms = 1f32;
+                let mut vs = 1f32;
+                if score > m[hi] {
+                    ms = (m[hi] - score).exp();
+                    m[hi] = score;
+                    let msv = _mm512_set1_ps(ms);
+                    for av in acc[hi].iter_mut() {
+                        *av = round(_mm512_mul_ps(*av, msv));
+                    }
+                } else {
+                    vs = (score - m[hi]).exp();
+                }
+                let vsv = _mm512_set1_ps(vs);
+                for (i, av) in acc[hi].iter_mut().enumerate() {
+                    *av = round(_mm512_fmadd_ps(load_h(vrow, i), vsv, *av));
+                }
+                s[hi] = s[hi].mul_add(ms, vs);
+            }
         }
-        s = s.mul_add(ms, vs);
-    }
-    let inv = _mm512_set1_ps(1.0 / s);
-    for (i, av) in acc[..nv].iter().enumerate() {
-        // SAFETY: i * 16 + 16 <= hd = o.len().
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(i * 16), _mm512_mul_ps(*av, inv)) };
+    });
+    for hi in 0..H {
+        let inv = _mm512_set1_ps(1.0 / s[hi]);
+        for (i, av) in acc[hi].iter().enumerate() {
+            let off = hi * hd + i * 16;
+            assert!(off + 16 <= o.len());
+            // SAFETY: off + 16 <= o.len(), checked above.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(off), _mm512_mul_ps(*av, inv)) };
+        }
     }
 }
 

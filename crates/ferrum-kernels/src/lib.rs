@@ -6,6 +6,7 @@
 //! - [`ops`]: RMSNorm, RoPE, activations, softmax.
 //! - [`attention`]: causal attention over an f16 KV cache.
 //! - [`machine`]: measured ceilings (peak FMA, memory and cache bandwidth).
+//! - [`profile`]: per-operator timing with FLOPs and bytes (`ferrum profile`).
 //! - [`pool`]: the thread pool every parallel kernel runs on (`--threads`).
 
 pub mod attention;
@@ -13,4 +14,5 @@ pub mod machine;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
+pub mod profile;
 pub mod quant;

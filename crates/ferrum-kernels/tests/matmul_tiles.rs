@@ -10,6 +10,7 @@
 //! * attention: the SIMD kernels == `attention_portable` (same float order) bit for bit, within
 //!   5e-3 of `attention_ref` (f64; Q and the V accumulator are f16), and one query at a time ==
 //!   the whole batch bit for bit (batch invariance).
+//! * SwiGLU: the AVX-512 kernel == the portable one (ggml's operations) bit for bit.
 //! * Every check demands finite values, so a NaN never passes.
 
 use ferrum_core::{f16, DType};
@@ -124,6 +125,7 @@ fn attention_is_batch_invariant_and_close_to_f64() {
         (4, 1, 256, Some(7)),
         (2, 2, 80, None),
         (2, 1, 16, None),
+        (6, 2, 128, Some(9)),
     ] {
         let ctx = 40;
         let k = random_cache(ctx * nkv * hd, &mut rng);
@@ -165,6 +167,31 @@ fn attention_is_batch_invariant_and_close_to_f64() {
             for (a, b) in one.iter().zip(&all[t * row..(t + 1) * row]) {
                 assert_eq!(a.to_bits(), b.to_bits(), "seed {seed}: hd {hd} query {t}");
             }
+        }
+    }
+}
+
+#[test]
+fn swiglu_simd_equals_portable_bit_for_bit() {
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    for len in [1usize, 15, 16, 17, 100, 1536] {
+        let mut g: Vec<f32> = (0..len)
+            .map(|i| match i % 7 {
+                0 => rng.gen_range(-200.0..200.0),
+                1 => rng.gen_range(-1e-3..1e-3),
+                _ => rng.gen_range(-12.0..12.0),
+            })
+            .collect();
+        let u: Vec<f32> = (0..len).map(|_| rng.gen_range(-3.0..3.0)).collect();
+        let mut plain = g.clone();
+        ferrum_kernels::ops::swiglu_portable(&mut plain, &u);
+        ferrum_kernels::ops::swiglu(&mut g, &u);
+        for (i, (a, b)) in g.iter().zip(&plain).enumerate() {
+            assert!(
+                !a.is_nan() && a.to_bits() == b.to_bits(),
+                "seed {seed}: len {len} element {i}: SIMD {a} vs portable {b}"
+            );
         }
     }
 }

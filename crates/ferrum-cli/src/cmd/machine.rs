@@ -72,15 +72,21 @@ pub fn measure() -> Ceilings {
     c
 }
 
-pub fn run(json: bool) -> Result<()> {
-    eprintln!("measuring this machine's ceilings (about 10 s) ...");
-    let c = measure();
+/// Caches `c` for later runs; returns where.
+pub fn save(c: &Ceilings) -> Result<PathBuf> {
     let path = cache_path();
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    std::fs::write(&path, serde_json::to_string_pretty(&c)?)
+    std::fs::write(&path, serde_json::to_string_pretty(c)?)
         .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+pub fn run(json: bool) -> Result<()> {
+    eprintln!("measuring this machine's ceilings (about 10 s) ...");
+    let c = measure();
+    let path = save(&c)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&c)?);
         return Ok(());

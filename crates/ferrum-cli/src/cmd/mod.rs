@@ -4,3 +4,4 @@ pub mod generate;
 pub mod info;
 pub mod machine;
 pub mod perplexity;
+pub mod profile;

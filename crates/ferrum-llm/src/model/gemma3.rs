@@ -11,16 +11,14 @@
 //!   h = RMSNorm(x) * ffn_norm
 //!   x = x + RMSNorm((GELU_tanh(h Wg) * (h Wu)) Wd) * post_ffw_norm
 
-use ferrum_kernels::ops;
-
 use super::weights::Weights;
-use super::{rms_norm, trace, Step};
+use super::{add, geglu, rms_norm, rms_norm_inplace, rope, scale, trace, Step};
 
 pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
     let cfg = s.cfg;
     let (nh, nkv, hd, eps) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps);
     let e = cfg.n_embd;
-    ops::scale_inplace(x, (e as f32).sqrt());
+    scale(x, (e as f32).sqrt());
     trace("inp_scaled", None, x, e);
     let q_scale = 1.0 / (hd as f32).sqrt();
     for (il, l) in w.layers.iter().enumerate() {
@@ -38,15 +36,15 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
         let mut q = l.attn_q.forward(&h); // [T, n_head * head_dim]
         let mut k = l.attn_k.forward(&h); // [T, n_head_kv * head_dim]
         let v = l.attn_v.forward(&h); // [T, n_head_kv * head_dim]
-        ops::rms_norm_inplace(&mut q, q_norm, eps); // per head: rows of head_dim
-        ops::rms_norm_inplace(&mut k, k_norm, eps);
-        let rope = match (&s.rope_swa, swa) {
+        rms_norm_inplace(&mut q, q_norm, eps); // per head: rows of head_dim
+        rms_norm_inplace(&mut k, k_norm, eps);
+        let r = match (&s.rope_swa, swa) {
             (Some(r), true) => r,
             _ => &s.rope,
         };
-        rope.apply(&mut q, nh, hd);
-        rope.apply(&mut k, nkv, hd);
-        ops::scale_inplace(&mut q, q_scale);
+        rope(r, &mut q, nh, hd);
+        rope(r, &mut k, nkv, hd);
+        scale(&mut q, q_scale);
         trace("Qcur", Some(il), &q, nh * hd);
         trace("Kcur", Some(il), &k, nkv * hd);
         trace("Vcur", Some(il), &v, nkv * hd);
@@ -57,17 +55,17 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
         let o = l.attn_output.forward(&a);
         let o = rms_norm(&o, post_attn, eps);
         trace("attn_post_norm", Some(il), &o, e);
-        ops::add_inplace(x, &o);
+        add(x, &o);
         trace("ffn_inp", Some(il), x, e);
 
         let h = rms_norm(x, &l.ffn_norm, eps);
         trace("ffn_norm", Some(il), &h, e);
         let mut g = l.ffn_gate.forward(&h); // [T, n_ff]
-        ops::geglu(&mut g, &l.ffn_up.forward(&h));
+        geglu(&mut g, &l.ffn_up.forward(&h));
         trace("ffn_geglu", Some(il), &g, cfg.n_ff);
         let f = rms_norm(&l.ffn_down.forward(&g), post_ffw, eps);
         trace("ffn_post_norm", Some(il), &f, e);
-        ops::add_inplace(x, &f);
+        add(x, &f);
         trace("l_out", Some(il), x, e);
     }
 }

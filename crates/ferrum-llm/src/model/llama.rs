@@ -8,10 +8,8 @@
 //!   h = RMSNorm(x) * ffn_norm
 //!   x = x + (SiLU(h Wg) * (h Wu)) Wd
 
-use ferrum_kernels::ops;
-
 use super::weights::Weights;
-use super::{rms_norm, trace, Step};
+use super::{add, rms_norm, rope, swiglu, trace, Step};
 
 pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
     let cfg = s.cfg;
@@ -24,8 +22,8 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
         let mut q = l.attn_q.forward(&h); // [T, n_head * head_dim]
         let mut k = l.attn_k.forward(&h); // [T, n_head_kv * head_dim]
         let v = l.attn_v.forward(&h); // [T, n_head_kv * head_dim]
-        s.rope.apply(&mut q, nh, hd);
-        s.rope.apply(&mut k, nkv, hd);
+        rope(&s.rope, &mut q, nh, hd);
+        rope(&s.rope, &mut k, nkv, hd);
         trace("Qcur", Some(il), &q, nh * hd);
         trace("Kcur", Some(il), &k, nkv * hd);
         trace("Vcur", Some(il), &v, nkv * hd);
@@ -33,17 +31,17 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
         trace("kqv_out", Some(il), &a, nh * hd);
         s.keep_output_rows(il, x, &mut a);
         let o = l.attn_output.forward(&a);
-        ops::add_inplace(x, &o);
+        add(x, &o);
         trace("ffn_inp", Some(il), x, e);
 
         let h = rms_norm(x, &l.ffn_norm, cfg.rms_eps);
         trace("ffn_norm", Some(il), &h, e);
         let mut g = l.ffn_gate.forward(&h); // [T, n_ff]
-        ops::swiglu(&mut g, &l.ffn_up.forward(&h));
+        swiglu(&mut g, &l.ffn_up.forward(&h));
         trace("ffn_swiglu", Some(il), &g, cfg.n_ff);
         let f = l.ffn_down.forward(&g);
         trace("ffn_out", Some(il), &f, e);
-        ops::add_inplace(x, &f);
+        add(x, &f);
         trace("l_out", Some(il), x, e);
     }
 }

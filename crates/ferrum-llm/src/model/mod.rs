@@ -11,6 +11,7 @@ use ferrum_core::{Error, Result};
 use ferrum_kernels::attention::{attention, AttnParams};
 use ferrum_kernels::matmul;
 use ferrum_kernels::ops::{self, RopeCache};
+use ferrum_kernels::profile;
 
 pub use config::{Arch, Config};
 pub use kv_cache::KvCache;
@@ -74,7 +75,13 @@ impl Step<'_> {
         window: Option<usize>,
     ) -> Vec<f32> {
         let cfg = self.cfg;
-        self.cache.store(il, self.positions[0], k, v);
+        profile::record(
+            "kv_store",
+            "cache",
+            0.0,
+            6.0 * (k.len() + v.len()) as f64,
+            || self.cache.store(il, self.positions[0], k, v),
+        );
         let (kc, vc) = self.cache.layer(il);
         let p = AttnParams {
             n_head: cfg.n_head,
@@ -84,7 +91,19 @@ impl Step<'_> {
             window,
         };
         let mut out = vec![0f32; q.len()];
-        attention(&p, q, kc, vc, &self.positions, &mut out);
+        // Keys each query reads, for the FLOP and byte counts.
+        let keys: usize = self
+            .positions
+            .iter()
+            .map(|&pos| window.map_or(pos + 1, |w| (pos + 1).min(w)))
+            .sum();
+        let hd = cfg.head_dim;
+        let flops = 4.0 * (cfg.n_head * hd * keys) as f64;
+        let bytes = (4 * cfg.n_head_kv * hd * keys + 8 * q.len()) as f64;
+        let class = if window.is_some() { "local" } else { "global" };
+        profile::record("attention", class, flops, bytes, || {
+            attention(&p, q, kc, vc, &self.positions, &mut out)
+        });
         out
     }
 }
@@ -124,8 +143,53 @@ pub fn trace(name: &str, il: Option<usize>, x: &[f32], cols: usize) {
 /// RMSNorm of every row, returning a new buffer.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
-    ops::rms_norm(x, w, eps, &mut y);
+    let n = x.len() as f64;
+    profile::record("rms_norm", "norm", 4.0 * n, 8.0 * n, || {
+        ops::rms_norm(x, w, eps, &mut y)
+    });
     y
+}
+
+/// RMSNorm of each row of `w.len()` values of `x`, in place (Gemma 3's per-head Q/K norms).
+pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    let n = x.len() as f64;
+    profile::record("rms_norm", "norm", 4.0 * n, 8.0 * n, || {
+        ops::rms_norm_inplace(x, w, eps)
+    })
+}
+
+/// x += y (the residual connection).
+pub fn add(x: &mut [f32], y: &[f32]) {
+    let n = x.len() as f64;
+    profile::record("add", "residual", n, 12.0 * n, || ops::add_inplace(x, y))
+}
+
+/// x *= s.
+pub fn scale(x: &mut [f32], s: f32) {
+    let n = x.len() as f64;
+    profile::record("scale", "elementwise", n, 8.0 * n, || {
+        ops::scale_inplace(x, s)
+    })
+}
+
+/// Rotary position embedding of `n_heads` heads of `head_dim` in each row of `x`.
+pub fn rope(r: &RopeCache, x: &mut [f32], n_heads: usize, head_dim: usize) {
+    let n = x.len() as f64;
+    profile::record("rope", "rope", 3.0 * n, 8.0 * n, || {
+        r.apply(x, n_heads, head_dim)
+    })
+}
+
+/// g = SiLU(g) * u.
+pub fn swiglu(g: &mut [f32], u: &[f32]) {
+    let n = g.len() as f64;
+    profile::record("swiglu", "ffn_act", 6.0 * n, 12.0 * n, || ops::swiglu(g, u))
+}
+
+/// g = GELU_tanh(g) * u.
+pub fn geglu(g: &mut [f32], u: &[f32]) {
+    let n = g.len() as f64;
+    profile::record("geglu", "ffn_act", 10.0 * n, 12.0 * n, || ops::geglu(g, u))
 }
 
 impl Model {
@@ -182,9 +246,11 @@ impl Model {
         let e = cfg.n_embd;
         let mut x = vec![0f32; t * e];
         let embd = weights_ref(&self.weights.token_embd, e, cfg.n_vocab);
-        for (row, &id) in x.chunks_exact_mut(e).zip(tokens) {
-            matmul::get_row(&embd, id as usize, row);
-        }
+        profile::record("get_rows", "token_embd", 0.0, (8 * t * e) as f64, || {
+            for (row, &id) in x.chunks_exact_mut(e).zip(tokens) {
+                matmul::get_row(&embd, id as usize, row);
+            }
+        });
 
         match cfg.arch {
             Arch::Llama | Arch::Qwen2 => llama::forward(&self.weights, &mut step, &mut x),

@@ -6,6 +6,7 @@
 
 use ferrum_core::{Bytes, DType, Error, Result};
 use ferrum_kernels::matmul::{self, WeightRef};
+use ferrum_kernels::profile;
 use ferrum_kernels::quant;
 
 use super::config::{Arch, Config};
@@ -50,6 +51,8 @@ pub trait TensorSource {
 /// `y = x W^T (+ b)` with W stored row-major [out, in] in any supported type.
 #[derive(Clone, Debug)]
 pub struct Linear {
+    /// What the projection is in the model (`attn_q`, `ffn_down`, `output`, ...), for profiles.
+    pub kind: &'static str,
     pub weight: RawTensor,
     pub bias: Option<Vec<f32>>,
     pub n_in: usize,
@@ -70,7 +73,11 @@ impl Linear {
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
         let t = x.len() / self.n_in;
         let mut y = vec![0f32; t * self.n_out];
-        matmul::matmul(&self.weight_ref(), x, &mut y);
+        let flops = 2.0 * (self.n_in * self.n_out * t) as f64;
+        let bytes = (self.weight.data.len() + 4 * t * (self.n_in + self.n_out)) as f64;
+        profile::record("matmul", self.kind, flops, bytes, || {
+            matmul::matmul(&self.weight_ref(), x, &mut y)
+        });
         if let Some(b) = &self.bias {
             for row in y.chunks_exact_mut(self.n_out) {
                 for (v, bv) in row.iter_mut().zip(b) {
@@ -231,6 +238,7 @@ impl Weights {
                 None
             };
             Ok(Linear {
+                kind: linear_kind(name),
                 weight: w,
                 bias,
                 n_in,
@@ -272,6 +280,7 @@ impl Weights {
         let output = match src.tensor("output.weight")? {
             Some(_) => linear("output", e, cfg.n_vocab, false)?,
             None => Linear {
+                kind: "output",
                 weight: token_embd.clone(),
                 bias: None,
                 n_in: e,
@@ -361,6 +370,26 @@ impl Weights {
                 .collect(),
         }
     }
+}
+
+/// The role of a projection from its GGUF name (`blk.N.attn_q` -> `attn_q`).
+fn linear_kind(name: &str) -> &'static str {
+    const KINDS: [&str; 8] = [
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+        "output",
+    ];
+    let last = name.rsplit('.').next().unwrap_or(name);
+    KINDS
+        .iter()
+        .find(|&&k| k == last)
+        .copied()
+        .unwrap_or("linear")
 }
 
 /// GGUF tensors straight from the memory map.
