@@ -179,7 +179,7 @@ fn group(events: &[Event]) -> BTreeMap<(&'static str, &'static str), Row> {
 fn print_phase(ph: &Phase, c: &Ceilings, threads: usize, n_prompt: usize, n_gen: usize) {
     let groups = group(&ph.events);
     let mut rows: Vec<_> = groups.into_iter().collect();
-    rows.sort_by(|a, b| b.1.ns.cmp(&a.1.ns));
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1.ns));
     let covered: u64 = rows.iter().map(|(_, r)| r.ns).sum();
     let wall_ms = ph.wall_s * 1e3;
     let tokens = if ph.name == "prompt" { n_prompt } else { n_gen };
