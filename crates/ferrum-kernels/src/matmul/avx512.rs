@@ -323,3 +323,107 @@ unsafe fn tile_x_q8_0<const C: usize, const BW: usize>(
 
 /// Elements per block of the types here.
 pub const BLOCK: usize = QK;
+
+// ---------------------------------------------------------------------------------------------
+// One-token products over Q8_0 weights repacked in groups of 16 rows.
+
+/// Rows per group of the packed Q8_0 layout.
+pub const GROUP: usize = 16;
+
+/// Bytes of one (group, block) cell: 16 f16 scales, then 16 rows x 32 quants.
+const CELL: usize = GROUP * 2 + GROUP * 32;
+
+/// Repacks a row-major Q8_0 matrix (`rows` a multiple of 16) for [`gemv_q8_0_x16`]: for each
+/// group of 16 rows and each block, the 16 scales, then the 16 rows' 32 quants. One token then
+/// streams the matrix front to back, and one vector load fetches the scales of 16 rows.
+pub fn pack_q8_0_x16(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+    if rows % GROUP != 0 || cols % QK != 0 || data.len() != rows * (cols / QK) * 34 {
+        return None;
+    }
+    let nb = cols / QK;
+    let rb = nb * 34;
+    let mut out = vec![0u8; rows / GROUP * nb * CELL];
+    for g in 0..rows / GROUP {
+        for b in 0..nb {
+            let cell = &mut out[(g * nb + b) * CELL..][..CELL];
+            for r in 0..GROUP {
+                let blk = &data[(g * GROUP + r) * rb + b * 34..][..34];
+                cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
+                cell[2 * GROUP + 32 * r..2 * GROUP + 32 * r + 32].copy_from_slice(&blk[2..34]);
+            }
+        }
+    }
+    Some(out)
+}
+
+/// `y[r] = W[r] · x` for one token over a matrix packed by [`pack_q8_0_x16`], in the float
+/// order of the Q8_0 `vec_dot` (so the same bits as [`super::matmul`]). Needs [`available`].
+pub fn gemv_q8_0_x16(packed: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+    assert!(available(), "gemv_q8_0_x16: CPU lacks AVX-512 VNNI");
+    assert!(rows % GROUP == 0 && cols % QK == 0, "gemv_q8_0_x16: shape");
+    let nb = cols / QK;
+    assert_eq!(
+        packed.len(),
+        rows / GROUP * nb * CELL,
+        "gemv_q8_0_x16: packed bytes"
+    );
+    assert_eq!(x.len(), cols, "gemv_q8_0_x16: x");
+    assert_eq!(y.len(), rows, "gemv_q8_0_x16: y");
+    let mut act = vec![0u8; nb * 34];
+    crate::quant::quantize_row(DType::Q8_0, x, &mut act);
+    let mut p = Prepared::new();
+    p.fill(DType::Q8_0, &act, nb * 34, 1);
+    const GROUPS_PER_TASK: usize = 4;
+    let group_bytes = nb * CELL;
+    crate::pool::parallel_chunks_mut(y, GROUP * GROUPS_PER_TASK, |ci, yc| {
+        for (gi, yg) in yc.chunks_exact_mut(GROUP).enumerate() {
+            let g = ci * GROUPS_PER_TASK + gi;
+            let w = &packed[g * group_bytes..(g + 1) * group_bytes];
+            // SAFETY: `available()` was checked; `w` holds nb cells and `p` nb blocks.
+            let out = unsafe { gemv_group_q8_0(w, &p) };
+            yg.copy_from_slice(&out);
+        }
+    });
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemv_group_q8_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
+    let nb = p.nb;
+    assert!(w.len() >= nb * CELL && p.quants.len() >= nb * 64 && p.corr.len() >= nb * 16);
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let idx: [__m512i; GROUP / 2] = core::array::from_fn(|pr| {
+        let (a, b) = (2 * pr as i32, 2 * pr as i32 + 1);
+        _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)
+    });
+    let mut acc = [_mm512_setzero_ps(); GROUP / 2];
+    for b in 0..nb {
+        // SAFETY: cell b and activation block b are in bounds (asserted above).
+        unsafe {
+            let cell = w.as_ptr().add(b * CELL);
+            let pf = cell.wrapping_add(8 * CELL); // a hint: may point past the end
+            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i));
+            let d = _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(b)));
+            let a = _mm512_loadu_si512(p.quants.as_ptr().add(b * 64) as *const _);
+            let corr = _mm512_loadu_si512(p.corr.as_ptr().add(b * 16) as *const _);
+            for pr in 0..GROUP / 2 {
+                if pr % 2 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(32 + 64 * pr) as *const i8);
+                }
+                let q = _mm512_loadu_si512(cell.add(2 * GROUP + 64 * pr) as *const _);
+                let isum = _mm512_dpbusd_epi32(corr, _mm512_xor_si512(q, flip), a);
+                let dp = _mm512_permutexvar_ps(idx[pr], d);
+                acc[pr] = _mm512_fmadd_ps(dp, _mm512_cvtepi32_ps(isum), acc[pr]);
+            }
+        }
+    }
+    let mut out = [0f32; GROUP];
+    for pr in 0..GROUP / 2 {
+        let mut l = [0f32; 16];
+        // SAFETY: `l` holds 16 f32; unaligned store.
+        unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[pr]) };
+        out[2 * pr] = hsum8_order(l[0..8].try_into().unwrap());
+        out[2 * pr + 1] = hsum8_order(l[8..16].try_into().unwrap());
+    }
+    out
+}
