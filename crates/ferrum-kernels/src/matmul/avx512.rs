@@ -337,7 +337,10 @@ const CELL: usize = GROUP * 2 + GROUP * 32;
 /// group of 16 rows and each block, the 16 scales, then the 16 rows' 32 quants. One token then
 /// streams the matrix front to back, and one vector load fetches the scales of 16 rows.
 pub fn pack_q8_0_x16(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
-    if rows % GROUP != 0 || cols % QK != 0 || data.len() != rows * (cols / QK) * 34 {
+    if !rows.is_multiple_of(GROUP)
+        || !cols.is_multiple_of(QK)
+        || data.len() != rows * (cols / QK) * 34
+    {
         return None;
     }
     let nb = cols / QK;
@@ -360,7 +363,10 @@ pub fn pack_q8_0_x16(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
 /// order of the Q8_0 `vec_dot` (so the same bits as [`super::matmul`]). Needs [`available`].
 pub fn gemv_q8_0_x16(packed: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
     assert!(available(), "gemv_q8_0_x16: CPU lacks AVX-512 VNNI");
-    assert!(rows % GROUP == 0 && cols % QK == 0, "gemv_q8_0_x16: shape");
+    assert!(
+        rows.is_multiple_of(GROUP) && cols.is_multiple_of(QK),
+        "gemv_q8_0_x16: shape"
+    );
     let nb = cols / QK;
     assert_eq!(
         packed.len(),
