@@ -43,6 +43,24 @@ fn raw_weights(t: DType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
     w
 }
 
+/// `FERRUM_BENCH_TYPES=Q8_0,Q4_1` limits the run to those types.
+fn bench_types() -> Vec<DType> {
+    let all = [
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q6_K,
+    ];
+    match std::env::var("FERRUM_BENCH_TYPES") {
+        Ok(v) => all
+            .into_iter()
+            .filter(|t| v.split(',').any(|n| n.eq_ignore_ascii_case(&t.to_string())))
+            .collect(),
+        Err(_) => all.to_vec(),
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -89,6 +107,39 @@ fn main() {
                     s * 1e3,
                     w.len() as f64 / s / 1e9
                 );
+            }
+            #[cfg(target_arch = "x86_64")]
+            if let Some(packed) = ferrum_kernels::matmul::avx512::pack_x16(dtype, &w, rows, cols)
+                .filter(|_| ferrum_kernels::matmul::avx512::available())
+            {
+                let packed = Bytes::pack(&[&packed]).unwrap().pop().unwrap();
+                for threads in [1, 2] {
+                    pool::set_threads(Some(threads));
+                    let mut run = || {
+                        ferrum_kernels::matmul::avx512::gemv_x16(
+                            dtype,
+                            &packed,
+                            rows,
+                            cols,
+                            black_box(&x),
+                            &mut y,
+                        )
+                    };
+                    run();
+                    let times: Vec<f64> = (0..15)
+                        .map(|_| {
+                            let t = Instant::now();
+                            run();
+                            t.elapsed().as_secs_f64()
+                        })
+                        .collect();
+                    let s = median(times);
+                    println!(
+                        "| gemv {dtype} 16-row packed ({mib} MiB) | {rows}x{cols} x 1 | {threads} | {:.3} | {:.1} GB/s |",
+                        s * 1e3,
+                        packed.len() as f64 / s / 1e9
+                    );
+                }
             }
         }
         // GEMM: 1536 x cols weights, 512 tokens.

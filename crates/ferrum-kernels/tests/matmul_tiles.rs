@@ -198,7 +198,7 @@ fn swiglu_simd_equals_portable_bit_for_bit() {
 
 #[test]
 #[cfg(target_arch = "x86_64")]
-fn packed_q8_0_gemv_equals_vec_dot_bit_for_bit() {
+fn packed_gemv_equals_vec_dot_bit_for_bit() {
     use ferrum_kernels::matmul::avx512;
     if !avx512::available() {
         eprintln!("skipped: this CPU has no AVX-512 VNNI");
@@ -206,29 +206,25 @@ fn packed_q8_0_gemv_equals_vec_dot_bit_for_bit() {
     }
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
-    for &(rows, cols) in &[(16, 32), (48, 576), (160, 640)] {
-        let data = random_weights(DType::Q8_0, rows, cols, &mut rng);
-        assert!(avx512::pack_q8_0_x16(&data, rows + 1, cols).is_none());
-        let packed = avx512::pack_q8_0_x16(&data, rows, cols).unwrap();
-        let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-3.0..3.0)).collect();
-        let mut y = vec![f32::NAN; rows];
-        avx512::gemv_q8_0_x16(&packed, rows, cols, &x, &mut y);
-        let mut want = vec![f32::NAN; rows];
-        matmul(
-            &WeightRef {
-                dtype: DType::Q8_0,
-                rows,
-                cols,
-                data: &data,
-            },
-            &x,
-            &mut want,
-        );
-        for (r, (a, b)) in y.iter().zip(&want).enumerate() {
-            assert!(
-                a.is_finite() && a.to_bits() == b.to_bits(),
-                "seed {seed}: {rows}x{cols} row {r}: packed {a} vs row kernel {b}"
-            );
+    for &dtype in &[DType::Q8_0, DType::Q5_0, DType::Q4_1] {
+        for &(rows, cols) in &[(16, 32), (48, 576), (160, 640)] {
+            let data = random_weights(dtype, rows, cols, &mut rng);
+            assert!(avx512::pack_x16(dtype, &data, rows + 1, cols).is_none());
+            let packed = avx512::pack_x16(dtype, &data, rows, cols).unwrap();
+            let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-3.0..3.0)).collect();
+            let mut y = vec![f32::NAN; rows];
+            avx512::gemv_x16(dtype, &packed, rows, cols, &x, &mut y);
+            let at = vec_dot_type(dtype);
+            let mut act = vec![0u8; at.row_bytes(cols).unwrap()];
+            quantize_row(at, &x, &mut act);
+            let rb = dtype.row_bytes(cols).unwrap();
+            for (r, a) in y.iter().enumerate() {
+                let b = vec_dot(dtype, &data[r * rb..(r + 1) * rb], &act, cols);
+                assert!(
+                    a.is_finite() && a.to_bits() == b.to_bits(),
+                    "seed {seed}: {dtype} {rows}x{cols} row {r}: packed {a} vs vec_dot {b}"
+                );
+            }
         }
     }
 }

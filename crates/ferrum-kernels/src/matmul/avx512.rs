@@ -325,78 +325,124 @@ unsafe fn tile_x_q8_0<const C: usize, const BW: usize>(
 pub const BLOCK: usize = QK;
 
 // ---------------------------------------------------------------------------------------------
-// One-token products over Q8_0 weights repacked in groups of 16 rows.
+// One-token products over weights repacked in groups of 16 rows.
 
-/// Rows per group of the packed Q8_0 layout.
+/// Rows per group of the packed layouts.
 pub const GROUP: usize = 16;
 
-/// Bytes of one (group, block) cell: 16 f16 scales, then 16 rows x 32 quants.
-const CELL: usize = GROUP * 2 + GROUP * 32;
+/// Field sizes of one (group, block) cell of a packed type: per row, bytes of scale fields
+/// (f16 d, then f16 m for Q4_1), of high bits (Q5_0's u32) and of quants.
+fn cell_fields(dtype: DType) -> Option<(usize, usize, usize)> {
+    match dtype {
+        DType::Q8_0 => Some((2, 0, 32)),
+        DType::Q5_0 => Some((2, 4, 16)),
+        DType::Q4_1 => Some((4, 0, 16)),
+        _ => None,
+    }
+}
 
-/// Repacks a row-major Q8_0 matrix (`rows` a multiple of 16) for [`gemv_q8_0_x16`]: for each
-/// group of 16 rows and each block, the 16 scales, then the 16 rows' 32 quants. One token then
-/// streams the matrix front to back, and one vector load fetches the scales of 16 rows.
-pub fn pack_q8_0_x16(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+/// Bytes of one (group, block) cell.
+fn cell_bytes(dtype: DType) -> usize {
+    let (s, h, q) = cell_fields(dtype).expect("packed type");
+    GROUP * (s + h + q)
+}
+
+/// Repacks a row-major Q8_0, Q5_0 or Q4_1 matrix (`rows` a multiple of 16) for [`gemv_x16`]:
+/// for each group of 16 rows and each block, a cell holding the 16 rows' d scales (then Q4_1's
+/// 16 m values, or Q5_0's 16 high-bit words), then their quants row after row. One token then
+/// streams the matrix front to back, and one vector load fetches a field of 16 rows. `None` for
+/// other types or shapes.
+pub fn pack_x16(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+    let (sf, hf, qf) = cell_fields(dtype)?;
+    let bb = dtype.block_bytes();
     if !rows.is_multiple_of(GROUP)
         || !cols.is_multiple_of(QK)
-        || data.len() != rows * (cols / QK) * 34
+        || data.len() != rows * (cols / QK) * bb
     {
         return None;
     }
     let nb = cols / QK;
-    let rb = nb * 34;
-    let mut out = vec![0u8; rows / GROUP * nb * CELL];
+    let rb = nb * bb;
+    let cell_len = cell_bytes(dtype);
+    let mut out = vec![0u8; rows / GROUP * nb * cell_len];
     for g in 0..rows / GROUP {
         for b in 0..nb {
-            let cell = &mut out[(g * nb + b) * CELL..][..CELL];
+            let cell = &mut out[(g * nb + b) * cell_len..][..cell_len];
             for r in 0..GROUP {
-                let blk = &data[(g * GROUP + r) * rb + b * 34..][..34];
-                cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
-                cell[2 * GROUP + 32 * r..2 * GROUP + 32 * r + 32].copy_from_slice(&blk[2..34]);
+                let blk = &data[(g * GROUP + r) * rb + b * bb..][..bb];
+                // Block layouts: Q8_0 d qs[32]; Q5_0 d qh[4] qs[16]; Q4_1 d m qs[16].
+                match dtype {
+                    DType::Q4_1 => {
+                        cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
+                        cell[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2].copy_from_slice(&blk[2..4]);
+                    }
+                    _ => cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]),
+                }
+                if hf > 0 {
+                    let at = GROUP * sf + hf * r;
+                    cell[at..at + hf].copy_from_slice(&blk[2..2 + hf]);
+                }
+                let at = GROUP * (sf + hf) + qf * r;
+                cell[at..at + qf].copy_from_slice(&blk[bb - qf..bb]);
             }
         }
     }
     Some(out)
 }
 
-/// `y[r] = W[r] · x` for one token over a matrix packed by [`pack_q8_0_x16`], in the float
-/// order of the Q8_0 `vec_dot` (so the same bits as [`super::matmul`]). Needs [`available`].
-pub fn gemv_q8_0_x16(packed: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
-    assert!(available(), "gemv_q8_0_x16: CPU lacks AVX-512 VNNI");
+/// `y[r] = W[r] · x` for one token over a matrix packed by [`pack_x16`], in the float order of
+/// the type's `vec_dot` (so the same bits as [`super::matmul`]). Needs [`available`].
+pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+    assert!(available(), "gemv_x16: CPU lacks AVX-512 VNNI");
     assert!(
-        rows.is_multiple_of(GROUP) && cols.is_multiple_of(QK),
-        "gemv_q8_0_x16: shape"
+        cell_fields(dtype).is_some() && rows.is_multiple_of(GROUP) && cols.is_multiple_of(QK),
+        "gemv_x16: {dtype} {rows}x{cols}"
     );
     let nb = cols / QK;
+    let cell_len = cell_bytes(dtype);
     assert_eq!(
         packed.len(),
-        rows / GROUP * nb * CELL,
-        "gemv_q8_0_x16: packed bytes"
+        rows / GROUP * nb * cell_len,
+        "gemv_x16: packed bytes"
     );
-    assert_eq!(x.len(), cols, "gemv_q8_0_x16: x");
-    assert_eq!(y.len(), rows, "gemv_q8_0_x16: y");
-    let mut act = vec![0u8; nb * 34];
-    crate::quant::quantize_row(DType::Q8_0, x, &mut act);
+    assert_eq!(x.len(), cols, "gemv_x16: x");
+    assert_eq!(y.len(), rows, "gemv_x16: y");
+    let act_type = crate::quant::vec_dot_type(dtype);
+    let ab = act_type.row_bytes(cols).expect("whole blocks");
+    let mut act = vec![0u8; ab];
+    crate::quant::quantize_row(act_type, x, &mut act);
     let mut p = Prepared::new();
-    p.fill(DType::Q8_0, &act, nb * 34, 1);
+    p.fill(dtype, &act, ab, 1);
     const GROUPS_PER_TASK: usize = 4;
-    let group_bytes = nb * CELL;
+    let group_bytes = nb * cell_len;
     crate::pool::parallel_chunks_mut(y, GROUP * GROUPS_PER_TASK, |ci, yc| {
         for (gi, yg) in yc.chunks_exact_mut(GROUP).enumerate() {
             let g = ci * GROUPS_PER_TASK + gi;
             let w = &packed[g * group_bytes..(g + 1) * group_bytes];
-            // SAFETY: `available()` was checked; `w` holds nb cells and `p` nb blocks.
-            let out = unsafe { gemv_group_q8_0(w, &p) };
+            // SAFETY: `available()` was checked; `w` holds nb cells of `dtype` and `p` nb
+            // prepared blocks of its activation type.
+            let out = unsafe {
+                match dtype {
+                    DType::Q8_0 => gemv_group_x_q8_0::<32>(w, &p),
+                    DType::Q5_0 => gemv_group_x_q8_0::<16>(w, &p),
+                    _ => gemv_group_q4_1(w, &p),
+                }
+            };
             yg.copy_from_slice(&out);
         }
     });
 }
 
+/// One group of Q8_0 (`QB` = 32 quant bytes per row) or Q5_0 (`QB` = 16, plus high bits) rows x
+/// Q8_0 activations.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q8_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
+unsafe fn gemv_group_x_q8_0<const QB: usize>(w: &[u8], p: &Prepared) -> [f32; GROUP] {
     let nb = p.nb;
-    assert!(w.len() >= nb * CELL && p.quants.len() >= nb * 64 && p.corr.len() >= nb * 16);
+    let hf = if QB == 32 { 0 } else { 4 };
+    let cell_len = GROUP * (2 + hf + QB);
+    assert!(w.len() >= nb * cell_len && p.quants.len() >= nb * 64 && p.corr.len() >= nb * 16);
     let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let m4 = _mm256_set1_epi8(0x0f);
     let idx: [__m512i; GROUP / 2] = core::array::from_fn(|pr| {
         let (a, b) = (2 * pr as i32, 2 * pr as i32 + 1);
         _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)
@@ -405,19 +451,33 @@ unsafe fn gemv_group_q8_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
     for b in 0..nb {
         // SAFETY: cell b and activation block b are in bounds (asserted above).
         unsafe {
-            let cell = w.as_ptr().add(b * CELL);
-            let pf = cell.wrapping_add(8 * CELL); // a hint: may point past the end
+            let cell = w.as_ptr().add(b * cell_len);
+            let pf = cell.wrapping_add(8 * cell_len); // a hint: may point past the end
             _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i));
             let d = _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(b)));
             let a = _mm512_loadu_si512(p.quants.as_ptr().add(b * 64) as *const _);
             let corr = _mm512_loadu_si512(p.corr.as_ptr().add(b * 16) as *const _);
+            let qs = cell.add(GROUP * (2 + hf));
             for pr in 0..GROUP / 2 {
-                if pr % 2 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(32 + 64 * pr) as *const i8);
+                if (pr * 2 * QB) % 64 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(32 + 2 * QB * pr) as *const i8);
                 }
-                let q = _mm512_loadu_si512(cell.add(2 * GROUP + 64 * pr) as *const _);
-                let isum = _mm512_dpbusd_epi32(corr, _mm512_xor_si512(q, flip), a);
+                // [row 2pr, row 2pr+1] as unsigned q + 128.
+                let wz = if QB == 32 {
+                    let q = _mm512_loadu_si512(qs.add(64 * pr) as *const _);
+                    _mm512_xor_si512(q, flip)
+                } else {
+                    let x = _mm256_loadu_si256(qs.add(32 * pr) as *const __m256i);
+                    let qh = (cell.add(GROUP * 2 + 8 * pr) as *const u64).read_unaligned();
+                    let lo = _mm256_and_si256(x, m4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), m4);
+                    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                    let z = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
+                    let z = _mm512_or_si512(z, _mm512_maskz_mov_epi8(qh, _mm512_set1_epi8(0x10)));
+                    _mm512_add_epi8(z, _mm512_set1_epi8(112))
+                };
+                let isum = _mm512_dpbusd_epi32(corr, wz, a);
                 let dp = _mm512_permutexvar_ps(idx[pr], d);
                 acc[pr] = _mm512_fmadd_ps(dp, _mm512_cvtepi32_ps(isum), acc[pr]);
             }
@@ -430,6 +490,71 @@ unsafe fn gemv_group_q8_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
         unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[pr]) };
         out[2 * pr] = hsum8_order(l[0..8].try_into().unwrap());
         out[2 * pr + 1] = hsum8_order(l[8..16].try_into().unwrap());
+    }
+    out
+}
+
+/// One group of Q4_1 rows x Q8_1 activations: the 16 rows' Σ m·s run in one vector, lane r
+/// for row r, in the same order as the row kernel's scalar sum.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemv_group_q4_1(w: &[u8], p: &Prepared) -> [f32; GROUP] {
+    let nb = p.nb;
+    let cell_len = GROUP * 20;
+    assert!(w.len() >= nb * cell_len && p.quants.len() >= nb * 64 && p.scales.len() >= nb * 4);
+    let m4 = _mm256_set1_epi8(0x0f);
+    // Lanes [row 2pr x4, row 2pr+1 x4, row 2pr x4, row 2pr+1 x4] (the activation layout of
+    // `Prepared` for Q8_1: low halves then high halves).
+    let idx: [__m512i; GROUP / 2] = core::array::from_fn(|pr| {
+        let (a, b) = (2 * pr as i32, 2 * pr as i32 + 1);
+        _mm512_setr_epi32(a, a, a, a, b, b, b, b, a, a, a, a, b, b, b, b)
+    });
+    let mut acc = [_mm512_setzero_ps(); GROUP / 2];
+    let mut summs = _mm512_setzero_ps();
+    for b in 0..nb {
+        // SAFETY: cell b and activation block b are in bounds (asserted above).
+        unsafe {
+            let cell = w.as_ptr().add(b * cell_len);
+            let pf = cell.wrapping_add(8 * cell_len); // a hint: may point past the end
+            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+            let da = *p.scales.get_unchecked(4 * b);
+            let sa = *p.scales.get_unchecked(4 * b + 1);
+            let d = _mm512_mul_ps(
+                _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i)),
+                _mm512_set1_ps(da),
+            );
+            let m = _mm512_mul_ps(
+                _mm512_cvtph_ps(_mm256_loadu_si256(cell.add(32) as *const __m256i)),
+                _mm512_set1_ps(sa),
+            );
+            summs = _mm512_add_ps(summs, m);
+            let a = _mm512_loadu_si512(p.quants.as_ptr().add(b * 64) as *const _);
+            let qs = cell.add(64);
+            for pr in 0..GROUP / 2 {
+                if pr % 2 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 + 32 * pr) as *const i8);
+                }
+                let x = _mm256_loadu_si256(qs.add(32 * pr) as *const __m256i);
+                let lo = _mm256_and_si256(x, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), m4);
+                let wz = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                let isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz, a);
+                let dp = _mm512_permutexvar_ps(idx[pr], d);
+                acc[pr] = _mm512_fmadd_ps(dp, _mm512_cvtepi32_ps(isum), acc[pr]);
+            }
+        }
+    }
+    let mut sm = [0f32; 16];
+    // SAFETY: `sm` holds 16 f32; unaligned store.
+    unsafe { _mm512_storeu_ps(sm.as_mut_ptr(), summs) };
+    let mut out = [0f32; GROUP];
+    for pr in 0..GROUP / 2 {
+        let mut l = [0f32; 16];
+        // SAFETY: `l` holds 16 f32; unaligned store.
+        unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[pr]) };
+        let r0 = [l[0], l[1], l[2], l[3], l[8], l[9], l[10], l[11]];
+        let r1 = [l[4], l[5], l[6], l[7], l[12], l[13], l[14], l[15]];
+        out[2 * pr] = hsum8_order(r0) + sm[2 * pr];
+        out[2 * pr + 1] = hsum8_order(r1) + sm[2 * pr + 1];
     }
     out
 }

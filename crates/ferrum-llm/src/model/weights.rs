@@ -58,7 +58,7 @@ pub struct Linear {
     pub n_in: usize,
     pub n_out: usize,
     /// The weight repacked for one-token products, where a kernel for that layout exists
-    /// (Q8_0 in groups of 16 rows on AVX-512 VNNI; see [`Linear::pack_for_decode`]).
+    /// (Q8_0, Q5_0, Q4_1 in groups of 16 rows on AVX-512 VNNI; see [`Linear::pack_for_decode`]).
     pub gemv: Option<Bytes>,
 }
 
@@ -72,14 +72,16 @@ impl Linear {
         }
     }
 
-    /// Builds [`Linear::gemv`] where it pays: the one-token kernel over 16-row groups reads a Q8_0
-    /// matrix front to back with one scale load per 16 rows, about twice the row kernel's speed
-    /// (`cargo bench -p ferrum-kernels --bench matmul`). Same bits as the row kernel. Costs a
-    /// second copy of the matrix (the row-major one serves prompts and embedding lookups).
+    /// Builds [`Linear::gemv`] where it pays: the one-token kernel over 16-row groups reads a
+    /// Q8_0, Q5_0 or Q4_1 matrix front to back with one scale load per 16 rows, well above the
+    /// row kernels' speed (`cargo bench -p ferrum-kernels --bench matmul`). Same bits as the row
+    /// kernel. Costs a second copy of the matrix (the row-major one serves prompts and embedding
+    /// lookups).
     pub fn pack_for_decode(&mut self) {
         #[cfg(target_arch = "x86_64")]
-        if self.weight.dtype == DType::Q8_0 && matmul::avx512::available() {
-            self.gemv = matmul::avx512::pack_q8_0_x16(&self.weight.data, self.n_out, self.n_in)
+        if matmul::avx512::available() {
+            let w = &self.weight;
+            self.gemv = matmul::avx512::pack_x16(w.dtype, &w.data, self.n_out, self.n_in)
                 .and_then(|v| Bytes::pack(&[&v]).ok())
                 .and_then(|mut b| b.pop());
         }
@@ -94,7 +96,8 @@ impl Linear {
         profile::record("matmul", self.kind, flops, bytes, || {
             #[cfg(target_arch = "x86_64")]
             if let (1, Some(p)) = (t, &self.gemv) {
-                matmul::avx512::gemv_q8_0_x16(p, self.n_out, self.n_in, x, &mut y);
+                let dtype = self.weight.dtype;
+                matmul::avx512::gemv_x16(dtype, p, self.n_out, self.n_in, x, &mut y);
                 return;
             }
             matmul::matmul(&self.weight_ref(), x, &mut y)
