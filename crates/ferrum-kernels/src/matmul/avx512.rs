@@ -460,7 +460,7 @@ unsafe fn gemv_group_x_q8_0<const QB: usize>(w: &[u8], p: &Prepared) -> [f32; GR
             let corr = _mm512_loadu_si512(p.corr.as_ptr().add(b * 16) as *const _);
             let qs = cell.add(GROUP * (2 + hf));
             for pr in 0..GROUP / 2 {
-                if (pr * 2 * QB) % 64 == 0 {
+                if (pr * 2 * QB).is_multiple_of(64) {
                     _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(32 + 2 * QB * pr) as *const i8);
                 }
                 // [row 2pr, row 2pr+1] as unsigned q + 128.
