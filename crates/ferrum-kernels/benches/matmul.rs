@@ -70,13 +70,7 @@ fn main() {
     let mut rng = Rng(0x1234_5678_9abc_def1);
     println!("| kernel | shape | threads | median ms | throughput |");
     println!("|---|---|---:|---:|---:|");
-    for dtype in [
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q8_0,
-        DType::Q4_K,
-        DType::Q6_K,
-    ] {
+    for dtype in bench_types() {
         let cols = if dtype.block_size() == 256 { 1024 } else { 576 };
         let rb = dtype.row_bytes(cols).unwrap();
         // GEMV over 64 MiB of weights (memory) and over 8 MiB (fits the last-level cache).
