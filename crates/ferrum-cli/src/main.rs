@@ -28,7 +28,19 @@ enum Command {
     Profile(cmd::profile::Args),
 }
 
+/// Keeps freed memory in the process: the forward pass allocates activation buffers of a few MB
+/// per operator, and glibc would otherwise map fresh (zero-filled) pages for each of them.
+fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes glibc malloc parameters; called before any other thread runs.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 512 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
 fn main() {
+    tune_allocator();
     common::init_logging();
     let cli = Cli::parse();
     let result = match cli.command {

@@ -10,6 +10,8 @@
 //! * attention: the SIMD kernels == `attention_portable` (same float order) bit for bit, within
 //!   5e-3 of `attention_ref` (f64; Q and the V accumulator are f16), and one query at a time ==
 //!   the whole batch bit for bit (batch invariance).
+//! * Q4_K/Q6_K prompts: `matmul` == the dot product of the order llama.cpp uses for each token
+//!   (`Order::of`), bit for bit.
 //! * SwiGLU: the AVX-512 kernel == the portable one (ggml's operations) bit for bit.
 //! * Every check demands finite values, so a NaN never passes.
 
@@ -42,6 +44,11 @@ fn random_weights(t: DType, rows: usize, cols: usize, rng: &mut StdRng) -> Vec<u
                 put_f16(blk, 2, rng.gen_range(-0.5..0.5));
             }
             DType::Q8_0 | DType::Q5_0 => put_f16(blk, 0, rng.gen_range(0.0001..0.01)),
+            DType::Q4_K => {
+                put_f16(blk, 0, rng.gen_range(0.0001..0.01));
+                put_f16(blk, 2, rng.gen_range(0.0001..0.01));
+            }
+            DType::Q6_K => put_f16(blk, 208, rng.gen_range(0.0001..0.01)),
             _ => unreachable!(),
         }
     }
@@ -224,6 +231,52 @@ fn packed_gemv_equals_vec_dot_bit_for_bit() {
                     a.is_finite() && a.to_bits() == b.to_bits(),
                     "seed {seed}: {dtype} {rows}x{cols} row {r}: packed {a} vs vec_dot {b}"
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn k_quant_prompt_kernels_follow_llama_cpp_orders_bit_for_bit() {
+    use ferrum_kernels::matmul::Order;
+    use ferrum_kernels::quant::{
+        vec_dot_q4k_gemm_order, vec_dot_q4k_repacked, vec_dot_q6k_tiled_order,
+    };
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    for &dtype in &[DType::Q4_K, DType::Q6_K] {
+        for &(rows, cols, t) in &[(8, 256, 4), (16, 512, 5), (13, 256, 9), (24, 768, 13)] {
+            let data = random_weights(dtype, rows, cols, &mut rng);
+            let w = WeightRef {
+                dtype,
+                rows,
+                cols,
+                data: &data,
+            };
+            let x: Vec<f32> = (0..t * cols).map(|_| rng.gen_range(-3.0..3.0)).collect();
+            let mut y = vec![f32::NAN; t * rows];
+            matmul(&w, &x, &mut y);
+            let at = vec_dot_type(dtype);
+            let ab = at.row_bytes(cols).unwrap();
+            let rb = dtype.row_bytes(cols).unwrap();
+            for tok in 0..t {
+                let mut act = vec![0u8; ab];
+                quantize_row(at, &x[tok * cols..(tok + 1) * cols], &mut act);
+                let order = Order::of(dtype, rows, t, tok);
+                for r in 0..rows {
+                    let wr = &data[r * rb..(r + 1) * rb];
+                    let want = match order {
+                        Order::Q4kGemm => vec_dot_q4k_gemm_order(wr, &act, cols),
+                        Order::Q4kGemv => vec_dot_q4k_repacked(wr, &act, cols),
+                        Order::Q6kTiled => vec_dot_q6k_tiled_order(wr, &act, cols),
+                        Order::Vec => vec_dot(dtype, wr, &act, cols),
+                    };
+                    let got = y[tok * rows + r];
+                    assert!(
+                        got.is_finite() && got.to_bits() == want.to_bits(),
+                        "seed {seed}: {dtype} {rows}x{cols} t={t} token {tok} row {r} ({order:?}): {got} vs {want}"
+                    );
+                }
             }
         }
     }

@@ -12,11 +12,19 @@
 //! sequences must give each sequence's rows their own call).
 //!
 //! Kernels: on CPUs with AVX-512 VNNI, Q4_1, Q5_0 and Q8_0 weights go through the tile kernels of
-//! [`avx512`] (4 rows x 4 tokens per call, same float order as `vec_dot`, so the same bits);
-//! everything else runs one [`quant::vec_dot`]-family product per output.
+//! [`avx512`] (4 rows x 4 tokens per call, same float order as `vec_dot`, so the same bits), and
+//! prompts over Q4_K and Q6_K weights through `kquant` (integer sums by VNNI, llama.cpp's float
+//! epilogues); everything else runs one [`quant::vec_dot`]-family product per output.
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod kquant;
+
+/// Below this many tokens the K-quant prompt kernels (which unpack each weight row per call) do
+/// not pay for their unpacking.
+#[cfg(target_arch = "x86_64")]
+const KQUANT_MIN_TOKENS: usize = 4;
 
 use crate::pool;
 use crate::quant;
@@ -108,6 +116,14 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
             sc.prepared.fill(w.dtype, &sc.act, ab, t);
             matmul_tiles(w, &sc.prepared, t, y);
             return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if t >= KQUANT_MIN_TOKENS {
+            let orders: Vec<Order> = (0..t).map(|tok| Order::of(w.dtype, rows, t, tok)).collect();
+            if kquant::supports(w.dtype, &orders) {
+                kquant::matmul_k(w, &sc.act, ab, t, &orders, y);
+                return;
+            }
         }
         matmul_dots(w, &sc.act, ab, t, y);
     });

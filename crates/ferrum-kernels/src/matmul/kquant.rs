@@ -1,0 +1,249 @@
+//! AVX-512 VNNI prompt kernels for Q4_K and Q6_K weights, in the float orders llama.cpp's prefill
+//! uses for them ([`Order::Q4kGemm`], [`Order::Q4kGemv`], [`Order::Q6kTiled`]).
+//!
+//! Those orders are exact integer sums per super-block (Q4_K: per 64-element chunk) followed by a
+//! few scalar FMAs, so the integer part may be computed any way at all. Here each task unpacks 4
+//! weight rows once into plain signed bytes (Q4_K 0..15, Q6_K -32..31) with per-lane scale
+//! vectors, then walks the tokens: per super-block, 4 VNNI dot products of 64 bytes, scaled per
+//! lane, reduced, and finished by the scalar epilogue of [`crate::quant`]'s reference for that
+//! order. Results equal `vec_dot_q4k_gemm_order` / `vec_dot_q4k_repacked` /
+//! `vec_dot_q6k_tiled_order` bit for bit (tests/matmul_tiles.rs).
+
+#![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
+
+use core::arch::x86_64::*;
+
+use ferrum_core::DType;
+
+use super::{Order, OutPtr, WeightRef};
+use crate::quant::blocks::{rd_f16, rd_f32, scale_min_k4, unpack_q4k, unpack_q6k};
+use crate::quant::QK_K;
+
+/// Q8_K block: d (f32), 256 quants, 16 bsums (i16).
+const Q8K_BYTES: usize = 292;
+const ROWS: usize = 4;
+
+/// Whether these kernels take a product of `dtype` with these per-token orders.
+pub fn supports(dtype: DType, orders: &[Order]) -> bool {
+    super::avx512::available()
+        && match dtype {
+            DType::Q6_K => orders.iter().all(|&o| o == Order::Q6kTiled),
+            DType::Q4_K => orders
+                .iter()
+                .all(|&o| matches!(o, Order::Q4kGemm | Order::Q4kGemv)),
+            _ => false,
+        }
+}
+
+/// One weight row unpacked: quants as signed bytes (Q4_K 0..15, Q6_K -32..31), per-lane start
+/// values `-128·Σ w` over each 4 bytes (the activations enter VNNI as unsigned `a + 128`), per
+/// super-block lane scales and floats.
+struct Unpacked {
+    q: Vec<u8>,
+    corr: Vec<i32>,
+    /// Per super-block, 4 vectors of 16 i32: the scale of each lane's sub-block.
+    scales: Vec<i32>,
+    /// Q4_K: per super-block the 8 mins; Q6_K: the 16 scales (for the -32 correction).
+    aux: Vec<i32>,
+    /// Per super-block: d, and dmin (Q4_K).
+    d: Vec<f32>,
+    dmin: Vec<f32>,
+}
+
+impl Unpacked {
+    fn new(nsb: usize) -> Self {
+        Unpacked {
+            q: vec![0; nsb * QK_K],
+            corr: vec![0; nsb * 64],
+            scales: vec![0; nsb * 64],
+            aux: vec![0; nsb * 16],
+            d: vec![0.0; nsb],
+            dmin: vec![0.0; nsb],
+        }
+    }
+
+    fn fill(&mut self, dtype: DType, row: &[u8]) {
+        let bb = dtype.block_bytes();
+        let mut q = [0i8; QK_K];
+        for (b, blk) in row.chunks_exact(bb).enumerate() {
+            let co = &mut self.corr[b * 64..(b + 1) * 64];
+            let qo = &mut self.q[b * QK_K..(b + 1) * QK_K];
+            let so = &mut self.scales[b * 64..(b + 1) * 64];
+            let ao = &mut self.aux[b * 16..(b + 1) * 16];
+            if dtype == DType::Q4_K {
+                unpack_q4k(blk, &mut q);
+                for (o, &v) in qo.iter_mut().zip(&q) {
+                    *o = v as u8;
+                }
+                let (sc, m) = scale_min_k4(&blk[4..16]);
+                // Lane i of chunk p covers elements 64p + 4i .. + 4: sub-block 2p + i / 8.
+                for p in 0..4 {
+                    for i in 0..16 {
+                        so[16 * p + i] = sc[2 * p + i / 8] as i32;
+                    }
+                }
+                for j in 0..8 {
+                    ao[j] = m[j] as i32;
+                }
+                self.d[b] = rd_f16(blk, 0);
+                self.dmin[b] = rd_f16(blk, 2);
+            } else {
+                unpack_q6k(blk, &mut q);
+                for (o, &v) in qo.iter_mut().zip(&q) {
+                    *o = v as u8;
+                }
+                // Sub-blocks of 16 elements: lane i of chunk p is sub-block 4p + i / 4.
+                for p in 0..4 {
+                    for i in 0..16 {
+                        so[16 * p + i] = blk[192 + 4 * p + i / 4] as i8 as i32;
+                    }
+                }
+                for j in 0..16 {
+                    ao[j] = blk[192 + j] as i8 as i32;
+                }
+                self.d[b] = rd_f16(blk, 208);
+            }
+            for (lane, c) in co.iter_mut().enumerate() {
+                let w: i32 = qo[4 * lane..4 * lane + 4]
+                    .iter()
+                    .map(|&v| v as i8 as i32)
+                    .sum();
+                *c = -128 * w;
+            }
+        }
+    }
+}
+
+/// `y[tok, r]` for every token of `act` (`t` rows of Q8_K, `ab` bytes each) and every row of `w`.
+pub fn matmul_k(w: &WeightRef, act: &[u8], ab: usize, t: usize, orders: &[Order], y: &mut [f32]) {
+    assert!(supports(w.dtype, orders), "matmul_k: {}", w.dtype);
+    let (rows, cols) = (w.rows, w.cols);
+    let nsb = cols / QK_K;
+    assert_eq!(ab, nsb * Q8K_BYTES, "matmul_k: activation row bytes");
+    assert!(act.len() >= t * ab && orders.len() == t && y.len() == t * rows);
+    let rb = w.row_bytes();
+    let out = OutPtr(y.as_mut_ptr());
+    crate::pool::parallel_for(rows.div_ceil(ROWS), |task| {
+        let r0 = task * ROWS;
+        let n = ROWS.min(rows - r0);
+        let mut un: Vec<Unpacked> = (0..n).map(|_| Unpacked::new(nsb)).collect();
+        for (i, u) in un.iter_mut().enumerate() {
+            u.fill(w.dtype, &w.data[(r0 + i) * rb..(r0 + i + 1) * rb]);
+        }
+        for tok in 0..t {
+            let a = &act[tok * ab..(tok + 1) * ab];
+            for (i, u) in un.iter().enumerate() {
+                // SAFETY: `supports` checked AVX-512 VNNI; `u` and `a` hold nsb super-blocks.
+                let v = unsafe {
+                    match orders[tok] {
+                        Order::Q6kTiled => row_q6k_tiled(u, a, nsb),
+                        o => row_q4k(u, a, nsb, o == Order::Q4kGemm),
+                    }
+                };
+                // SAFETY: tok < t and r0 + i < rows: inside `y`; only this task writes row r0 + i.
+                unsafe { *out.at(tok * rows + r0 + i) = v };
+            }
+        }
+    });
+}
+
+/// Per 64-element chunk p of super-block `b`: Σ_lanes scale_lane · (VNNI Σ of 4 q·y), as 4 i32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+fn chunk_sums(u: &Unpacked, a: &[u8], b: usize) -> [i32; 4] {
+    let qw = &u.q[b * QK_K..(b + 1) * QK_K];
+    let qa = &a[b * Q8K_BYTES + 4..b * Q8K_BYTES + 4 + QK_K];
+    let sc = &u.scales[b * 64..(b + 1) * 64];
+    let corr = &u.corr[b * 64..(b + 1) * 64];
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let mut v = [_mm512_setzero_si512(); 4];
+    for p in 0..4 {
+        // SAFETY: each slice holds 64 bytes (or 16 i32) from offset 64p (16p); loadu is unaligned.
+        unsafe {
+            let wv = _mm512_loadu_si512(qw.as_ptr().add(64 * p) as *const _);
+            let av = _mm512_loadu_si512(qa.as_ptr().add(64 * p) as *const _);
+            let s = _mm512_loadu_si512(sc.as_ptr().add(16 * p) as *const _);
+            let c = _mm512_loadu_si512(corr.as_ptr().add(16 * p) as *const _);
+            // (a + 128)·w summed by 4, started at -128·Σw: exactly Σ a·w.
+            let d = _mm512_dpbusd_epi32(c, _mm512_xor_si512(av, flip), wv);
+            v[p] = _mm512_mullo_epi32(d, s);
+        }
+    }
+    // Transposed reduction: 4 vectors of 16 lanes to their 4 sums.
+    let t0 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[0], v[1]),
+        _mm512_unpackhi_epi32(v[0], v[1]),
+    );
+    let t1 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[2], v[3]),
+        _mm512_unpackhi_epi32(v[2], v[3]),
+    );
+    // Per 128-bit lane: [v0, v1, v2, v3] partial sums.
+    let u4 = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    let h = _mm256_add_epi32(
+        _mm512_castsi512_si256(u4),
+        _mm512_extracti64x4_epi64::<1>(u4),
+    );
+    let q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+    let mut out = [0i32; 4];
+    // SAFETY: `out` holds 4 i32.
+    unsafe { _mm_storeu_si128(out.as_mut_ptr() as *mut __m128i, q) };
+    // unpacklo/hi_epi32 interleave as [v0, v1, v0, v1] and unpack_epi64 as [v0|v1, v2|v3]:
+    // lanes come out as [p0, p1, p2, p3] after the two stages.
+    out
+}
+
+/// The 16 bsums (Σ of each 16 activations) of a Q8_K block.
+#[inline(always)]
+fn bsums(by: &[u8]) -> [i32; 16] {
+    let b: &[u8; 32] = by[260..292].try_into().unwrap();
+    let mut out = [0i32; 16];
+    for g in 0..16 {
+        out[g] = i16::from_le_bytes([b[2 * g], b[2 * g + 1]]) as i32;
+    }
+    out
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+fn row_q4k(u: &Unpacked, a: &[u8], nsb: usize, gemm: bool) -> f32 {
+    let (mut acc, mut acc_m) = (0f32, 0f32);
+    for b in 0..nsb {
+        let ip = chunk_sums(u, a, b);
+        let by = &a[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+        let bs = bsums(by);
+        let m: &[i32; 16] = u.aux[b * 16..b * 16 + 16].try_into().unwrap();
+        let dy = rd_f32(by, 0);
+        if gemm {
+            let dd = u.d[b] * dy;
+            let dm = u.dmin[b] * dy;
+            for p in 0..4 {
+                let mp = m[2 * p] * (bs[4 * p] + bs[4 * p + 1])
+                    + m[2 * p + 1] * (bs[4 * p + 2] + bs[4 * p + 3]);
+                acc = (ip[p] as f32).mul_add(dd, acc);
+                acc_m = (mp as f32).mul_add(dm, acc_m);
+            }
+        } else {
+            let isum = ip[0] + ip[1] + ip[2] + ip[3];
+            let mut imin = 0i32;
+            for g in 0..16 {
+                imin += bs[g] * m[g / 2];
+            }
+            acc = (isum as f32).mul_add(u.d[b] * dy, acc);
+            acc_m = (imin as f32).mul_add(u.dmin[b] * dy, acc_m);
+        }
+    }
+    acc - acc_m
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+fn row_q6k_tiled(u: &Unpacked, a: &[u8], nsb: usize) -> f32 {
+    let mut acc = 0f32;
+    for b in 0..nsb {
+        let ip = chunk_sums(u, a, b);
+        let by = &a[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+        let s = ip[0] + ip[1] + ip[2] + ip[3];
+        let r = s as f32 * u.d[b];
+        acc = r.mul_add(rd_f32(by, 0), acc);
+    }
+    acc
+}
