@@ -132,6 +132,16 @@ pub fn matmul_k(w: &WeightRef, act: &[u8], ab: usize, t: usize, orders: &[Order]
         }
         for tok in 0..t {
             let a = &act[tok * ab..(tok + 1) * ab];
+            if n == ROWS {
+                let rows4: [&Unpacked; ROWS] = [&un[0], &un[1], &un[2], &un[3]];
+                // SAFETY: `supports` checked AVX-512 VNNI; each row and `a` hold nsb super-blocks.
+                let v = unsafe { rows4_k(w.dtype, rows4, a, nsb, orders[tok] == Order::Q4kGemm) };
+                for (i, &val) in v.iter().enumerate() {
+                    // SAFETY: as below.
+                    unsafe { *out.at(tok * rows + r0 + i) = val };
+                }
+                continue;
+            }
             for (i, u) in un.iter().enumerate() {
                 // SAFETY: `supports` checked AVX-512 VNNI; `u` and `a` hold nsb super-blocks.
                 let v = unsafe {
@@ -246,4 +256,97 @@ fn row_q6k_tiled(u: &Unpacked, a: &[u8], nsb: usize) -> f32 {
         acc = r.mul_add(rd_f32(by, 0), acc);
     }
     acc
+}
+
+/// `aux[i]` of the 4 rows as one vector.
+#[inline(always)]
+fn mins4(u: &[&Unpacked; ROWS], i: usize) -> __m128i {
+    // SAFETY: SSE2 is part of the x86_64 baseline.
+    unsafe { _mm_setr_epi32(u[0].aux[i], u[1].aux[i], u[2].aux[i], u[3].aux[i]) }
+}
+
+/// 4 rows x one token: the integer sums of the 4 rows' chunks reduced together, and the float
+/// epilogue run on the 4 rows as the lanes of one vector (each lane does exactly the scalar
+/// operations of [`row_q4k`] / [`row_q6k_tiled`] for its row).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+fn rows4_k(dtype: DType, u: [&Unpacked; ROWS], a: &[u8], nsb: usize, gemm: bool) -> [f32; ROWS] {
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let mut acc = _mm_setzero_ps();
+    let mut acc_m = _mm_setzero_ps();
+    for b in 0..nsb {
+        let by = &a[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
+        let qa = &by[4..4 + QK_K];
+        // v[p][r]: chunk p of row r, 16 lanes of scale * Σ4 a·w.
+        let mut ip = [_mm_setzero_si128(); 4];
+        for p in 0..4 {
+            // SAFETY: 64 bytes at 64p of the 256 quants.
+            let av = unsafe { _mm512_loadu_si512(qa.as_ptr().add(64 * p) as *const _) };
+            let av = _mm512_xor_si512(av, flip);
+            let mut v = [_mm512_setzero_si512(); ROWS];
+            for r in 0..ROWS {
+                let o = b * QK_K + 64 * p;
+                let os = b * 64 + 16 * p;
+                // SAFETY: `u[r]` holds nsb super-blocks: q[o..o+64], scales/corr[os..os+16].
+                unsafe {
+                    let wv = _mm512_loadu_si512(u[r].q.as_ptr().add(o) as *const _);
+                    let s = _mm512_loadu_si512(u[r].scales.as_ptr().add(os) as *const _);
+                    let c = _mm512_loadu_si512(u[r].corr.as_ptr().add(os) as *const _);
+                    v[r] = _mm512_mullo_epi32(_mm512_dpbusd_epi32(c, av, wv), s);
+                }
+            }
+            // The 4 rows' 16-lane vectors to [row0, row1, row2, row3] sums (integers: exact).
+            let t0 = _mm512_add_epi32(
+                _mm512_unpacklo_epi32(v[0], v[1]),
+                _mm512_unpackhi_epi32(v[0], v[1]),
+            );
+            let t1 = _mm512_add_epi32(
+                _mm512_unpacklo_epi32(v[2], v[3]),
+                _mm512_unpackhi_epi32(v[2], v[3]),
+            );
+            let u4 = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+            let h = _mm256_add_epi32(
+                _mm512_castsi512_si256(u4),
+                _mm512_extracti64x4_epi64::<1>(u4),
+            );
+            ip[p] = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        }
+        let dy = _mm_set1_ps(rd_f32(by, 0));
+        let d = _mm_setr_ps(u[0].d[b], u[1].d[b], u[2].d[b], u[3].d[b]);
+        if dtype == DType::Q6_K {
+            let s = _mm_add_epi32(_mm_add_epi32(ip[0], ip[1]), _mm_add_epi32(ip[2], ip[3]));
+            let r = _mm_mul_ps(_mm_cvtepi32_ps(s), d);
+            acc = _mm_fmadd_ps(r, dy, acc);
+            continue;
+        }
+        let bs = bsums(by);
+        let dmin = _mm_setr_ps(u[0].dmin[b], u[1].dmin[b], u[2].dmin[b], u[3].dmin[b]);
+        let mins = |j: usize| mins4(&u, b * 16 + j);
+        if gemm {
+            let dd = _mm_mul_ps(d, dy);
+            let dm = _mm_mul_ps(dmin, dy);
+            for p in 0..4 {
+                let mp = _mm_add_epi32(
+                    _mm_mullo_epi32(mins(2 * p), _mm_set1_epi32(bs[4 * p] + bs[4 * p + 1])),
+                    _mm_mullo_epi32(
+                        mins(2 * p + 1),
+                        _mm_set1_epi32(bs[4 * p + 2] + bs[4 * p + 3]),
+                    ),
+                );
+                acc = _mm_fmadd_ps(_mm_cvtepi32_ps(ip[p]), dd, acc);
+                acc_m = _mm_fmadd_ps(_mm_cvtepi32_ps(mp), dm, acc_m);
+            }
+        } else {
+            let isum = _mm_add_epi32(_mm_add_epi32(ip[0], ip[1]), _mm_add_epi32(ip[2], ip[3]));
+            let mut imin = _mm_setzero_si128();
+            for g in 0..16 {
+                imin = _mm_add_epi32(imin, _mm_mullo_epi32(mins(g / 2), _mm_set1_epi32(bs[g])));
+            }
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), _mm_mul_ps(d, dy), acc);
+            acc_m = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_mul_ps(dmin, dy), acc_m);
+        }
+    }
+    let mut out = [0f32; ROWS];
+    // SAFETY: `out` holds 4 f32.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_m)) };
+    out
 }
