@@ -1046,3 +1046,82 @@ fn bench_machine_measures_and_caches_ceilings() {
         out.stdout
     );
 }
+
+#[test]
+fn profile_prints_operator_tables_trace_and_roofline() {
+    let dir = TempDir::new("profile");
+    let machine = dir.0.join("machine.json");
+    // Cached ceilings keep the test short (the profiler measures them when none are cached).
+    std::fs::write(
+        &machine,
+        r#"{"cpu":"test","threads":2,"fma_gflops_1":100.0,"fma_gflops_all":200.0,
+            "mem_read_gbs_1":20.0,"mem_read_gbs_all":30.0,"mem_copy_gbs_1":20.0,
+            "mem_copy_gbs_all":30.0,"l2_read_gbs_1":80.0,"l3_read_gbs_1":60.0}"#,
+    )
+    .unwrap();
+    let trace = dir.0.join("trace.json");
+    let svg = dir.0.join("roofline.svg");
+    let m = smollm2();
+    let (trace_s, svg_s, machine_s) = (
+        trace.to_string_lossy().into_owned(),
+        svg.to_string_lossy().into_owned(),
+        machine.to_string_lossy().into_owned(),
+    );
+    let out = ferrum_with(
+        &[
+            "profile",
+            "-m",
+            &m,
+            "-t",
+            "1",
+            "-p",
+            "24",
+            "-n",
+            "6",
+            "--trace",
+            &trace_s,
+            "--roofline",
+            &svg_s,
+        ],
+        None,
+        MODEL_RUN,
+        &[("FERRUM_MACHINE_FILE", &machine_s)],
+    );
+    assert!(out.status.success(), "{}", out.describe());
+    for phase in ["prompt phase: 24 tokens", "generation phase: 6 tokens"] {
+        let line = out
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(phase))
+            .unwrap_or_else(|| panic!("no `{phase}` line: {}", out.describe()));
+        // "... profiled operators cover NN.N% of it": the operators must account for the time.
+        let pct: f64 = line
+            .rsplit("cover ")
+            .next()
+            .and_then(|s| s.split('%').next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no coverage in {line}"));
+        assert!((90.0..=100.5).contains(&pct), "{line}");
+    }
+    // SmolLM2 has 30 layers: 7 projections each per call, plus the LM head.
+    let row = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("| matmul | ffn_down |"))
+        .unwrap_or_else(|| panic!("no ffn_down row: {}", out.describe()));
+    let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+    assert_eq!(cells[3], "30", "{row}");
+    let trace: Json =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).expect("the trace is JSON");
+    let events = trace["traceEvents"].as_array().expect("traceEvents");
+    assert!(events.len() > 30 * 7 * 7, "{} events", events.len());
+    assert!(events
+        .iter()
+        .all(|e| e["ph"] == "X" && e["ts"].is_number() && e["dur"].is_number()));
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert!(
+        svg.matches("<circle").count() >= 5,
+        "points per operator class"
+    );
+}

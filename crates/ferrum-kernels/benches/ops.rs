@@ -1,0 +1,108 @@
+//! Throughput of the non-matmul kernels (no criterion): `cargo bench -p ferrum-kernels --bench ops`.
+//! RMSNorm, RoPE, SwiGLU, GeGLU on a 512-token prompt of SmolLM2/Gemma-sized rows (GB/s of f32
+//! read + written), and attention (GFLOP/s counting 4·head_dim FLOPs per query-key pair) for a
+//! 512-token prompt and for one token over a 2048-token cache. Medians of 7 runs, 1 and 2 threads.
+
+use ferrum_core::f16;
+use ferrum_kernels::attention::{attention, AttnParams};
+use ferrum_kernels::ops::{self, RopeCache, RopeStyle};
+use ferrum_kernels::pool;
+use std::hint::black_box;
+use std::time::Instant;
+
+fn median_secs(mut f: impl FnMut()) -> f64 {
+    f();
+    let mut v: Vec<f64> = (0..7)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v[3]
+}
+
+fn vals(n: usize, seed: f32) -> Vec<f32> {
+    (0..n).map(|i| ((i as f32 + seed) * 0.731).sin()).collect()
+}
+
+fn main() {
+    println!("| kernel | shape | threads | median ms | throughput |");
+    println!("|---|---|---:|---:|---:|");
+    let t = 512;
+    for threads in [1, 2] {
+        pool::set_threads(Some(threads));
+        let (e, ff) = (576, 1536);
+        let x = vals(t * e, 1.0);
+        let w = vals(e, 2.0);
+        let mut y = vec![0f32; t * e];
+        let s = median_secs(|| ops::rms_norm(black_box(&x), &w, 1e-5, &mut y));
+        println!(
+            "| rms_norm | {t}x{e} | {threads} | {:.3} | {:.1} GB/s |",
+            s * 1e3,
+            (8 * t * e) as f64 / s / 1e9
+        );
+        let positions: Vec<usize> = (0..t).collect();
+        let rope = RopeCache::new(&positions, 64, 10000.0, RopeStyle::Neox);
+        let mut q = vals(t * e, 3.0);
+        let s = median_secs(|| rope.apply(black_box(&mut q), 9, 64));
+        println!(
+            "| rope | {t}x9x64 | {threads} | {:.3} | {:.1} GB/s |",
+            s * 1e3,
+            (8 * t * e) as f64 / s / 1e9
+        );
+        let up = vals(t * ff, 4.0);
+        let g0 = vals(t * ff, 5.0);
+        let mut g = g0.clone();
+        let s = median_secs(|| {
+            g.copy_from_slice(&g0);
+            ops::swiglu(black_box(&mut g), &up)
+        });
+        println!(
+            "| swiglu | {t}x{ff} | {threads} | {:.3} | {:.1} GB/s |",
+            s * 1e3,
+            (12 * t * ff) as f64 / s / 1e9
+        );
+        let s = median_secs(|| {
+            g.copy_from_slice(&g0);
+            ops::geglu(black_box(&mut g), &up)
+        });
+        println!(
+            "| geglu | {t}x{ff} | {threads} | {:.3} | {:.1} GB/s |",
+            s * 1e3,
+            (12 * t * ff) as f64 / s / 1e9
+        );
+        for (label, nh, nkv, hd, n_q, ctx) in [
+            ("prompt", 9, 3, 64, 512, 512),
+            ("decode", 9, 3, 64, 1, 2048),
+            ("prompt", 4, 1, 256, 512, 512),
+        ] {
+            let k: Vec<f16> = vals(ctx * nkv * hd, 6.0)
+                .iter()
+                .map(|&v| f16::from_f32(v))
+                .collect();
+            let v: Vec<f16> = vals(ctx * nkv * hd, 7.0)
+                .iter()
+                .map(|&v| f16::from_f32(v))
+                .collect();
+            let q = vals(n_q * nh * hd, 8.0);
+            let positions: Vec<usize> = (ctx - n_q..ctx).collect();
+            let p = AttnParams {
+                n_head: nh,
+                n_head_kv: nkv,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+                window: None,
+            };
+            let mut out = vec![0f32; q.len()];
+            let s = median_secs(|| attention(&p, black_box(&q), &k, &v, &positions, &mut out));
+            let pairs: usize = positions.iter().map(|&pos| pos + 1).sum::<usize>() * nh;
+            println!(
+                "| attention {label} | {n_q} queries, {nh}x{hd} heads, ctx {ctx} | {threads} | {:.3} | {:.1} GFLOP/s |",
+                s * 1e3,
+                (4 * hd * pairs) as f64 / s / 1e9
+            );
+        }
+    }
+}
