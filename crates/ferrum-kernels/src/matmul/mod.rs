@@ -7,9 +7,9 @@
 //! Each output depends only on its own token's activations, its weight row, and which of
 //! llama.cpp's kernels would have computed it ([`Order`]): llama.cpp picks Q4_K and Q6_K kernels
 //! by the number of rows in a call, and each kernel sums in its own order. We reproduce that choice
-//! so a single sequence's logits match llama.cpp's bit for bit; the price is that a token's bits
-//! depend on the row count of the call it is in (callers that need batch invariance across
-//! sequences must give each sequence's rows their own call).
+//! so a single sequence's logits match llama.cpp's bit for bit. A call may stack the rows of
+//! several sequences ([`matmul_segments`]): each sequence's rows then get the orders they would
+//! get alone, so a sequence's results never depend on what shares its batch.
 //!
 //! Kernels: on CPUs with AVX-512 VNNI, Q4_1, Q5_0 and Q8_0 weights go through the tile kernels of
 //! [`avx512`] (4 rows x 4 tokens per call, same float order as `vec_dot`, so the same bits), and
@@ -84,8 +84,16 @@ impl Order {
 /// Rows per parallel task: large enough to amortise scheduling, small enough to balance two cores.
 const ROWS_PER_TASK: usize = 16;
 
-/// `x`: [T, cols] f32; `y`: [T, rows].
+/// `x`: [T, cols] f32; `y`: [T, rows]. The T rows form one sequence (see [`matmul_segments`]).
 pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
+    let t = if w.cols == 0 { 0 } else { x.len() / w.cols };
+    matmul_segments(w, x, y, &[t])
+}
+
+/// [`matmul`] over rows stacked from several sequences, `segs[i]` rows each (summing to T): each
+/// sequence's rows get the kernel order llama.cpp would use for that sequence alone, so a
+/// sequence's results do not depend on what shares its call (batch invariance).
+pub fn matmul_segments(w: &WeightRef, x: &[f32], y: &mut [f32], segs: &[usize]) {
     let (rows, cols) = (w.rows, w.cols);
     assert!(
         cols > 0 && x.len().is_multiple_of(cols),
@@ -94,6 +102,11 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
     );
     let t = x.len() / cols;
     assert_eq!(y.len(), t * rows, "matmul: y shape");
+    assert_eq!(
+        segs.iter().sum::<usize>(),
+        t,
+        "matmul: segments do not cover the rows"
+    );
     let rb = w.row_bytes();
     assert_eq!(w.data.len(), rb * rows, "matmul: weight bytes");
     if t == 0 {
@@ -117,15 +130,16 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
             matmul_tiles(w, &sc.prepared, t, y);
             return;
         }
+        let orders: Vec<Order> = segs
+            .iter()
+            .flat_map(|&n| (0..n).map(move |tok| Order::of(w.dtype, rows, n, tok)))
+            .collect();
         #[cfg(target_arch = "x86_64")]
-        if t >= KQUANT_MIN_TOKENS {
-            let orders: Vec<Order> = (0..t).map(|tok| Order::of(w.dtype, rows, t, tok)).collect();
-            if kquant::supports(w.dtype, &orders) {
-                kquant::matmul_k(w, &sc.act, ab, t, &orders, y);
-                return;
-            }
+        if t >= KQUANT_MIN_TOKENS && kquant::supports(w.dtype, &orders) {
+            kquant::matmul_k(w, &sc.act, ab, t, &orders, y);
+            return;
         }
-        matmul_dots(w, &sc.act, ab, t, y);
+        matmul_dots(w, &sc.act, ab, &orders, y);
     });
 }
 
@@ -237,10 +251,10 @@ fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
 }
 
 /// One dot product per (row, token), in the order [`Order::of`] picks.
-fn matmul_dots(w: &WeightRef, act: &[u8], ab: usize, t: usize, y: &mut [f32]) {
+fn matmul_dots(w: &WeightRef, act: &[u8], ab: usize, orders: &[Order], y: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     let rb = w.row_bytes();
-    let orders: Vec<Order> = (0..t).map(|tok| Order::of(w.dtype, rows, t, tok)).collect();
+    let t = orders.len();
     let dot = |wr: &[u8], ar: &[u8], tok: usize| match orders[tok] {
         Order::Vec => quant::vec_dot(w.dtype, wr, ar, cols),
         Order::Q4kGemv => quant::vec_dot_q4k_repacked(wr, ar, cols),

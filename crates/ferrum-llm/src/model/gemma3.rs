@@ -33,9 +33,9 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
         };
         let h = rms_norm(x, &l.attn_norm, eps);
         trace("attn_norm", Some(il), &h, e);
-        let mut q = l.attn_q.forward(&h); // [T, n_head * head_dim]
-        let mut k = l.attn_k.forward(&h); // [T, n_head_kv * head_dim]
-        let v = l.attn_v.forward(&h); // [T, n_head_kv * head_dim]
+        let mut q = l.attn_q.forward(&h, &s.segs); // [T, n_head * head_dim]
+        let mut k = l.attn_k.forward(&h, &s.segs); // [T, n_head_kv * head_dim]
+        let v = l.attn_v.forward(&h, &s.segs); // [T, n_head_kv * head_dim]
         rms_norm_inplace(&mut q, q_norm, eps); // per head: rows of head_dim
         rms_norm_inplace(&mut k, k_norm, eps);
         let r = match (&s.rope_swa, swa) {
@@ -52,7 +52,7 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
         let mut a = s.attend(il, &q, &k, &v, 1.0, window);
         trace("kqv_out", Some(il), &a, nh * hd);
         s.keep_output_rows(il, x, &mut a);
-        let o = l.attn_output.forward(&a);
+        let o = l.attn_output.forward(&a, &s.segs);
         let o = rms_norm(&o, post_attn, eps);
         trace("attn_post_norm", Some(il), &o, e);
         add(x, &o);
@@ -60,10 +60,10 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
 
         let h = rms_norm(x, &l.ffn_norm, eps);
         trace("ffn_norm", Some(il), &h, e);
-        let mut g = l.ffn_gate.forward(&h); // [T, n_ff]
-        geglu(&mut g, &l.ffn_up.forward(&h));
+        let mut g = l.ffn_gate.forward(&h, &s.segs); // [T, n_ff]
+        geglu(&mut g, &l.ffn_up.forward(&h, &s.segs));
         trace("ffn_geglu", Some(il), &g, cfg.n_ff);
-        let f = rms_norm(&l.ffn_down.forward(&g), post_ffw, eps);
+        let f = rms_norm(&l.ffn_down.forward(&g, &s.segs), post_ffw, eps);
         trace("ffn_post_norm", Some(il), &f, e);
         add(x, &f);
         trace("l_out", Some(il), x, e);

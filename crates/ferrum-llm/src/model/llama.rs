@@ -19,9 +19,9 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
         let e = cfg.n_embd;
         let h = rms_norm(x, &l.attn_norm, cfg.rms_eps);
         trace("attn_norm", Some(il), &h, e);
-        let mut q = l.attn_q.forward(&h); // [T, n_head * head_dim]
-        let mut k = l.attn_k.forward(&h); // [T, n_head_kv * head_dim]
-        let v = l.attn_v.forward(&h); // [T, n_head_kv * head_dim]
+        let mut q = l.attn_q.forward(&h, &s.segs); // [T, n_head * head_dim]
+        let mut k = l.attn_k.forward(&h, &s.segs); // [T, n_head_kv * head_dim]
+        let v = l.attn_v.forward(&h, &s.segs); // [T, n_head_kv * head_dim]
         rope(&s.rope, &mut q, nh, hd);
         rope(&s.rope, &mut k, nkv, hd);
         trace("Qcur", Some(il), &q, nh * hd);
@@ -30,16 +30,16 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
         let mut a = s.attend(il, &q, &k, &v, kq_scale, None);
         trace("kqv_out", Some(il), &a, nh * hd);
         s.keep_output_rows(il, x, &mut a);
-        let o = l.attn_output.forward(&a);
+        let o = l.attn_output.forward(&a, &s.segs);
         add(x, &o);
         trace("ffn_inp", Some(il), x, e);
 
         let h = rms_norm(x, &l.ffn_norm, cfg.rms_eps);
         trace("ffn_norm", Some(il), &h, e);
-        let mut g = l.ffn_gate.forward(&h); // [T, n_ff]
-        swiglu(&mut g, &l.ffn_up.forward(&h));
+        let mut g = l.ffn_gate.forward(&h, &s.segs); // [T, n_ff]
+        swiglu(&mut g, &l.ffn_up.forward(&h, &s.segs));
         trace("ffn_swiglu", Some(il), &g, cfg.n_ff);
-        let f = l.ffn_down.forward(&g);
+        let f = l.ffn_down.forward(&g, &s.segs);
         trace("ffn_out", Some(il), &f, e);
         add(x, &f);
         trace("l_out", Some(il), x, e);

@@ -31,18 +31,35 @@ pub struct Model {
     pub weights: Weights,
 }
 
-/// State shared by the layers of one forward pass.
+/// One sequence of a batched forward pass ([`Model::forward_batch`]).
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    /// Position of the first token: the cache must hold positions `0..start`.
+    pub start: usize,
+    pub cache: &'a mut KvCache,
+    /// Which of this sequence's positions need logits.
+    pub want: Logits,
+}
+
+/// State shared by the layers of one forward pass over one or more sequences, whose rows are
+/// stacked in the batch in order.
 pub struct Step<'a> {
     pub cfg: &'a Config,
-    pub cache: &'a mut KvCache,
-    /// Position of each token of the batch.
+    caches: Vec<&'a mut KvCache>,
+    starts: Vec<usize>,
+    lens: Vec<usize>,
+    /// Per sequence, the first of its rows whose output is needed (`None`: no row). As llama.cpp
+    /// does, the last layer runs its output projection and feed-forward block only on those rows.
+    out_first: Vec<Option<usize>>,
+    /// Position of each row of the batch.
     pub positions: Vec<usize>,
     pub rope: RopeCache,
     /// RoPE of sliding-window layers, when their base differs (Gemma 3).
     pub rope_swa: Option<RopeCache>,
-    /// First batch row whose output is needed (`None`: no row). As llama.cpp does, the last layer
-    /// runs its feed-forward block only on those rows.
-    pub out_first: Option<usize>,
+    /// Rows per sequence in the activations now (all its tokens; after the last layer's pruning,
+    /// the rows that need logits). Matmuls take it so each sequence's rows are computed as if
+    /// alone in the call: a sequence's results do not depend on its batch.
+    pub segs: Vec<usize>,
 }
 
 impl Step<'_> {
@@ -50,21 +67,37 @@ impl Step<'_> {
         self.positions.len()
     }
 
-    /// In the last layer, drops the rows of `x` (the residual stream, [T, n_embd]) and `a` (the
-    /// attention output before its projection, [T, n_head * head_dim]) that no logits need. As in
-    /// llama.cpp this happens before the output projection, so that projection (and the FFN) runs
-    /// only on the kept rows.
-    pub fn keep_output_rows(&self, il: usize, x: &mut Vec<f32>, a: &mut Vec<f32>) {
+    /// In the last layer, keeps only the rows of `x` (the residual stream, [T, n_embd]) and `a`
+    /// (the attention output before its projection, [T, n_head * head_dim]) that logits need. As
+    /// in llama.cpp this happens before the output projection, so that projection (and the FFN)
+    /// runs only on the kept rows.
+    pub fn keep_output_rows(&mut self, il: usize, x: &mut Vec<f32>, a: &mut Vec<f32>) {
         if il + 1 != self.cfg.n_layer {
             return;
         }
-        let first = self.out_first.unwrap_or(self.n_tokens());
-        x.drain(..first * self.cfg.n_embd);
-        a.drain(..first * self.cfg.q_dim());
+        let (e, qd) = (self.cfg.n_embd, self.cfg.q_dim());
+        let mut kept = Vec::new();
+        let mut segs = Vec::with_capacity(self.lens.len());
+        let mut r0 = 0;
+        for (&len, first) in self.lens.iter().zip(&self.out_first) {
+            let first = first.unwrap_or(len);
+            kept.extend(r0 + first..r0 + len);
+            segs.push(len - first);
+            r0 += len;
+        }
+        let gather = |v: &[f32], cols: usize| -> Vec<f32> {
+            kept.iter()
+                .flat_map(|&r| v[r * cols..(r + 1) * cols].iter().copied())
+                .collect()
+        };
+        *x = gather(x, e);
+        *a = gather(a, qd);
+        self.segs = segs;
     }
 
-    /// Writes this batch's K/V into layer `il`'s cache, then attends every query to the cached
-    /// keys up to its own position (`window` limits how far back). `q`: [T, n_head*head_dim].
+    /// Writes each sequence's K/V rows into its cache for layer `il`, then attends every query to
+    /// its sequence's cached keys up to its own position (`window` limits how far back).
+    /// `q`: [T, n_head*head_dim].
     pub fn attend(
         &mut self,
         il: usize,
@@ -75,14 +108,23 @@ impl Step<'_> {
         window: Option<usize>,
     ) -> Vec<f32> {
         let cfg = self.cfg;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         profile::record(
             "kv_store",
             "cache",
             0.0,
             6.0 * (k.len() + v.len()) as f64,
-            || self.cache.store(il, self.positions[0], k, v),
+            || {
+                let mut r0 = 0;
+                for ((cache, &start), &len) in
+                    self.caches.iter_mut().zip(&self.starts).zip(&self.lens)
+                {
+                    let rows = r0 * kvd..(r0 + len) * kvd;
+                    cache.store(il, start, &k[rows.clone()], &v[rows]);
+                    r0 += len;
+                }
+            },
         );
-        let (kc, vc) = self.cache.layer(il);
         let p = AttnParams {
             n_head: cfg.n_head,
             n_head_kv: cfg.n_head_kv,
@@ -102,7 +144,20 @@ impl Step<'_> {
         let bytes = (4 * cfg.n_head_kv * hd * keys + 8 * q.len()) as f64;
         let class = if window.is_some() { "local" } else { "global" };
         profile::record("attention", class, flops, bytes, || {
-            attention(&p, q, kc, vc, &self.positions, &mut out)
+            let mut r0 = 0;
+            for (cache, &len) in self.caches.iter().zip(&self.lens) {
+                let (kc, vc) = cache.layer(il);
+                let rows = r0 * qd..(r0 + len) * qd;
+                attention(
+                    &p,
+                    &q[rows.clone()],
+                    kc,
+                    vc,
+                    &self.positions[r0..r0 + len],
+                    &mut out[rows],
+                );
+                r0 += len;
+            }
         });
         out
     }
@@ -206,40 +261,72 @@ impl Model {
         cache: &mut KvCache,
         want: Logits,
     ) -> Result<Vec<f32>> {
+        let mut out = self.forward_batch(vec![SeqInput {
+            tokens,
+            start,
+            cache,
+            want,
+        }])?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// Runs several sequences in one pass (their rows share every matmul, so each weight is read
+    /// once for all of them) and returns each sequence's logits, [n_i, n_vocab] for the positions
+    /// its `want` selects. A sequence's logits are the same bits as when it runs alone.
+    pub fn forward_batch(&self, mut seqs: Vec<SeqInput<'_>>) -> Result<Vec<Vec<f32>>> {
         let cfg = &self.config;
-        let t = tokens.len();
-        if t == 0 {
+        seqs.retain(|s| !s.tokens.is_empty());
+        for s in &seqs {
+            let t = s.tokens.len();
+            if s.start + t > s.cache.capacity() {
+                return Err(Error::msg(format!(
+                    "context of {} tokens exceeded ({} cached + {t} new): raise --ctx-size",
+                    s.cache.capacity(),
+                    s.start
+                )));
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&id| id as usize >= cfg.n_vocab) {
+                return Err(Error::msg(format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    cfg.n_vocab
+                )));
+            }
+        }
+        if seqs.is_empty() {
             return Ok(Vec::new());
         }
-        if start + t > cache.capacity() {
-            return Err(Error::msg(format!(
-                "context of {} tokens exceeded ({} cached + {t} new): raise --ctx-size",
-                cache.capacity(),
-                start
-            )));
-        }
-        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= cfg.n_vocab) {
-            return Err(Error::msg(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                cfg.n_vocab
-            )));
-        }
-        let positions: Vec<usize> = (start..start + t).collect();
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let t = tokens.len();
+        let positions: Vec<usize> = seqs
+            .iter()
+            .flat_map(|s| s.start..s.start + s.tokens.len())
+            .collect();
         let rope = RopeCache::new(&positions, cfg.n_rot, cfg.rope_base, cfg.rope_style);
         let rope_swa = (cfg.sliding_window.is_some() && cfg.rope_base_swa != cfg.rope_base)
             .then(|| RopeCache::new(&positions, cfg.n_rot, cfg.rope_base_swa, cfg.rope_style));
-        let out_first = match want {
-            Logits::None => None,
-            Logits::Last => Some(t - 1),
-            Logits::From(i) => Some(i.min(t - 1)),
-        };
+        let lens: Vec<usize> = seqs.iter().map(|s| s.tokens.len()).collect();
+        let out_first: Vec<Option<usize>> = seqs
+            .iter()
+            .map(|s| {
+                let n = s.tokens.len();
+                match s.want {
+                    Logits::None => None,
+                    Logits::Last => Some(n - 1),
+                    Logits::From(i) => Some(i.min(n - 1)),
+                }
+            })
+            .collect();
+        let starts = seqs.iter().map(|s| s.start).collect();
         let mut step = Step {
             cfg,
-            cache,
+            caches: seqs.into_iter().map(|s| s.cache).collect(),
+            starts,
+            segs: lens.clone(),
+            lens,
+            out_first,
             positions,
             rope,
             rope_swa,
-            out_first,
         };
 
         // x: [T, n_embd], the embedding rows (dequantized exactly).
@@ -247,7 +334,7 @@ impl Model {
         let mut x = vec![0f32; t * e];
         let embd = weights_ref(&self.weights.token_embd, e, cfg.n_vocab);
         profile::record("get_rows", "token_embd", 0.0, (8 * t * e) as f64, || {
-            for (row, &id) in x.chunks_exact_mut(e).zip(tokens) {
+            for (row, &id) in x.chunks_exact_mut(e).zip(&tokens) {
                 matmul::get_row(&embd, id as usize, row);
             }
         });
@@ -257,15 +344,25 @@ impl Model {
             Arch::Gemma3 => gemma3::forward(&self.weights, &mut step, &mut x),
         }
 
-        // The last layer kept only the rows that need logits.
-        if out_first.is_none() {
-            return Ok(Vec::new());
+        // The last layer kept only the rows that need logits, `step.segs` of them per sequence.
+        let n_out: usize = step.segs.iter().sum();
+        let logits = if n_out == 0 {
+            Vec::new()
+        } else {
+            let h = rms_norm(&x, &self.weights.output_norm, cfg.rms_eps);
+            trace("result_norm", None, &h, e);
+            let logits = self.weights.output.forward(&h, &step.segs);
+            trace("result_output", None, &logits, cfg.n_vocab);
+            logits
+        };
+        let v = cfg.n_vocab;
+        let mut out = Vec::with_capacity(step.segs.len());
+        let mut r0 = 0;
+        for &n in &step.segs {
+            out.push(logits[r0 * v..(r0 + n) * v].to_vec());
+            r0 += n;
         }
-        let h = rms_norm(&x, &self.weights.output_norm, cfg.rms_eps);
-        trace("result_norm", None, &h, e);
-        let logits = self.weights.output.forward(&h);
-        trace("result_output", None, &logits, cfg.n_vocab);
-        Ok(logits)
+        Ok(out)
     }
 }
 

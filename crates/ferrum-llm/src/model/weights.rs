@@ -87,8 +87,9 @@ impl Linear {
         }
     }
 
-    /// `x`: [T, n_in] -> [T, n_out].
-    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
+    /// `x`: [T, n_in] -> [T, n_out]. `segs`: the rows of each sequence stacked in `x` (each
+    /// sequence's rows are computed as if alone in the call; see [`matmul::matmul_segments`]).
+    pub fn forward(&self, x: &[f32], segs: &[usize]) -> Vec<f32> {
         let t = x.len() / self.n_in;
         let mut y = vec![0f32; t * self.n_out];
         let flops = 2.0 * (self.n_in * self.n_out * t) as f64;
@@ -100,7 +101,7 @@ impl Linear {
                 matmul::avx512::gemv_x16(dtype, p, self.n_out, self.n_in, x, &mut y);
                 return;
             }
-            matmul::matmul(&self.weight_ref(), x, &mut y)
+            matmul::matmul_segments(&self.weight_ref(), x, &mut y, segs)
         });
         if let Some(b) = &self.bias {
             for row in y.chunks_exact_mut(self.n_out) {
