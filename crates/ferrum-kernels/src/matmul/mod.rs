@@ -86,7 +86,7 @@ const ROWS_PER_TASK: usize = 16;
 
 /// `x`: [T, cols] f32; `y`: [T, rows]. The T rows form one sequence (see [`matmul_segments`]).
 pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
-    let t = if w.cols == 0 { 0 } else { x.len() / w.cols };
+    let t = x.len().checked_div(w.cols).unwrap_or(0);
     matmul_segments(w, x, y, &[t])
 }
 
