@@ -143,8 +143,8 @@ pub fn tile<const C: usize>(
     unsafe {
         match dtype {
             DType::Q4_1 => tile_q4_1::<C>(rows, p, tok0),
-            DType::Q5_0 => tile_x_q8_0::<C, 22>(rows, p, tok0, unpack_q5_0_pair),
-            _ => tile_x_q8_0::<C, 34>(rows, p, tok0, unpack_q8_0_pair),
+            DType::Q5_0 => tile_x_q8_0::<C, 22>(rows, p, tok0),
+            _ => tile_x_q8_0::<C, 34>(rows, p, tok0),
         }
     }
 }
@@ -233,10 +233,8 @@ unsafe fn tile_q4_1<const C: usize>(rows: [&[u8]; 4], p: &Prepared, tok0: usize)
     out
 }
 
-/// Block `b` of rows `r0` and `r1` of a "_0" type as 64 unsigned bytes `q + 128`
+/// Block `b` of Q8_0 rows `r0` and `r1` as 64 unsigned bytes `q + 128`
 /// (`[row0 elements 0..32, row1 elements 0..32]`).
-type UnpackPair = unsafe fn(*const u8, *const u8, usize) -> __m512i;
-
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn unpack_q8_0_pair(r0: *const u8, r1: *const u8, b: usize) -> __m512i {
@@ -276,7 +274,6 @@ unsafe fn tile_x_q8_0<const C: usize, const BW: usize>(
     rows: [&[u8]; 4],
     p: &Prepared,
     tok0: usize,
-    unpack: UnpackPair,
 ) -> [[f32; 4]; C] {
     let nb = p.nb;
     let didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -290,7 +287,13 @@ unsafe fn tile_x_q8_0<const C: usize, const BW: usize>(
                 let d0 = (r0.add(b * BW) as *const u16).read_unaligned();
                 let d1 = (r1.add(b * BW) as *const u16).read_unaligned();
                 let dw = _mm_cvtph_ps(_mm_setr_epi16(d0 as i16, d1 as i16, 0, 0, 0, 0, 0, 0));
-                (unpack(r0, r1, b), dw)
+                // BW is a constant: the branch folds away and the unpack inlines.
+                let wz = if BW == 34 {
+                    unpack_q8_0_pair(r0, r1, b)
+                } else {
+                    unpack_q5_0_pair(r0, r1, b)
+                };
+                (wz, dw)
             };
             for c in 0..C {
                 let i = (tok0 + c) * nb + b;
