@@ -12,7 +12,7 @@
 //!   the whole batch bit for bit (batch invariance).
 //! * Q4_K/Q6_K prompts: `matmul` == the dot product of the order llama.cpp uses for each token
 //!   (`Order::of`), bit for bit.
-//! * SwiGLU: the AVX-512 kernel == the portable one (ggml's operations) bit for bit.
+//! * SwiGLU and GeGLU: the AVX-512 kernels == the portable ones (ggml's operations) bit for bit.
 //! * Every check demands finite values, so a NaN never passes.
 
 use ferrum_core::{f16, DType};
@@ -278,6 +278,31 @@ fn k_quant_prompt_kernels_follow_llama_cpp_orders_bit_for_bit() {
                     );
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn geglu_simd_equals_portable_bit_for_bit() {
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    for len in [1usize, 15, 16, 33, 2048] {
+        let mut g: Vec<f32> = (0..len)
+            .map(|i| match i % 5 {
+                0 => rng.gen_range(-30.0..30.0),
+                1 => [-10.0, 10.0, -9.999, 9.999, 0.0, -0.0][i % 6],
+                _ => rng.gen_range(-4.0..4.0),
+            })
+            .collect();
+        let u: Vec<f32> = (0..len).map(|_| rng.gen_range(-3.0..3.0)).collect();
+        let mut plain = g.clone();
+        ferrum_kernels::ops::geglu_portable(&mut plain, &u);
+        ferrum_kernels::ops::geglu(&mut g, &u);
+        for (i, (a, b)) in g.iter().zip(&plain).enumerate() {
+            assert!(
+                !a.is_nan() && a.to_bits() == b.to_bits(),
+                "seed {seed}: len {len} element {i}: SIMD {a} vs portable {b}"
+            );
         }
     }
 }

@@ -28,11 +28,13 @@ fn gelu_tanh_ggml(x: f32) -> f32 {
 
 /// ggml evaluates GELU through a table indexed by the f16 bits of the input, holding f16 results
 /// (`GGML_GELU_FP16`); we do the same so Gemma's activations round where llama.cpp's do.
+/// The table has one padding entry past index 65535, so a 4-byte gather at any index stays inside.
 fn gelu_table() -> &'static [f16] {
     static TABLE: OnceLock<Vec<f16>> = OnceLock::new();
     TABLE.get_or_init(|| {
         (0..=u16::MAX)
             .map(|bits| f16::from_f32(gelu_tanh_ggml(f16::from_bits(bits).to_f32())))
+            .chain(std::iter::once(f16::ZERO))
             .collect()
     })
 }
@@ -180,9 +182,58 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
 pub fn geglu(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "geglu: lengths differ");
     let table = gelu_table();
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("f16c")
+        && std::env::var_os("FERRUM_FORCE_SCALAR").is_none()
+    {
+        // SAFETY: the CPU reports AVX-512F and F16C; the table has 65537 entries.
+        done = unsafe { geglu_avx512(table, gate, up) };
+    }
+    for (g, &u) in gate[done..].iter_mut().zip(&up[done..]) {
+        *g = geglu_ggml(table, *g, u);
+    }
+}
+
+/// Plain version of [`geglu`] (one element at a time), for tests.
+pub fn geglu_portable(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "geglu: lengths differ");
+    let table = gelu_table();
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = geglu_ggml(table, *g, u);
     }
+}
+
+/// [`geglu_ggml`] 16 lanes at a time: f16 bits of x by `vcvtps2ph` (round to nearest even, as
+/// `f16::from_f32`), the table read by a gather, the same branches as blends. Returns how many
+/// leading elements it did (a multiple of 16).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn geglu_avx512(table: &[f16], gate: &mut [f32], up: &[f32]) -> usize {
+    use core::arch::x86_64::*;
+    assert!(table.len() > u16::MAX as usize + 1);
+    let full = gate.len() / 16 * 16;
+    let lo = _mm512_set1_ps(-10.0);
+    let hi = _mm512_set1_ps(10.0);
+    for i in (0..full).step_by(16) {
+        // SAFETY: i + 16 <= full <= gate.len() == up.len(); the gather reads 4 bytes at
+        // 2 * index for indices <= 65535, inside the padded table.
+        unsafe {
+            let x = _mm512_loadu_ps(gate.as_ptr().add(i));
+            let u = _mm512_loadu_ps(up.as_ptr().add(i));
+            let bits = _mm512_cvtepu16_epi32(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+            let raw = _mm512_i32gather_epi32::<2>(bits, table.as_ptr() as *const i32);
+            let g = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
+            let mut r = _mm512_mul_ps(g, u);
+            let big = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, hi);
+            r = _mm512_mask_blend_ps(big, r, _mm512_mul_ps(x, u));
+            let small = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(x, lo);
+            r = _mm512_mask_blend_ps(small, r, _mm512_setzero_ps());
+            _mm512_storeu_ps(gate.as_mut_ptr().add(i), r);
+        }
+    }
+    full
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ mod activation;
 mod norm;
 mod rope;
 
-pub use activation::{geglu, gelu_tanh, silu, swiglu, swiglu_portable};
+pub use activation::{geglu, geglu_portable, gelu_tanh, silu, swiglu, swiglu_portable};
 pub use norm::{rms_norm, rms_norm_inplace};
 pub use rope::{RopeCache, RopeStyle};
 
