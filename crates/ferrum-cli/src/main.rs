@@ -26,6 +26,8 @@ enum Command {
     Bench(cmd::bench::Args),
     /// Per-operator time, FLOPs, bytes and roofline position of a prompt and a generation.
     Profile(cmd::profile::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
+    Serve(cmd::serve::Args),
 }
 
 /// Keeps freed memory in the process: the forward pass allocates activation buffers of a few MB
@@ -50,6 +52,7 @@ fn main() {
         Command::Info(a) => cmd::info::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Profile(a) => cmd::profile::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

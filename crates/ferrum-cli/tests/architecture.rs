@@ -18,6 +18,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "ferrum-tokenizer",
         ],
     ),
+    ("ferrum-server", &["ferrum-llm", "ferrum-tokenizer"]),
     (
         "ferrum-cli",
         &[
@@ -26,6 +27,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "ferrum-gguf",
             "ferrum-tokenizer",
             "ferrum-llm",
+            "ferrum-server",
         ],
     ),
 ];

