@@ -359,3 +359,100 @@ fn sigterm_finishes_running_requests_then_exits_0() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn metrics_priorities_and_the_queue_limit() {
+    // One request runs at a time and one more may wait: the rest are refused with 429.
+    let server = Server::start(&["--max-num-seqs", "1", "--max-queue", "2"]);
+    let a = server.addr.clone();
+    // Occupy the slot, then queue a priority-10 and a priority-0 request: the priority-0 one
+    // must run first (lower runs first), although it arrived later.
+    let first = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            let body = json!({"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,
+                "ignore_eos": true})
+            .to_string();
+            let (s, b) = http(&a, "POST", "/v1/completions", &body);
+            assert_eq!(s, 200, "{b}");
+            json_body(s, &b)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(150));
+    let finish_order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let submit = |prio: i64, delay_ms: u64| {
+        let a = a.clone();
+        let order = std::sync::Arc::clone(&finish_order);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(delay_ms));
+            let body = json!({"prompt": "The capital of France is", "max_tokens": 8,
+                "temperature": 0, "priority": prio})
+            .to_string();
+            let (s, b) = http(&a, "POST", "/v1/completions", &body);
+            assert_eq!(s, 200, "{b}");
+            order.lock().unwrap().push(prio);
+        })
+    };
+    let low = submit(10, 0);
+    let high = submit(0, 100);
+    std::thread::sleep(Duration::from_millis(300));
+    // Slot and queue are full now (1 running + 2 waiting): the next request is refused.
+    let (s, b) = http(
+        &a,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "hi", "max_tokens": 2}"#,
+    );
+    assert_eq!(s, 429, "{b}");
+    assert_eq!(json_body(s, &b)["error"]["type"], "rate_limit_error");
+    let first = first.join().unwrap();
+    low.join().unwrap();
+    high.join().unwrap();
+    assert_eq!(
+        *finish_order.lock().unwrap(),
+        vec![0, 10],
+        "priority 0 runs first"
+    );
+
+    let (s, body) = http(&a, "GET", "/metrics", "");
+    assert_eq!(s, 200);
+    let value = |name: &str| -> f64 {
+        body.lines()
+            .find(|l| l.starts_with(name) && !l.starts_with('#'))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{body}"))
+    };
+    assert_eq!(value("vllm:num_requests_running{"), 0.0);
+    assert_eq!(value("vllm:num_requests_waiting{"), 0.0);
+    assert_eq!(value("vllm:kv_cache_usage_perc{"), 0.0);
+    assert_eq!(value("vllm:generation_tokens_total{"), 300.0 + 8.0 + 8.0);
+    // "The capital of France is" is 5 tokens.
+    let first_prompt = first["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert_eq!(value("vllm:prompt_tokens_total{"), first_prompt + 5.0 + 5.0);
+    assert_eq!(value("vllm:time_to_first_token_seconds_count{"), 3.0);
+    assert_eq!(
+        value("vllm:inter_token_latency_seconds_count{"),
+        299.0 + 7.0 + 7.0
+    );
+    assert!(
+        body.contains("vllm:request_success_total{")
+            && body.contains("finished_reason=\"length\"} 3")
+    );
+
+    // Extension fields: checked, not ignored.
+    for bad in [
+        r#"{"prompt": "hi", "min_tokens": 9, "max_tokens": 4}"#,
+        r#"{"prompt": "hi", "response_format": {"type": "xml"}}"#,
+        r#"{"prompt": "hi", "logprobs": 2}"#,
+        r#"{"prompt": "hi", "priority": "high"}"#,
+    ] {
+        let (s, b) = http(&a, "POST", "/v1/completions", bad);
+        assert_eq!(s, 400, "{bad}: {b}");
+    }
+    let ok = r#"{"prompt": "hi", "max_tokens": 3, "min_tokens": 3, "ignore_eos": true,
+        "response_format": {"type": "json_object"}}"#;
+    let (s, b) = http(&a, "POST", "/v1/completions", ok);
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(json_body(s, &b)["usage"]["completion_tokens"], 3);
+}

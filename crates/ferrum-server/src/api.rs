@@ -4,7 +4,7 @@
 //! OpenAI-style error body.
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::engine::{Event, Request};
+use crate::engine::{Event, Metrics, Request};
 
 /// Shared by the handlers.
 pub struct AppState {
@@ -33,12 +33,28 @@ pub struct AppState {
     pub model_id: String,
     pub ctx_size: usize,
     pub next_id: AtomicU64,
+    pub metrics: Arc<Metrics>,
+    /// Requests accepted and not yet answered; over `max_in_flight` new ones get 429.
+    pub in_flight: AtomicUsize,
+    pub max_in_flight: usize,
+    /// KV bytes the server would hold with every slot full (the denominator of usage).
+    pub kv_capacity_bytes: usize,
+}
+
+/// Counts a request in flight for as long as it lives.
+struct InFlight(Arc<AppState>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .with_state(state)
@@ -82,6 +98,105 @@ async fn models(State(st): State<Arc<AppState>>) -> impl IntoResponse {
         "object": "list",
         "data": [{"id": st.model_id, "object": "model", "created": now(), "owned_by": "ferrum"}],
     }))
+}
+
+/// Prometheus text format, with vLLM's metric names where one exists.
+async fn metrics(State(st): State<Arc<AppState>>) -> impl IntoResponse {
+    use std::fmt::Write as _;
+    let m = &st.metrics;
+    let label = format!(
+        "model_name=\"{}\"",
+        st.model_id.replace('\\', "\\\\").replace('"', "\\\"")
+    );
+    let mut o = String::new();
+    let gauge = |o: &mut String, name: &str, help: &str, v: f64| {
+        let _ = writeln!(
+            o,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{label}}} {v}"
+        );
+    };
+    let counter = |o: &mut String, name: &str, help: &str, v: u64| {
+        let _ = writeln!(
+            o,
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{label}}} {v}"
+        );
+    };
+    gauge(
+        &mut o,
+        "vllm:num_requests_running",
+        "Requests in the running batch.",
+        m.running.load(Ordering::Relaxed) as f64,
+    );
+    gauge(
+        &mut o,
+        "vllm:num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        m.waiting.load(Ordering::Relaxed) as f64,
+    );
+    let used = m.kv_bytes.load(Ordering::Relaxed) as f64;
+    gauge(&mut o, "vllm:kv_cache_usage_perc",
+        "KV-cache memory held by running requests, as a fraction of what all request slots may hold.",
+        used / st.kv_capacity_bytes.max(1) as f64);
+    gauge(
+        &mut o,
+        "ferrum:kv_cache_bytes",
+        "KV-cache bytes held by running requests.",
+        used,
+    );
+    counter(
+        &mut o,
+        "vllm:prompt_tokens_total",
+        "Prompt tokens processed.",
+        m.prompt_tokens.load(Ordering::Relaxed),
+    );
+    counter(
+        &mut o,
+        "vllm:generation_tokens_total",
+        "Tokens generated.",
+        m.generation_tokens.load(Ordering::Relaxed),
+    );
+    let _ = writeln!(o, "# HELP vllm:request_success_total Finished requests.\n# TYPE vllm:request_success_total counter");
+    for (reason, c) in [
+        ("stop", &m.finished_stop),
+        ("length", &m.finished_length),
+        ("abort", &m.finished_abort),
+    ] {
+        let _ = writeln!(
+            o,
+            "vllm:request_success_total{{{label},finished_reason=\"{reason}\"}} {}",
+            c.load(Ordering::Relaxed)
+        );
+    }
+    for (name, help, h) in [
+        (
+            "vllm:time_to_first_token_seconds",
+            "Seconds from arrival to the first token.",
+            &m.ttft,
+        ),
+        (
+            "vllm:inter_token_latency_seconds",
+            "Seconds between successive tokens of a request.",
+            &m.itl,
+        ),
+    ] {
+        let (cum, sum, count) = h.snapshot();
+        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in h.bounds.iter().zip(&cum) {
+            let _ = writeln!(o, "{name}_bucket{{{label},le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(o, "{name}_bucket{{{label},le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            o,
+            "{name}_sum{{{label}}} {sum}\n{name}_count{{{label}}} {count}"
+        );
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        o,
+    )
 }
 
 fn now() -> u64 {
@@ -142,6 +257,16 @@ struct Common {
     frequency_penalty: Option<f32>,
     #[serde(default)]
     ignore_eos: bool,
+    #[serde(default)]
+    min_tokens: Option<u64>,
+    #[serde(default)]
+    priority: Option<i64>,
+    #[serde(default)]
+    response_format: Option<Value>,
+    #[serde(default)]
+    logprobs: Option<Value>,
+    #[serde(default)]
+    top_logprobs: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -290,6 +415,36 @@ fn build(
         seed: c.seed.unwrap_or_else(rand_seed),
     };
     sampling.validate().map_err(|e| ApiError::bad(e, None))?;
+    match &c.response_format {
+        None => {}
+        Some(f) => match f.get("type").and_then(Value::as_str) {
+            Some("text") | Some("json_object") => {}
+            _ => {
+                return Err(ApiError::bad(
+                    "response_format.type must be \"text\" or \"json_object\"",
+                    Some("response_format"),
+                ))
+            }
+        },
+    }
+    let wants_logprobs = match (&c.logprobs, &c.top_logprobs) {
+        (Some(Value::Bool(b)), _) => *b,
+        (Some(Value::Number(n)), _) => n.as_u64().is_some_and(|n| n > 0),
+        (Some(Value::Null) | None, Some(Value::Number(n))) => n.as_u64().is_some_and(|n| n > 0),
+        (None | Some(Value::Null), _) => false,
+        _ => {
+            return Err(ApiError::bad(
+                "logprobs must be a boolean or a number",
+                Some("logprobs"),
+            ))
+        }
+    };
+    if wants_logprobs {
+        return Err(ApiError::bad(
+            "logprobs are not supported by this server yet",
+            Some("logprobs"),
+        ));
+    }
     let stop = match &c.stop {
         None => Vec::new(),
         Some(OneOrMany::One(s)) => vec![s.clone()],
@@ -386,6 +541,26 @@ async fn run(
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let (prompt, max_tokens, sampling, stop) = build(&st, c, prompt, default_max)?;
+    let min_tokens = c.min_tokens.unwrap_or(0) as usize;
+    if min_tokens > max_tokens {
+        return Err(ApiError::bad(
+            "min_tokens is larger than max_tokens",
+            Some("min_tokens"),
+        ));
+    }
+    // Admission: at most max_in_flight requests accepted at once.
+    if st.in_flight.fetch_add(1, Ordering::SeqCst) >= st.max_in_flight {
+        st.in_flight.fetch_sub(1, Ordering::SeqCst);
+        let body = json!({"error": {"message": "the server is at capacity; retry shortly",
+            "type": "rate_limit_error", "param": null, "code": null}});
+        return Ok((
+            StatusCode::TOO_MANY_REQUESTS,
+            [(axum::http::header::RETRY_AFTER, "1")],
+            Json(body),
+        )
+            .into_response());
+    }
+    let guard = InFlight(Arc::clone(&st));
     let (tx, mut rx) = mpsc::unbounded_channel();
     let req = Request {
         prompt,
@@ -393,6 +568,8 @@ async fn run(
         sampling,
         stop,
         ignore_eos: c.ignore_eos,
+        min_tokens,
+        priority: c.priority.unwrap_or(0),
         events: tx,
     };
     st.engine.send(req).map_err(|_| ApiError {
@@ -413,6 +590,7 @@ async fn run(
     let model = st.model_id.clone();
 
     if !c.stream {
+        let _guard = guard;
         let mut text = String::new();
         loop {
             match rx.recv().await {
@@ -464,6 +642,7 @@ async fn run(
     let include_usage = c.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let (sse_tx, sse_rx) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
+        let _guard = guard;
         let chunk = |delta: Value, finish: Option<&str>| -> Value {
             match kind {
                 Kind::Completion => json!({

@@ -14,8 +14,9 @@
 //! contiguous cache sized for its prompt plus `max_tokens`), priorities and preemption.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferrum_llm::generate::PREFILL_CHUNK;
@@ -36,6 +37,69 @@ pub struct EngineConfig {
     pub ctx_size: usize,
 }
 
+/// Counters and histograms the engine keeps for `/metrics`.
+#[derive(Default)]
+pub struct Metrics {
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+    /// Bytes of KV cache held by running sequences.
+    pub kv_bytes: AtomicUsize,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    /// Finished requests by reason.
+    pub finished_stop: AtomicU64,
+    pub finished_length: AtomicU64,
+    pub finished_abort: AtomicU64,
+    /// Seconds from arrival to the first token.
+    pub ttft: Histogram,
+    /// Seconds between consecutive tokens of a request.
+    pub itl: Histogram,
+}
+
+/// A Prometheus histogram with fixed bucket bounds (seconds).
+pub struct Histogram {
+    pub bounds: Vec<f64>,
+    inner: Mutex<(Vec<u64>, f64, u64)>, // per-bucket counts, sum, count
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        let bounds = vec![
+            0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+            10.0, 20.0, 40.0, 80.0,
+        ];
+        Histogram {
+            inner: Mutex::new((vec![0; bounds.len()], 0.0, 0)),
+            bounds,
+        }
+    }
+}
+
+impl Histogram {
+    pub fn observe(&self, v: f64) {
+        let mut g = self.inner.lock().unwrap();
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
+            g.0[i] += 1;
+        }
+        g.1 += v;
+        g.2 += 1;
+    }
+
+    /// Cumulative bucket counts, sum and count.
+    pub fn snapshot(&self) -> (Vec<u64>, f64, u64) {
+        let g = self.inner.lock().unwrap();
+        let mut acc = 0;
+        let cum =
+            g.0.iter()
+                .map(|&c| {
+                    acc += c;
+                    acc
+                })
+                .collect();
+        (cum, g.1, g.2)
+    }
+}
+
 /// One generation request.
 pub struct Request {
     pub prompt: Vec<u32>,
@@ -43,6 +107,10 @@ pub struct Request {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// End-of-generation tokens are suppressed until this many tokens were generated.
+    pub min_tokens: usize,
+    /// Lower runs first; equal priorities run in arrival order.
+    pub priority: i64,
     /// Where the engine sends this request's events.
     pub events: UnboundedSender<Event>,
 }
@@ -77,6 +145,9 @@ struct Seq {
     generated: usize,
     submitted: Instant,
     ttft: Option<f64>,
+    last_token_at: Option<Instant>,
+    /// Why it finished (None while running, or when its client went away).
+    finish: Option<FinishReason>,
 }
 
 impl Seq {
@@ -96,13 +167,15 @@ impl Seq {
             generated: 0,
             submitted,
             ttft: None,
+            last_token_at: None,
+            finish: None,
             req,
         }
     }
 }
 
 /// Runs the engine until `rx` closes and every accepted request has finished.
-pub fn run(llm: Arc<Llm>, cfg: EngineConfig, rx: Receiver<Request>) {
+pub fn run(llm: Arc<Llm>, cfg: EngineConfig, rx: Receiver<Request>, metrics: Arc<Metrics>) {
     let mut waiting: VecDeque<(Request, Instant)> = VecDeque::new();
     let mut running: Vec<Seq> = Vec::new();
     let mut open = true;
@@ -121,24 +194,47 @@ pub fn run(llm: Arc<Llm>, cfg: EngineConfig, rx: Receiver<Request>) {
         while let Ok(r) = rx.try_recv() {
             waiting.push_back((r, Instant::now()));
         }
-        // Admit.
+        // Admit, lowest priority value first (ties: arrival order).
         while running.len() < cfg.max_num_seqs {
-            let Some((req, t)) = waiting.pop_front() else {
+            let best = waiting
+                .iter()
+                .enumerate()
+                .min_by_key(|(i, (r, _))| (r.priority, *i))
+                .map(|(i, _)| i);
+            let Some((req, t)) = best.and_then(|i| waiting.remove(i)) else {
                 break;
             };
+            metrics.waiting.store(waiting.len(), Ordering::Relaxed);
             running.push(Seq::new(req, t, &llm.model.config));
         }
+        publish(&metrics, waiting.len(), &running);
         // Drop requests whose client went away.
+        let before = running.len();
         running.retain(|s| !s.req.events.is_closed());
+        metrics
+            .finished_abort
+            .fetch_add((before - running.len()) as u64, Ordering::Relaxed);
         if running.is_empty() {
+            publish(&metrics, waiting.len(), &running);
             continue;
         }
-        step(&llm, &cfg, &mut running);
+        step(&llm, &cfg, &mut running, &metrics);
+        publish(&metrics, waiting.len(), &running);
     }
 }
 
+/// Updates the gauges of `/metrics`.
+fn publish(metrics: &Metrics, waiting: usize, running: &[Seq]) {
+    metrics.waiting.store(waiting, Ordering::Relaxed);
+    metrics.running.store(running.len(), Ordering::Relaxed);
+    metrics.kv_bytes.store(
+        running.iter().map(|s| s.cache.n_bytes()).sum(),
+        Ordering::Relaxed,
+    );
+}
+
 /// One forward pass over the running sequences, then sampling and events.
-fn step(llm: &Llm, cfg: &EngineConfig, running: &mut Vec<Seq>) {
+fn step(llm: &Llm, cfg: &EngineConfig, running: &mut Vec<Seq>, metrics: &Metrics) {
     // Plan: decode tokens first, then prompt chunks within the token budget.
     let mut budget = cfg.max_batch_tokens.max(1);
     let mut plan: Vec<(usize, std::ops::Range<usize>)> = Vec::new(); // (seq index, prompt range)
@@ -213,6 +309,9 @@ fn step(llm: &Llm, cfg: &EngineConfig, running: &mut Vec<Seq>) {
     for (k, &i) in order.iter().enumerate() {
         let s = &mut running[i];
         if let Some(range) = plan.iter().find(|(j, _)| *j == i).map(|(_, r)| r.clone()) {
+            metrics
+                .prompt_tokens
+                .fetch_add(range.len() as u64, Ordering::Relaxed);
             s.prefilled = range.end;
             if s.prefilled < s.req.prompt.len() {
                 continue;
@@ -221,7 +320,22 @@ fn step(llm: &Llm, cfg: &EngineConfig, running: &mut Vec<Seq>) {
         if logits[k].is_empty() {
             continue;
         }
+        let before = s.last_token_at;
         finished[i] = sample_and_emit(llm, s, &logits[k]);
+        metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        match before {
+            None => metrics.ttft.observe(s.ttft.unwrap_or(0.0)),
+            Some(t) => metrics.itl.observe(t.elapsed().as_secs_f64()),
+        }
+        s.last_token_at = Some(Instant::now());
+        if finished[i] {
+            let c = match s.finish {
+                Some(FinishReason::Stop) => &metrics.finished_stop,
+                Some(FinishReason::Length) => &metrics.finished_length,
+                None => &metrics.finished_abort,
+            };
+            c.fetch_add(1, Ordering::Relaxed);
+        }
     }
     let mut idx = 0;
     running.retain(|_| {
@@ -233,7 +347,18 @@ fn step(llm: &Llm, cfg: &EngineConfig, running: &mut Vec<Seq>) {
 
 /// Samples the next token of `s` from `logits`, sends its text, and returns whether `s` is done.
 fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32]) -> bool {
-    let id = s.sampler.sample(logits);
+    let id = if s.generated < s.req.min_tokens && !s.req.ignore_eos {
+        // No end of generation yet: those tokens cannot be drawn.
+        let mut l = logits.to_vec();
+        for e in llm.tokenizer.eog_ids() {
+            if let Some(v) = l.get_mut(e as usize) {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+        s.sampler.sample(&l)
+    } else {
+        s.sampler.sample(logits)
+    };
     s.sampler.accept(id);
     s.generated += 1;
     if s.ttft.is_none() {
@@ -260,6 +385,7 @@ fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32]) -> bool {
             false
         }
         Some(f) => {
+            s.finish = Some(f);
             if f == FinishReason::Length {
                 let tail = s.utf8.finish();
                 let (shown, _) = s.stops.push(&tail);

@@ -21,7 +21,7 @@ pub mod api;
 pub mod engine;
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -38,6 +38,8 @@ pub struct ServerConfig {
     /// The model name clients see (`/v1/models`) and send.
     pub model_id: String,
     pub engine: EngineConfig,
+    /// Requests that may wait beyond the running ones; more get 429 with Retry-After.
+    pub max_queue: usize,
 }
 
 impl Default for ServerConfig {
@@ -51,6 +53,7 @@ impl Default for ServerConfig {
                 max_batch_tokens: 512,
                 ctx_size: 4096,
             },
+            max_queue: 256,
         }
     }
 }
@@ -61,14 +64,17 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
     let llm = Arc::new(llm);
     let template = llm.chat_template().context("the model's chat template")?;
     let (etx, erx) = std::sync::mpsc::channel();
+    let metrics = Arc::new(engine::Metrics::default());
     let engine = {
         let llm = Arc::clone(&llm);
         let ecfg = cfg.engine.clone();
+        let m = Arc::clone(&metrics);
         std::thread::Builder::new()
             .name("ferrum-engine".into())
-            .spawn(move || engine::run(llm, ecfg, erx))
+            .spawn(move || engine::run(llm, ecfg, erx, m))
             .context("starting the engine thread")?
     };
+    let kv_per_token = 2 * 2 * llm.model.config.n_layer * llm.model.config.kv_dim();
     let state = Arc::new(api::AppState {
         llm,
         template,
@@ -76,6 +82,10 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
         model_id: cfg.model_id.clone(),
         ctx_size: cfg.engine.ctx_size,
         next_id: AtomicU64::new(0),
+        metrics,
+        in_flight: AtomicUsize::new(0),
+        max_in_flight: cfg.engine.max_num_seqs + cfg.max_queue,
+        kv_capacity_bytes: kv_per_token * cfg.engine.ctx_size * cfg.engine.max_num_seqs,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

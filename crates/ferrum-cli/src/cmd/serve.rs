@@ -29,6 +29,9 @@ pub struct Args {
     /// requests keep decoding.
     #[arg(long, default_value_t = 512)]
     pub max_batch_tokens: usize,
+    /// Requests that may wait beyond the running ones; more are refused with 429 and Retry-After.
+    #[arg(long, default_value_t = 256)]
+    pub max_queue: usize,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -45,6 +48,7 @@ pub fn run(a: Args) -> Result<()> {
             max_batch_tokens: a.max_batch_tokens,
             ctx_size: a.ctx_size.min(llm.model.config.n_ctx_train.max(2)),
         },
+        max_queue: a.max_queue,
     };
     ferrum_server::serve(llm, cfg, |addr| {
         println!("ferrum serve: listening on http://{addr}");
