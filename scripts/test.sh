@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # Runs ferrum's whole test suite: fetches the test models (cached in ./models), checks formatting
-# and lints, then builds once and runs every test, the real-model tests included.
+# and lints, then builds once and runs every test, the real-model tests included, then drives the
+# server with the `openai` Python client.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 scripts/fetch_models.py
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 cargo test --workspace
+# The server with the official `openai` Python client (installed into a git-ignored venv).
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import openai' 2>/dev/null; then
+    python3 -m venv .venv
+    .venv/bin/pip install --quiet --disable-pip-version-check 'openai>=1.40'
+fi
+.venv/bin/python scripts/openai_client_test.py target/debug/ferrum

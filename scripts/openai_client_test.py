@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Drives `ferrum serve` with the official `openai` Python client (streaming and not, completions and
+chat), over a real socket on 127.0.0.1. Run by scripts/test.sh after `cargo test` (which builds the
+binary); exits non-zero on the first failed check.
+
+Usage: scripts/openai_client_test.py [path/to/ferrum]   (default: target/debug/ferrum)
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+
+from openai import OpenAI, BadRequestError
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+BIN = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "debug", "ferrum")
+MODEL = os.path.join(os.environ.get("FERRUM_MODELS_DIR", os.path.join(ROOT, "models")),
+                     "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def start_server():
+    p = subprocess.Popen([BIN, "serve", "-m", MODEL, "--port", "0", "-t", "2"],
+                         stdout=subprocess.PIPE, text=True)
+    addr = []
+    ready = threading.Event()
+
+    def read():
+        for line in p.stdout:
+            if "http://" in line and not addr:
+                addr.append(line.split("http://", 1)[1].strip())
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(120):
+        p.kill()
+        sys.exit("ferrum serve did not print its address")
+    return p, addr[0]
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print("ok:", what)
+
+
+def main():
+    proc, addr = start_server()
+    try:
+        client = OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=120)
+        models = client.models.list()
+        check(len(models.data) == 1 and models.data[0].id, "models.list")
+
+        out = subprocess.run([BIN, "generate", "-m", MODEL, "--temperature", "0", "-n", "24",
+                              "--json", "-p", "The capital of France is"],
+                             capture_output=True, text=True, check=True).stdout
+        want = json.loads(out)["text"]
+        r = client.completions.create(model=models.data[0].id, prompt="The capital of France is",
+                                      max_tokens=24, temperature=0)
+        check(r.choices[0].text == want, "completion equals `ferrum generate`")
+        check(r.usage.completion_tokens == 24 and r.usage.prompt_tokens == 5, "completion usage")
+
+        chunks = list(client.completions.create(model="x", prompt="The capital of France is",
+                                                max_tokens=24, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        check(text == want, "streamed completion equals the plain one")
+        check(chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24,
+              "streamed usage")
+
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        r = client.chat.completions.create(model="x", messages=msgs, max_tokens=20, temperature=0)
+        reply = r.choices[0].message.content
+        check(r.choices[0].message.role == "assistant" and reply, "chat completion")
+        stream = client.chat.completions.create(model="x", messages=msgs, max_tokens=20,
+                                                temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        check(streamed == reply, "streamed chat equals the plain one")
+
+        try:
+            client.completions.create(model="x", prompt="hi", max_tokens=0)
+            check(False, "max_tokens=0 is refused")
+        except BadRequestError as e:
+            check(e.status_code == 400 and "max_tokens" in str(e), "max_tokens=0 -> 400")
+    finally:
+        proc.terminate()
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = None
+    check(code == 0, "SIGTERM -> exit 0")
+    print("openai client: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
