@@ -125,7 +125,7 @@ async fn metrics(State(st): State<Arc<AppState>>) -> impl IntoResponse {
         &mut o,
         "vllm:num_requests_running",
         "Requests in the running batch.",
-        m.running.load(Ordering::Relaxed) as f64,
+        m.running.load(Ordering::Acquire) as f64,
     );
     gauge(
         &mut o,

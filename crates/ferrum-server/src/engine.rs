@@ -224,13 +224,14 @@ pub fn run(llm: Arc<Llm>, cfg: EngineConfig, rx: Receiver<Request>, metrics: Arc
 }
 
 /// Updates the gauges of `/metrics`.
+/// The running count goes last (Release), so a reader that sees it (Acquire) sees the rest.
 fn publish(metrics: &Metrics, waiting: usize, running: &[Seq]) {
-    metrics.waiting.store(waiting, Ordering::Relaxed);
-    metrics.running.store(running.len(), Ordering::Relaxed);
     metrics.kv_bytes.store(
         running.iter().map(|s| s.cache.n_bytes()).sum(),
         Ordering::Relaxed,
     );
+    metrics.waiting.store(waiting, Ordering::Relaxed);
+    metrics.running.store(running.len(), Ordering::Release);
 }
 
 /// One forward pass over the running sequences, then sampling and events.
