@@ -43,7 +43,7 @@ struct Unpacked {
     corr: Vec<i32>,
     /// Per super-block, 4 vectors of 16 i32: the scale of each lane's sub-block.
     scales: Vec<i32>,
-    /// Q4_K: per super-block the 8 mins; Q6_K: the 16 scales (for the -32 correction).
+    /// Q4_K: per super-block the 8 mins (16 slots; Q6_K leaves them unused).
     aux: Vec<i32>,
     /// Per super-block: d, and dmin (Q4_K).
     d: Vec<f32>,
@@ -98,9 +98,6 @@ impl Unpacked {
                         so[16 * p + i] = blk[192 + 4 * p + i / 4] as i8 as i32;
                     }
                 }
-                for j in 0..16 {
-                    ao[j] = blk[192 + j] as i8 as i32;
-                }
                 self.d[b] = rd_f16(blk, 208);
             }
             for (lane, c) in co.iter_mut().enumerate() {
@@ -130,77 +127,18 @@ pub fn matmul_k(w: &WeightRef, act: &[u8], ab: usize, t: usize, orders: &[Order]
         for (i, u) in un.iter_mut().enumerate() {
             u.fill(w.dtype, &w.data[(r0 + i) * rb..(r0 + i + 1) * rb]);
         }
+        // A last task of fewer than 4 rows repeats its last row; the extra results are dropped.
+        let rows4: [&Unpacked; ROWS] = core::array::from_fn(|i| &un[i.min(n - 1)]);
         for tok in 0..t {
             let a = &act[tok * ab..(tok + 1) * ab];
-            if n == ROWS {
-                let rows4: [&Unpacked; ROWS] = [&un[0], &un[1], &un[2], &un[3]];
-                // SAFETY: `supports` checked AVX-512 VNNI; each row and `a` hold nsb super-blocks.
-                let v = unsafe { rows4_k(w.dtype, rows4, a, nsb, orders[tok] == Order::Q4kGemm) };
-                for (i, &val) in v.iter().enumerate() {
-                    // SAFETY: as below.
-                    unsafe { *out.at(tok * rows + r0 + i) = val };
-                }
-                continue;
-            }
-            for (i, u) in un.iter().enumerate() {
-                // SAFETY: `supports` checked AVX-512 VNNI; `u` and `a` hold nsb super-blocks.
-                let v = unsafe {
-                    match orders[tok] {
-                        Order::Q6kTiled => row_q6k_tiled(u, a, nsb),
-                        o => row_q4k(u, a, nsb, o == Order::Q4kGemm),
-                    }
-                };
+            // SAFETY: `supports` checked AVX-512 VNNI; each row and `a` hold nsb super-blocks.
+            let v = unsafe { rows4_k(w.dtype, rows4, a, nsb, orders[tok] == Order::Q4kGemm) };
+            for (i, &val) in v[..n].iter().enumerate() {
                 // SAFETY: tok < t and r0 + i < rows: inside `y`; only this task writes row r0 + i.
-                unsafe { *out.at(tok * rows + r0 + i) = v };
+                unsafe { *out.at(tok * rows + r0 + i) = val };
             }
         }
     });
-}
-
-/// Per 64-element chunk p of super-block `b`: Σ_lanes scale_lane · (VNNI Σ of 4 q·y), as 4 i32.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-fn chunk_sums(u: &Unpacked, a: &[u8], b: usize) -> [i32; 4] {
-    let qw = &u.q[b * QK_K..(b + 1) * QK_K];
-    let qa = &a[b * Q8K_BYTES + 4..b * Q8K_BYTES + 4 + QK_K];
-    let sc = &u.scales[b * 64..(b + 1) * 64];
-    let corr = &u.corr[b * 64..(b + 1) * 64];
-    let flip = _mm512_set1_epi8(0x80u8 as i8);
-    let mut v = [_mm512_setzero_si512(); 4];
-    for p in 0..4 {
-        // SAFETY: each slice holds 64 bytes (or 16 i32) from offset 64p (16p); loadu is unaligned.
-        unsafe {
-            let wv = _mm512_loadu_si512(qw.as_ptr().add(64 * p) as *const _);
-            let av = _mm512_loadu_si512(qa.as_ptr().add(64 * p) as *const _);
-            let s = _mm512_loadu_si512(sc.as_ptr().add(16 * p) as *const _);
-            let c = _mm512_loadu_si512(corr.as_ptr().add(16 * p) as *const _);
-            // (a + 128)·w summed by 4, started at -128·Σw: exactly Σ a·w.
-            let d = _mm512_dpbusd_epi32(c, _mm512_xor_si512(av, flip), wv);
-            v[p] = _mm512_mullo_epi32(d, s);
-        }
-    }
-    // Transposed reduction: 4 vectors of 16 lanes to their 4 sums.
-    let t0 = _mm512_add_epi32(
-        _mm512_unpacklo_epi32(v[0], v[1]),
-        _mm512_unpackhi_epi32(v[0], v[1]),
-    );
-    let t1 = _mm512_add_epi32(
-        _mm512_unpacklo_epi32(v[2], v[3]),
-        _mm512_unpackhi_epi32(v[2], v[3]),
-    );
-    // Per 128-bit lane: [v0, v1, v2, v3] partial sums.
-    let u4 = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
-    let h = _mm256_add_epi32(
-        _mm512_castsi512_si256(u4),
-        _mm512_extracti64x4_epi64::<1>(u4),
-    );
-    let q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
-    let mut out = [0i32; 4];
-    // SAFETY: `out` holds 4 i32.
-    unsafe { _mm_storeu_si128(out.as_mut_ptr() as *mut __m128i, q) };
-    // unpacklo/hi_epi32 interleave as [v0, v1, v0, v1] and unpack_epi64 as [v0|v1, v2|v3]:
-    // lanes come out as [p0, p1, p2, p3] after the two stages.
-    out
 }
 
 /// The 16 bsums (Σ of each 16 activations) of a Q8_K block.
@@ -214,50 +152,6 @@ fn bsums(by: &[u8]) -> [i32; 16] {
     out
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-fn row_q4k(u: &Unpacked, a: &[u8], nsb: usize, gemm: bool) -> f32 {
-    let (mut acc, mut acc_m) = (0f32, 0f32);
-    for b in 0..nsb {
-        let ip = chunk_sums(u, a, b);
-        let by = &a[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-        let bs = bsums(by);
-        let m: &[i32; 16] = u.aux[b * 16..b * 16 + 16].try_into().unwrap();
-        let dy = rd_f32(by, 0);
-        if gemm {
-            let dd = u.d[b] * dy;
-            let dm = u.dmin[b] * dy;
-            for p in 0..4 {
-                let mp = m[2 * p] * (bs[4 * p] + bs[4 * p + 1])
-                    + m[2 * p + 1] * (bs[4 * p + 2] + bs[4 * p + 3]);
-                acc = (ip[p] as f32).mul_add(dd, acc);
-                acc_m = (mp as f32).mul_add(dm, acc_m);
-            }
-        } else {
-            let isum = ip[0] + ip[1] + ip[2] + ip[3];
-            let mut imin = 0i32;
-            for g in 0..16 {
-                imin += bs[g] * m[g / 2];
-            }
-            acc = (isum as f32).mul_add(u.d[b] * dy, acc);
-            acc_m = (imin as f32).mul_add(u.dmin[b] * dy, acc_m);
-        }
-    }
-    acc - acc_m
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-fn row_q6k_tiled(u: &Unpacked, a: &[u8], nsb: usize) -> f32 {
-    let mut acc = 0f32;
-    for b in 0..nsb {
-        let ip = chunk_sums(u, a, b);
-        let by = &a[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-        let s = ip[0] + ip[1] + ip[2] + ip[3];
-        let r = s as f32 * u.d[b];
-        acc = r.mul_add(rd_f32(by, 0), acc);
-    }
-    acc
-}
-
 /// `aux[i]` of the 4 rows as one vector.
 #[inline(always)]
 fn mins4(u: &[&Unpacked; ROWS], i: usize) -> __m128i {
@@ -266,8 +160,9 @@ fn mins4(u: &[&Unpacked; ROWS], i: usize) -> __m128i {
 }
 
 /// 4 rows x one token: the integer sums of the 4 rows' chunks reduced together, and the float
-/// epilogue run on the 4 rows as the lanes of one vector (each lane does exactly the scalar
-/// operations of [`row_q4k`] / [`row_q6k_tiled`] for its row).
+/// epilogue run on the 4 rows as the lanes of one vector, each lane doing exactly the scalar
+/// operations of the order's reference (`quant::vec_dot_q4k_gemm_order_ref`,
+/// `vec_dot_q4k_repacked_ref`, `vec_dot_q6k_tiled_order_ref`) for its row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 fn rows4_k(dtype: DType, u: [&Unpacked; ROWS], a: &[u8], nsb: usize, gemm: bool) -> [f32; ROWS] {
     let flip = _mm512_set1_epi8(0x80u8 as i8);
