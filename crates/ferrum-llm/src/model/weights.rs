@@ -144,22 +144,40 @@ pub struct Weights {
     pub output: Linear,
 }
 
+impl LayerWeights {
+    /// The layer's seven projections.
+    pub fn linears(&self) -> [&Linear; 7] {
+        [
+            &self.attn_q,
+            &self.attn_k,
+            &self.attn_v,
+            &self.attn_output,
+            &self.ffn_gate,
+            &self.ffn_up,
+            &self.ffn_down,
+        ]
+    }
+
+    /// [`LayerWeights::linears`], mutably.
+    pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        [
+            &mut self.attn_q,
+            &mut self.attn_k,
+            &mut self.attn_v,
+            &mut self.attn_output,
+            &mut self.ffn_gate,
+            &mut self.ffn_up,
+            &mut self.ffn_down,
+        ]
+    }
+}
+
 impl Weights {
     /// Every distinct tensor of the model (the tied LM head counted once).
     pub fn tensors(&self) -> Vec<&RawTensor> {
         let mut v = vec![&self.token_embd];
         for l in &self.layers {
-            for lin in [
-                &l.attn_q,
-                &l.attn_k,
-                &l.attn_v,
-                &l.attn_output,
-                &l.ffn_gate,
-                &l.ffn_up,
-                &l.ffn_down,
-            ] {
-                v.push(&lin.weight);
-            }
+            v.extend(l.linears().map(|lin| &lin.weight));
         }
         if self.output.weight.data.as_ptr() != self.token_embd.data.as_ptr() {
             v.push(&self.output.weight);
@@ -331,17 +349,7 @@ impl Weights {
         let tied = self.output.weight.data.as_ptr() == self.token_embd.data.as_ptr();
         let mut mats: Vec<&mut RawTensor> = vec![&mut self.token_embd];
         for l in self.layers.iter_mut() {
-            for lin in [
-                &mut l.attn_q,
-                &mut l.attn_k,
-                &mut l.attn_v,
-                &mut l.attn_output,
-                &mut l.ffn_gate,
-                &mut l.ffn_up,
-                &mut l.ffn_down,
-            ] {
-                mats.push(&mut lin.weight);
-            }
+            mats.extend(l.linears_mut().map(|lin| &mut lin.weight));
         }
         if !tied {
             mats.push(&mut self.output.weight);
@@ -357,17 +365,7 @@ impl Weights {
             self.output.weight.data = self.token_embd.data.clone();
         }
         for l in self.layers.iter_mut() {
-            for lin in [
-                &mut l.attn_q,
-                &mut l.attn_k,
-                &mut l.attn_v,
-                &mut l.attn_output,
-                &mut l.ffn_gate,
-                &mut l.ffn_up,
-                &mut l.ffn_down,
-            ] {
-                lin.pack_for_decode();
-            }
+            l.linears_mut().into_iter().for_each(Linear::pack_for_decode);
         }
         self.output.pack_for_decode();
         Ok(())
