@@ -56,7 +56,7 @@ pub struct Prepared {
 }
 
 impl Prepared {
-    pub fn new() -> Prepared {
+    pub const fn new() -> Prepared {
         Prepared {
             nb: 0,
             quants: Vec::new(),
@@ -412,28 +412,31 @@ pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32]
     assert_eq!(y.len(), rows, "gemv_x16: y");
     let act_type = crate::quant::vec_dot_type(dtype);
     let ab = act_type.row_bytes(cols).expect("whole blocks");
-    let mut act = vec![0u8; ab];
-    crate::quant::quantize_row(act_type, x, &mut act);
-    let mut p = Prepared::new();
-    p.fill(dtype, &act, ab, 1);
-    const GROUPS_PER_TASK: usize = 4;
-    let group_bytes = nb * cell_len;
-    crate::pool::parallel_chunks_mut(y, GROUP * GROUPS_PER_TASK, |ci, yc| {
-        for (gi, yg) in yc.chunks_exact_mut(GROUP).enumerate() {
-            let g = ci * GROUPS_PER_TASK + gi;
-            let w = &packed[g * group_bytes..(g + 1) * group_bytes];
-            // SAFETY: `available()` was checked; `w` holds nb cells of `dtype` and `p` nb
-            // prepared blocks of its activation type.
-            let out = unsafe {
-                match dtype {
-                    DType::Q8_0 => gemv_group_x_q8_0::<32>(w, &p),
-                    DType::Q5_0 => gemv_group_x_q8_0::<16>(w, &p),
-                    _ => gemv_group_q4_1(w, &p),
-                }
-            };
-            yg.copy_from_slice(&out);
-        }
-    });
+    // The activation buffers are matmul's per-thread scratch: no allocation per token.
+    super::with_scratch(|act, p| {
+        act.resize(ab, 0);
+        crate::quant::quantize_row(act_type, x, act);
+        p.fill(dtype, act, ab, 1);
+        const GROUPS_PER_TASK: usize = 4;
+        let group_bytes = nb * cell_len;
+        let p = &*p;
+        crate::pool::parallel_chunks_mut(y, GROUP * GROUPS_PER_TASK, |ci, yc| {
+            for (gi, yg) in yc.chunks_exact_mut(GROUP).enumerate() {
+                let g = ci * GROUPS_PER_TASK + gi;
+                let w = &packed[g * group_bytes..(g + 1) * group_bytes];
+                // SAFETY: `available()` was checked; `w` holds nb cells of `dtype` and `p` nb
+                // prepared blocks of its activation type.
+                let out = unsafe {
+                    match dtype {
+                        DType::Q8_0 => gemv_group_x_q8_0::<32>(w, p),
+                        DType::Q5_0 => gemv_group_x_q8_0::<16>(w, p),
+                        _ => gemv_group_q4_1(w, p),
+                    }
+                };
+                yg.copy_from_slice(&out);
+            }
+        });
+    })
 }
 
 /// One group of Q8_0 (`QB` = 32 quant bytes per row) or Q5_0 (`QB` = 16, plus high bits) rows x

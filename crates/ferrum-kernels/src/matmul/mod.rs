@@ -143,6 +143,12 @@ pub fn matmul_segments(w: &WeightRef, x: &[f32], y: &mut [f32], segs: &[usize]) 
     });
 }
 
+/// Runs `f` with this thread's reusable activation buffers (quantized rows, tile layout).
+#[cfg(target_arch = "x86_64")]
+fn with_scratch<R>(f: impl FnOnce(&mut Vec<u8>, &mut avx512::Prepared) -> R) -> R {
+    SCRATCH.with_borrow_mut(|sc| f(&mut sc.act, &mut sc.prepared))
+}
+
 /// Per-thread buffers reused across calls (no allocation per token once warm).
 struct Scratch {
     act: Vec<u8>,
@@ -155,12 +161,7 @@ thread_local! {
         RefCell::new(Scratch {
             act: Vec::new(),
             #[cfg(target_arch = "x86_64")]
-            prepared: avx512::Prepared {
-                nb: 0,
-                quants: Vec::new(),
-                corr: Vec::new(),
-                scales: Vec::new(),
-            },
+            prepared: avx512::Prepared::new(),
         })
     };
 }
