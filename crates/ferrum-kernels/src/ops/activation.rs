@@ -74,8 +74,12 @@ fn expf_ggml(x: f32) -> f32 {
     let p23 = f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3eff_fedb));
     let p01 = f32::from_bits(0x3f7f_fff6).mul_add(b, 1.0);
     let j = p45.mul_add(u, p23).mul_add(u, p01);
-    // j * 2^n, exact while the result is a normal number.
-    j * 2f32.powi(n as i32)
+    // j * 2^n with one rounding, as the SIMD code's scalef: 2^n in two exact halves, so neither
+    // the power (2^128 is not an f32) nor j * 2^(n/2) leaves the normal range (|n| <= 192 here).
+    let n = n as i32;
+    let (a, b) = (n / 2, n - n / 2);
+    let pow2 = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
+    j * pow2(a) * pow2(b)
 }
 
 /// Plain version of [`swiglu`] (ggml's order, one element at a time), for tests.
