@@ -118,8 +118,8 @@ pub fn run(a: Args) -> Result<()> {
         for (name, n, is_prompt) in &tests {
             let ctx = n + 1;
             let mut cache = KvCache::new(cfg, ctx);
+            let tokens = bench_tokens(&llm, *n);
             let run_once = |cache: &mut KvCache| -> Result<f64> {
-                let tokens = bench_tokens(&llm, *n);
                 let start = Instant::now();
                 if *is_prompt {
                     for (i, chunk) in tokens.chunks(PREFILL_CHUNK).enumerate() {
@@ -215,7 +215,7 @@ fn truncate(s: &str, n: usize) -> String {
 }
 
 /// `n` token ids: BOS (when the model adds one), then a fixed pseudo-random sequence.
-fn bench_tokens(llm: &Llm, n: usize) -> Vec<u32> {
+pub(crate) fn bench_tokens(llm: &Llm, n: usize) -> Vec<u32> {
     let n_vocab = llm.model.config.n_vocab as u64;
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     let mut v: Vec<u32> = (0..n)

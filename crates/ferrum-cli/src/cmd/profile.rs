@@ -67,20 +67,14 @@ pub fn run(a: Args) -> Result<()> {
         }
     };
     let cfg = &llm.model.config;
-    let n_vocab = cfg.n_vocab as u64;
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut next_token = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % n_vocab) as u32
-    };
-    let prompt: Vec<u32> = (0..a.n_prompt).map(|_| next_token()).collect();
+    // The prompt, then the tokens fed while generating (as `ferrum bench` picks them).
+    let tokens = super::bench::bench_tokens(&llm, a.n_prompt + a.n_gen);
+    let (prompt, gen) = tokens.split_at(a.n_prompt);
     let mut cache = KvCache::new(cfg, a.n_prompt + a.n_gen + 1);
 
     // Warm-up (page faults, pool start) outside the profile.
     llm.model
-        .forward(&[next_token()], 0, &mut KvCache::new(cfg, 1), Logits::Last)?;
+        .forward(&tokens[..1], 0, &mut KvCache::new(cfg, 1), Logits::Last)?;
 
     let mut phases = Vec::new();
     if a.n_prompt > 0 {
@@ -100,8 +94,7 @@ pub fn run(a: Args) -> Result<()> {
     if a.n_gen > 0 {
         let mut wall_s = 0.0;
         profile::start();
-        for i in 0..a.n_gen {
-            let tok = next_token();
+        for (i, &tok) in gen.iter().enumerate() {
             let t = Instant::now();
             llm.model
                 .forward(&[tok], a.n_prompt + i, &mut cache, Logits::Last)?;
