@@ -61,7 +61,16 @@ fn bench_types() -> Vec<DType> {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// Median seconds of `reps` timed runs of `f`, after one untimed warm-up run.
+fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut v: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -87,15 +96,7 @@ fn main() {
             let mut y = vec![0f32; rows];
             for threads in [1, 2] {
                 pool::set_threads(Some(threads));
-                matmul(&wr, &x, &mut y);
-                let times: Vec<f64> = (0..15)
-                    .map(|_| {
-                        let t = Instant::now();
-                        matmul(&wr, black_box(&x), &mut y);
-                        t.elapsed().as_secs_f64()
-                    })
-                    .collect();
-                let s = median(times);
+                let s = median_secs(15, || matmul(&wr, black_box(&x), &mut y));
                 println!(
                     "| gemv {dtype} ({mib} MiB) | {rows}x{cols} x 1 | {threads} | {:.3} | {:.1} GB/s |",
                     s * 1e3,
@@ -109,7 +110,7 @@ fn main() {
                 let packed = Bytes::pack(&[&packed]).unwrap().pop().unwrap();
                 for threads in [1, 2] {
                     pool::set_threads(Some(threads));
-                    let mut run = || {
+                    let s = median_secs(15, || {
                         ferrum_kernels::matmul::avx512::gemv_x16(
                             dtype,
                             &packed,
@@ -118,16 +119,7 @@ fn main() {
                             black_box(&x),
                             &mut y,
                         )
-                    };
-                    run();
-                    let times: Vec<f64> = (0..15)
-                        .map(|_| {
-                            let t = Instant::now();
-                            run();
-                            t.elapsed().as_secs_f64()
-                        })
-                        .collect();
-                    let s = median(times);
+                    });
                     println!(
                         "| gemv {dtype} 16-row packed ({mib} MiB) | {rows}x{cols} x 1 | {threads} | {:.3} | {:.1} GB/s |",
                         s * 1e3,
@@ -149,15 +141,7 @@ fn main() {
         let mut y = vec![0f32; t * rows];
         for threads in [1, 2] {
             pool::set_threads(Some(threads));
-            matmul(&wr, &x, &mut y);
-            let times: Vec<f64> = (0..7)
-                .map(|_| {
-                    let tm = Instant::now();
-                    matmul(&wr, black_box(&x), &mut y);
-                    tm.elapsed().as_secs_f64()
-                })
-                .collect();
-            let s = median(times);
+            let s = median_secs(7, || matmul(&wr, black_box(&x), &mut y));
             println!(
                 "| gemm {dtype} | {rows}x{cols} x {t} | {threads} | {:.3} | {:.1} GFLOP/s |",
                 s * 1e3,

@@ -365,7 +365,9 @@ impl Weights {
             self.output.weight.data = self.token_embd.data.clone();
         }
         for l in self.layers.iter_mut() {
-            l.linears_mut().into_iter().for_each(Linear::pack_for_decode);
+            l.linears_mut()
+                .into_iter()
+                .for_each(Linear::pack_for_decode);
         }
         self.output.pack_for_decode();
         Ok(())
