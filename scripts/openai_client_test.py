@@ -47,7 +47,7 @@ def check(cond, what):
 def main():
     proc, addr = start_server()
     try:
-        client = OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=600)
         models = client.models.list()
         check(len(models.data) == 1 and models.data[0].id, "models.list")
 

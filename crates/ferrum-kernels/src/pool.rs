@@ -1,43 +1,64 @@
 //! The kernels' thread pool, tuned for per-token latency.
 //!
 //! One process-wide pool of `n - 1` workers plus the calling thread ([`set_threads`]). A
-//! [`parallel_for`] publishes one job (a task count and a closure), every thread claims task
-//! indices from a shared counter until none are left, and the caller returns once all workers have
-//! finished: that wait is the only barrier. Workers spin on the job counter between jobs (a decode
-//! step issues a few hundred jobs tens of microseconds apart, so sleeping between them would cost
-//! more than the jobs), and park after [`SPIN_ROUNDS`] idle rounds so an idle process uses no CPU.
+//! [`parallel_for`] publishes one job (a task count and a closure) and every thread claims task
+//! indices until none are left; the caller returns once every task has finished, which is the only
+//! barrier. A worker that arrives late (parked, or descheduled because the machine is
+//! oversubscribed) finds nothing left to claim and is not waited for: the caller runs the tasks
+//! itself rather than wait for a thread that is not running.
+//!
+//! Workers spin between jobs (a decode step issues a few hundred jobs tens of microseconds apart,
+//! so sleeping between them would cost more than the jobs) and park after [`SPIN_ROUNDS`] idle
+//! rounds so an idle process uses no CPU.
+//!
+//! Claims are tagged with the job's epoch: the job's number and the next task index share one
+//! atomic word, so a worker still holding an old job can never claim a task of a newer one.
 //!
 //! With one thread, or when the pool is busy (another thread's job, or a task that itself calls
 //! [`parallel_for`]), the tasks run inline on the caller. Kernels must therefore give the same
 //! result whichever thread runs a task, which they do: every task writes its own outputs.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
 
 /// Idle spin rounds before a worker parks (about a millisecond).
 const SPIN_ROUNDS: u32 = 1 << 16;
 
-/// The job being run: a lifetime-erased pointer to the caller's closure and its task count.
+/// Spin rounds the caller waits for running tasks before it starts yielding its core (so that a
+/// preempted worker can finish its task sooner on an oversubscribed machine).
+const CALLER_SPINS: u32 = 1 << 12;
+
+/// The job being run: its epoch, a lifetime-erased pointer to the caller's closure and its task
+/// count.
 #[derive(Clone, Copy)]
 struct Job {
+    epoch: u32,
     f: *const (dyn Fn(usize) + Sync),
-    n_tasks: usize,
+    n_tasks: u32,
 }
 
-// SAFETY: the closure behind `f` is `Sync`, and `Pool::run` keeps it alive until every worker has
-// reported that it finished with the job, so sharing the pointer across threads is sound.
+// SAFETY: the closure behind `f` is `Sync`, and `Pool::run` keeps it alive until every task of
+// the job has finished; a task can only be claimed while its job is the current one (the epoch
+// tag in `Shared::state`), so no thread calls `f` after `Pool::run` returns.
 unsafe impl Send for Job {}
 // SAFETY: as above; the pointer is only dereferenced to call a `Sync` closure.
 unsafe impl Sync for Job {}
 
+/// `Shared::state`: the current epoch in the high 32 bits, the next unclaimed task in the low 32.
+fn epoch_of(state: u64) -> u32 {
+    (state >> 32) as u32
+}
+
+fn index_of(state: u64) -> u32 {
+    state as u32
+}
+
 struct Shared {
-    /// Incremented once per published job; workers compare it with the last one they ran.
-    epoch: AtomicUsize,
+    /// Epoch of the current job and its next unclaimed task index (see [`epoch_of`]).
+    state: AtomicU64,
     job: RwLock<Option<Job>>,
-    /// Next unclaimed task index of the current job.
-    next: AtomicUsize,
-    /// Workers that have finished the current job.
+    /// Tasks of the current job that have finished.
     done: AtomicUsize,
     /// Workers currently parked on `wake`.
     sleeping: AtomicUsize,
@@ -57,9 +78,8 @@ struct Pool {
 impl Pool {
     fn new(n_threads: usize) -> Pool {
         let shared = Arc::new(Shared {
-            epoch: AtomicUsize::new(0),
+            state: AtomicU64::new(0),
             job: RwLock::new(None),
-            next: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
             sleeping: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
@@ -85,45 +105,66 @@ impl Pool {
 
     fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         let guard = match self.busy.try_lock() {
-            Ok(g) if self.n_threads > 1 && n_tasks > 1 => g,
+            Ok(g) if self.n_threads > 1 && n_tasks > 1 && n_tasks < u32::MAX as usize => g,
             _ => return (0..n_tasks).for_each(f),
         };
         let s = &*self.shared;
         // SAFETY (lifetime erasure): `f` outlives this call, and this call returns only after
-        // every worker has incremented `done` for this job, after its last use of the pointer.
+        // every task has finished; later claims fail on the epoch tag, so nothing calls the
+        // pointer afterwards.
         let f: *const (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
-        *s.job.write().unwrap() = Some(Job { f, n_tasks });
-        s.next.store(0, Ordering::SeqCst);
+        let epoch = epoch_of(s.state.load(Ordering::Acquire)).wrapping_add(1);
+        let job = Job {
+            epoch,
+            f,
+            n_tasks: n_tasks as u32,
+        };
+        *s.job.write().unwrap() = Some(job);
         s.done.store(0, Ordering::SeqCst);
-        s.epoch.fetch_add(1, Ordering::SeqCst);
+        s.state.store(u64::from(epoch) << 32, Ordering::SeqCst);
         if s.sleeping.load(Ordering::SeqCst) > 0 {
             let _l = s.lock.lock().unwrap();
             s.wake.notify_all();
         }
-        claim_tasks(s, f, n_tasks);
-        let n_workers = self.n_threads - 1;
-        while s.done.load(Ordering::Acquire) < n_workers {
-            std::hint::spin_loop();
+        claim_tasks(s, job);
+        let mut spins = 0u32;
+        while s.done.load(Ordering::Acquire) < n_tasks {
+            if spins < CALLER_SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
-        *s.job.write().unwrap() = None;
         drop(guard);
     }
 }
 
-fn claim_tasks(s: &Shared, f: *const (dyn Fn(usize) + Sync), n_tasks: usize) {
+/// Claims and runs tasks of `job` until none are left or a newer job has replaced it.
+fn claim_tasks(s: &Shared, job: Job) {
+    let mut cur = s.state.load(Ordering::Acquire);
     loop {
-        let i = s.next.fetch_add(1, Ordering::Relaxed);
-        if i >= n_tasks {
+        if epoch_of(cur) != job.epoch || index_of(cur) >= job.n_tasks {
             return;
         }
-        // SAFETY: `f` points to the closure of the job being run, alive until `Pool::run` has
-        // seen every worker finish (see `Pool::run`).
-        unsafe { (*f)(i) };
+        match s
+            .state
+            .compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => {
+                // SAFETY: the task was claimed while `job` was current, and `Pool::run` waits for
+                // every claimed task to finish before the closure goes away.
+                unsafe { (*job.f)(index_of(cur) as usize) };
+                s.done.fetch_add(1, Ordering::Release);
+                cur = s.state.load(Ordering::Acquire);
+            }
+            Err(now) => cur = now,
+        }
     }
 }
 
 fn worker(s: &Shared) {
-    let mut seen = 0usize;
+    let mut seen = 0u32;
     loop {
         // Wait for a new job: spin, then park.
         let mut spins = 0u32;
@@ -131,7 +172,7 @@ fn worker(s: &Shared) {
             if s.stop.load(Ordering::Acquire) {
                 return;
             }
-            if s.epoch.load(Ordering::Acquire) != seen {
+            if epoch_of(s.state.load(Ordering::Acquire)) != seen {
                 break;
             }
             if spins < SPIN_ROUNDS {
@@ -141,19 +182,19 @@ fn worker(s: &Shared) {
             }
             s.sleeping.fetch_add(1, Ordering::SeqCst);
             let mut l = s.lock.lock().unwrap();
-            while s.epoch.load(Ordering::SeqCst) == seen && !s.stop.load(Ordering::SeqCst) {
+            while epoch_of(s.state.load(Ordering::SeqCst)) == seen && !s.stop.load(Ordering::SeqCst)
+            {
                 l = s.wake.wait(l).unwrap();
             }
             drop(l);
             s.sleeping.fetch_sub(1, Ordering::SeqCst);
             spins = 0;
         }
-        seen = s.epoch.load(Ordering::Acquire);
+        seen = epoch_of(s.state.load(Ordering::Acquire));
         let job = *s.job.read().unwrap();
-        if let Some(job) = job {
-            claim_tasks(s, job.f, job.n_tasks);
+        if let Some(job) = job.filter(|j| j.epoch == seen) {
+            claim_tasks(s, job);
         }
-        s.done.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -270,6 +311,24 @@ mod tests {
                 }
                 assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 50));
             }
+        }
+    }
+
+    #[test]
+    fn back_to_back_jobs_never_mix() {
+        // Jobs of different sizes published tens of thousands of times in a row, with more
+        // threads than cores: a task claimed by a late worker must belong to the current job.
+        set_threads(Some(3));
+        for round in 0..20_000usize {
+            let n_tasks = 1 + round % 7;
+            let hits: Vec<AtomicU64> = (0..n_tasks).map(|_| AtomicU64::new(0)).collect();
+            parallel_for(n_tasks, |i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "round {round}"
+            );
         }
     }
 
