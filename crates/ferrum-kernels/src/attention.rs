@@ -22,6 +22,21 @@ pub struct AttnParams {
     pub window: Option<usize>,
 }
 
+/// One layer's KV cache as the kernels read it, paged: rows of `n_head_kv * head_dim` f16 values
+/// stored in blocks of `block_size` rows (a power of two). Logical position `j` of the sequence
+/// lives in row `table[j / block_size] * block_size + j % block_size` of `k` and `v`.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a> {
+    pub k: &'a [f16],
+    pub v: &'a [f16],
+    /// Block of each run of `block_size` logical positions.
+    pub table: &'a [u32],
+    pub block_size: usize,
+}
+
+/// Block size of the identity table [`attention`] uses for a contiguous cache.
+const CONTIGUOUS_BLOCK: usize = 16;
+
 /// `q`: [T, n_head*head_dim]; `k`, `v`: the layer's cache, [ctx, n_head_kv*head_dim] f16, filled at
 /// least up to the largest position; `positions[t]`: the position of query t; `out`: [T, n_head*head_dim].
 pub fn attention(
@@ -32,7 +47,8 @@ pub fn attention(
     positions: &[usize],
     out: &mut [f32],
 ) {
-    run(p, q, k, v, positions, out, true)
+    let table = identity_table(positions);
+    run(p, q, contiguous(k, v, &table), positions, out, true)
 }
 
 /// [`attention`] with the portable kernel only (the same float operations in the same order,
@@ -45,14 +61,51 @@ pub fn attention_portable(
     positions: &[usize],
     out: &mut [f32],
 ) {
-    run(p, q, k, v, positions, out, false)
+    let table = identity_table(positions);
+    run(p, q, contiguous(k, v, &table), positions, out, false)
+}
+
+/// [`attention`] over a paged cache: the same float operations in the same order, so the same
+/// bits as the contiguous cache holding the same rows.
+pub fn attention_paged(
+    p: &AttnParams,
+    q: &[f32],
+    kv: PagedKv<'_>,
+    positions: &[usize],
+    out: &mut [f32],
+) {
+    run(p, q, kv, positions, out, true)
+}
+
+/// [`attention_paged`] with the portable kernel only.
+pub fn attention_paged_portable(
+    p: &AttnParams,
+    q: &[f32],
+    kv: PagedKv<'_>,
+    positions: &[usize],
+    out: &mut [f32],
+) {
+    run(p, q, kv, positions, out, false)
+}
+
+fn identity_table(positions: &[usize]) -> Vec<u32> {
+    let max_pos = positions.iter().copied().max().unwrap_or(0);
+    (0..(max_pos / CONTIGUOUS_BLOCK + 1) as u32).collect()
+}
+
+fn contiguous<'a>(k: &'a [f16], v: &'a [f16], table: &'a [u32]) -> PagedKv<'a> {
+    PagedKv {
+        k,
+        v,
+        table,
+        block_size: CONTIGUOUS_BLOCK,
+    }
 }
 
 fn run(
     p: &AttnParams,
     q: &[f32],
-    k: &[f16],
-    v: &[f16],
+    kv: PagedKv<'_>,
     positions: &[usize],
     out: &mut [f32],
     simd: bool,
@@ -65,15 +118,33 @@ fn run(
     assert_eq!(q.len(), positions.len() * nh * hd, "attention: q shape");
     assert_eq!(out.len(), q.len(), "attention: out shape");
     let kv_row = nkv * hd;
+    let bs = kv.block_size;
+    assert!(bs.is_power_of_two(), "attention: block size {bs}");
     let max_pos = positions.iter().copied().max().unwrap_or(0);
     assert!(
-        k.len() >= (max_pos + 1) * kv_row && v.len() >= (max_pos + 1) * kv_row,
+        max_pos / bs < kv.table.len(),
+        "attention: block table too short"
+    );
+    // Every row a query can reach lies inside the cache (the last block may be partly filled).
+    let rows = kv.k.len().min(kv.v.len()) / kv_row;
+    let last_row = |b: u32, used: usize| b as usize * bs + used;
+    let n_blocks = max_pos / bs + 1;
+    assert!(
+        kv.table[..n_blocks].iter().enumerate().all(|(i, &b)| {
+            let used = if i + 1 == n_blocks {
+                max_pos % bs + 1
+            } else {
+                bs
+            };
+            last_row(b, used) <= rows
+        }),
         "attention: cache too short"
     );
     let group = nh / nkv;
 
     let fast = simd && has_avx2_fma_f16c();
     let wide = simd && matches!(hd, 64 | 128 | 256) && has_avx512();
+    let shift = bs.trailing_zeros();
     let job = |idx: usize| {
         let (t, h) = (idx / nh, idx % nh);
         let pos = positions[t];
@@ -83,8 +154,10 @@ fn run(
         };
         Row {
             q: &q[idx * hd..(idx + 1) * hd],
-            k,
-            v,
+            k: kv.k,
+            v: kv.v,
+            table: kv.table,
+            shift,
             at: (h / group) * hd,
             kv_row,
             keys: start..pos + 1,
@@ -143,11 +216,24 @@ struct Row<'a> {
     q: &'a [f32],
     k: &'a [f16],
     v: &'a [f16],
+    /// Block table and log2 of the block size (see [`PagedKv`]).
+    table: &'a [u32],
+    shift: u32,
     /// Offset of the KV head within a cache row.
     at: usize,
     kv_row: usize,
     keys: std::ops::Range<usize>,
     scale: f32,
+}
+
+impl Row<'_> {
+    /// Offset in `k` and `v` of this row's head at logical position `j`.
+    #[inline(always)]
+    fn offset(&self, j: usize) -> usize {
+        let mask = (1usize << self.shift) - 1;
+        let row = ((self.table[j >> self.shift] as usize) << self.shift) | (j & mask);
+        row * self.kv_row + self.at
+    }
 }
 
 fn has_avx2_fma_f16c() -> bool {
@@ -218,7 +304,7 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
                 *qv = round(unsafe { _mm512_loadu_ps(r.q.as_ptr().add(i * 16)) });
             }
             for (jj, j) in keys.clone().enumerate() {
-                let at = j * r.kv_row + r.at;
+                let at = r.offset(j);
                 let krow = &r.k[at..at + hd];
                 // Q.K: 4 accumulators over each 64 elements, as ggml's AVX-512 vec_dot_f16.
                 let mut a = [_mm512_setzero_ps(); 4];
@@ -246,7 +332,7 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
             for hi in 0..H {
                 let r = rows[hi];
                 let score = scores[hi * n_keys + jj];
-                let at = j * r.kv_row + r.at;
+                let at = r.offset(j);
                 let vrow = &r.v[at..at + hd];
                 let mut ms = 1f32;
                 let mut vs = 1f32;
@@ -313,7 +399,7 @@ fn attend_row(r: &Row, o: &mut [f32]) {
     let mut acc16 = vec![f16::ZERO; hd];
     let mut row = vec![0f32; hd];
     for j in r.keys.clone() {
-        let at = j * r.kv_row + r.at;
+        let at = r.offset(j);
         r.k[at..at + hd].convert_to_f32_slice(&mut row);
         let score = dot_f16_order(&qf, &row) * r.scale;
         let mut ms = 1f32;

@@ -16,7 +16,10 @@
 //! * Every check demands finite values, so a NaN never passes.
 
 use ferrum_core::{f16, DType};
-use ferrum_kernels::attention::{attention, attention_portable, attention_ref, AttnParams};
+use ferrum_kernels::attention::{
+    attention, attention_paged, attention_paged_portable, attention_portable, attention_ref,
+    AttnParams, PagedKv,
+};
 use ferrum_kernels::matmul::{matmul, matmul_ref, WeightRef};
 use ferrum_kernels::quant::{quantize_row, vec_dot, vec_dot_type};
 use rand::rngs::StdRng;
@@ -173,6 +176,41 @@ fn attention_is_batch_invariant_and_close_to_f64() {
             attention(&p, &q[t * row..(t + 1) * row], &k, &v, &[pos], &mut one);
             for (a, b) in one.iter().zip(&all[t * row..(t + 1) * row]) {
                 assert_eq!(a.to_bits(), b.to_bits(), "seed {seed}: hd {hd} query {t}");
+            }
+        }
+        // The same rows scattered over shuffled blocks of a larger pool, read through a block
+        // table: the same bits (SIMD and portable).
+        for bs in [1usize, 4, 16] {
+            let kv_row = nkv * hd;
+            let n_logical = ctx.div_ceil(bs);
+            let n_blocks = n_logical + 5;
+            let mut ids: Vec<u32> = (0..n_blocks as u32).collect();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, rng.gen_range(0..=i));
+            }
+            let table = &ids[..n_logical];
+            let mut kp = random_cache(n_blocks * bs * kv_row, &mut rng);
+            let mut vp = random_cache(n_blocks * bs * kv_row, &mut rng);
+            for j in 0..ctx {
+                let r = table[j / bs] as usize * bs + j % bs;
+                kp[r * kv_row..(r + 1) * kv_row].copy_from_slice(&k[j * kv_row..(j + 1) * kv_row]);
+                vp[r * kv_row..(r + 1) * kv_row].copy_from_slice(&v[j * kv_row..(j + 1) * kv_row]);
+            }
+            let kv = PagedKv {
+                k: &kp,
+                v: &vp,
+                table,
+                block_size: bs,
+            };
+            let mut paged = vec![f32::NAN; q.len()];
+            attention_paged(&p, &q, kv, &positions, &mut paged);
+            let mut paged_plain = vec![f32::NAN; q.len()];
+            attention_paged_portable(&p, &q, kv, &positions, &mut paged_plain);
+            for (i, ((a, b), c)) in paged.iter().zip(&paged_plain).zip(&all).enumerate() {
+                assert!(
+                    a.to_bits() == c.to_bits() && b.to_bits() == c.to_bits(),
+                    "seed {seed}: hd {hd} block {bs} element {i}: paged {a} / {b} vs {c}"
+                );
             }
         }
     }

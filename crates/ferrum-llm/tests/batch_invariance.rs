@@ -1,12 +1,13 @@
 //! Batch invariance: a sequence's logits are the same bits whether it runs alone or stacked with
 //! other sequences in one forward pass (`Model::forward_batch`), for prompts of different lengths,
 //! decode steps, and a decode step sharing its pass with another sequence's prompt (the shape of
-//! continuous batching). Both real models: SmolLM2 (Q4_1/Q8_0 kernels) and Gemma 3 (Q4_K/Q6_K/Q5_0
+//! continuous batching). Batched sequences keep their caches in one shared paged pool, through
+//! interleaved block tables, and still match the contiguous cache of a sequence alone. Both real models: SmolLM2 (Q4_1/Q8_0 kernels) and Gemma 3 (Q4_K/Q6_K/Q5_0
 //! kernels, whose llama.cpp order depends on a sequence's row count).
 
 mod common;
 
-use ferrum_llm::model::{KvCache, Logits, SeqInput};
+use ferrum_llm::model::{KvCache, KvPool, Logits, SeqInput};
 use ferrum_llm::Llm;
 
 fn prompts(llm: &Llm) -> Vec<Vec<u32>> {
@@ -57,19 +58,29 @@ fn check(llm: &Llm, name: &str) {
         next.push(tok);
     }
 
-    // All prompts in one pass, then all decode steps in one pass.
-    let mut caches: Vec<KvCache> = ps.iter().map(|_| KvCache::new(cfg, ctx)).collect();
+    // All prompts in one pass, then all decode steps in one pass, every cache paged in one shared
+    // pool: sequence i holds blocks i, i + n, i + 2n, ... (interleaved, none contiguous).
+    let bs = 16;
+    let per_seq = ctx / bs;
+    let tables_for = |n: usize| -> Vec<Vec<u32>> {
+        (0..n)
+            .map(|i| (0..per_seq).map(|j| (i + n * j) as u32).collect())
+            .collect()
+    };
+    let n = ps.len();
+    let mut pool = KvPool::new(cfg, n * per_seq, bs).unwrap();
+    let tables = tables_for(n);
     let batch: Vec<SeqInput> = ps
         .iter()
-        .zip(caches.iter_mut())
-        .map(|(p, cache)| SeqInput {
+        .zip(&tables)
+        .map(|(p, table)| SeqInput {
             tokens: p,
             start: 0,
-            cache,
+            table,
             want: Logits::From(0),
         })
         .collect();
-    let out = llm.model.forward_batch(batch).unwrap();
+    let out = llm.model.forward_batch(&mut pool, batch).unwrap();
     for (i, (got, want)) in out.iter().zip(&alone_prompt).enumerate() {
         assert!(
             same_bits(got, want),
@@ -79,16 +90,16 @@ fn check(llm: &Llm, name: &str) {
     let steps: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
     let batch: Vec<SeqInput> = ps
         .iter()
-        .zip(caches.iter_mut())
+        .zip(&tables)
         .zip(&steps)
-        .map(|((p, cache), tok)| SeqInput {
+        .map(|((p, table), tok)| SeqInput {
             tokens: tok,
             start: p.len(),
-            cache,
+            table,
             want: Logits::Last,
         })
         .collect();
-    let out = llm.model.forward_batch(batch).unwrap();
+    let out = llm.model.forward_batch(&mut pool, batch).unwrap();
     for (i, (got, want)) in out.iter().zip(&alone_step).enumerate() {
         assert!(
             same_bits(got, want),
@@ -97,25 +108,38 @@ fn check(llm: &Llm, name: &str) {
     }
 
     // A decode step sharing its pass with another sequence's whole prompt.
-    let mut c0 = KvCache::new(cfg, ctx);
-    llm.model.forward(&ps[0], 0, &mut c0, Logits::None).unwrap();
-    let mut c1 = KvCache::new(cfg, ctx);
+    let mut pool = KvPool::new(cfg, 4 * per_seq, bs).unwrap();
+    let t = tables_for(4);
+    llm.model
+        .forward_batch(
+            &mut pool,
+            vec![SeqInput {
+                tokens: &ps[0],
+                start: 0,
+                table: &t[0],
+                want: Logits::None,
+            }],
+        )
+        .unwrap();
     let out = llm
         .model
-        .forward_batch(vec![
-            SeqInput {
-                tokens: &steps[0],
-                start: ps[0].len(),
-                cache: &mut c0,
-                want: Logits::Last,
-            },
-            SeqInput {
-                tokens: &ps[2],
-                start: 0,
-                cache: &mut c1,
-                want: Logits::From(0),
-            },
-        ])
+        .forward_batch(
+            &mut pool,
+            vec![
+                SeqInput {
+                    tokens: &steps[0],
+                    start: ps[0].len(),
+                    table: &t[0],
+                    want: Logits::Last,
+                },
+                SeqInput {
+                    tokens: &ps[2],
+                    start: 0,
+                    table: &t[1],
+                    want: Logits::From(0),
+                },
+            ],
+        )
         .unwrap();
     assert!(
         same_bits(&out[0], &alone_step[0]),
@@ -123,24 +147,25 @@ fn check(llm: &Llm, name: &str) {
     );
     assert!(same_bits(&out[1], &alone_prompt[2]), "{name}: mixed prompt");
     // A sequence that needs no logits gets none, and does not disturb the others.
-    let mut c2 = KvCache::new(cfg, ctx);
-    let mut c3 = KvCache::new(cfg, ctx);
     let out = llm
         .model
-        .forward_batch(vec![
-            SeqInput {
-                tokens: &ps[1],
-                start: 0,
-                cache: &mut c2,
-                want: Logits::None,
-            },
-            SeqInput {
-                tokens: &ps[3],
-                start: 0,
-                cache: &mut c3,
-                want: Logits::From(0),
-            },
-        ])
+        .forward_batch(
+            &mut pool,
+            vec![
+                SeqInput {
+                    tokens: &ps[1],
+                    start: 0,
+                    table: &t[2],
+                    want: Logits::None,
+                },
+                SeqInput {
+                    tokens: &ps[3],
+                    start: 0,
+                    table: &t[3],
+                    want: Logits::From(0),
+                },
+            ],
+        )
         .unwrap();
     assert!(out[0].is_empty());
     assert!(

@@ -37,8 +37,9 @@ pub struct AppState {
     /// Requests accepted and not yet answered; over `max_in_flight` new ones get 429.
     pub in_flight: AtomicUsize,
     pub max_in_flight: usize,
-    /// KV bytes the server would hold with every slot full (the denominator of usage).
-    pub kv_capacity_bytes: usize,
+    /// Positions per KV block, and whether prefix caching is on (for `/metrics`).
+    pub block_size: usize,
+    pub prefix_caching: bool,
 }
 
 /// Counts a request in flight for as long as it lives.
@@ -133,15 +134,50 @@ async fn metrics(State(st): State<Arc<AppState>>) -> impl IntoResponse {
         "Requests waiting to be scheduled.",
         m.waiting.load(Ordering::Relaxed) as f64,
     );
-    let used = m.kv_bytes.load(Ordering::Relaxed) as f64;
-    gauge(&mut o, "vllm:kv_cache_usage_perc",
-        "KV-cache memory held by running requests, as a fraction of what all request slots may hold.",
-        used / st.kv_capacity_bytes.max(1) as f64);
+    let used = m.kv_blocks_used.load(Ordering::Relaxed) as f64;
+    let total = m.kv_blocks_total.load(Ordering::Relaxed) as f64;
     gauge(
         &mut o,
-        "ferrum:kv_cache_bytes",
-        "KV-cache bytes held by running requests.",
+        "vllm:kv_cache_usage_perc",
+        "Fraction of KV-cache blocks held by requests (cached free blocks count as free).",
+        used / total.max(1.0),
+    );
+    gauge(
+        &mut o,
+        "ferrum:kv_cache_blocks_used",
+        "KV-cache blocks held by requests.",
         used,
+    );
+    gauge(
+        &mut o,
+        "ferrum:kv_cache_blocks_free",
+        "KV-cache blocks free (including those still caching a prefix).",
+        total - used,
+    );
+    let _ = writeln!(
+        o,
+        "# HELP vllm:cache_config_info KV-cache configuration.\n# TYPE vllm:cache_config_info gauge\n\
+         vllm:cache_config_info{{{label},block_size=\"{}\",num_gpu_blocks=\"{}\",\
+         enable_prefix_caching=\"{}\",cache_dtype=\"f16\"}} 1",
+        st.block_size, total, st.prefix_caching
+    );
+    counter(
+        &mut o,
+        "vllm:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        m.prefix_queries.load(Ordering::Relaxed),
+    );
+    counter(
+        &mut o,
+        "vllm:prefix_cache_hits",
+        "Prompt tokens found in the prefix cache.",
+        m.prefix_hits.load(Ordering::Relaxed),
+    );
+    counter(
+        &mut o,
+        "vllm:num_preemptions",
+        "Requests preempted (out of KV blocks) to be recomputed later.",
+        m.preemptions.load(Ordering::Relaxed),
     );
     counter(
         &mut o,
@@ -599,10 +635,10 @@ async fn run(
                     finish,
                     prompt_tokens,
                     completion_tokens,
+                    cached_tokens,
                     ..
                 }) => {
-                    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                        "total_tokens": prompt_tokens + completion_tokens});
+                    let usage = usage_json(prompt_tokens, completion_tokens, cached_tokens);
                     let body = match kind {
                         Kind::Completion => json!({
                             "id": id, "object": "text_completion", "created": created, "model": model,
@@ -681,6 +717,7 @@ async fn run(
                     finish,
                     prompt_tokens,
                     completion_tokens,
+                    cached_tokens,
                     ..
                 } => {
                     let delta = match kind {
@@ -696,9 +733,8 @@ async fn run(
                         };
                         v.push(send(
                             json!({"id": id, "object": obj, "created": created, "model": model,
-                            "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                            "completion_tokens": completion_tokens,
-                            "total_tokens": prompt_tokens + completion_tokens}}),
+                            "choices": [],
+                            "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens)}),
                         ));
                     }
                     v.push(SseEvent::default().data("[DONE]"));
@@ -719,4 +755,14 @@ async fn run(
         }
     });
     Ok(Sse::new(ReceiverStream::new(sse_rx)).into_response())
+}
+
+/// The `usage` object: token counts, with the prompt tokens the prefix cache supplied.
+fn usage_json(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    })
 }

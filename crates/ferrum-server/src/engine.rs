@@ -1,30 +1,42 @@
 //! The engine: a synchronous state machine (schedule -> run one step -> update) on its own thread,
 //! fed requests through a channel and answering each request through its own event channel.
 //!
-//! Every step it admits waiting requests up to `max_num_seqs`, then builds one batch under a token
-//! budget (`max_batch_tokens`): one token for each sequence that is decoding, then prompt chunks for
-//! sequences still prefilling (continuous batching: requests join at the next step and leave the
-//! moment they finish). The batch runs as one `Model::forward_batch`, whose kernels are
-//! batch-invariant, so a sequence's tokens do not depend on what shares its batch.
+//! Every request's KV cache lives in one preallocated paged pool ([`KvPool`]); [`BlockManager`]
+//! hands out its blocks and keeps the prefix cache. A request carries its tokens (prompt and
+//! generated) and how many of them are computed (in the cache); each step gives each running
+//! request the tokens that catch it up, under a token budget (`max_batch_tokens`): one token when
+//! it is decoding, a chunk of its prompt while prefilling (continuous batching: requests join at
+//! the next step and leave the moment they finish). The batch runs as one
+//! `Model::forward_batch`, whose kernels are batch-invariant, so a request's tokens do not depend
+//! on what shares its batch.
+//!
+//! Step, in order (the shape of vLLM's scheduler):
+//! 1. running requests, oldest first, get their tokens' blocks; when the pool is out of blocks the
+//!    lowest-priority (then newest) running request is preempted: its blocks are freed and it goes
+//!    back to the queue with its tokens, to be recomputed (mostly found in the prefix cache) and
+//!    resumed exactly where it stopped;
+//! 2. if nothing was preempted, waiting requests are admitted, lowest priority value first (ties:
+//!    arrival order), while there are slots (`max_num_seqs`), budget and blocks: a request first
+//!    takes the longest run of its leading full blocks found in the prefix cache;
+//! 3. one forward pass; newly full blocks enter the prefix cache; requests that caught up sample
+//!    their next token.
 //!
 //! A request whose event receiver is gone (its client disconnected) is dropped at the next step
-//! and its KV cache freed.
-//!
-//! Not yet here (issue notes): a paged KV cache with prefix sharing (each sequence owns a
-//! contiguous cache sized for its prompt plus `max_tokens`), priorities and preemption.
+//! and its blocks freed.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferrum_llm::generate::PREFILL_CHUNK;
-use ferrum_llm::model::{KvCache, Logits, SeqInput};
+use ferrum_llm::model::{KvPool, Logits, SeqInput};
 use ferrum_llm::sampling::Sampler;
 use ferrum_llm::text::{StopMatcher, Utf8Stream};
 use ferrum_llm::{FinishReason, Llm, SamplingParams};
 use tokio::sync::mpsc::UnboundedSender;
+
+use crate::kv_blocks::{block_hash, BlockHash, BlockManager};
 
 /// Limits of the engine.
 #[derive(Clone, Debug)]
@@ -35,6 +47,8 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Largest prompt + completion of one request, in tokens.
     pub ctx_size: usize,
+    /// Share the KV blocks of common prompt prefixes between requests.
+    pub prefix_caching: bool,
 }
 
 /// Counters and histograms the engine keeps for `/metrics`.
@@ -42,8 +56,13 @@ pub struct EngineConfig {
 pub struct Metrics {
     pub running: AtomicUsize,
     pub waiting: AtomicUsize,
-    /// Bytes of KV cache held by running sequences.
-    pub kv_bytes: AtomicUsize,
+    /// KV blocks held by requests, and the pool's size.
+    pub kv_blocks_used: AtomicUsize,
+    pub kv_blocks_total: AtomicUsize,
+    /// Prompt tokens looked up in the prefix cache, and those found there.
+    pub prefix_queries: AtomicU64,
+    pub prefix_hits: AtomicU64,
+    pub preemptions: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
     /// Finished requests by reason.
@@ -125,6 +144,8 @@ pub enum Event {
         finish: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Prompt tokens found in the prefix cache.
+        cached_tokens: usize,
         /// Seconds from submission to the first token.
         ttft: f64,
     },
@@ -134,220 +155,356 @@ pub enum Event {
 
 struct Seq {
     req: Request,
-    cache: KvCache,
+    /// Order of arrival (ties between equal priorities go to the earlier one).
+    arrival: u64,
+    /// Prompt, then every generated token.
+    tokens: Vec<u32>,
+    /// Hash of every full block of `tokens`, each covering the whole prefix up to its end.
+    hashes: Vec<BlockHash>,
+    /// Leading tokens whose K/V are in the cache.
+    computed: usize,
+    /// The block table.
+    blocks: Vec<u32>,
+    /// Leading blocks already offered to the prefix cache.
+    blocks_cached: usize,
+    /// Prompt tokens the prefix cache supplied at first admission.
+    cached_tokens: usize,
     sampler: Sampler,
     utf8: Utf8Stream,
     stops: StopMatcher,
-    /// Prompt tokens already in the cache.
-    prefilled: usize,
-    /// The token to feed at the next step (decoding); it goes at position prompt + generated - 1.
-    next: Option<u32>,
     generated: usize,
     submitted: Instant,
     ttft: Option<f64>,
     last_token_at: Option<Instant>,
     /// Why it finished (None while running, or when its client went away).
     finish: Option<FinishReason>,
+    admitted_before: bool,
 }
 
 impl Seq {
-    fn new(req: Request, submitted: Instant, cfg: &ferrum_llm::Config) -> Seq {
-        let capacity = (req.prompt.len() + req.max_tokens).max(1);
+    fn new(req: Request, arrival: u64, submitted: Instant, block_size: usize) -> Seq {
         let mut sampler = Sampler::new(req.sampling.clone());
         for &t in &req.prompt {
             sampler.accept(t);
         }
-        Seq {
+        let mut s = Seq {
             stops: StopMatcher::new(&req.stop),
-            cache: KvCache::new(cfg, capacity),
+            arrival,
+            tokens: req.prompt.clone(),
+            hashes: Vec::new(),
+            computed: 0,
+            blocks: Vec::new(),
+            blocks_cached: 0,
+            cached_tokens: 0,
             sampler,
             utf8: Utf8Stream::default(),
-            prefilled: 0,
-            next: None,
             generated: 0,
             submitted,
             ttft: None,
             last_token_at: None,
             finish: None,
+            admitted_before: false,
             req,
+        };
+        s.hash_full_blocks(block_size);
+        s
+    }
+
+    /// Extends `hashes` over the full blocks of `tokens`.
+    fn hash_full_blocks(&mut self, block_size: usize) {
+        while (self.hashes.len() + 1) * block_size <= self.tokens.len() {
+            let i = self.hashes.len();
+            let h = block_hash(
+                self.hashes.last().copied(),
+                &self.tokens[i * block_size..(i + 1) * block_size],
+            );
+            self.hashes.push(h);
         }
+    }
+
+    /// Lower sorts first: runs first, is preempted last.
+    fn rank(&self) -> (i64, u64) {
+        (self.req.priority, self.arrival)
     }
 }
 
-/// Runs the engine until `rx` closes and every accepted request has finished.
-pub fn run(llm: Arc<Llm>, cfg: EngineConfig, rx: Receiver<Request>, metrics: Arc<Metrics>) {
-    let mut waiting: VecDeque<(Request, Instant)> = VecDeque::new();
-    let mut running: Vec<Seq> = Vec::new();
+/// The engine's state between steps.
+struct Engine {
+    llm: Arc<Llm>,
+    cfg: EngineConfig,
+    pool: KvPool,
+    blocks: BlockManager,
+    waiting: Vec<Seq>,
+    /// In admission order.
+    running: Vec<Seq>,
+    metrics: Arc<Metrics>,
+    arrivals: u64,
+}
+
+/// Runs the engine until `rx` closes and every accepted request has finished. Every request's
+/// KV cache lives in `pool`.
+pub fn run(
+    llm: Arc<Llm>,
+    cfg: EngineConfig,
+    pool: KvPool,
+    rx: Receiver<Request>,
+    metrics: Arc<Metrics>,
+) {
+    let blocks = BlockManager::new(pool.n_blocks(), pool.block_size(), cfg.prefix_caching);
+    metrics
+        .kv_blocks_total
+        .store(blocks.n_blocks(), Ordering::Relaxed);
+    let mut e = Engine {
+        llm,
+        cfg,
+        pool,
+        blocks,
+        waiting: Vec::new(),
+        running: Vec::new(),
+        metrics,
+        arrivals: 0,
+    };
     let mut open = true;
     loop {
         // Take new requests: block while idle, poll while busy.
-        if running.is_empty() && waiting.is_empty() {
+        if e.running.is_empty() && e.waiting.is_empty() {
             if !open {
                 return;
             }
             match rx.recv_timeout(Duration::from_millis(200)) {
-                Ok(r) => waiting.push_back((r, Instant::now())),
+                Ok(r) => e.arrive(r),
                 Err(RecvTimeoutError::Timeout) => continue,
                 Err(RecvTimeoutError::Disconnected) => open = false,
             }
         }
         while let Ok(r) = rx.try_recv() {
-            waiting.push_back((r, Instant::now()));
+            e.arrive(r);
         }
-        // Admit, lowest priority value first (ties: arrival order).
-        while running.len() < cfg.max_num_seqs {
-            let best = waiting
-                .iter()
-                .enumerate()
-                .min_by_key(|(i, (r, _))| (r.priority, *i))
-                .map(|(i, _)| i);
-            let Some((req, t)) = best.and_then(|i| waiting.remove(i)) else {
-                break;
-            };
-            metrics.waiting.store(waiting.len(), Ordering::Relaxed);
-            running.push(Seq::new(req, t, &llm.model.config));
+        e.drop_abandoned();
+        e.step();
+        e.publish();
+    }
+}
+
+impl Engine {
+    fn arrive(&mut self, req: Request) {
+        let s = Seq::new(req, self.arrivals, Instant::now(), self.pool.block_size());
+        self.arrivals += 1;
+        self.waiting.push(s);
+    }
+
+    /// Drops requests whose client went away, freeing their blocks.
+    fn drop_abandoned(&mut self) {
+        let mut dropped = 0;
+        for list in [&mut self.running, &mut self.waiting] {
+            let mut i = 0;
+            while i < list.len() {
+                if list[i].req.events.is_closed() {
+                    let mut s = list.remove(i);
+                    self.blocks.free(&mut s.blocks);
+                    dropped += 1;
+                } else {
+                    i += 1;
+                }
+            }
         }
-        publish(&metrics, waiting.len(), &running);
-        // Drop requests whose client went away.
-        let before = running.len();
-        running.retain(|s| !s.req.events.is_closed());
-        metrics
+        self.metrics
             .finished_abort
-            .fetch_add((before - running.len()) as u64, Ordering::Relaxed);
-        if running.is_empty() {
-            publish(&metrics, waiting.len(), &running);
-            continue;
-        }
-        step(&llm, &cfg, &mut running, &metrics);
-        publish(&metrics, waiting.len(), &running);
+            .fetch_add(dropped, Ordering::Relaxed);
     }
-}
 
-/// Updates the gauges of `/metrics`.
-/// The running count goes last (Release), so a reader that sees it (Acquire) sees the rest.
-fn publish(metrics: &Metrics, waiting: usize, running: &[Seq]) {
-    metrics.kv_bytes.store(
-        running.iter().map(|s| s.cache.n_bytes()).sum(),
-        Ordering::Relaxed,
-    );
-    metrics.waiting.store(waiting, Ordering::Relaxed);
-    metrics.running.store(running.len(), Ordering::Release);
-}
+    /// Updates the gauges of `/metrics`. The running count goes last (Release), so a reader that
+    /// sees it (Acquire) sees the rest.
+    fn publish(&self) {
+        let m = &self.metrics;
+        m.kv_blocks_used
+            .store(self.blocks.n_used(), Ordering::Relaxed);
+        m.waiting.store(self.waiting.len(), Ordering::Relaxed);
+        m.running.store(self.running.len(), Ordering::Release);
+    }
 
-/// One forward pass over the running sequences, then sampling and events.
-fn step(llm: &Llm, cfg: &EngineConfig, running: &mut Vec<Seq>, metrics: &Metrics) {
-    // Plan: decode tokens first, then prompt chunks within the token budget.
-    let mut budget = cfg.max_batch_tokens.max(1);
-    let mut plan: Vec<(usize, std::ops::Range<usize>)> = Vec::new(); // (seq index, prompt range)
-    let mut decoders: Vec<usize> = Vec::new();
-    for (i, s) in running.iter().enumerate() {
-        if s.next.is_some() && budget > 0 {
-            decoders.push(i);
-            budget -= 1;
-        }
+    /// Frees `running[i]`'s blocks and sends it back to the queue, to be recomputed.
+    fn preempt(&mut self, i: usize) -> Seq {
+        let mut s = self.running.remove(i);
+        self.blocks.free(&mut s.blocks);
+        s.computed = 0;
+        s.blocks_cached = 0;
+        self.metrics.preemptions.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(
+            priority = s.req.priority,
+            tokens = s.tokens.len(),
+            "preempted: out of KV blocks"
+        );
+        s
     }
-    for (i, s) in running.iter().enumerate() {
-        if s.next.is_none() && s.prefilled < s.req.prompt.len() && budget > 0 {
-            let n = (s.req.prompt.len() - s.prefilled)
-                .min(budget)
-                .min(PREFILL_CHUNK);
-            plan.push((i, s.prefilled..s.prefilled + n));
-            budget -= n;
-        }
-    }
-    if decoders.is_empty() && plan.is_empty() {
-        return;
-    }
-    // Inputs in running order; remember which entry each result belongs to.
-    let mut order: Vec<usize> = decoders.clone();
-    order.extend(plan.iter().map(|(i, _)| *i));
-    order.sort_unstable();
-    let next_tokens: Vec<[u32; 1]> = running.iter().map(|s| [s.next.unwrap_or(0)]).collect();
-    let mut inputs: Vec<SeqInput> = Vec::with_capacity(order.len());
-    for (i, s) in running.iter_mut().enumerate() {
-        if order.binary_search(&i).is_err() {
-            continue;
-        }
-        match plan.iter().find(|(j, _)| *j == i) {
-            Some((_, range)) => {
-                let last = range.end == s.req.prompt.len();
-                inputs.push(SeqInput {
-                    tokens: &s.req.prompt[range.clone()],
-                    start: range.start,
-                    cache: &mut s.cache,
-                    want: if last { Logits::Last } else { Logits::None },
-                });
-            }
-            None => {
-                let start = s.req.prompt.len() + s.generated - 1;
-                inputs.push(SeqInput {
-                    tokens: &next_tokens[i],
-                    start,
-                    cache: &mut s.cache,
-                    want: Logits::Last,
-                });
-            }
-        }
-    }
-    let result = llm.model.forward_batch(inputs);
-    let logits = match result {
-        Ok(l) => l,
-        Err(e) => {
-            for &i in &order {
-                let _ = running[i].req.events.send(Event::Error(e.to_string()));
-            }
-            let failed: std::collections::HashSet<usize> = order.iter().copied().collect();
-            let mut idx = 0;
-            running.retain(|_| {
-                let keep = !failed.contains(&idx);
-                idx += 1;
-                keep
-            });
-            return;
-        }
-    };
-    let mut finished = vec![false; running.len()];
-    for (k, &i) in order.iter().enumerate() {
-        let s = &mut running[i];
-        if let Some(range) = plan.iter().find(|(j, _)| *j == i).map(|(_, r)| r.clone()) {
-            metrics
-                .prompt_tokens
-                .fetch_add(range.len() as u64, Ordering::Relaxed);
-            s.prefilled = range.end;
-            if s.prefilled < s.req.prompt.len() {
+
+    /// Plans one step: (index in `running`, tokens to compute) per scheduled request.
+    fn schedule(&mut self) -> Vec<(usize, usize)> {
+        let mut budget = self.cfg.max_batch_tokens.max(1);
+        let mut plan: Vec<(usize, usize)> = Vec::new();
+        let mut preempted: Vec<Seq> = Vec::new();
+        let mut i = 0;
+        'running: while i < self.running.len() {
+            let s = &self.running[i];
+            let n = (s.tokens.len() - s.computed).min(budget).min(PREFILL_CHUNK);
+            if n == 0 {
+                i += 1;
                 continue;
             }
+            loop {
+                let s = &mut self.running[i];
+                if self.blocks.allocate(&mut s.blocks, &[], s.computed + n) {
+                    plan.push((i, n));
+                    budget -= n;
+                    i += 1;
+                    break;
+                }
+                // Out of blocks: preempt the lowest-priority, newest running request.
+                let v = (0..self.running.len())
+                    .max_by_key(|&j| self.running[j].rank())
+                    .expect("running holds request i");
+                if let Some(k) = plan.iter().position(|&(j, _)| j == v) {
+                    budget += plan.remove(k).1;
+                }
+                for p in plan.iter_mut() {
+                    if p.0 > v {
+                        p.0 -= 1;
+                    }
+                }
+                preempted.push(self.preempt(v));
+                if v == i {
+                    // This request was the victim: nothing more for it this step.
+                    continue 'running;
+                }
+                if v < i {
+                    i -= 1;
+                }
+            }
         }
-        if logits[k].is_empty() {
-            continue;
+        let any_preempted = !preempted.is_empty();
+        self.waiting.append(&mut preempted);
+        if any_preempted {
+            return plan;
         }
-        let before = s.last_token_at;
-        finished[i] = sample_and_emit(llm, s, &logits[k]);
-        metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
-        match before {
-            None => metrics.ttft.observe(s.ttft.unwrap_or(0.0)),
-            Some(t) => metrics.itl.observe(t.elapsed().as_secs_f64()),
-        }
-        s.last_token_at = Some(Instant::now());
-        if finished[i] {
-            let c = match s.finish {
-                Some(FinishReason::Stop) => &metrics.finished_stop,
-                Some(FinishReason::Length) => &metrics.finished_length,
-                None => &metrics.finished_abort,
+        // Admit waiting requests.
+        while self.running.len() < self.cfg.max_num_seqs && budget > 0 {
+            let Some(w) = (0..self.waiting.len()).min_by_key(|&j| self.waiting[j].rank()) else {
+                break;
             };
-            c.fetch_add(1, Ordering::Relaxed);
+            let s = &mut self.waiting[w];
+            // At least the last token is computed, for its logits.
+            let max_hit = (s.tokens.len() - 1) / self.blocks.block_size();
+            let hits = self.blocks.lookup(&s.hashes[..max_hit.min(s.hashes.len())]);
+            let computed = hits.len() * self.blocks.block_size();
+            let n = (s.tokens.len() - computed).min(budget).min(PREFILL_CHUNK);
+            if !self.blocks.allocate(&mut s.blocks, &hits, computed + n) {
+                break; // out of blocks: wait for running requests to finish
+            }
+            s.computed = computed;
+            s.blocks_cached = hits.len();
+            if !s.admitted_before {
+                s.admitted_before = true;
+                s.cached_tokens = computed.min(s.req.prompt.len());
+                let m = &self.metrics;
+                m.prefix_queries
+                    .fetch_add(s.tokens.len() as u64, Ordering::Relaxed);
+                m.prefix_hits.fetch_add(computed as u64, Ordering::Relaxed);
+            }
+            let s = self.waiting.remove(w);
+            self.running.push(s);
+            plan.push((self.running.len() - 1, n));
+            budget -= n;
+        }
+        plan
+    }
+
+    /// One step: schedule, one forward pass, then prefix-cache updates, sampling and events.
+    fn step(&mut self) {
+        let plan = self.schedule();
+        self.publish();
+        if plan.is_empty() {
+            return;
+        }
+        let inputs: Vec<SeqInput> = plan
+            .iter()
+            .map(|&(i, n)| {
+                let s = &self.running[i];
+                let end = s.computed + n;
+                SeqInput {
+                    tokens: &s.tokens[s.computed..end],
+                    start: s.computed,
+                    table: &s.blocks,
+                    want: if end == s.tokens.len() {
+                        Logits::Last
+                    } else {
+                        Logits::None
+                    },
+                }
+            })
+            .collect();
+        let result = self.llm.model.forward_batch(&mut self.pool, inputs);
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("forward pass failed: {e}");
+                let mut failed: Vec<usize> = plan.iter().map(|p| p.0).collect();
+                failed.sort_unstable();
+                for &i in failed.iter().rev() {
+                    let mut s = self.running.remove(i);
+                    let _ = s.req.events.send(Event::Error(e.to_string()));
+                    self.blocks.free(&mut s.blocks);
+                }
+                return;
+            }
+        };
+        let bs = self.blocks.block_size();
+        let mut finished = vec![false; self.running.len()];
+        for (&(i, n), logits) in plan.iter().zip(&logits) {
+            let s = &mut self.running[i];
+            s.computed += n;
+            while s.blocks_cached < s.computed / bs {
+                let b = s.blocks_cached;
+                self.blocks.cache_full(s.blocks[b], s.hashes[b]);
+                s.blocks_cached += 1;
+            }
+            if logits.is_empty() {
+                continue; // a prompt chunk that does not reach the end
+            }
+            if s.generated == 0 {
+                self.metrics
+                    .prompt_tokens
+                    .fetch_add(s.req.prompt.len() as u64, Ordering::Relaxed);
+            }
+            let before = s.last_token_at;
+            finished[i] = sample_and_emit(&self.llm, s, logits, bs);
+            self.metrics
+                .generation_tokens
+                .fetch_add(1, Ordering::Relaxed);
+            match before {
+                None => self.metrics.ttft.observe(s.ttft.unwrap_or(0.0)),
+                Some(t) => self.metrics.itl.observe(t.elapsed().as_secs_f64()),
+            }
+            s.last_token_at = Some(Instant::now());
+            if finished[i] {
+                let c = match s.finish {
+                    Some(FinishReason::Stop) => &self.metrics.finished_stop,
+                    Some(FinishReason::Length) => &self.metrics.finished_length,
+                    None => &self.metrics.finished_abort,
+                };
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        for i in (0..finished.len()).rev() {
+            if finished[i] {
+                let mut s = self.running.remove(i);
+                self.blocks.free(&mut s.blocks);
+            }
         }
     }
-    let mut idx = 0;
-    running.retain(|_| {
-        let keep = !finished[idx];
-        idx += 1;
-        keep
-    });
 }
 
 /// Samples the next token of `s` from `logits`, sends its text, and returns whether `s` is done.
-fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32]) -> bool {
+fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32], block_size: usize) -> bool {
     let id = if s.generated < s.req.min_tokens && !s.req.ignore_eos {
         // No end of generation yet: those tokens cannot be drawn.
         let mut l = logits.to_vec();
@@ -382,7 +539,8 @@ fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32]) -> bool {
     }
     match finish {
         None => {
-            s.next = Some(id);
+            s.tokens.push(id);
+            s.hash_full_blocks(block_size);
             false
         }
         Some(f) => {
@@ -399,6 +557,7 @@ fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32]) -> bool {
                 finish: f,
                 prompt_tokens: s.req.prompt.len(),
                 completion_tokens: s.generated,
+                cached_tokens: s.cached_tokens,
                 ttft: s.ttft.unwrap_or(0.0),
             });
             true

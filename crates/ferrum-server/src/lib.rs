@@ -19,12 +19,14 @@
 
 pub mod api;
 pub mod engine;
+pub mod kv_blocks;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+use ferrum_llm::model::KvPool;
 use ferrum_llm::Llm;
 
 pub use engine::EngineConfig;
@@ -40,6 +42,11 @@ pub struct ServerConfig {
     pub engine: EngineConfig,
     /// Requests that may wait beyond the running ones; more get 429 with Retry-After.
     pub max_queue: usize,
+    /// Bytes of the KV-cache pool. `None`: enough for `max_num_seqs` full contexts, at most a
+    /// quarter of the memory available at start.
+    pub kv_cache_memory: Option<usize>,
+    /// Positions per KV block (a power of two).
+    pub block_size: usize,
 }
 
 impl Default for ServerConfig {
@@ -52,8 +59,11 @@ impl Default for ServerConfig {
                 max_num_seqs: 16,
                 max_batch_tokens: 512,
                 ctx_size: 4096,
+                prefix_caching: true,
             },
             max_queue: 256,
+            kv_cache_memory: None,
+            block_size: 16,
         }
     }
 }
@@ -63,6 +73,7 @@ impl Default for ServerConfig {
 pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> Result<()> {
     let llm = Arc::new(llm);
     let template = llm.chat_template().context("the model's chat template")?;
+    let pool = kv_pool(&llm, &cfg)?;
     let (etx, erx) = std::sync::mpsc::channel();
     let metrics = Arc::new(engine::Metrics::default());
     let engine = {
@@ -71,10 +82,9 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
         let m = Arc::clone(&metrics);
         std::thread::Builder::new()
             .name("ferrum-engine".into())
-            .spawn(move || engine::run(llm, ecfg, erx, m))
+            .spawn(move || engine::run(llm, ecfg, pool, erx, m))
             .context("starting the engine thread")?
     };
-    let kv_per_token = 2 * 2 * llm.model.config.n_layer * llm.model.config.kv_dim();
     let state = Arc::new(api::AppState {
         llm,
         template,
@@ -85,7 +95,8 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
         metrics,
         in_flight: AtomicUsize::new(0),
         max_in_flight: cfg.engine.max_num_seqs + cfg.max_queue,
-        kv_capacity_bytes: kv_per_token * cfg.engine.ctx_size * cfg.engine.max_num_seqs,
+        block_size: cfg.block_size,
+        prefix_caching: cfg.engine.prefix_caching,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -108,6 +119,56 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
         .join()
         .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
     Ok(())
+}
+
+/// The KV-cache pool `cfg` asks for, its memory committed up front (so the server's footprint
+/// is set at start). It must hold at least one request of the full context.
+fn kv_pool(llm: &Llm, cfg: &ServerConfig) -> Result<KvPool> {
+    let mcfg = &llm.model.config;
+    let bs = cfg.block_size;
+    if !bs.is_power_of_two() || bs > 1024 {
+        bail!("--block-size {bs} must be a power of two up to 1024");
+    }
+    let block_bytes = KvPool::block_bytes(mcfg, bs);
+    let ctx = cfg.engine.ctx_size;
+    let min_blocks = ctx.div_ceil(bs);
+    let n_blocks = match cfg.kv_cache_memory {
+        Some(bytes) => {
+            let n = bytes / block_bytes;
+            if n < min_blocks {
+                bail!(
+                    "--kv-cache-memory {bytes} bytes holds {} tokens; one request of the full \
+                     context (--ctx-size {ctx}) needs {} bytes",
+                    n * bs,
+                    min_blocks * block_bytes
+                );
+            }
+            n
+        }
+        None => {
+            let want = min_blocks * cfg.engine.max_num_seqs;
+            let cap = available_memory().map_or(usize::MAX, |m| m / 4 / block_bytes);
+            want.min(cap).max(min_blocks)
+        }
+    };
+    let mut pool = KvPool::new(mcfg, n_blocks, bs).context("allocating the KV-cache pool")?;
+    pool.touch();
+    tracing::info!(
+        blocks = n_blocks,
+        block_size = bs,
+        tokens = n_blocks * bs,
+        mib = pool.n_bytes() >> 20,
+        "KV-cache pool"
+    );
+    Ok(pool)
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes.
+fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 async fn shutdown_signal() {

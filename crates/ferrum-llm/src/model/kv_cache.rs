@@ -1,58 +1,159 @@
-//! Per-sequence KV cache: for each layer, K and V rows of every position, stored in f16 as
-//! llama.cpp's default cache is.
+//! The KV cache, paged (Kwon et al. 2023, "Efficient Memory Management for Large Language Model
+//! Serving with PagedAttention"): one pool of fixed-size blocks per model, K and V rows stored in
+//! f16 as llama.cpp's default cache is. A sequence owns a block table: logical position `j` lives
+//! in row `j % block_size` of block `table[j / block_size]`. Which blocks a sequence holds, and
+//! which sequences share a prefix's blocks, is the server's business; the model only reads and
+//! writes rows through the tables it is given.
+//!
+//! [`KvCache`] is the single-sequence case: a pool of its own with the identity table.
 
+use ferrum_core::{Error, Result};
+use ferrum_kernels::attention::PagedKv;
 use half::f16;
 
 use super::config::Config;
 
-pub struct KvCache {
-    /// Positions the cache can hold.
-    capacity: usize,
+/// Rows per block of a [`KvCache`] (any power of two gives the same results).
+const OWN_BLOCK: usize = 16;
+
+pub struct KvPool {
+    block_size: usize,
+    n_blocks: usize,
     kv_dim: usize,
-    /// Per layer: K then V, each [capacity, kv_dim].
+    /// Per layer: K then V, each [n_blocks * block_size, kv_dim].
     layers: Vec<(Vec<f16>, Vec<f16>)>,
 }
 
-impl KvCache {
-    pub fn new(cfg: &Config, capacity: usize) -> Self {
+impl KvPool {
+    /// A pool of `n_blocks` blocks of `block_size` positions (a power of two) for `cfg`'s layers.
+    /// Its memory is reserved, not touched: see [`KvPool::touch`].
+    pub fn new(cfg: &Config, n_blocks: usize, block_size: usize) -> Result<Self> {
+        if !block_size.is_power_of_two() {
+            return Err(Error::msg(format!(
+                "KV block size {block_size} is not a power of two"
+            )));
+        }
+        if n_blocks > u32::MAX as usize {
+            return Err(Error::msg(format!("{n_blocks} KV blocks is too many")));
+        }
         let kv_dim = cfg.kv_dim();
-        Self {
-            capacity,
+        let rows = n_blocks
+            .checked_mul(block_size)
+            .and_then(|r| r.checked_mul(kv_dim))
+            .ok_or_else(|| Error::msg("KV pool size overflows"))?;
+        Ok(Self {
+            block_size,
+            n_blocks,
             kv_dim,
             layers: (0..cfg.n_layer)
-                .map(|_| {
-                    (
-                        vec![f16::ZERO; capacity * kv_dim],
-                        vec![f16::ZERO; capacity * kv_dim],
-                    )
-                })
+                .map(|_| (vec![f16::ZERO; rows], vec![f16::ZERO; rows]))
                 .collect(),
-        }
+        })
     }
 
-    pub fn capacity(&self) -> usize {
-        self.capacity
+    /// Bytes one block takes over all layers (K and V).
+    pub fn block_bytes(cfg: &Config, block_size: usize) -> usize {
+        cfg.n_layer * 2 * block_size * cfg.kv_dim() * std::mem::size_of::<f16>()
     }
 
-    /// Writes K and V rows ([T, kv_dim] each) for positions `start..start+T` of layer `il`.
-    pub fn store(&mut self, il: usize, start: usize, k: &[f32], v: &[f32]) {
-        let (kc, vc) = &mut self.layers[il];
-        let at = start * self.kv_dim;
-        for (dst, &x) in kc[at..at + k.len()].iter_mut().zip(k) {
-            *dst = f16::from_f32(x);
-        }
-        for (dst, &x) in vc[at..at + v.len()].iter_mut().zip(v) {
-            *dst = f16::from_f32(x);
-        }
+    pub fn block_size(&self) -> usize {
+        self.block_size
     }
 
-    pub fn layer(&self, il: usize) -> (&[f16], &[f16]) {
-        let (k, v) = &self.layers[il];
-        (k, v)
+    pub fn n_blocks(&self) -> usize {
+        self.n_blocks
     }
 
     /// Bytes held.
     pub fn n_bytes(&self) -> usize {
-        self.layers.len() * 2 * self.capacity * self.kv_dim * 2
+        self.n_blocks * self.block_size * self.kv_dim * 2 * self.layers.len() * 2
+    }
+
+    /// Writes to every page of the pool, so its memory is committed now rather than as blocks
+    /// first fill (a server's footprint is then set at start and does not creep under load).
+    pub fn touch(&mut self) {
+        const PAGE: usize = 4096 / std::mem::size_of::<f16>();
+        for (k, v) in &mut self.layers {
+            for buf in [k, v] {
+                for x in buf.iter_mut().step_by(PAGE) {
+                    // A volatile write cannot be elided even though the value is already zero.
+                    let p: *mut f16 = x;
+                    // SAFETY: `p` comes from a live `&mut f16` into `buf`.
+                    unsafe { std::ptr::write_volatile(p, f16::ZERO) };
+                }
+            }
+        }
+    }
+
+    /// Positions a block table of `n` blocks covers.
+    pub fn capacity_of(&self, table: &[u32]) -> usize {
+        table.len() * self.block_size
+    }
+
+    /// Checks that `table` names blocks of this pool.
+    pub fn check_table(&self, table: &[u32]) -> Result<()> {
+        match table.iter().find(|&&b| b as usize >= self.n_blocks) {
+            Some(b) => Err(Error::msg(format!(
+                "block table names block {b} of a pool of {}",
+                self.n_blocks
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes K and V rows ([T, kv_dim] each) for logical positions `start..start+T` of layer
+    /// `il` of the sequence whose blocks `table` lists.
+    pub fn store(&mut self, il: usize, table: &[u32], start: usize, k: &[f32], v: &[f32]) {
+        let (kc, vc) = &mut self.layers[il];
+        let (d, bs) = (self.kv_dim, self.block_size);
+        for (t, (kr, vr)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
+            let j = start + t;
+            let at = (table[j / bs] as usize * bs + j % bs) * d;
+            for (dst, &x) in kc[at..at + d].iter_mut().zip(kr) {
+                *dst = f16::from_f32(x);
+            }
+            for (dst, &x) in vc[at..at + d].iter_mut().zip(vr) {
+                *dst = f16::from_f32(x);
+            }
+        }
+    }
+
+    /// Layer `il` as the attention kernel reads it for the sequence whose blocks `table` lists.
+    pub fn layer<'a>(&'a self, il: usize, table: &'a [u32]) -> PagedKv<'a> {
+        let (k, v) = &self.layers[il];
+        PagedKv {
+            k,
+            v,
+            table,
+            block_size: self.block_size,
+        }
+    }
+}
+
+/// The cache of one sequence that has the model to itself (`generate`, `perplexity`, benches):
+/// a pool of its own, its blocks in order.
+pub struct KvCache {
+    pub(crate) pool: KvPool,
+    pub(crate) table: Vec<u32>,
+}
+
+impl KvCache {
+    pub fn new(cfg: &Config, capacity: usize) -> Self {
+        let n_blocks = capacity.max(1).div_ceil(OWN_BLOCK);
+        let pool = KvPool::new(cfg, n_blocks, OWN_BLOCK).expect("a KV cache of a sane size");
+        Self {
+            pool,
+            table: (0..n_blocks as u32).collect(),
+        }
+    }
+
+    /// Positions the cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.pool.capacity_of(&self.table)
+    }
+
+    /// Bytes held.
+    pub fn n_bytes(&self) -> usize {
+        self.pool.n_bytes()
     }
 }

@@ -8,13 +8,13 @@ pub mod llama;
 pub mod weights;
 
 use ferrum_core::{Error, Result};
-use ferrum_kernels::attention::{attention, AttnParams};
+use ferrum_kernels::attention::{attention_paged, AttnParams};
 use ferrum_kernels::matmul;
 use ferrum_kernels::ops::{self, RopeCache};
 use ferrum_kernels::profile;
 
 pub use config::{Arch, Config};
-pub use kv_cache::KvCache;
+pub use kv_cache::{KvCache, KvPool};
 pub use weights::{Linear, RawTensor, TensorSource, Weights};
 
 /// Which positions of a forward pass need logits.
@@ -36,7 +36,9 @@ pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
     /// Position of the first token: the cache must hold positions `0..start`.
     pub start: usize,
-    pub cache: &'a mut KvCache,
+    /// The sequence's blocks in the pool, covering at least `start + tokens.len()` positions.
+    /// Blocks the new positions fall in must belong to this sequence alone.
+    pub table: &'a [u32],
     /// Which of this sequence's positions need logits.
     pub want: Logits,
 }
@@ -45,7 +47,8 @@ pub struct SeqInput<'a> {
 /// stacked in the batch in order.
 pub struct Step<'a> {
     pub cfg: &'a Config,
-    caches: Vec<&'a mut KvCache>,
+    pool: &'a mut KvPool,
+    tables: Vec<&'a [u32]>,
     starts: Vec<usize>,
     lens: Vec<usize>,
     /// Per sequence, the first of its rows whose output is needed (`None`: no row). As llama.cpp
@@ -116,11 +119,11 @@ impl Step<'_> {
             6.0 * (k.len() + v.len()) as f64,
             || {
                 let mut r0 = 0;
-                for ((cache, &start), &len) in
-                    self.caches.iter_mut().zip(&self.starts).zip(&self.lens)
+                for ((table, &start), &len) in self.tables.iter().zip(&self.starts).zip(&self.lens)
                 {
                     let rows = r0 * kvd..(r0 + len) * kvd;
-                    cache.store(il, start, &k[rows.clone()], &v[rows]);
+                    self.pool
+                        .store(il, table, start, &k[rows.clone()], &v[rows]);
                     r0 += len;
                 }
             },
@@ -145,14 +148,12 @@ impl Step<'_> {
         let class = if window.is_some() { "local" } else { "global" };
         profile::record("attention", class, flops, bytes, || {
             let mut r0 = 0;
-            for (cache, &len) in self.caches.iter().zip(&self.lens) {
-                let (kc, vc) = cache.layer(il);
+            for (table, &len) in self.tables.iter().zip(&self.lens) {
                 let rows = r0 * qd..(r0 + len) * qd;
-                attention(
+                attention_paged(
                     &p,
                     &q[rows.clone()],
-                    kc,
-                    vc,
+                    self.pool.layer(il, table),
                     &self.positions[r0..r0 + len],
                     &mut out[rows],
                 );
@@ -261,29 +262,47 @@ impl Model {
         cache: &mut KvCache,
         want: Logits,
     ) -> Result<Vec<f32>> {
-        let mut out = self.forward_batch(vec![SeqInput {
-            tokens,
-            start,
-            cache,
-            want,
-        }])?;
+        let mut out = self.forward_batch(
+            &mut cache.pool,
+            vec![SeqInput {
+                tokens,
+                start,
+                table: &cache.table,
+                want,
+            }],
+        )?;
         Ok(out.pop().unwrap_or_default())
     }
 
     /// Runs several sequences in one pass (their rows share every matmul, so each weight is read
     /// once for all of them) and returns each sequence's logits, [n_i, n_vocab] for the positions
-    /// its `want` selects. A sequence's logits are the same bits as when it runs alone.
-    pub fn forward_batch(&self, mut seqs: Vec<SeqInput<'_>>) -> Result<Vec<Vec<f32>>> {
+    /// its `want` selects. A sequence's logits are the same bits as when it runs alone. Every
+    /// sequence's cache lives in `pool`, through its block table.
+    pub fn forward_batch(
+        &self,
+        pool: &mut KvPool,
+        mut seqs: Vec<SeqInput<'_>>,
+    ) -> Result<Vec<Vec<f32>>> {
         let cfg = &self.config;
         seqs.retain(|s| !s.tokens.is_empty());
+        let mut written = std::collections::HashSet::new();
         for s in &seqs {
             let t = s.tokens.len();
-            if s.start + t > s.cache.capacity() {
+            let capacity = pool.capacity_of(s.table);
+            if s.start + t > capacity {
                 return Err(Error::msg(format!(
-                    "context of {} tokens exceeded ({} cached + {t} new): raise --ctx-size",
-                    s.cache.capacity(),
+                    "context of {capacity} tokens exceeded ({} cached + {t} new): raise --ctx-size",
                     s.start
                 )));
+            }
+            pool.check_table(s.table)?;
+            let bs = pool.block_size();
+            for &b in &s.table[s.start / bs..=(s.start + t - 1) / bs] {
+                if !written.insert(b) {
+                    return Err(Error::msg(format!(
+                        "KV block {b} would be written by two sequences of one batch"
+                    )));
+                }
             }
             if let Some(&bad) = s.tokens.iter().find(|&&id| id as usize >= cfg.n_vocab) {
                 return Err(Error::msg(format!(
@@ -319,7 +338,8 @@ impl Model {
         let starts = seqs.iter().map(|s| s.start).collect();
         let mut step = Step {
             cfg,
-            caches: seqs.into_iter().map(|s| s.cache).collect(),
+            pool,
+            tables: seqs.into_iter().map(|s| s.table).collect(),
             starts,
             segs: lens.clone(),
             lens,
