@@ -338,6 +338,25 @@ impl Engine {
         s
     }
 
+    /// Preempts `running[v]` while a step is being planned: drops its entry from `plan` (giving
+    /// its tokens back to `budget`) and shifts the indices after it.
+    fn evict(&mut self, plan: &mut Vec<(usize, usize)>, budget: &mut usize, v: usize) -> Seq {
+        if let Some(k) = plan.iter().position(|&(j, _)| j == v) {
+            *budget += plan.remove(k).1;
+        }
+        for p in plan.iter_mut() {
+            if p.0 > v {
+                p.0 -= 1;
+            }
+        }
+        self.preempt(v)
+    }
+
+    /// The running request to preempt first: lowest priority (largest value), then newest.
+    fn worst_running(&self) -> Option<usize> {
+        (0..self.running.len()).max_by_key(|&j| self.running[j].rank())
+    }
+
     /// Plans one step: (index in `running`, tokens to compute) per scheduled request.
     fn schedule(&mut self) -> Vec<(usize, usize)> {
         let mut budget = self.cfg.max_batch_tokens.max(1);
@@ -360,18 +379,8 @@ impl Engine {
                     break;
                 }
                 // Out of blocks: preempt the lowest-priority, newest running request.
-                let v = (0..self.running.len())
-                    .max_by_key(|&j| self.running[j].rank())
-                    .expect("running holds request i");
-                if let Some(k) = plan.iter().position(|&(j, _)| j == v) {
-                    budget += plan.remove(k).1;
-                }
-                for p in plan.iter_mut() {
-                    if p.0 > v {
-                        p.0 -= 1;
-                    }
-                }
-                preempted.push(self.preempt(v));
+                let v = self.worst_running().expect("running holds request i");
+                preempted.push(self.evict(&mut plan, &mut budget, v));
                 if v == i {
                     // This request was the victim: nothing more for it this step.
                     continue 'running;
@@ -386,19 +395,71 @@ impl Engine {
         if any_preempted {
             return plan;
         }
-        // Admit waiting requests.
-        while self.running.len() < self.cfg.max_num_seqs && budget > 0 {
-            let Some(w) = (0..self.waiting.len()).min_by_key(|&j| self.waiting[j].rank()) else {
-                break;
-            };
-            let s = &mut self.waiting[w];
+        self.admit(plan, budget)
+    }
+
+    /// Admits waiting requests into the step being planned, best rank first, while there are
+    /// slots, budget and blocks. A request with a strictly better (lower) priority than a running
+    /// one takes that one's slot or blocks: the running request is preempted (its blocks stay in
+    /// the prefix cache, so its recomputation is mostly lookups).
+    fn admit(&mut self, mut plan: Vec<(usize, usize)>, mut budget: usize) -> Vec<(usize, usize)> {
+        let bs = self.blocks.block_size();
+        // Full blocks running requests are computing in this step or later: a waiting request
+        // whose next uncached block is one of them waits for it instead of computing it again
+        // (requests sharing a new system prompt arrive together).
+        let in_flight: std::collections::HashSet<BlockHash> = if self.blocks.prefix_caching() {
+            self.running
+                .iter()
+                .flat_map(|s| {
+                    s.hashes[(s.computed / bs).min(s.hashes.len())..]
+                        .iter()
+                        .copied()
+                })
+                .collect()
+        } else {
+            Default::default()
+        };
+        let mut queue = std::mem::take(&mut self.waiting);
+        queue.sort_by_key(|s| s.rank());
+        let mut queue = queue.into_iter();
+        let mut bumped: Vec<Seq> = Vec::new();
+        while budget > 0 {
+            let Some(mut s) = queue.next() else { break };
             // At least the last token is computed, for its logits.
-            let max_hit = (s.tokens.len() - 1) / self.blocks.block_size();
-            let hits = self.blocks.lookup(&s.hashes[..max_hit.min(s.hashes.len())]);
-            let computed = hits.len() * self.blocks.block_size();
+            let max_hit = (s.tokens.len().saturating_sub(1) / bs).min(s.hashes.len());
+            let hits = self.blocks.lookup(&s.hashes[..max_hit]);
+            if hits.len() < max_hit && in_flight.contains(&s.hashes[hits.len()]) {
+                self.waiting.push(s);
+                continue;
+            }
+            let computed = hits.len() * bs;
             let n = (s.tokens.len() - computed).min(budget).min(PREFILL_CHUNK);
-            if !self.blocks.allocate(&mut s.blocks, &hits, computed + n) {
-                break; // out of blocks: wait for running requests to finish
+            let outranks = |e: &Engine| {
+                e.worst_running()
+                    .filter(|&v| s.req.priority < e.running[v].req.priority)
+            };
+            if self.running.len() >= self.cfg.max_num_seqs {
+                match outranks(self) {
+                    Some(v) => bumped.push(self.evict(&mut plan, &mut budget, v)),
+                    None => {
+                        self.waiting.push(s);
+                        break;
+                    }
+                }
+            }
+            let admitted = loop {
+                if self.blocks.allocate(&mut s.blocks, &hits, computed + n) {
+                    break true;
+                }
+                match outranks(self) {
+                    Some(v) => bumped.push(self.evict(&mut plan, &mut budget, v)),
+                    None => break false,
+                }
+            };
+            if !admitted {
+                // Out of blocks: wait for running requests to finish.
+                self.waiting.push(s);
+                break;
             }
             s.computed = computed;
             s.blocks_cached = hits.len();
@@ -410,11 +471,12 @@ impl Engine {
                     .fetch_add(s.tokens.len() as u64, Ordering::Relaxed);
                 m.prefix_hits.fetch_add(computed as u64, Ordering::Relaxed);
             }
-            let s = self.waiting.remove(w);
             self.running.push(s);
             plan.push((self.running.len() - 1, n));
             budget -= n;
         }
+        self.waiting.extend(queue);
+        self.waiting.append(&mut bumped);
         plan
     }
 
