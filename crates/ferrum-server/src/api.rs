@@ -2,6 +2,11 @@
 //! `stream: true` as server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /health`.
 //! Request bodies are parsed here (not by an extractor) so every malformed one gets a 400 with an
 //! OpenAI-style error body.
+//!
+//! `n` > 1 submits one engine request per choice (choice i samples with `seed + i`); they share
+//! the prompt's KV blocks through the prefix cache. `logprobs` (completions: a count; chat:
+//! `logprobs: true` with `top_logprobs`) reports each token's log-probability under the model
+//! before temperature and penalties, as vLLM does by default.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -23,7 +28,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::engine::{Event, Metrics, Request};
+use crate::engine::{Event, Metrics, Request, TokenLogprobs};
 
 /// Shared by the handlers.
 pub struct AppState {
@@ -355,11 +360,6 @@ fn build(
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty", Some("prompt")));
     }
-    if let Some(n) = c.n {
-        if n != 1 {
-            return Err(ApiError::bad("only n = 1 is supported", Some("n")));
-        }
-    }
     if let Some(&bad) = prompt
         .iter()
         .find(|&&t| t as usize >= st.llm.model.config.n_vocab)
@@ -463,24 +463,6 @@ fn build(
             }
         },
     }
-    let wants_logprobs = match (&c.logprobs, &c.top_logprobs) {
-        (Some(Value::Bool(b)), _) => *b,
-        (Some(Value::Number(n)), _) => n.as_u64().is_some_and(|n| n > 0),
-        (Some(Value::Null) | None, Some(Value::Number(n))) => n.as_u64().is_some_and(|n| n > 0),
-        (None | Some(Value::Null), _) => false,
-        _ => {
-            return Err(ApiError::bad(
-                "logprobs must be a boolean or a number",
-                Some("logprobs"),
-            ))
-        }
-    };
-    if wants_logprobs {
-        return Err(ApiError::bad(
-            "logprobs are not supported by this server yet",
-            Some("logprobs"),
-        ));
-    }
     let stop = match &c.stop {
         None => Vec::new(),
         Some(OneOrMany::One(s)) => vec![s.clone()],
@@ -569,6 +551,91 @@ async fn chat_completions(
     run(st, &b.common, prompt, default_max, Kind::Chat).await
 }
 
+/// Largest `n` (choices per request) and `logprobs` / `top_logprobs` accepted.
+const MAX_N: u64 = 16;
+const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// How many alternatives per token the request wants log-probabilities for (`None`: no
+/// log-probabilities). Completions take `logprobs: k`; chat takes `logprobs: true` with an optional
+/// `top_logprobs: k`.
+fn parse_logprobs(c: &Common, kind: Kind) -> Result<Option<usize>, ApiError> {
+    let count = |v: &Value, name: &'static str| -> Result<usize, ApiError> {
+        match v.as_u64() {
+            Some(k) if k <= MAX_TOP_LOGPROBS => Ok(k as usize),
+            _ => Err(ApiError::bad(
+                format!("{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}"),
+                Some(name),
+            )),
+        }
+    };
+    match kind {
+        Kind::Completion => match &c.logprobs {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => count(v, "logprobs").map(Some),
+        },
+        Kind::Chat => {
+            let on = match &c.logprobs {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(ApiError::bad(
+                        "logprobs must be a boolean",
+                        Some("logprobs"),
+                    ))
+                }
+            };
+            let top = match &c.top_logprobs {
+                None | Some(Value::Null) => 0,
+                Some(v) => count(v, "top_logprobs")?,
+            };
+            if top > 0 && !on {
+                return Err(ApiError::bad(
+                    "top_logprobs needs logprobs: true",
+                    Some("top_logprobs"),
+                ));
+            }
+            Ok(on.then_some(top))
+        }
+    }
+}
+
+/// Log-probabilities of a run of tokens in the endpoint's format. `offset` is the text length
+/// before the first of them (completions report each token's text offset).
+fn logprobs_json(kind: Kind, lps: &[TokenLogprobs], mut offset: usize) -> Value {
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    match kind {
+        Kind::Completion => {
+            let mut offsets = Vec::with_capacity(lps.len());
+            for l in lps {
+                offsets.push(offset);
+                offset += text(&l.token).len();
+            }
+            json!({
+                "tokens": lps.iter().map(|l| text(&l.token)).collect::<Vec<_>>(),
+                "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                "top_logprobs": lps.iter().map(|l| {
+                    let mut m = serde_json::Map::new();
+                    for (t, lp) in &l.top {
+                        m.entry(text(t)).or_insert(json!(lp));
+                    }
+                    Value::Object(m)
+                }).collect::<Vec<_>>(),
+                "text_offset": offsets,
+            })
+        }
+        Kind::Chat => json!({
+            "content": lps.iter().map(|l| json!({
+                "token": text(&l.token),
+                "logprob": l.logprob,
+                "bytes": l.token,
+                "top_logprobs": l.top.iter().map(|(t, lp)| json!({
+                    "token": text(t), "logprob": lp, "bytes": t,
+                })).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+        }),
+    }
+}
+
 async fn run(
     st: Arc<AppState>,
     c: &Common,
@@ -577,6 +644,17 @@ async fn run(
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let (prompt, max_tokens, sampling, stop) = build(&st, c, prompt, default_max)?;
+    let logprobs = parse_logprobs(c, kind)?;
+    let n = match c.n {
+        None => 1,
+        Some(n) if (1..=MAX_N).contains(&n) => n as usize,
+        Some(_) => {
+            return Err(ApiError::bad(
+                format!("n must be from 1 to {MAX_N}"),
+                Some("n"),
+            ))
+        }
+    };
     let min_tokens = c.min_tokens.unwrap_or(0) as usize;
     if min_tokens > max_tokens {
         return Err(ApiError::bad(
@@ -597,22 +675,30 @@ async fn run(
             .into_response());
     }
     let guard = InFlight(Arc::clone(&st));
+    // One engine request per choice, all answering on one channel; choice i samples with seed + i.
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let req = Request {
-        prompt,
-        max_tokens,
-        sampling,
-        stop,
-        ignore_eos: c.ignore_eos,
-        min_tokens,
-        priority: c.priority.unwrap_or(0),
-        events: tx,
-    };
-    st.engine.send(req).map_err(|_| ApiError {
-        status: StatusCode::SERVICE_UNAVAILABLE,
-        message: "the engine has stopped".into(),
-        param: None,
-    })?;
+    for choice in 0..n {
+        let mut sampling = sampling.clone();
+        sampling.seed = sampling.seed.wrapping_add(choice as u64);
+        let req = Request {
+            prompt: prompt.clone(),
+            max_tokens,
+            sampling,
+            stop: stop.clone(),
+            ignore_eos: c.ignore_eos,
+            min_tokens,
+            priority: c.priority.unwrap_or(0),
+            logprobs,
+            choice,
+            events: tx.clone(),
+        };
+        st.engine.send(req).map_err(|_| ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the engine has stopped".into(),
+            param: None,
+        })?;
+    }
+    drop(tx);
     let id = format!(
         "{}-{}",
         if kind == Kind::Chat {
@@ -624,133 +710,173 @@ async fn run(
     );
     let created = now();
     let model = st.model_id.clone();
+    let prompt_tokens = prompt.len();
 
     if !c.stream {
         let _guard = guard;
-        let mut text = String::new();
-        loop {
-            match rx.recv().await {
-                Some(Event::Token { text: t }) => text.push_str(&t),
-                Some(Event::Done {
-                    finish,
-                    prompt_tokens,
-                    completion_tokens,
-                    cached_tokens,
-                    ..
-                }) => {
-                    let usage = usage_json(prompt_tokens, completion_tokens, cached_tokens);
-                    let body = match kind {
-                        Kind::Completion => json!({
-                            "id": id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_str(finish)}],
-                            "usage": usage,
-                        }),
-                        Kind::Chat => json!({
-                            "id": id, "object": "chat.completion", "created": created, "model": model,
-                            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                "logprobs": null, "finish_reason": finish_str(finish)}],
-                            "usage": usage,
-                        }),
-                    };
-                    return Ok(Json(body).into_response());
+        let mut texts = vec![String::new(); n];
+        let mut lps: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); n];
+        let mut finishes: Vec<Option<FinishReason>> = vec![None; n];
+        let (mut completion_tokens, mut cached_tokens) = (0, 0);
+        while finishes.iter().any(Option::is_none) {
+            let Some((i, ev)) = rx.recv().await else {
+                return Err(ApiError {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: "the engine dropped the request".into(),
+                    param: None,
+                });
+            };
+            match ev {
+                Event::Token { text, logprobs } => {
+                    texts[i].push_str(&text);
+                    lps[i].extend(logprobs);
                 }
-                Some(Event::Error(e)) => {
+                Event::Done {
+                    finish,
+                    completion_tokens: ct,
+                    cached_tokens: cached,
+                    ..
+                } => {
+                    finishes[i] = Some(finish);
+                    completion_tokens += ct;
+                    cached_tokens = cached_tokens.max(cached);
+                }
+                Event::Error(e) => {
                     return Err(ApiError {
                         status: StatusCode::INTERNAL_SERVER_ERROR,
                         message: e,
                         param: None,
                     })
                 }
-                None => {
-                    return Err(ApiError {
-                        status: StatusCode::INTERNAL_SERVER_ERROR,
-                        message: "the engine dropped the request".into(),
-                        param: None,
-                    })
-                }
             }
         }
+        let choices: Vec<Value> = (0..n)
+            .map(|i| {
+                let lp = match logprobs {
+                    Some(_) => logprobs_json(kind, &lps[i], 0),
+                    None => Value::Null,
+                };
+                let finish = finishes[i].map(finish_str);
+                match kind {
+                    Kind::Completion => json!({"index": i, "text": texts[i], "logprobs": lp,
+                        "finish_reason": finish}),
+                    Kind::Chat => json!({"index": i,
+                        "message": {"role": "assistant", "content": texts[i]},
+                        "logprobs": lp, "finish_reason": finish}),
+                }
+            })
+            .collect();
+        let usage = usage_json(prompt_tokens, completion_tokens, cached_tokens);
+        let object = match kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion",
+        };
+        let body = json!({"id": id, "object": object, "created": created, "model": model,
+            "choices": choices, "usage": usage});
+        return Ok(Json(body).into_response());
     }
 
     // Streaming: a task turns engine events into SSE chunks; when the client goes away the SSE
     // stream is dropped, the task's sends fail, it drops the engine's receiver, and the engine
-    // frees the request at its next step.
+    // frees the request's sequences at its next step.
     let include_usage = c.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let (sse_tx, sse_rx) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
         let _guard = guard;
-        let chunk = |delta: Value, finish: Option<&str>| -> Value {
-            match kind {
-                Kind::Completion => json!({
-                    "id": id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish}],
-                }),
-                Kind::Chat => json!({
-                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
-                }),
-            }
+        let object = match kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        let chunk = |i: usize, delta: Value, lp: Value, finish: Option<&str>| -> Value {
+            let choice = match kind {
+                Kind::Completion => {
+                    json!({"index": i, "text": delta, "logprobs": lp, "finish_reason": finish})
+                }
+                Kind::Chat => {
+                    json!({"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish})
+                }
+            };
+            json!({"id": id, "object": object, "created": created, "model": model,
+                "choices": [choice]})
         };
         let send = |v: Value| SseEvent::default().data(v.to_string());
-        if kind == Kind::Chat
-            && sse_tx
-                .send(Ok(send(chunk(
+        if kind == Kind::Chat {
+            for i in 0..n {
+                let first = chunk(
+                    i,
                     json!({"role": "assistant", "content": ""}),
+                    Value::Null,
                     None,
-                ))))
-                .await
-                .is_err()
-        {
-            return;
+                );
+                if sse_tx.send(Ok(send(first))).await.is_err() {
+                    return;
+                }
+            }
         }
-        while let Some(ev) = rx.recv().await {
+        let mut offsets = vec![0usize; n];
+        let (mut left, mut completion_tokens, mut cached_tokens) = (n, 0, 0);
+        while let Some((i, ev)) = rx.recv().await {
             let out = match ev {
-                Event::Token { text } if text.is_empty() => continue,
-                Event::Token { text } => {
+                Event::Token {
+                    text,
+                    logprobs: None,
+                } if text.is_empty() => continue,
+                Event::Token { text, logprobs } => {
+                    let lp = match logprobs {
+                        Some(l) => {
+                            let v = logprobs_json(kind, std::slice::from_ref(&l), offsets[i]);
+                            offsets[i] += String::from_utf8_lossy(&l.token).len();
+                            v
+                        }
+                        None => Value::Null,
+                    };
                     let delta = match kind {
                         Kind::Completion => json!(text),
                         Kind::Chat => json!({"content": text}),
                     };
-                    vec![send(chunk(delta, None))]
+                    vec![send(chunk(i, delta, lp, None))]
                 }
                 Event::Done {
                     finish,
-                    prompt_tokens,
-                    completion_tokens,
-                    cached_tokens,
+                    completion_tokens: ct,
+                    cached_tokens: cached,
                     ..
                 } => {
+                    completion_tokens += ct;
+                    cached_tokens = cached_tokens.max(cached);
+                    left -= 1;
                     let delta = match kind {
                         Kind::Completion => json!(""),
                         Kind::Chat => json!({}),
                     };
-                    let mut v = vec![send(chunk(delta, Some(finish_str(finish))))];
-                    if include_usage {
-                        let obj = if kind == Kind::Chat {
-                            "chat.completion.chunk"
-                        } else {
-                            "text_completion"
-                        };
-                        v.push(send(
-                            json!({"id": id, "object": obj, "created": created, "model": model,
-                            "choices": [],
-                            "usage": usage_json(prompt_tokens, completion_tokens, cached_tokens)}),
-                        ));
+                    let mut v = vec![send(chunk(i, delta, Value::Null, Some(finish_str(finish))))];
+                    if left == 0 {
+                        if include_usage {
+                            v.push(send(json!({"id": id, "object": object, "created": created,
+                                    "model": model, "choices": [],
+                                    "usage": usage_json(prompt_tokens, completion_tokens,
+                                        cached_tokens)})));
+                        }
+                        v.push(SseEvent::default().data("[DONE]"));
                     }
-                    v.push(SseEvent::default().data("[DONE]"));
                     v
                 }
-                Event::Error(e) => vec![
-                    send(
-                        json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}}),
-                    ),
-                    SseEvent::default().data("[DONE]"),
-                ],
+                Event::Error(e) => {
+                    let err = json!({"error": {"message": e, "type": "server_error",
+                        "param": null, "code": null}});
+                    let _ = sse_tx.send(Ok(send(err))).await;
+                    let _ = sse_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+                    return;
+                }
             };
+            let last = left == 0;
             for e in out {
                 if sse_tx.send(Ok(e)).await.is_err() {
                     return;
                 }
+            }
+            if last {
+                return;
             }
         }
     });

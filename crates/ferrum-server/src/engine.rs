@@ -130,15 +130,65 @@ pub struct Request {
     pub min_tokens: usize,
     /// Lower runs first; equal priorities run in arrival order.
     pub priority: i64,
-    /// Where the engine sends this request's events.
-    pub events: UnboundedSender<Event>,
+    /// Report each generated token's log-probability and this many most likely alternatives.
+    pub logprobs: Option<usize>,
+    /// Which choice of its HTTP request this is (`n` > 1 submits one engine request per choice).
+    pub choice: usize,
+    /// Where the engine sends this request's events, tagged with `choice`.
+    pub events: UnboundedSender<(usize, Event)>,
+}
+
+/// The log-probability of a generated token under the model (before temperature and penalties),
+/// with the most likely tokens at that step.
+#[derive(Debug, Clone)]
+pub struct TokenLogprobs {
+    /// The token's bytes (a piece of UTF-8 text, possibly not a whole character).
+    pub token: Vec<u8>,
+    pub logprob: f32,
+    /// The most likely tokens, most likely first.
+    pub top: Vec<(Vec<u8>, f32)>,
+}
+
+impl TokenLogprobs {
+    /// Log-softmax of `logits` at `id`, and the `k` largest entries.
+    pub fn new(llm: &Llm, logits: &[f32], id: u32, k: usize) -> TokenLogprobs {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+        let lse = max as f64 + sum.ln();
+        let lp = |i: usize| (logits[i] as f64 - lse) as f32;
+        // The k largest, by insertion into a short sorted list.
+        let mut top: Vec<usize> = Vec::with_capacity(k + 1);
+        if k > 0 {
+            for (i, &l) in logits.iter().enumerate() {
+                if top.len() == k && l <= logits[top[k - 1]] {
+                    continue;
+                }
+                let at = top.partition_point(|&j| logits[j] >= l);
+                top.insert(at, i);
+                top.truncate(k);
+            }
+        }
+        TokenLogprobs {
+            token: llm.tokenizer.token_bytes(id, false),
+            logprob: lp(id as usize),
+            top: top
+                .into_iter()
+                .map(|i| (llm.tokenizer.token_bytes(i as u32, false), lp(i)))
+                .collect(),
+        }
+    }
 }
 
 /// What the engine tells a request's handler.
 #[derive(Debug)]
 pub enum Event {
-    /// Newly final text (may be empty when a token completes no character yet) and its token.
-    Token { text: String },
+    /// Newly final text (may be empty when a token completes no character yet, or while it may
+    /// still become part of a stop string), and the generated token's log-probabilities when the
+    /// request asked for them.
+    Token {
+        text: String,
+        logprobs: Option<TokenLogprobs>,
+    },
     /// The request finished.
     Done {
         finish: FinishReason,
@@ -513,7 +563,10 @@ impl Engine {
                 failed.sort_unstable();
                 for &i in failed.iter().rev() {
                     let mut s = self.running.remove(i);
-                    let _ = s.req.events.send(Event::Error(e.to_string()));
+                    let _ = s
+                        .req
+                        .events
+                        .send((s.req.choice, Event::Error(e.to_string())));
                     self.blocks.free(&mut s.blocks);
                 }
                 return;
@@ -585,12 +638,21 @@ fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32], block_size: usize) ->
         s.ttft = Some(s.submitted.elapsed().as_secs_f64());
     }
     let mut finish = None;
+    let choice = s.req.choice;
     if !s.req.ignore_eos && llm.tokenizer.is_eog(id) {
         finish = Some(FinishReason::Stop);
     } else {
         let piece = s.utf8.push(&llm.tokenizer.token_bytes(id, false));
         let (shown, hit) = s.stops.push(&piece);
-        if s.req.events.send(Event::Token { text: shown }).is_err() {
+        let logprobs = s
+            .req
+            .logprobs
+            .map(|k| TokenLogprobs::new(llm, logits, id, k));
+        let ev = Event::Token {
+            text: shown,
+            logprobs,
+        };
+        if s.req.events.send((choice, ev)).is_err() {
             return true; // the client is gone
         }
         if hit {
@@ -612,16 +674,21 @@ fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32], block_size: usize) ->
                 let (shown, _) = s.stops.push(&tail);
                 let rest = shown + &s.stops.finish();
                 if !rest.is_empty() {
-                    let _ = s.req.events.send(Event::Token { text: rest });
+                    let ev = Event::Token {
+                        text: rest,
+                        logprobs: None,
+                    };
+                    let _ = s.req.events.send((choice, ev));
                 }
             }
-            let _ = s.req.events.send(Event::Done {
+            let done = Event::Done {
                 finish: f,
                 prompt_tokens: s.req.prompt.len(),
                 completion_tokens: s.generated,
                 cached_tokens: s.cached_tokens,
                 ttft: s.ttft.unwrap_or(0.0),
-            });
+            };
+            let _ = s.req.events.send((choice, done));
             true
         }
     }
