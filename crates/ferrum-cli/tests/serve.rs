@@ -6,7 +6,9 @@
 //! * streaming (SSE) gives the same text, ends with `data: [DONE]`, carries usage on request;
 //! * malformed or out-of-range requests get a 400 with an OpenAI-style error body, and the
 //!   server keeps serving; a client that disconnects mid-stream does not disturb it;
-//! * SIGTERM lets an in-flight request finish, then the process exits 0.
+//! * SIGTERM lets an in-flight request finish, then the process exits 0; past --drain-timeout the
+//!   requests still running end with an error and the process still exits 0;
+//! * logprobs match llama.cpp's reference; n > 1 gives seeded choices.
 
 mod server;
 
@@ -216,6 +218,31 @@ fn sigterm_finishes_running_requests_then_exits_0() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    drop(server);
+
+    // With a drain time shorter than the request, the request ends with an error when it is
+    // over, and the process still exits 0.
+    let mut server = Server::start(&["--drain-timeout", "0.5"]);
+    let addr = server.addr.clone();
+    let inflight = std::thread::spawn(move || {
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": true});
+        http(&addr, "POST", "/v1/completions", &body.to_string())
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let pid = server.child.id().to_string();
+    let st = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(st.success());
+    let start = Instant::now();
+    let (s, b) = inflight.join().unwrap();
+    assert_eq!(s, 500, "{b}");
+    assert!(b.contains("shutting down"), "{b}");
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "the drain took {:?}",
+        start.elapsed()
+    );
+    let status = server.child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
 }
 
 #[test]

@@ -63,6 +63,8 @@ pub struct Metrics {
     pub prefix_queries: AtomicU64,
     pub prefix_hits: AtomicU64,
     pub preemptions: AtomicU64,
+    /// Set when the drain time after SIGTERM is over: the engine ends every request it holds.
+    pub abort_all: std::sync::atomic::AtomicBool,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
     /// Finished requests by reason.
@@ -330,6 +332,9 @@ pub fn run(
         while let Ok(r) = rx.try_recv() {
             e.arrive(r);
         }
+        if e.metrics.abort_all.load(Ordering::Acquire) {
+            e.abort_all("the server is shutting down and its drain time is over");
+        }
         e.drop_abandoned();
         e.step();
         e.publish();
@@ -341,6 +346,21 @@ impl Engine {
         let s = Seq::new(req, self.arrivals, Instant::now(), self.pool.block_size());
         self.arrivals += 1;
         self.waiting.push(s);
+    }
+
+    /// Ends every request with an error, freeing its blocks.
+    fn abort_all(&mut self, why: &str) {
+        let n = self.running.len() + self.waiting.len();
+        for mut s in self.running.drain(..).chain(self.waiting.drain(..)) {
+            let _ = s
+                .req
+                .events
+                .send((s.req.choice, Event::Error(why.to_string())));
+            self.blocks.free(&mut s.blocks);
+        }
+        self.metrics
+            .finished_abort
+            .fetch_add(n as u64, Ordering::Relaxed);
     }
 
     /// Drops requests whose client went away, freeing their blocks.

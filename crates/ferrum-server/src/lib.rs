@@ -47,6 +47,9 @@ pub struct ServerConfig {
     pub kv_cache_memory: Option<usize>,
     /// Positions per KV block (a power of two).
     pub block_size: usize,
+    /// After SIGTERM or SIGINT, how long running requests may take to finish before they are
+    /// ended with an error.
+    pub drain_timeout: std::time::Duration,
 }
 
 impl Default for ServerConfig {
@@ -64,6 +67,7 @@ impl Default for ServerConfig {
             max_queue: 256,
             kv_cache_memory: None,
             block_size: 16,
+            drain_timeout: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -76,6 +80,7 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
     let pool = kv_pool(&llm, &cfg)?;
     let (etx, erx) = std::sync::mpsc::channel();
     let metrics = Arc::new(engine::Metrics::default());
+    let metrics_for_drain = Arc::clone(&metrics);
     let engine = {
         let llm = Arc::clone(&llm);
         let ecfg = cfg.engine.clone();
@@ -110,7 +115,17 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
         let addr = listener.local_addr()?;
         on_ready(addr);
         axum::serve(listener, api::router(state))
-            .with_graceful_shutdown(shutdown_signal())
+            .with_graceful_shutdown(async move {
+                shutdown_signal().await;
+                // Running requests get `drain_timeout` to finish; then the engine ends them.
+                let (m, t) = (metrics_for_drain, cfg.drain_timeout);
+                tokio::spawn(async move {
+                    tokio::time::sleep(t).await;
+                    tracing::warn!("drain time over: ending the requests still running");
+                    m.abort_all
+                        .store(true, std::sync::atomic::Ordering::Release);
+                });
+            })
             .await
             .context("serving HTTP")
     })?;

@@ -43,6 +43,10 @@ pub struct Args {
     /// Do not share KV blocks of common prompt prefixes between requests.
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// Seconds running requests may take to finish after SIGTERM or SIGINT (no new connections
+    /// are accepted meanwhile); requests still running then end with an error.
+    #[arg(long, default_value_t = 30.0)]
+    pub drain_timeout: f64,
 }
 
 /// "1073741824", "512MiB", "2GiB", "1.5GB", "800k": a size in bytes.
@@ -94,6 +98,8 @@ pub fn run(a: Args) -> Result<()> {
         max_queue: a.max_queue,
         kv_cache_memory: a.kv_cache_memory,
         block_size: a.block_size,
+        drain_timeout: std::time::Duration::try_from_secs_f64(a.drain_timeout)
+            .map_err(|_| anyhow::anyhow!("--drain-timeout must be a number of seconds >= 0"))?,
     };
     ferrum_server::serve(llm, cfg, |addr| {
         println!("ferrum serve: listening on http://{addr}");
