@@ -473,6 +473,9 @@ impl Engine {
     /// one takes that one's slot or blocks: the running request is preempted (its blocks stay in
     /// the prefix cache, so its recomputation is mostly lookups).
     fn admit(&mut self, mut plan: Vec<(usize, usize)>, mut budget: usize) -> Vec<(usize, usize)> {
+        if self.waiting.is_empty() {
+            return plan;
+        }
         let bs = self.blocks.block_size();
         // Full blocks running requests are computing in this step or later: a waiting request
         // whose next uncached block is one of them waits for it instead of computing it again
