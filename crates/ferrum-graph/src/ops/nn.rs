@@ -1,0 +1,1074 @@
+//! Neural-network ops: MatMul, Gemm, Conv, pooling, normalizations, Einsum, quantization.
+//! Reference loops in f64; the result is rounded once to the output type.
+
+use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, cast};
+use crate::ops::shape::strides;
+use crate::ops::{axis, unsupported, Ctx};
+use crate::tensor::{DType, Tensor, Value};
+use crate::{kbail, Result};
+
+fn f64_tensor(shape: Vec<usize>, v: Vec<f64>, dt: DType) -> Result<Tensor> {
+    cast(&Tensor::from_vec(shape, v)?, dt)
+}
+
+/// numpy matmul of f64 data: 1-D operands are promoted and the added dim dropped; batch dims
+/// broadcast.
+pub fn matmul_f64(
+    a: &[f64],
+    ash: &[usize],
+    b: &[f64],
+    bsh: &[usize],
+) -> Result<(Vec<usize>, Vec<f64>)> {
+    if ash.is_empty() || bsh.is_empty() {
+        kbail!("MatMul of a scalar");
+    }
+    let mut ash2 = ash.to_vec();
+    let mut bsh2 = bsh.to_vec();
+    if ash.len() == 1 {
+        ash2.insert(0, 1);
+    }
+    if bsh.len() == 1 {
+        bsh2.push(1);
+    }
+    let (m, k) = (ash2[ash2.len() - 2], ash2[ash2.len() - 1]);
+    let (k2, n) = (bsh2[bsh2.len() - 2], bsh2[bsh2.len() - 1]);
+    if k != k2 {
+        kbail!("MatMul of {ash:?} and {bsh:?}: inner dims differ");
+    }
+    let abatch = &ash2[..ash2.len() - 2];
+    let bbatch = &bsh2[..bsh2.len() - 2];
+    let batch = broadcast_shape(abatch, bbatch)?;
+    let offs = broadcast_offsets(&[abatch, bbatch], &batch);
+    let nb = offs[0].len();
+    let mut out = vec![0f64; nb * m * n];
+    for bi in 0..nb {
+        let (ao, bo) = (offs[0][bi] * m * k, offs[1][bi] * k * n);
+        let o = &mut out[bi * m * n..(bi + 1) * m * n];
+        for i in 0..m {
+            for p in 0..k {
+                let av = a[ao + i * k + p];
+                if av == 0.0 {
+                    continue;
+                }
+                let brow = &b[bo + p * n..bo + (p + 1) * n];
+                for (j, bv) in brow.iter().enumerate() {
+                    o[i * n + j] += av * bv;
+                }
+            }
+        }
+    }
+    // NaN/Inf in B with a zero in A: redo those rows exactly (0 * inf must be NaN).
+    if b.iter().any(|x| !x.is_finite()) {
+        for bi in 0..nb {
+            let (ao, bo) = (offs[0][bi] * m * k, offs[1][bi] * k * n);
+            for i in 0..m {
+                for j in 0..n {
+                    out[bi * m * n + i * n + j] =
+                        (0..k).map(|p| a[ao + i * k + p] * b[bo + p * n + j]).sum();
+                }
+            }
+        }
+    }
+    let mut shape = batch;
+    if ash.len() > 1 {
+        shape.push(m);
+    }
+    if bsh.len() > 1 {
+        shape.push(n);
+    }
+    Ok((shape, out))
+}
+
+fn matmul(cx: &Ctx) -> Result<Tensor> {
+    let (a, b) = (cx.t(0)?, cx.t(1)?);
+    let (shape, v) = matmul_f64(&a.to_f64_vec()?, a.shape(), &b.to_f64_vec()?, b.shape())?;
+    f64_tensor(shape, v, a.dtype())
+}
+
+/// `(x - zero_point)` as f64, with the zero point broadcast per row (`axis` 0) or per column.
+fn minus_zp(x: &Tensor, zp: Option<&Tensor>, per_col: bool) -> Result<Vec<f64>> {
+    let mut v = x.to_f64_vec()?;
+    if let Some(z) = zp {
+        let z = z.to_f64_vec()?;
+        if z.len() == 1 {
+            v.iter_mut().for_each(|e| *e -= z[0]);
+        } else if per_col {
+            let n = *x.shape().last().unwrap_or(&1);
+            v.iter_mut().enumerate().for_each(|(i, e)| *e -= z[i % n]);
+        } else {
+            let r = x.rank();
+            let (m, n) = (x.shape()[r - 2], x.shape()[r - 1]);
+            v.iter_mut()
+                .enumerate()
+                .for_each(|(i, e)| *e -= z[(i / n) % m]);
+        }
+    }
+    Ok(v)
+}
+
+fn matmul_integer(cx: &Ctx) -> Result<Tensor> {
+    let (a, b) = (cx.t(0)?, cx.t(1)?);
+    let av = minus_zp(a, cx.opt(2), false)?;
+    let bv = minus_zp(b, cx.opt(3), true)?;
+    let (shape, v) = matmul_f64(&av, a.shape(), &bv, b.shape())?;
+    f64_tensor(shape, v, DType::I32)
+}
+
+fn gemm(cx: &Ctx) -> Result<Tensor> {
+    let (a, b) = (cx.t(0)?, cx.t(1)?);
+    let (ta, tb) = (cx.ai("transA", 0) != 0, cx.ai("transB", 0) != 0);
+    let (alpha, beta) = (cx.af("alpha", 1.0) as f64, cx.af("beta", 1.0) as f64);
+    if a.rank() != 2 || b.rank() != 2 {
+        kbail!("Gemm expects 2-D A and B");
+    }
+    let (m, k) = if ta {
+        (a.shape()[1], a.shape()[0])
+    } else {
+        (a.shape()[0], a.shape()[1])
+    };
+    let (k2, n) = if tb {
+        (b.shape()[1], b.shape()[0])
+    } else {
+        (b.shape()[0], b.shape()[1])
+    };
+    if k != k2 {
+        kbail!("Gemm inner dims differ: {:?} {:?}", a.shape(), b.shape());
+    }
+    let (av, bv) = (a.to_f64_vec()?, b.to_f64_vec()?);
+    let mut out = vec![0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = 0.0;
+            for p in 0..k {
+                let x = if ta { av[p * m + i] } else { av[i * k + p] };
+                let y = if tb { bv[j * k + p] } else { bv[p * n + j] };
+                s += x * y;
+            }
+            out[i * n + j] = alpha * s;
+        }
+    }
+    if let Some(c) = cx.opt(2) {
+        let cv = c.to_f64_vec()?;
+        let offs = broadcast_offsets(&[c.shape()], &[m, n]);
+        broadcast_shape(c.shape(), &[m, n])?;
+        for (o, &ci) in out.iter_mut().zip(&offs[0]) {
+            *o += beta * cv[ci];
+        }
+    }
+    f64_tensor(vec![m, n], out, a.dtype())
+}
+
+/// Spatial geometry shared by Conv and the pools.
+struct Geom {
+    ins: Vec<usize>,
+    k: Vec<usize>,
+    s: Vec<usize>,
+    d: Vec<usize>,
+    pad_begin: Vec<usize>,
+    outs: Vec<usize>,
+}
+
+fn geom(cx: &Ctx, ins: &[usize], k: &[usize], ceil: bool) -> Result<Geom> {
+    let nd = ins.len();
+    let s: Vec<usize> = cx
+        .aints("strides")
+        .map(|v| v.iter().map(|&x| x.max(1) as usize).collect())
+        .unwrap_or(vec![1; nd]);
+    let d: Vec<usize> = cx
+        .aints("dilations")
+        .map(|v| v.iter().map(|&x| x.max(1) as usize).collect())
+        .unwrap_or(vec![1; nd]);
+    let mut pads: Vec<usize> = cx
+        .aints("pads")
+        .map(|v| v.iter().map(|&x| x.max(0) as usize).collect())
+        .unwrap_or(vec![0; 2 * nd]);
+    if s.len() != nd || d.len() != nd || pads.len() != 2 * nd || k.len() != nd {
+        kbail!("strides, dilations, pads or kernel_shape do not match {nd} spatial dims");
+    }
+    let auto = cx.astr("auto_pad", "NOTSET");
+    let mut outs = vec![0; nd];
+    for i in 0..nd {
+        let ek = (k[i] - 1) * d[i] + 1;
+        match auto.as_str() {
+            "SAME_UPPER" | "SAME_LOWER" => {
+                let o = ins[i].div_ceil(s[i]);
+                let total = ((o - 1) * s[i] + ek).saturating_sub(ins[i]);
+                let small = total / 2;
+                let (b, e) = if auto == "SAME_UPPER" {
+                    (small, total - small)
+                } else {
+                    (total - small, small)
+                };
+                pads[i] = b;
+                pads[i + nd] = e;
+                outs[i] = o;
+            }
+            "VALID" | "NOTSET" | "" => {
+                if auto == "VALID" {
+                    pads[i] = 0;
+                    pads[i + nd] = 0;
+                }
+                let span = ins[i] + pads[i] + pads[i + nd];
+                if span < ek {
+                    kbail!("kernel larger than the padded input");
+                }
+                let num = span - ek;
+                let mut o = if ceil {
+                    num.div_ceil(s[i]) + 1
+                } else {
+                    num / s[i] + 1
+                };
+                if ceil && (o - 1) * s[i] >= ins[i] + pads[i] {
+                    o -= 1;
+                }
+                outs[i] = o;
+            }
+            a => return Err(unsupported(format!("auto_pad '{a}'"))),
+        }
+    }
+    Ok(Geom {
+        ins: ins.to_vec(),
+        k: k.to_vec(),
+        s,
+        d,
+        pad_begin: pads[..nd].to_vec(),
+        outs,
+    })
+}
+
+/// Every index of a shape, row-major.
+fn indices(shape: &[usize]) -> Vec<Vec<usize>> {
+    let n: usize = shape.iter().product();
+    let st = strides(shape);
+    (0..n)
+        .map(|o| (0..shape.len()).map(|d| (o / st[d]) % shape[d]).collect())
+        .collect()
+}
+
+fn conv(cx: &Ctx, integer: bool) -> Result<Tensor> {
+    let (x, w) = (cx.t(0)?, cx.t(1)?);
+    if x.rank() < 3 {
+        kbail!("Conv expects N, C and spatial dims");
+    }
+    let nd = x.rank() - 2;
+    let (n, c) = (x.shape()[0], x.shape()[1]);
+    let m = w.shape()[0];
+    let group = cx.ai("group", 1).max(1) as usize;
+    let cg = w.shape()[1];
+    if cg * group != c || m % group != 0 {
+        kbail!(
+            "channels {c}, weights {:?} and group {group} disagree",
+            w.shape()
+        );
+    }
+    let k: Vec<usize> = w.shape()[2..].to_vec();
+    let g = geom(cx, &x.shape()[2..], &k, false)?;
+    let (xv, wv) = if integer {
+        (
+            minus_zp(x, cx.opt(2), false)?,
+            minus_zp(w, cx.opt(3), false)?,
+        )
+    } else {
+        (x.to_f64_vec()?, w.to_f64_vec()?)
+    };
+    let bias = if integer {
+        None
+    } else {
+        cx.opt(2).map(|b| b.to_f64_vec()).transpose()?
+    };
+    let osp: usize = g.outs.iter().product();
+    let isp: usize = g.ins.iter().product();
+    let ksp: usize = k.iter().product();
+    let ist = strides(&g.ins);
+    let kidx = indices(&k);
+    let oidx = indices(&g.outs);
+    let mut out = vec![0f64; n * m * osp];
+    let mpg = m / group;
+    for b in 0..n {
+        for oc in 0..m {
+            let grp = oc / mpg;
+            for (op, oi) in oidx.iter().enumerate() {
+                let mut s = bias.as_ref().map_or(0.0, |bv| bv[oc]);
+                for (kp, ki) in kidx.iter().enumerate() {
+                    let mut off = 0usize;
+                    let mut inside = true;
+                    for dd in 0..nd {
+                        let pos = (oi[dd] * g.s[dd] + ki[dd] * g.d[dd]) as isize
+                            - g.pad_begin[dd] as isize;
+                        if pos < 0 || pos >= g.ins[dd] as isize {
+                            inside = false;
+                            break;
+                        }
+                        off += pos as usize * ist[dd];
+                    }
+                    if !inside {
+                        continue;
+                    }
+                    for ci in 0..cg {
+                        let ic = grp * cg + ci;
+                        s += xv[(b * c + ic) * isp + off] * wv[(oc * cg + ci) * ksp + kp];
+                    }
+                }
+                out[(b * m + oc) * osp + op] = s;
+            }
+        }
+    }
+    let mut shape = vec![n, m];
+    shape.extend_from_slice(&g.outs);
+    let _ = nd;
+    f64_tensor(shape, out, if integer { DType::I32 } else { x.dtype() })
+}
+
+fn conv_transpose(cx: &Ctx) -> Result<Tensor> {
+    let (x, w) = (cx.t(0)?, cx.t(1)?);
+    let nd = x.rank() - 2;
+    let (n, c) = (x.shape()[0], x.shape()[1]);
+    let group = cx.ai("group", 1).max(1) as usize;
+    let mpg = w.shape()[1];
+    let m = mpg * group;
+    let k: Vec<usize> = w.shape()[2..].to_vec();
+    let ins = &x.shape()[2..];
+    let s: Vec<usize> = cx
+        .aints("strides")
+        .map(|v| v.iter().map(|&x| x as usize).collect())
+        .unwrap_or(vec![1; nd]);
+    let d: Vec<usize> = cx
+        .aints("dilations")
+        .map(|v| v.iter().map(|&x| x as usize).collect())
+        .unwrap_or(vec![1; nd]);
+    let opad: Vec<usize> = cx
+        .aints("output_padding")
+        .map(|v| v.iter().map(|&x| x as usize).collect())
+        .unwrap_or(vec![0; nd]);
+    let mut pads: Vec<usize> = cx
+        .aints("pads")
+        .map(|v| v.iter().map(|&x| x as usize).collect())
+        .unwrap_or(vec![0; 2 * nd]);
+    let auto = cx.astr("auto_pad", "NOTSET");
+    let full: Vec<usize> = (0..nd)
+        .map(|i| s[i] * (ins[i] - 1) + opad[i] + (k[i] - 1) * d[i] + 1)
+        .collect();
+    let outs: Vec<usize> = if let Some(os) = cx.aints("output_shape") {
+        let os: Vec<usize> = os
+            .iter()
+            .rev()
+            .take(nd)
+            .rev()
+            .map(|&v| v as usize)
+            .collect();
+        for i in 0..nd {
+            let total = full[i].saturating_sub(os[i]);
+            if auto == "SAME_UPPER" {
+                pads[i] = total / 2;
+                pads[i + nd] = total - total / 2;
+            } else {
+                pads[i] = total - total / 2;
+                pads[i + nd] = total / 2;
+            }
+        }
+        os
+    } else if auto == "SAME_UPPER" || auto == "SAME_LOWER" {
+        let os: Vec<usize> = (0..nd).map(|i| ins[i] * s[i]).collect();
+        for i in 0..nd {
+            let total = full[i].saturating_sub(os[i]);
+            if auto == "SAME_UPPER" {
+                pads[i] = total / 2;
+                pads[i + nd] = total - total / 2;
+            } else {
+                pads[i] = total - total / 2;
+                pads[i + nd] = total / 2;
+            }
+        }
+        os
+    } else {
+        (0..nd).map(|i| full[i] - pads[i] - pads[i + nd]).collect()
+    };
+    let (xv, wv) = (x.to_f64_vec()?, w.to_f64_vec()?);
+    let osp: usize = outs.iter().product();
+    let isp: usize = ins.iter().product();
+    let ksp: usize = k.iter().product();
+    let ost = strides(&outs);
+    let kidx = indices(&k);
+    let iidx = indices(ins);
+    let cpg = c / group;
+    let mut out = vec![0f64; n * m * osp];
+    for b in 0..n {
+        for ic in 0..c {
+            let grp = ic / cpg;
+            for (ip, ii) in iidx.iter().enumerate() {
+                let xval = xv[(b * c + ic) * isp + ip];
+                for (kp, ki) in kidx.iter().enumerate() {
+                    let mut off = 0usize;
+                    let mut inside = true;
+                    for dd in 0..nd {
+                        let pos = (ii[dd] * s[dd] + ki[dd] * d[dd]) as isize - pads[dd] as isize;
+                        if pos < 0 || pos >= outs[dd] as isize {
+                            inside = false;
+                            break;
+                        }
+                        off += pos as usize * ost[dd];
+                    }
+                    if !inside {
+                        continue;
+                    }
+                    for oj in 0..mpg {
+                        let oc = grp * mpg + oj;
+                        out[(b * m + oc) * osp + off] += xval * wv[(ic * mpg + oj) * ksp + kp];
+                    }
+                }
+            }
+        }
+    }
+    if let Some(bias) = cx.opt(2) {
+        let bv = bias.to_f64_vec()?;
+        for b in 0..n {
+            for oc in 0..m {
+                for v in &mut out[(b * m + oc) * osp..(b * m + oc + 1) * osp] {
+                    *v += bv[oc];
+                }
+            }
+        }
+    }
+    let mut shape = vec![n, m];
+    shape.extend_from_slice(&outs);
+    f64_tensor(shape, out, x.dtype())
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Pool {
+    Max,
+    Avg,
+    Lp(f64),
+}
+
+fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
+    let x = cx.t(0)?;
+    if x.rank() < 3 {
+        kbail!("pooling expects N, C and spatial dims");
+    }
+    let (n, c) = (x.shape()[0], x.shape()[1]);
+    let ins = &x.shape()[2..];
+    let nd = ins.len();
+    let k: Vec<usize> = if global {
+        ins.to_vec()
+    } else {
+        cx.aints("kernel_shape")
+            .ok_or_else(|| crate::kerr!("kernel_shape is required"))?
+            .iter()
+            .map(|&v| v as usize)
+            .collect()
+    };
+    let g = if global {
+        Geom {
+            ins: ins.to_vec(),
+            k: k.clone(),
+            s: vec![1; nd],
+            d: vec![1; nd],
+            pad_begin: vec![0; nd],
+            outs: vec![1; nd],
+        }
+    } else {
+        geom(cx, ins, &k, cx.ai("ceil_mode", 0) != 0)?
+    };
+    let pads_end: Vec<usize> = if global {
+        vec![0; nd]
+    } else {
+        cx.aints("pads")
+            .map(|v| v[nd..].iter().map(|&x| x as usize).collect())
+            .unwrap_or(vec![0; nd])
+    };
+    let include_pad = cx.ai("count_include_pad", 0) != 0;
+    let xv = x.to_f64_vec()?;
+    let osp: usize = g.outs.iter().product();
+    let isp: usize = ins.iter().product();
+    let ist = strides(ins);
+    let kidx = indices(&g.k);
+    let oidx = indices(&g.outs);
+    let mut out = vec![0f64; n * c * osp];
+    let mut arg = vec![0i64; n * c * osp];
+    let col_major = cx.ai("storage_order", 0) != 0;
+    for nc in 0..n * c {
+        for (op, oi) in oidx.iter().enumerate() {
+            let mut best = f64::NEG_INFINITY;
+            let mut best_at = 0usize;
+            let mut sum = 0.0;
+            let mut count = 0usize;
+            let mut pad_count = 0usize;
+            for ki in &kidx {
+                let mut off = 0usize;
+                let mut inside = true;
+                let mut in_pad = true;
+                for dd in 0..nd {
+                    let pos =
+                        (oi[dd] * g.s[dd] + ki[dd] * g.d[dd]) as isize - g.pad_begin[dd] as isize;
+                    if pos < -(g.pad_begin[dd] as isize)
+                        || pos >= (g.ins[dd] + pads_end[dd]) as isize
+                    {
+                        in_pad = false;
+                    }
+                    if pos < 0 || pos >= g.ins[dd] as isize {
+                        inside = false;
+                    } else {
+                        off += pos as usize * ist[dd];
+                    }
+                }
+                if in_pad {
+                    pad_count += 1;
+                }
+                if !inside {
+                    continue;
+                }
+                let v = xv[nc * isp + off];
+                count += 1;
+                match kind {
+                    Pool::Max => {
+                        if v > best || (v.is_nan() && !best.is_nan()) {
+                            best = v;
+                            best_at = off;
+                        }
+                    }
+                    Pool::Avg => sum += v,
+                    Pool::Lp(p) => sum += v.abs().powf(p),
+                }
+            }
+            out[nc * osp + op] = match kind {
+                Pool::Max => best,
+                Pool::Avg => sum / (if include_pad { pad_count } else { count }).max(1) as f64,
+                Pool::Lp(p) => sum.powf(1.0 / p),
+            };
+            let idx = if col_major && nd == 2 {
+                let (h, w) = (ins[0], ins[1]);
+                let (r, cc) = (best_at / w, best_at % w);
+                r + cc * h
+            } else {
+                best_at
+            };
+            arg[nc * osp + op] = (nc * isp + idx) as i64;
+        }
+    }
+    let mut shape = vec![n, c];
+    shape.extend_from_slice(&g.outs);
+    let y = f64_tensor(shape.clone(), out, x.dtype())?;
+    let mut res = vec![Value::Tensor(y)];
+    if kind == Pool::Max && cx.node.outputs.len() > 1 {
+        res.push(Value::Tensor(Tensor::from_vec(shape, arg)?));
+    }
+    Ok(res)
+}
+
+fn batch_norm(cx: &Ctx) -> Result<Vec<Value>> {
+    let x = cx.t(0)?;
+    if cx.ai("training_mode", 0) != 0 {
+        return Err(unsupported("BatchNormalization in training mode"));
+    }
+    let eps = cx.af("epsilon", 1e-5) as f64;
+    let (scale, b, mean, var) = (
+        cx.t(1)?.to_f64_vec()?,
+        cx.t(2)?.to_f64_vec()?,
+        cx.t(3)?.to_f64_vec()?,
+        cx.t(4)?.to_f64_vec()?,
+    );
+    let c = if x.rank() > 1 { x.shape()[1] } else { 1 };
+    let inner: usize = x.shape().get(2..).map_or(1, |s| s.iter().product());
+    let v = x.to_f64_vec()?;
+    let out = v
+        .iter()
+        .enumerate()
+        .map(|(i, &e)| {
+            let ch = (i / inner) % c;
+            (e - mean[ch]) / (var[ch] + eps).sqrt() * scale[ch] + b[ch]
+        })
+        .collect();
+    Ok(vec![Value::Tensor(f64_tensor(
+        x.shape().to_vec(),
+        out,
+        x.dtype(),
+    )?)])
+}
+
+/// Normalizes each of `outer` groups of `inner` consecutive elements; returns (y, mean, inv std).
+fn normalize(v: &[f64], inner: usize, eps: f64, rms: bool) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let outer = v.len().checked_div(inner).unwrap_or(0);
+    let mut y = vec![0f64; v.len()];
+    let (mut means, mut invs) = (Vec::with_capacity(outer), Vec::with_capacity(outer));
+    for o in 0..outer {
+        let s = &v[o * inner..(o + 1) * inner];
+        let mean = if rms {
+            0.0
+        } else {
+            s.iter().sum::<f64>() / inner as f64
+        };
+        let var = s.iter().map(|&e| (e - mean) * (e - mean)).sum::<f64>() / inner as f64;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (j, &e) in s.iter().enumerate() {
+            y[o * inner + j] = (e - mean) * inv;
+        }
+        means.push(mean);
+        invs.push(inv);
+    }
+    (y, means, invs)
+}
+
+fn layer_norm(cx: &Ctx, rms: bool) -> Result<Vec<Value>> {
+    let x = cx.t(0)?;
+    let a = axis(cx.ai("axis", -1), x.rank())?;
+    let eps = cx.af("epsilon", 1e-5) as f64;
+    let inner: usize = x.shape()[a..].iter().product();
+    let xv = x.to_f64_vec()?;
+    let (mut y, means, invs) = normalize(&xv, inner, eps, rms);
+    let tail = &x.shape()[a..];
+    let apply = |y: &mut Vec<f64>, t: &Tensor, add: bool| -> Result<()> {
+        let tv = t.to_f64_vec()?;
+        let offs = broadcast_offsets(&[t.shape()], tail);
+        for (i, e) in y.iter_mut().enumerate() {
+            let s = tv[offs[0][i % inner]];
+            if add {
+                *e += s;
+            } else {
+                *e *= s;
+            }
+        }
+        Ok(())
+    };
+    apply(&mut y, cx.t(1)?, false)?;
+    if let Some(b) = cx.opt(2) {
+        apply(&mut y, b, true)?;
+    }
+    let mut stat_shape = x.shape().to_vec();
+    for d in stat_shape[a..].iter_mut() {
+        *d = 1;
+    }
+    let stash = if cx.ai("stash_type", 1) == 1 {
+        DType::F32
+    } else {
+        x.dtype()
+    };
+    let mut out = vec![Value::Tensor(f64_tensor(x.shape().to_vec(), y, x.dtype())?)];
+    if !rms {
+        out.push(Value::Tensor(f64_tensor(stat_shape.clone(), means, stash)?));
+        out.push(Value::Tensor(f64_tensor(stat_shape, invs, stash)?));
+    }
+    Ok(out)
+}
+
+fn instance_norm(cx: &Ctx) -> Result<Tensor> {
+    let x = cx.t(0)?;
+    let eps = cx.af("epsilon", 1e-5) as f64;
+    let (scale, b) = (cx.t(1)?.to_f64_vec()?, cx.t(2)?.to_f64_vec()?);
+    let c = x.shape()[1];
+    let inner: usize = x.shape()[2..].iter().product();
+    let (mut y, _, _) = normalize(&x.to_f64_vec()?, inner, eps, false);
+    for (i, e) in y.iter_mut().enumerate() {
+        let ch = (i / inner) % c;
+        *e = *e * scale[ch] + b[ch];
+    }
+    f64_tensor(x.shape().to_vec(), y, x.dtype())
+}
+
+fn group_norm(cx: &Ctx) -> Result<Tensor> {
+    let x = cx.t(0)?;
+    let eps = cx.af("epsilon", 1e-5) as f64;
+    let groups = cx.ai("num_groups", 1).max(1) as usize;
+    let (scale, b) = (cx.t(1)?.to_f64_vec()?, cx.t(2)?.to_f64_vec()?);
+    let c = x.shape()[1];
+    let sp: usize = x.shape()[2..].iter().product();
+    let inner = c / groups * sp;
+    let (mut y, _, _) = normalize(&x.to_f64_vec()?, inner, eps, false);
+    for (i, e) in y.iter_mut().enumerate() {
+        let ch = (i / sp) % c;
+        let si = if scale.len() == c {
+            ch
+        } else {
+            ch / (c / groups)
+        };
+        *e = *e * scale[si] + b[si];
+    }
+    f64_tensor(x.shape().to_vec(), y, x.dtype())
+}
+
+fn lrn(cx: &Ctx) -> Result<Tensor> {
+    let x = cx.t(0)?;
+    let size = cx.ai("size", 1) as usize;
+    let (alpha, beta, bias) = (
+        cx.af("alpha", 1e-4) as f64,
+        cx.af("beta", 0.75) as f64,
+        cx.af("bias", 1.0) as f64,
+    );
+    let c = x.shape()[1];
+    let inner: usize = x.shape()[2..].iter().product();
+    let v = x.to_f64_vec()?;
+    let lo = (size - 1) / 2;
+    let hi = (size - 1).div_ceil(2);
+    let out = (0..v.len())
+        .map(|i| {
+            let ch = (i / inner) % c;
+            let base = i - ch * inner;
+            let s: f64 = (ch.saturating_sub(lo)..=(ch + hi).min(c - 1))
+                .map(|j| v[base + j * inner].powi(2))
+                .sum();
+            v[i] / (bias + alpha / size as f64 * s).powf(beta)
+        })
+        .collect();
+    f64_tensor(x.shape().to_vec(), out, x.dtype())
+}
+
+fn lp_norm(cx: &Ctx) -> Result<Tensor> {
+    let x = cx.t(0)?;
+    let a = axis(cx.ai("axis", -1), x.rank())?;
+    let p = cx.ai("p", 2);
+    let d = x.shape()[a];
+    let inner: usize = x.shape()[a + 1..].iter().product();
+    let v = x.to_f64_vec()?;
+    let mut out = v.clone();
+    for o in 0..v.len() / (d * inner).max(1) {
+        for i in 0..inner {
+            let at = |k: usize| (o * d + k) * inner + i;
+            let norm = if p == 1 {
+                (0..d).map(|k| v[at(k)].abs()).sum::<f64>()
+            } else {
+                (0..d).map(|k| v[at(k)].powi(2)).sum::<f64>().sqrt()
+            };
+            for k in 0..d {
+                out[at(k)] = if norm == 0.0 { 0.0 } else { v[at(k)] / norm };
+            }
+        }
+    }
+    f64_tensor(x.shape().to_vec(), out, x.dtype())
+}
+
+fn mvn(cx: &Ctx) -> Result<Tensor> {
+    let x = cx.t(0)?;
+    let axes: Vec<usize> = cx
+        .aints("axes")
+        .unwrap_or(vec![0, 2, 3])
+        .iter()
+        .map(|&a| axis(a, x.rank()))
+        .collect::<Result<_>>()?;
+    let v = x.to_f64_vec()?;
+    let st = strides(x.shape());
+    let key = |i: usize| -> usize {
+        (0..x.rank())
+            .filter(|d| !axes.contains(d))
+            .map(|d| (i / st[d]) % x.shape()[d] * st[d])
+            .sum()
+    };
+    let mut sum = std::collections::HashMap::new();
+    for (i, &e) in v.iter().enumerate() {
+        let s = sum.entry(key(i)).or_insert((0.0, 0.0, 0usize));
+        s.0 += e;
+        s.1 += e * e;
+        s.2 += 1;
+    }
+    let out = v
+        .iter()
+        .enumerate()
+        .map(|(i, &e)| {
+            let (s, s2, n) = sum[&key(i)];
+            let mean = s / n as f64;
+            let var = s2 / n as f64 - mean * mean;
+            (e - mean) / (var.max(0.0).sqrt() + 1e-9)
+        })
+        .collect();
+    f64_tensor(x.shape().to_vec(), out, x.dtype())
+}
+
+fn einsum(cx: &Ctx) -> Result<Tensor> {
+    let eq: String = cx
+        .astr("equation", "")
+        .chars()
+        .filter(|c| !c.is_whitespace())
+        .collect();
+    let ts: Vec<&Tensor> = (0..cx.n_in()).map(|i| cx.t(i)).collect::<Result<_>>()?;
+    let (lhs, rhs) = match eq.split_once("->") {
+        Some((l, r)) => (l.to_string(), Some(r.to_string())),
+        None => (eq.clone(), None),
+    };
+    let terms: Vec<&str> = lhs.split(',').collect();
+    if terms.len() != ts.len() {
+        kbail!(
+            "equation '{eq}' has {} operands, {} given",
+            terms.len(),
+            ts.len()
+        );
+    }
+    // Expand "..." into upper-case-free placeholder letters per operand.
+    let mut ell_rank = 0;
+    for (t, x) in terms.iter().zip(&ts) {
+        if t.contains("...") {
+            ell_rank = ell_rank.max(x.rank() + 3 - t.len());
+        }
+    }
+    let ell: Vec<char> = (0..ell_rank)
+        .map(|i| char::from_u32(0x100 + i as u32).unwrap_or('?'))
+        .collect();
+    let expand = |t: &str, rank: usize| -> Vec<char> {
+        if let Some(p) = t.find("...") {
+            let n = rank + 3 - t.len();
+            let mut v: Vec<char> = t[..p].chars().collect();
+            v.extend(&ell[ell_rank - n..]);
+            v.extend(t[p + 3..].chars());
+            v
+        } else {
+            t.chars().collect()
+        }
+    };
+    let labels: Vec<Vec<char>> = terms
+        .iter()
+        .zip(&ts)
+        .map(|(t, x)| expand(t, x.rank()))
+        .collect();
+    let mut size: std::collections::BTreeMap<char, usize> = Default::default();
+    for (l, x) in labels.iter().zip(&ts) {
+        if l.len() != x.rank() {
+            kbail!(
+                "operand of rank {} for '{}'",
+                x.rank(),
+                l.iter().collect::<String>()
+            );
+        }
+        for (c, &d) in l.iter().zip(x.shape()) {
+            let e = size.entry(*c).or_insert(d);
+            if *e != d {
+                if *e == 1 {
+                    *e = d;
+                } else if d != 1 {
+                    kbail!("label {c} has sizes {e} and {d}");
+                }
+            }
+        }
+    }
+    let out: Vec<char> = match rhs {
+        Some(r) => {
+            if r.contains("...") {
+                let mut v: Vec<char> = r[..r.find("...").unwrap_or(0)].chars().collect();
+                v.extend(&ell);
+                v.extend(r[r.find("...").unwrap_or(0) + 3..].chars());
+                v
+            } else {
+                r.chars().collect()
+            }
+        }
+        None => {
+            let mut once: Vec<char> = size
+                .keys()
+                .filter(|c| {
+                    **c < '\u{100}' && labels.iter().flatten().filter(|x| x == c).count() == 1
+                })
+                .copied()
+                .collect();
+            once.sort();
+            let mut v = ell.clone();
+            v.extend(once);
+            v
+        }
+    };
+    let all: Vec<char> = size.keys().copied().collect();
+    let dims: Vec<usize> = all.iter().map(|c| size[c]).collect();
+    let pos = |c: &char| all.iter().position(|x| x == c).unwrap_or(0);
+    let vals: Vec<Vec<f64>> = ts.iter().map(|t| t.to_f64_vec()).collect::<Result<_>>()?;
+    let op_st: Vec<Vec<(usize, usize)>> = labels
+        .iter()
+        .zip(&ts)
+        .map(|(l, x)| {
+            let st = strides(x.shape());
+            l.iter()
+                .enumerate()
+                .map(|(k, c)| (pos(c), if x.shape()[k] == 1 { 0 } else { st[k] }))
+                .collect()
+        })
+        .collect();
+    let oshape: Vec<usize> = out.iter().map(|c| size[c]).collect();
+    let ost = strides(&oshape);
+    let opos: Vec<usize> = out.iter().map(pos).collect();
+    let mut res = vec![0f64; oshape.iter().product()];
+    let total: usize = dims.iter().product();
+    if total > crate::onnx::MAX_ELEMENTS {
+        kbail!("einsum too large");
+    }
+    let ast = strides(&dims);
+    for i in 0..total {
+        let idx: Vec<usize> = (0..dims.len()).map(|d| (i / ast[d]) % dims[d]).collect();
+        let mut p = 1.0;
+        for (k, st) in op_st.iter().enumerate() {
+            let off: usize = st.iter().map(|&(a, s)| idx[a] * s).sum();
+            p *= vals[k][off];
+        }
+        let o: usize = opos.iter().zip(&ost).map(|(&a, &s)| idx[a] * s).sum();
+        res[o] += p;
+    }
+    f64_tensor(oshape, res, ts[0].dtype())
+}
+
+/// Broadcasts a per-tensor, per-axis or blocked parameter to `x`'s elements.
+fn param_index(x: &Tensor, p: &Tensor, ax: i64, block: usize) -> Result<Vec<usize>> {
+    if p.len() == 1 {
+        return Ok(vec![0; x.len()]);
+    }
+    let a = axis(ax, x.rank())?;
+    let st = strides(x.shape());
+    if p.rank() <= 1 {
+        return Ok((0..x.len()).map(|i| (i / st[a]) % x.shape()[a]).collect());
+    }
+    let pst = strides(p.shape());
+    let b = block.max(1);
+    Ok((0..x.len())
+        .map(|i| {
+            (0..x.rank())
+                .map(|d| {
+                    let c = (i / st[d]) % x.shape()[d];
+                    (if d == a { c / b } else { c }) * pst[d]
+                })
+                .sum()
+        })
+        .collect())
+}
+
+fn quantize(cx: &Ctx) -> Result<Tensor> {
+    let (x, scale) = (cx.t(0)?, cx.t(1)?);
+    let zp = cx.opt(2);
+    let to = match (zp, cx.ai("output_dtype", 0)) {
+        (Some(z), _) => z.dtype(),
+        (None, 0) => DType::U8,
+        (None, c) => DType::from_onnx(c as i32)
+            .ok_or_else(|| crate::Error::UnsupportedType(DType::onnx_name(c as i32)))?,
+    };
+    let (lo, hi) = match to {
+        DType::U8 => (0.0, 255.0),
+        DType::I8 => (-128.0, 127.0),
+        DType::U16 => (0.0, 65535.0),
+        DType::I16 => (-32768.0, 32767.0),
+        DType::I32 => (i32::MIN as f64, i32::MAX as f64),
+        DType::U32 => (0.0, u32::MAX as f64),
+        t => return Err(crate::Error::UnsupportedType(t.to_string())),
+    };
+    let idx = param_index(x, scale, cx.ai("axis", 1), cx.ai("block_size", 0) as usize)?;
+    let sv = scale.to_f64_vec()?;
+    let zv = zp.map(|z| z.to_f64_vec()).transpose()?;
+    let xv = x.to_f64_vec()?;
+    let out = xv
+        .iter()
+        .zip(&idx)
+        .map(|(&v, &i)| {
+            let z = zv.as_ref().map_or(0.0, |z| z[i]);
+            ((v / sv[i]).round_ties_even() + z).clamp(lo, hi)
+        })
+        .collect();
+    f64_tensor(x.shape().to_vec(), out, to)
+}
+
+fn dequantize(cx: &Ctx) -> Result<Tensor> {
+    let (x, scale) = (cx.t(0)?, cx.t(1)?);
+    let idx = param_index(x, scale, cx.ai("axis", 1), cx.ai("block_size", 0) as usize)?;
+    let sv = scale.to_f64_vec()?;
+    let zv = cx.opt(2).map(|z| z.to_f64_vec()).transpose()?;
+    let xv = x.to_f64_vec()?;
+    let out = xv
+        .iter()
+        .zip(&idx)
+        .map(|(&v, &i)| (v - zv.as_ref().map_or(0.0, |z| z[i])) * sv[i])
+        .collect();
+    let to = match cx.ai("output_dtype", 0) {
+        0 => scale.dtype(),
+        c => DType::from_onnx(c as i32)
+            .ok_or_else(|| crate::Error::UnsupportedType(DType::onnx_name(c as i32)))?,
+    };
+    // The product is rounded in the scale's type first, as the reference does.
+    let y = f64_tensor(x.shape().to_vec(), out, scale.dtype())?;
+    cast(&y, to)
+}
+
+fn dynamic_quantize(cx: &Ctx) -> Result<Vec<Value>> {
+    let x = cx.t(0)?;
+    let v = x.to_f64_vec()?;
+    let (mn, mx) = v
+        .iter()
+        .fold((0f64, 0f64), |(a, b), &e| (a.min(e), b.max(e)));
+    let scale = ((mx - mn) / 255.0) as f32 as f64;
+    let zp = if scale == 0.0 {
+        0.0
+    } else {
+        (0.0 - mn / scale).round_ties_even().clamp(0.0, 255.0)
+    };
+    let y: Vec<f64> = v
+        .iter()
+        .map(|&e| {
+            if scale == 0.0 {
+                zp
+            } else {
+                ((e / scale).round_ties_even() + zp).clamp(0.0, 255.0)
+            }
+        })
+        .collect();
+    Ok(vec![
+        Value::Tensor(f64_tensor(x.shape().to_vec(), y, DType::U8)?),
+        Value::Tensor(Tensor::scalar(scale as f32)),
+        Value::Tensor(Tensor::scalar(zp as u8)),
+    ])
+}
+
+fn qlinear_matmul(cx: &Ctx) -> Result<Tensor> {
+    let (a, b) = (cx.t(0)?, cx.t(3)?);
+    let deq = |t: &Tensor, s: &Tensor, z: &Tensor, per_col: bool| -> Result<Vec<f64>> {
+        let v = minus_zp(t, Some(z), per_col)?;
+        let sv = s.to_f64_vec()?;
+        if sv.len() == 1 {
+            return Ok(v.iter().map(|e| e * sv[0]).collect());
+        }
+        let n = *t.shape().last().unwrap_or(&1);
+        let r = t.rank();
+        let m = t.shape()[r - 2];
+        Ok(v.iter()
+            .enumerate()
+            .map(|(i, e)| e * if per_col { sv[i % n] } else { sv[(i / n) % m] })
+            .collect())
+    };
+    let av = deq(a, cx.t(1)?, cx.t(2)?, false)?;
+    let bv = deq(b, cx.t(4)?, cx.t(5)?, true)?;
+    let (shape, v) = matmul_f64(&av, a.shape(), &bv, b.shape())?;
+    let ys = cx.t(6)?.to_f64_vec()?[0];
+    let yz = cx.t(7)?;
+    let (lo, hi) = if yz.dtype() == DType::I8 {
+        (-128.0, 127.0)
+    } else {
+        (0.0, 255.0)
+    };
+    let zz = yz.to_f64_vec()?[0];
+    let out = v
+        .iter()
+        .map(|&e| ((e / ys).round_ties_even() + zz).clamp(lo, hi))
+        .collect();
+    f64_tensor(shape, out, yz.dtype())
+}
+
+/// Neural-network ops; `None` when `cx`'s op is not one of them.
+pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
+    let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
+    match cx.node.op.as_str() {
+        "MatMul" => one(matmul(cx)?),
+        "MatMulInteger" => one(matmul_integer(cx)?),
+        "QLinearMatMul" => one(qlinear_matmul(cx)?),
+        "Gemm" => one(gemm(cx)?),
+        "Conv" => one(conv(cx, false)?),
+        "ConvInteger" => one(conv(cx, true)?),
+        "ConvTranspose" => one(conv_transpose(cx)?),
+        "MaxPool" => pool(cx, Pool::Max, false).map(Some),
+        "AveragePool" => pool(cx, Pool::Avg, false).map(Some),
+        "LpPool" => pool(cx, Pool::Lp(cx.ai("p", 2) as f64), false).map(Some),
+        "GlobalMaxPool" => pool(cx, Pool::Max, true).map(Some),
+        "GlobalAveragePool" => pool(cx, Pool::Avg, true).map(Some),
+        "GlobalLpPool" => pool(cx, Pool::Lp(cx.ai("p", 2) as f64), true).map(Some),
+        "BatchNormalization" => batch_norm(cx).map(Some),
+        "InstanceNormalization" => one(instance_norm(cx)?),
+        "LayerNormalization" => layer_norm(cx, false).map(Some),
+        "RMSNormalization" => layer_norm(cx, true).map(Some),
+        "GroupNormalization" => one(group_norm(cx)?),
+        "LRN" => one(lrn(cx)?),
+        "LpNormalization" => one(lp_norm(cx)?),
+        "MeanVarianceNormalization" => one(mvn(cx)?),
+        "Einsum" => one(einsum(cx)?),
+        "QuantizeLinear" => one(quantize(cx)?),
+        "DequantizeLinear" => one(dequantize(cx)?),
+        "DynamicQuantizeLinear" => dynamic_quantize(cx).map(Some),
+        _ => Ok(None),
+    }
+}
