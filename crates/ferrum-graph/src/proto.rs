@@ -288,3 +288,107 @@ pub struct OptionalProto {
 pub fn decode<M: Message + Default>(bytes: &[u8], what: &str) -> crate::Result<M> {
     M::decode(bytes).map_err(|e| crate::Error::Format(format!("{what}: bad protobuf: {e}")))
 }
+
+/// Encodes any message (for writers and tests).
+pub fn encode<M: Message>(m: &M) -> Vec<u8> {
+    m.encode_to_vec()
+}
+
+/// Small builders for hand-made models (tests, examples).
+pub mod build {
+    use super::*;
+
+    pub fn attr_int(name: &str, i: i64) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            i,
+            r#type: 2,
+            ..Default::default()
+        }
+    }
+
+    pub fn attr_ints(name: &str, ints: &[i64]) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            ints: ints.to_vec(),
+            r#type: 7,
+            ..Default::default()
+        }
+    }
+
+    pub fn node(
+        op: &str,
+        inputs: &[&str],
+        outputs: &[&str],
+        attrs: Vec<AttributeProto>,
+    ) -> NodeProto {
+        NodeProto {
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: outputs.iter().map(|s| s.to_string()).collect(),
+            op_type: op.into(),
+            attribute: attrs,
+            ..Default::default()
+        }
+    }
+
+    /// A tensor value description; `None` dims are symbolic.
+    pub fn value(name: &str, elem_type: i32, dims: &[Option<i64>]) -> ValueInfoProto {
+        ValueInfoProto {
+            name: name.into(),
+            r#type: Some(TypeProto {
+                value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                    elem_type,
+                    shape: Some(TensorShapeProto {
+                        dim: dims
+                            .iter()
+                            .map(|d| tensor_shape_proto::Dimension {
+                                value: Some(match d {
+                                    Some(v) => tensor_shape_proto::dimension::Value::DimValue(*v),
+                                    None => {
+                                        tensor_shape_proto::dimension::Value::DimParam("N".into())
+                                    }
+                                }),
+                            })
+                            .collect(),
+                    }),
+                })),
+            }),
+        }
+    }
+
+    pub fn f32_tensor(name: &str, dims: &[i64], v: &[f32]) -> TensorProto {
+        TensorProto {
+            name: name.into(),
+            dims: dims.to_vec(),
+            data_type: 1,
+            float_data: v.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    /// A model of one graph importing the default domain at `opset`.
+    pub fn model(
+        nodes: Vec<NodeProto>,
+        inputs: Vec<ValueInfoProto>,
+        outputs: Vec<ValueInfoProto>,
+        initializers: Vec<TensorProto>,
+        opset: i64,
+    ) -> ModelProto {
+        ModelProto {
+            ir_version: 8,
+            opset_import: vec![OperatorSetIdProto {
+                domain: String::new(),
+                version: opset,
+            }],
+            graph: Some(GraphProto {
+                node: nodes,
+                name: "g".into(),
+                initializer: initializers,
+                input: inputs,
+                output: outputs,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+}

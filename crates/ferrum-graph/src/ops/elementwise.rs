@@ -285,7 +285,18 @@ fn legacy_b(cx: &Ctx, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 fn binary(cx: &Ctx, op: Bin) -> Result<Tensor> {
     let a = cx.t(0)?;
-    let b = legacy_b(cx, a, cx.t(1)?)?;
+    let mut b = legacy_b(cx, a, cx.t(1)?)?;
+    if op == Bin::PRelu
+        && cx.opset() < 7
+        && b.rank() == 1
+        && a.rank() > 2
+        && b.len() == a.shape()[1]
+    {
+        // PRelu-6: a 1-D slope is per channel.
+        let mut shape = vec![b.len()];
+        shape.resize(a.rank() - 1, 1);
+        b = b.reshape(shape)?;
+    }
     if op == Bin::Pow {
         return dispatch!(a.dtype(), num_nobool, pow, a, &b);
     }

@@ -4,6 +4,7 @@
 //! are plain reference loops written once over generic element types ([`crate::tensor::Num`]);
 //! float math runs in f64 and rounds once to the output type. Speed comes in later issues.
 
+mod attention;
 mod control;
 mod elementwise;
 mod nn;
@@ -118,6 +119,9 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
     }
     if let Some(r) = nn::run(&cx)? {
         return Ok(r);
+    }
+    if node.op == "Attention" {
+        return attention::attention(&cx);
     }
     if let Some(r) = control::run(&cx)? {
         return Ok(r);

@@ -264,10 +264,16 @@ fn conv(cx: &Ctx, integer: bool) -> Result<Tensor> {
     let k: Vec<usize> = w.shape()[2..].to_vec();
     let g = geom(cx, &x.shape()[2..], &k, false)?;
     let (xv, wv) = if integer {
-        (
-            minus_zp(x, cx.opt(2), false)?,
-            minus_zp(w, cx.opt(3), false)?,
-        )
+        // Weight zero points are per output channel (dim 0).
+        let mut wv = w.to_f64_vec()?;
+        if let Some(z) = cx.opt(3) {
+            let z = z.to_f64_vec()?;
+            let per = w.len() / m.max(1);
+            for (i, e) in wv.iter_mut().enumerate() {
+                *e -= z[if z.len() == 1 { 0 } else { i / per }];
+            }
+        }
+        (minus_zp(x, cx.opt(2), false)?, wv)
     } else {
         (x.to_f64_vec()?, w.to_f64_vec()?)
     };
@@ -980,25 +986,17 @@ fn dequantize(cx: &Ctx) -> Result<Tensor> {
 fn dynamic_quantize(cx: &Ctx) -> Result<Vec<Value>> {
     let x = cx.t(0)?;
     let v = x.to_f64_vec()?;
-    let (mn, mx) = v
-        .iter()
-        .fold((0f64, 0f64), |(a, b), &e| (a.min(e), b.max(e)));
-    let scale = ((mx - mn) / 255.0) as f32 as f64;
-    let zp = if scale == 0.0 {
-        0.0
-    } else {
-        (0.0 - mn / scale).round_ties_even().clamp(0.0, 255.0)
-    };
+    // In f32, as the reference computes it.
+    let (mn, mx) = v.iter().fold((0f32, 0f32), |(a, b), &e| {
+        (a.min(e as f32), b.max(e as f32))
+    });
+    let scale = if mx == mn { 1.0 } else { mx - mn } / 255.0;
+    let zp = (0.0 - mn / scale).clamp(0.0, 255.0).round_ties_even();
     let y: Vec<f64> = v
         .iter()
-        .map(|&e| {
-            if scale == 0.0 {
-                zp
-            } else {
-                ((e / scale).round_ties_even() + zp).clamp(0.0, 255.0)
-            }
-        })
+        .map(|&e| ((e as f32 / scale).round_ties_even() + zp).clamp(0.0, 255.0) as f64)
         .collect();
+    let (scale, zp) = (scale as f64, zp as f64);
     Ok(vec![
         Value::Tensor(f64_tensor(x.shape().to_vec(), y, DType::U8)?),
         Value::Tensor(Tensor::scalar(scale as f32)),
@@ -1040,6 +1038,73 @@ fn qlinear_matmul(cx: &Ctx) -> Result<Tensor> {
     f64_tensor(shape, out, yz.dtype())
 }
 
+/// NegativeLogLikelihoodLoss over log-probabilities `x` [N, C, d...]; SoftmaxCrossEntropyLoss
+/// first takes the log-softmax over C (and returns it as a second output).
+fn nll_loss(cx: &Ctx, softmax: bool) -> Result<Vec<Value>> {
+    let x = cx.t(0)?;
+    let target = cx.t(1)?.to_i64_vec()?;
+    let weight = cx.opt(2).map(|w| w.to_f64_vec()).transpose()?;
+    let reduction = cx.astr("reduction", "mean");
+    let ignore = cx.attr("ignore_index").map(|_| cx.ai("ignore_index", 0));
+    if x.rank() < 2 {
+        kbail!("input must have rank >= 2");
+    }
+    let (n, c) = (x.shape()[0], x.shape()[1]);
+    let d: usize = x.shape()[2..].iter().product();
+    let mut xv = x.to_f64_vec()?;
+    if softmax {
+        for b in 0..n {
+            for j in 0..d {
+                let at = |k: usize| (b * c + k) * d + j;
+                let m = (0..c).map(|k| xv[at(k)]).fold(f64::NEG_INFINITY, f64::max);
+                let s: f64 = (0..c).map(|k| (xv[at(k)] - m).exp()).sum();
+                for k in 0..c {
+                    xv[at(k)] = xv[at(k)] - m - s.ln();
+                }
+            }
+        }
+    }
+    if target.len() != n * d {
+        kbail!("target has {} elements, expected {}", target.len(), n * d);
+    }
+    let mut loss = vec![0f64; n * d];
+    let mut wsum = 0.0;
+    for (i, &t) in target.iter().enumerate() {
+        let (b, j) = (i / d, i % d);
+        if Some(t) == ignore {
+            continue;
+        }
+        if t < 0 || t as usize >= c {
+            kbail!("target {t} out of range for {c} classes");
+        }
+        let w = weight.as_ref().map_or(1.0, |w| w[t as usize]);
+        loss[i] = -xv[(b * c + t as usize) * d + j] * w;
+        wsum += w;
+    }
+    // The reference divides by the total weight, except with neither weights nor an explicit
+    // ignore_index of -1... where it takes a plain mean over every element.
+    let mean_plain = weight.is_none() && ignore == Some(-1);
+    let out = match reduction.as_str() {
+        "none" => f64_tensor(cx.t(1)?.shape().to_vec(), loss, x.dtype())?,
+        "sum" => f64_tensor(vec![], vec![loss.iter().sum()], x.dtype())?,
+        "mean" => {
+            let total: f64 = loss.iter().sum();
+            let denom = if mean_plain { loss.len() as f64 } else { wsum };
+            f64_tensor(vec![], vec![total / denom], x.dtype())?
+        }
+        r => return Err(unsupported(format!("reduction '{r}'"))),
+    };
+    let mut res = vec![Value::Tensor(out)];
+    if softmax && cx.node.outputs.len() > 1 {
+        res.push(Value::Tensor(f64_tensor(
+            x.shape().to_vec(),
+            xv,
+            x.dtype(),
+        )?));
+    }
+    Ok(res)
+}
+
 /// Neural-network ops; `None` when `cx`'s op is not one of them.
 pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
     let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
@@ -1066,6 +1131,8 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
         "LpNormalization" => one(lp_norm(cx)?),
         "MeanVarianceNormalization" => one(mvn(cx)?),
         "Einsum" => one(einsum(cx)?),
+        "NegativeLogLikelihoodLoss" => nll_loss(cx, false).map(Some),
+        "SoftmaxCrossEntropyLoss" => nll_loss(cx, true).map(Some),
         "QuantizeLinear" => one(quantize(cx)?),
         "DequantizeLinear" => one(dequantize(cx)?),
         "DynamicQuantizeLinear" => dynamic_quantize(cx).map(Some),
