@@ -177,7 +177,7 @@ fn npy_descr(dt: DType) -> Option<&'static str> {
         DType::U32 => "<u4",
         DType::U64 => "<u8",
         DType::Bool => "|b1",
-        DType::BF16 | DType::Str => return None,
+        _ => return None,
     })
 }
 

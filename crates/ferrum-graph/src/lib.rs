@@ -28,6 +28,7 @@ pub mod onnx;
 mod ops;
 pub mod proto;
 mod session;
+pub mod small;
 pub mod tensor;
 
 pub use error::{Error, Result};

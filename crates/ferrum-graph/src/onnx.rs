@@ -583,14 +583,14 @@ pub fn tensor_from_proto(t: &TensorProto, dir: Option<&Path>) -> Result<Tensor> 
     let n = numel(&shape)
         .filter(|&n| n <= MAX_ELEMENTS)
         .ok_or_else(|| bad(format!("tensor '{}' has absurd dims {:?}", t.name, t.dims)))?;
+    let nbytes = if dt.is_small() {
+        crate::small::packed_len(dt, n)
+    } else {
+        n.checked_mul(dt.size()).ok_or_else(|| bad("tensor too large"))?
+    };
     let external;
     let raw: Option<&[u8]> = if t.data_location == 1 {
-        external = read_external(
-            t,
-            dir,
-            n.checked_mul(dt.size())
-                .ok_or_else(|| bad("tensor too large"))?,
-        )?;
+        external = read_external(t, dir, nbytes)?;
         Some(&external)
     } else if !t.raw_data.is_empty() || (n == 0 && dt != DType::Str) {
         Some(&t.raw_data)
@@ -598,6 +598,35 @@ pub fn tensor_from_proto(t: &TensorProto, dir: Option<&Path>) -> Result<Tensor> 
         None
     };
     let data = match raw {
+        Some(raw) if dt.is_small() => {
+            if raw.len() != nbytes {
+                return Err(bad(format!(
+                    "tensor '{}' of shape {:?} {dt} needs {nbytes} bytes, raw_data has {}",
+                    t.name,
+                    shape,
+                    raw.len()
+                )));
+            }
+            Data::Code(dt, crate::small::unpack(dt, raw, n))
+        }
+        None if dt.is_small() => {
+            // int32_data: one entry per packed byte (4- and 2-bit), per element otherwise.
+            let entries = if matches!(crate::small::bits(dt), 4 | 2) { nbytes } else { n };
+            if t.int32_data.len() != entries {
+                return Err(bad(format!(
+                    "tensor '{}' of shape {:?} {dt} has {} values, expected {entries}",
+                    t.name,
+                    t.dims,
+                    t.int32_data.len()
+                )));
+            }
+            let bytes: Vec<u8> = t.int32_data.iter().map(|&x| x as u8).collect();
+            if entries == n {
+                Data::Code(dt, bytes)
+            } else {
+                Data::Code(dt, crate::small::unpack(dt, &bytes, n))
+            }
+        }
         Some(raw) if dt != DType::Str => {
             if raw.len() != n * dt.size() {
                 return Err(bad(format!(
@@ -646,6 +675,7 @@ fn decode_raw(dt: DType, raw: &[u8]) -> Data {
         DType::U64 => Data::U64(le!(u64, 8)),
         DType::Bool => Data::Bool(raw.iter().map(|&b| b != 0).collect()),
         DType::Str => Data::Str(Vec::new()),
+        _ => Data::Code(dt, raw.to_vec()),
     }
 }
 
@@ -685,6 +715,7 @@ fn decode_typed(t: &TensorProto, dt: DType, n: usize) -> Result<Data> {
                 .map(|s| String::from_utf8_lossy(s).into_owned())
                 .collect(),
         ),
+        _ => Data::Code(dt, i32s.iter().map(|&x| x as u8).collect()),
     })
 }
 
@@ -824,6 +855,7 @@ pub fn tensor_to_proto(t: &Tensor, name: &str) -> TensorProto {
             .for_each(|x| raw.extend_from_slice(&x.to_le_bytes())),
         Data::Bool(v) => v.iter().for_each(|x| raw.push(*x as u8)),
         Data::Str(v) => p.string_data = v.iter().map(|s| s.as_bytes().to_vec()).collect(),
+        Data::Code(dt, v) => raw = crate::small::pack(*dt, v),
     }
     p.raw_data = raw;
     p

@@ -23,6 +23,18 @@ pub enum DType {
     U32,
     U64,
     BF16,
+    F8E4M3FN,
+    F8E4M3FNUZ,
+    F8E5M2,
+    F8E5M2FNUZ,
+    U4,
+    I4,
+    F4E2M1,
+    F8E8M0,
+    U2,
+    I2,
+    F6E2M3,
+    F6E3M2,
 }
 
 impl DType {
@@ -43,6 +55,18 @@ impl DType {
             12 => DType::U32,
             13 => DType::U64,
             16 => DType::BF16,
+            17 => DType::F8E4M3FN,
+            18 => DType::F8E4M3FNUZ,
+            19 => DType::F8E5M2,
+            20 => DType::F8E5M2FNUZ,
+            21 => DType::U4,
+            22 => DType::I4,
+            23 => DType::F4E2M1,
+            24 => DType::F8E8M0,
+            25 => DType::U2,
+            26 => DType::I2,
+            27 => DType::F6E2M3,
+            28 => DType::F6E3M2,
             _ => return None,
         })
     }
@@ -63,6 +87,18 @@ impl DType {
             DType::U32 => 12,
             DType::U64 => 13,
             DType::BF16 => 16,
+            DType::F8E4M3FN => 17,
+            DType::F8E4M3FNUZ => 18,
+            DType::F8E5M2 => 19,
+            DType::F8E5M2FNUZ => 20,
+            DType::U4 => 21,
+            DType::I4 => 22,
+            DType::F4E2M1 => 23,
+            DType::F8E8M0 => 24,
+            DType::U2 => 25,
+            DType::I2 => 26,
+            DType::F6E2M3 => 27,
+            DType::F6E3M2 => 28,
         }
     }
 
@@ -105,7 +141,8 @@ impl DType {
             .unwrap_or_else(|| format!("data type {code}"))
     }
 
-    /// Bytes per element (strings: 0, they have no fixed width).
+    /// Bytes per element in memory (strings: 0, they have no fixed width; sub-byte formats
+    /// hold one code per byte in memory and are packed in files, see [`crate::small`]).
     pub fn size(self) -> usize {
         match self {
             DType::U8 | DType::I8 | DType::Bool => 1,
@@ -113,7 +150,13 @@ impl DType {
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F64 | DType::I64 | DType::U64 => 8,
             DType::Str => 0,
+            _ => 1,
         }
+    }
+
+    /// The storage-only formats of [`crate::small`] (float8, float4, float6, int4, int2).
+    pub fn is_small(self) -> bool {
+        self.onnx() >= 17
     }
 
     pub fn is_float(self) -> bool {
@@ -158,6 +201,8 @@ pub enum Data {
     U64(Vec<u64>),
     Bool(Vec<bool>),
     Str(Vec<String>),
+    /// A storage-only format: one code per element (see [`crate::small`]).
+    Code(DType, Vec<u8>),
 }
 
 /// An element type a [`Data`] can hold. Kernels are written once over `T: Elem` and dispatched
@@ -451,6 +496,7 @@ impl Data {
             Data::U64(_) => DType::U64,
             Data::Bool(_) => DType::Bool,
             Data::Str(_) => DType::Str,
+            Data::Code(dt, _) => *dt,
         }
     }
 
@@ -470,6 +516,7 @@ impl Data {
             Data::U64(v) => v.len(),
             Data::Bool(v) => v.len(),
             Data::Str(v) => v.len(),
+            Data::Code(_, v) => v.len(),
         }
     }
 
@@ -566,6 +613,9 @@ impl Tensor {
                 .map(|x| x.to_i128() as i64)
                 .collect())
         }
+        if let Data::Code(dt, v) = &self.data {
+            return Ok(v.iter().map(|&c| crate::small::decode(*dt, c) as i64).collect());
+        }
         match self.dtype() {
             DType::Str | DType::Bool => kbail!("expected an integer tensor, got {}", self.dtype()),
             dt => dispatch!(dt, num_nobool, conv, self),
@@ -576,6 +626,9 @@ impl Tensor {
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         fn conv<T: Num>(t: &Tensor) -> Result<Vec<f64>> {
             Ok(t.as_slice::<T>()?.iter().map(|x| x.to_f64()).collect())
+        }
+        if let Data::Code(dt, v) = &self.data {
+            return Ok(v.iter().map(|&c| crate::small::decode(*dt, c)).collect());
         }
         dispatch!(self.dtype(), num, conv, self)
     }

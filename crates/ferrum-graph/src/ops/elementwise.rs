@@ -643,10 +643,42 @@ fn map_num_signed(t: &Tensor, f: fn(f64) -> f64) -> Result<Tensor> {
     dispatch!(t.dtype(), num_nobool, go, t, f)
 }
 
-/// Casts a tensor to `to`.
+/// Casts a tensor to `to` (saturating for float8 targets, E8M0 rounding up).
 pub fn cast(t: &Tensor, to: DType) -> Result<Tensor> {
+    cast_with(t, to, true, "up")
+}
+
+/// Casts a tensor to `to`; `saturate` and `round_mode` apply to float8 targets.
+pub fn cast_with(t: &Tensor, to: DType, saturate: bool, round_mode: &str) -> Result<Tensor> {
+    use crate::small;
     if t.dtype() == to {
         return Ok(t.clone());
+    }
+    if to.is_small() {
+        let int_target = matches!(to, DType::I4 | DType::U4 | DType::I2 | DType::U2);
+        let codes: Vec<u8> = if t.dtype().is_int() || t.dtype() == DType::Bool {
+            let v = t.to_f64_vec()?;
+            if int_target {
+                t.to_i64_vec()
+                    .unwrap_or_else(|_| v.iter().map(|&x| x as i64).collect())
+                    .iter()
+                    .map(|&x| small::encode_int(to, x as i128))
+                    .collect()
+            } else {
+                v.iter().map(|&x| small::encode(to, x, saturate, round_mode)).collect()
+            }
+        } else {
+            let v = match t.data() {
+                Data::Str(_) => cast(t, DType::F64)?.to_f64_vec()?,
+                _ => t.to_f64_vec()?,
+            };
+            v.iter().map(|&x| small::encode(to, x, saturate, round_mode)).collect()
+        };
+        return Tensor::new(t.shape().to_vec(), Data::Code(to, codes));
+    }
+    if t.dtype().is_small() {
+        let v = t.to_f64_vec()?;
+        return cast_with(&Tensor::from_vec(t.shape().to_vec(), v)?, to, saturate, round_mode);
     }
     fn from_str<D: Num>(v: &[String]) -> Result<Data> {
         let out: Vec<D> = v
@@ -718,6 +750,7 @@ pub fn cast(t: &Tensor, to: DType) -> Result<Tensor> {
                 match to {
                     DType::Str => to_str::<S>(v),
                     $(DType::$d => num_to::<S, $ty>(v),)*
+                    d => Err(crate::Error::UnsupportedType(d.to_string())),
                 }
             };
         }
@@ -824,8 +857,18 @@ pub fn run(cx: &Ctx) -> Result<Option<Tensor>> {
         "Sum" | "Mean" => variadic(cx, Bin::Add).map(Some),
         "Where" => where_op(cx).map(Some),
         "Clip" => clip(cx).map(Some),
-        "Cast" => cast(cx.t(0)?, cast_to(cx)?).map(Some),
-        "CastLike" => cast(cx.t(0)?, cx.t(1)?.dtype()).map(Some),
+        "Cast" => cast_with(cx.t(0)?, cast_to(cx)?, cx.ai("saturate", 1) != 0, &cx.astr("round_mode", "up")).map(Some),
+        "BitCast" => {
+            let x = cx.t(0)?;
+            let to = cast_to(cx)?;
+            if to.size() != x.dtype().size() || to.is_small() || to == DType::Str || x.dtype() == DType::Str {
+                return Err(unsupported(format!("BitCast from {} to {to}", x.dtype())));
+            }
+            let mut p = crate::onnx::tensor_to_proto(x, "");
+            p.data_type = to.onnx();
+            crate::onnx::tensor_from_proto(&p, None).map(Some)
+        }
+        "CastLike" => cast_with(cx.t(0)?, cx.t(1)?.dtype(), cx.ai("saturate", 1) != 0, &cx.astr("round_mode", "up")).map(Some),
         _ => unary(cx),
     }
 }

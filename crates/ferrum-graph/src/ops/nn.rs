@@ -945,9 +945,28 @@ fn quantize(cx: &Ctx) -> Result<Tensor> {
         DType::I16 => (-32768.0, 32767.0),
         DType::I32 => (i32::MIN as f64, i32::MAX as f64),
         DType::U32 => (0.0, u32::MAX as f64),
+        DType::I4 => (-8.0, 7.0),
+        DType::U4 => (0.0, 15.0),
+        DType::I2 => (-2.0, 1.0),
+        DType::U2 => (0.0, 3.0),
+        t if t.is_small() => (f64::NEG_INFINITY, f64::INFINITY),
         t => return Err(crate::Error::UnsupportedType(t.to_string())),
     };
+    let float_target = lo.is_infinite();
     let idx = param_index(x, scale, cx.ai("axis", 1), cx.ai("block_size", 0) as usize)?;
+    if float_target {
+        // float8/float4: x / scale (+ zero point), rounded by the cast.
+        let sv = scale.to_f64_vec()?;
+        let zv = zp.map(|z| z.to_f64_vec()).transpose()?;
+        let out: Vec<f64> = x
+            .to_f64_vec()?
+            .iter()
+            .zip(&idx)
+            .map(|(&v, &i)| (v as f32 / sv[i] as f32) as f64 + zv.as_ref().map_or(0.0, |z| z[i]))
+            .collect();
+        let t = Tensor::from_vec(x.shape().to_vec(), out)?;
+        return crate::ops::elementwise::cast_with(&t, to, cx.ai("saturate", 1) != 0, "up");
+    }
     let sv = scale.to_f64_vec()?;
     let zv = zp.map(|z| z.to_f64_vec()).transpose()?;
     let xv = x.to_f64_vec()?;
