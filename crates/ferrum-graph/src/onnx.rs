@@ -586,7 +586,8 @@ pub fn tensor_from_proto(t: &TensorProto, dir: Option<&Path>) -> Result<Tensor> 
     let nbytes = if dt.is_small() {
         crate::small::packed_len(dt, n)
     } else {
-        n.checked_mul(dt.size()).ok_or_else(|| bad("tensor too large"))?
+        n.checked_mul(dt.size())
+            .ok_or_else(|| bad("tensor too large"))?
     };
     let external;
     let raw: Option<&[u8]> = if t.data_location == 1 {
@@ -611,7 +612,11 @@ pub fn tensor_from_proto(t: &TensorProto, dir: Option<&Path>) -> Result<Tensor> 
         }
         None if dt.is_small() => {
             // int32_data: one entry per packed byte (4- and 2-bit), per element otherwise.
-            let entries = if matches!(crate::small::bits(dt), 4 | 2) { nbytes } else { n };
+            let entries = if matches!(crate::small::bits(dt), 4 | 2) {
+                nbytes
+            } else {
+                n
+            };
             if t.int32_data.len() != entries {
                 return Err(bad(format!(
                     "tensor '{}' of shape {:?} {dt} has {} values, expected {entries}",

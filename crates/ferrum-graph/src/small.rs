@@ -80,7 +80,15 @@ struct Fmt {
 }
 
 fn fmt(dt: DType) -> Option<Fmt> {
-    let f = |e, m, bias, kind, max| Some(Fmt { e, m, bias, kind, max });
+    let f = |e, m, bias, kind, max| {
+        Some(Fmt {
+            e,
+            m,
+            bias,
+            kind,
+            max,
+        })
+    };
     match dt {
         DType::F8E4M3FN => f(4, 3, 7, Kind::Fn, 448.0),
         DType::F8E4M3FNUZ => f(4, 3, 8, Kind::Fnuz, 240.0),
@@ -175,7 +183,11 @@ pub fn encode(dt: DType, v: f64, saturate: bool, round_mode: &str) -> u8 {
         return nan;
     }
     let neg = v.is_sign_negative();
-    let sign = if neg && f.kind != Kind::Fnuz { sign_bit } else { 0 };
+    let sign = if neg && f.kind != Kind::Fnuz {
+        sign_bit
+    } else {
+        0
+    };
     let max_code = |neg: bool| -> u8 {
         let s = if neg { sign_bit } else { 0 };
         let top = match f.kind {

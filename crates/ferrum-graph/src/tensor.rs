@@ -614,7 +614,10 @@ impl Tensor {
                 .collect())
         }
         if let Data::Code(dt, v) = &self.data {
-            return Ok(v.iter().map(|&c| crate::small::decode(*dt, c) as i64).collect());
+            return Ok(v
+                .iter()
+                .map(|&c| crate::small::decode(*dt, c) as i64)
+                .collect());
         }
         match self.dtype() {
             DType::Str | DType::Bool => kbail!("expected an integer tensor, got {}", self.dtype()),

@@ -665,20 +665,29 @@ pub fn cast_with(t: &Tensor, to: DType, saturate: bool, round_mode: &str) -> Res
                     .map(|&x| small::encode_int(to, x as i128))
                     .collect()
             } else {
-                v.iter().map(|&x| small::encode(to, x, saturate, round_mode)).collect()
+                v.iter()
+                    .map(|&x| small::encode(to, x, saturate, round_mode))
+                    .collect()
             }
         } else {
             let v = match t.data() {
                 Data::Str(_) => cast(t, DType::F64)?.to_f64_vec()?,
                 _ => t.to_f64_vec()?,
             };
-            v.iter().map(|&x| small::encode(to, x, saturate, round_mode)).collect()
+            v.iter()
+                .map(|&x| small::encode(to, x, saturate, round_mode))
+                .collect()
         };
         return Tensor::new(t.shape().to_vec(), Data::Code(to, codes));
     }
     if t.dtype().is_small() {
         let v = t.to_f64_vec()?;
-        return cast_with(&Tensor::from_vec(t.shape().to_vec(), v)?, to, saturate, round_mode);
+        return cast_with(
+            &Tensor::from_vec(t.shape().to_vec(), v)?,
+            to,
+            saturate,
+            round_mode,
+        );
     }
     fn from_str<D: Num>(v: &[String]) -> Result<Data> {
         let out: Vec<D> = v
@@ -857,18 +866,34 @@ pub fn run(cx: &Ctx) -> Result<Option<Tensor>> {
         "Sum" | "Mean" => variadic(cx, Bin::Add).map(Some),
         "Where" => where_op(cx).map(Some),
         "Clip" => clip(cx).map(Some),
-        "Cast" => cast_with(cx.t(0)?, cast_to(cx)?, cx.ai("saturate", 1) != 0, &cx.astr("round_mode", "up")).map(Some),
+        "Cast" => cast_with(
+            cx.t(0)?,
+            cast_to(cx)?,
+            cx.ai("saturate", 1) != 0,
+            &cx.astr("round_mode", "up"),
+        )
+        .map(Some),
         "BitCast" => {
             let x = cx.t(0)?;
             let to = cast_to(cx)?;
-            if to.size() != x.dtype().size() || to.is_small() || to == DType::Str || x.dtype() == DType::Str {
+            if to.size() != x.dtype().size()
+                || to.is_small()
+                || to == DType::Str
+                || x.dtype() == DType::Str
+            {
                 return Err(unsupported(format!("BitCast from {} to {to}", x.dtype())));
             }
             let mut p = crate::onnx::tensor_to_proto(x, "");
             p.data_type = to.onnx();
             crate::onnx::tensor_from_proto(&p, None).map(Some)
         }
-        "CastLike" => cast_with(cx.t(0)?, cx.t(1)?.dtype(), cx.ai("saturate", 1) != 0, &cx.astr("round_mode", "up")).map(Some),
+        "CastLike" => cast_with(
+            cx.t(0)?,
+            cx.t(1)?.dtype(),
+            cx.ai("saturate", 1) != 0,
+            &cx.astr("round_mode", "up"),
+        )
+        .map(Some),
         _ => unary(cx),
     }
 }

@@ -9,6 +9,7 @@ mod control;
 mod elementwise;
 mod nn;
 mod reduce;
+mod resize;
 mod shape;
 
 pub use elementwise::broadcast_shape;
@@ -76,9 +77,10 @@ impl<'a> Ctx<'a> {
             _ => None,
         }
     }
-    pub fn afloats(&self, name: &str) -> Option<Vec<f32>> {
+    /// A FLOATS attribute, widened to f64.
+    pub fn afloats_vec(&self, name: &str) -> Option<Vec<f64>> {
         match self.attr(name) {
-            Some(Attr::Floats(v)) => Some(v.clone()),
+            Some(Attr::Floats(v)) => Some(v.iter().map(|&x| x as f64).collect()),
             _ => None,
         }
     }
@@ -119,6 +121,9 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
     }
     if let Some(r) = nn::run(&cx)? {
         return Ok(r);
+    }
+    if node.op == "Resize" || node.op == "Upsample" {
+        return one(resize::resize(&cx)?);
     }
     if node.op == "Attention" {
         return attention::attention(&cx);
