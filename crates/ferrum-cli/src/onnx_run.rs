@@ -318,6 +318,9 @@ fn fmt_dims(dims: &[Dim]) -> String {
 }
 
 fn human(n: f64) -> String {
+    if n <= 0.0 {
+        return "0".into();
+    }
     for (s, u) in [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")] {
         if n >= s {
             return format!("{:.2}{u}", n / s);

@@ -11,15 +11,8 @@ pub enum Error {
     #[error("invalid model: {0}")]
     Format(String),
     /// A node whose op (or op version, or data type) ferrum does not implement.
-    #[error("unsupported: node '{node}' ({domain}{op}, opset {opset}){}: {detail}", dtype.as_ref().map(|d| format!(", dtype {d}")).unwrap_or_default())]
-    Unsupported {
-        node: String,
-        op: String,
-        domain: String,
-        opset: i64,
-        dtype: Option<String>,
-        detail: String,
-    },
+    #[error("unsupported: {0}")]
+    Unsupported(Box<UnsupportedOp>),
     /// A data type ferrum cannot hold (float8, int4...), outside any node.
     #[error("unsupported data type {0}")]
     UnsupportedType(String),
@@ -46,6 +39,32 @@ impl Error {
     /// True for unsupported ops and types (the CLI exits with status 3 for these).
     pub fn is_unsupported(&self) -> bool {
         matches!(self, Error::Unsupported { .. } | Error::UnsupportedType(_))
+    }
+}
+
+/// Where an unsupported op or type was met: the node, its op and opset, the input type.
+#[derive(Debug)]
+pub struct UnsupportedOp {
+    pub node: String,
+    pub op: String,
+    /// `""` for the default domain, else the domain followed by a dot.
+    pub domain: String,
+    pub opset: i64,
+    pub dtype: Option<String>,
+    pub detail: String,
+}
+
+impl std::fmt::Display for UnsupportedOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "node '{}' ({}{}, opset {})",
+            self.node, self.domain, self.op, self.opset
+        )?;
+        if let Some(d) = &self.dtype {
+            write!(f, ", dtype {d}")?;
+        }
+        write!(f, ": {}", self.detail)
     }
 }
 

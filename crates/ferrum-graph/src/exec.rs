@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use crate::error::UnsupportedOp;
 use crate::ir::{Graph, Node, ValueId};
 use crate::ops;
 use crate::tensor::Value;
@@ -96,7 +97,7 @@ fn run_node(node: &Node, env: &Env) -> Result<Vec<Option<Value>>> {
             .rposition(|o| o.is_some())
             .map_or(0, |p| p + 1)
     {
-        return Err(Error::Unsupported {
+        return Err(Error::Unsupported(Box::new(UnsupportedOp {
             node: node.name.clone(),
             op: node.op.clone(),
             domain: node.domain.clone(),
@@ -107,24 +108,26 @@ fn run_node(node: &Node, env: &Env) -> Result<Vec<Option<Value>>> {
                 outs.len(),
                 node.outputs.len()
             ),
-        });
+        })));
     }
     Ok(outs)
 }
 
 /// Attaches the node (and the input dtype) to a kernel's error.
 fn wrap(e: Error, node: &Node, dtype: Option<String>) -> Error {
-    let unsupported = |detail: String, dtype: Option<String>| Error::Unsupported {
-        node: node.name.clone(),
-        op: node.op.clone(),
-        domain: if node.domain.is_empty() {
-            String::new()
-        } else {
-            format!("{}.", node.domain)
-        },
-        opset: node.opset,
-        dtype,
-        detail,
+    let unsupported = |detail: String, dtype: Option<String>| {
+        Error::Unsupported(Box::new(UnsupportedOp {
+            node: node.name.clone(),
+            op: node.op.clone(),
+            domain: if node.domain.is_empty() {
+                String::new()
+            } else {
+                format!("{}.", node.domain)
+            },
+            opset: node.opset,
+            dtype,
+            detail,
+        }))
     };
     match e {
         Error::Kernel(msg) => Error::Node {

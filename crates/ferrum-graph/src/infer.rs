@@ -87,6 +87,19 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
     let inp = |i: usize| s.get(n.inputs.get(i).copied().flatten()).cloned();
     let x = inp(0);
     match n.op.as_str() {
+        "ConstantOfShape" => {
+            let dims = s.consts.get(&n.inputs.first().copied().flatten()?)?;
+            Some(dims.iter().map(|&d| d.max(0) as usize).collect())
+        }
+        "Shape" => {
+            let x = x?;
+            if let Some(Some(o)) = n.outputs.first() {
+                if ai(n, "start", 0) == 0 && !n.attrs.contains_key("end") {
+                    s.consts.insert(*o, x.iter().map(|&d| d as i64).collect());
+                }
+            }
+            Some(vec![x.len()])
+        }
         "Constant" => {
             if let Some(Attr::Tensor(t)) = n.attrs.get("value") {
                 if let (Some(c), Some(Some(o))) = (const_ints(t), n.outputs.first()) {

@@ -45,7 +45,7 @@ fn reduce_t<T: Num>(x: &Tensor, axes: &[usize], op: Red) -> Result<(Vec<usize>, 
     let v = x.as_slice::<T>()?;
     let (map, out) = reduce_map(x.shape(), axes);
     let n_out: usize = out.iter().product();
-    let count = if n_out == 0 { 0 } else { x.len() / n_out };
+    let count = x.len().checked_div(n_out).unwrap_or(0);
     let res: Vec<T> = match op {
         Red::Max | Red::Min => {
             let mut acc = vec![
