@@ -11,6 +11,7 @@ mod nn;
 mod reduce;
 mod resize;
 mod shape;
+mod text;
 
 pub use elementwise::broadcast_shape;
 
@@ -127,6 +128,9 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
     }
     if node.op == "Attention" {
         return attention::attention(&cx);
+    }
+    if let Some(r) = text::run(&cx)? {
+        return Ok(r);
     }
     if let Some(r) = control::run(&cx)? {
         return Ok(r);
