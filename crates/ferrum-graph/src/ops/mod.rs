@@ -7,6 +7,7 @@
 mod attention;
 mod control;
 mod elementwise;
+mod grid;
 mod nn;
 mod reduce;
 mod resize;
@@ -125,6 +126,12 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
     }
     if node.op == "Resize" || node.op == "Upsample" {
         return one(resize::resize(&cx)?);
+    }
+    if node.op == "GridSample" {
+        return one(grid::grid_sample(&cx)?);
+    }
+    if node.op == "AffineGrid" {
+        return one(grid::affine_grid(&cx)?);
     }
     if node.op == "Attention" {
         return attention::attention(&cx);
