@@ -11,6 +11,7 @@ mod grid;
 mod nn;
 mod reduce;
 mod resize;
+mod rnn;
 mod shape;
 mod text;
 
@@ -135,6 +136,9 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
     }
     if node.op == "Attention" {
         return attention::attention(&cx);
+    }
+    if let Some(r) = rnn::run(&cx)? {
+        return Ok(r);
     }
     if let Some(r) = text::run(&cx)? {
         return Ok(r);
