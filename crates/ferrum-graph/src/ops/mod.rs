@@ -12,6 +12,7 @@ mod nn;
 mod reduce;
 mod resize;
 mod rnn;
+mod sequence_models;
 mod shape;
 mod text;
 
@@ -136,6 +137,9 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
     }
     if node.op == "Attention" {
         return attention::attention(&cx);
+    }
+    if let Some(r) = sequence_models::run(&cx)? {
+        return Ok(r);
     }
     if let Some(r) = rnn::run(&cx)? {
         return Ok(r);
