@@ -8,6 +8,7 @@ mod attention;
 mod control;
 mod elementwise;
 mod grid;
+mod misc;
 mod nn;
 mod reduce;
 mod resize;
@@ -139,6 +140,9 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
         return attention::attention(&cx);
     }
     if let Some(r) = sequence_models::run(&cx)? {
+        return Ok(r);
+    }
+    if let Some(r) = misc::run(&cx)? {
         return Ok(r);
     }
     if let Some(r) = rnn::run(&cx)? {

@@ -1,7 +1,7 @@
 //! Reductions and ops along one axis: Reduce*, ArgMax/ArgMin, Softmax family, TopK, CumSum.
 
 use crate::ops::shape::strides;
-use crate::ops::{axis, unsupported, Ctx};
+use crate::ops::{axis, Ctx};
 use crate::tensor::{Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
@@ -373,7 +373,6 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
         }
         "CumSum" => one(cum(cx, false)?),
         "CumProd" => one(cum(cx, true)?),
-        "Unique" => Err(unsupported("Unique")),
         _ => Ok(None),
     }
 }
