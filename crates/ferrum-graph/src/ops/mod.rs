@@ -6,6 +6,7 @@
 
 mod attention;
 mod control;
+mod dsp;
 mod elementwise;
 mod grid;
 mod misc;
@@ -140,6 +141,9 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
         return attention::attention(&cx);
     }
     if let Some(r) = sequence_models::run(&cx)? {
+        return Ok(r);
+    }
+    if let Some(r) = dsp::run(&cx)? {
         return Ok(r);
     }
     if let Some(r) = misc::run(&cx)? {
