@@ -193,6 +193,25 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
         "If" => if_op(cx).map(Some),
         "Loop" => loop_op(cx).map(Some),
         "Scan" => scan_op(cx).map(Some),
+        "SequenceMap" => {
+            let body = graph_attr(cx, "body")?;
+            let n = seq(cx, 0)?.len();
+            let mut outs: Vec<Vec<Tensor>> = vec![Vec::new(); body.outputs.len()];
+            for i in 0..n {
+                let mut ins = Vec::with_capacity(cx.n_in());
+                for j in 0..cx.n_in() {
+                    ins.push(Some(Value::Tensor(match cx.value(j) {
+                        Some(Value::Sequence(s)) => s.get(i).cloned().ok_or_else(|| crate::kerr!("sequence {j} is shorter than {n}"))?,
+                        Some(v) => v.tensor()?.clone(),
+                        None => kbail!("input {j} missing"),
+                    })));
+                }
+                for (k, v) in run_graph(body, ins, Some(cx.env))?.into_iter().enumerate() {
+                    outs[k].push(v.into_tensor()?);
+                }
+            }
+            Ok(Some(outs.into_iter().map(Value::Sequence).collect()))
+        }
         "SequenceEmpty" => one(Value::Sequence(vec![])),
         "SequenceConstruct" => one(Value::Sequence(
             (0..cx.n_in())
