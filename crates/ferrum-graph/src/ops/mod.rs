@@ -17,6 +17,7 @@ mod rnn;
 mod sequence_models;
 mod shape;
 mod text;
+mod training;
 
 pub use elementwise::broadcast_shape;
 
@@ -109,6 +110,9 @@ pub fn axis(a: i64, rank: usize) -> Result<usize> {
 /// Runs one node.
 pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>> {
     let cx = Ctx { node, ins, env };
+    if node.domain == "ai.onnx.preview.training" && node.op != "Gradient" {
+        return training::run(&cx);
+    }
     if !(node.domain.is_empty() || node.domain == "ai.onnx") {
         return Err(unsupported(format!(
             "domain '{}' is not implemented",

@@ -564,11 +564,9 @@ fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
 
 fn batch_norm(cx: &Ctx) -> Result<Vec<Value>> {
     let x = cx.t(0)?;
-    if cx.ai("training_mode", 0) != 0 {
-        return Err(unsupported("BatchNormalization in training mode"));
-    }
+    let training = cx.ai("training_mode", 0) != 0;
     let eps = cx.af("epsilon", 1e-5) as f64;
-    let (scale, b, mean, var) = (
+    let (scale, b, mut mean, mut var) = (
         cx.t(1)?.to_f64_vec()?,
         cx.t(2)?.to_f64_vec()?,
         cx.t(3)?.to_f64_vec()?,
@@ -577,6 +575,26 @@ fn batch_norm(cx: &Ctx) -> Result<Vec<Value>> {
     let c = if x.rank() > 1 { x.shape()[1] } else { 1 };
     let inner: usize = x.shape().get(2..).map_or(1, |s| s.iter().product());
     let v = x.to_f64_vec()?;
+    let mut running = None;
+    if training {
+        // Batch statistics over N and the spatial dims; running stats blend in with momentum.
+        let momentum = cx.af("momentum", 0.9) as f64;
+        let count = (v.len() / c.max(1)) as f64;
+        let mut bm = vec![0f64; c];
+        let mut bv = vec![0f64; c];
+        for (i, &e) in v.iter().enumerate() {
+            bm[(i / inner) % c] += e / count;
+        }
+        for (i, &e) in v.iter().enumerate() {
+            let ch = (i / inner) % c;
+            bv[ch] += (e - bm[ch]).powi(2) / count;
+        }
+        let rm: Vec<f64> = (0..c).map(|k| mean[k] * momentum + bm[k] * (1.0 - momentum)).collect();
+        let rv: Vec<f64> = (0..c).map(|k| var[k] * momentum + bv[k] * (1.0 - momentum)).collect();
+        running = Some((rm, rv));
+        mean = bm;
+        var = bv;
+    }
     let out = v
         .iter()
         .enumerate()
@@ -585,11 +603,12 @@ fn batch_norm(cx: &Ctx) -> Result<Vec<Value>> {
             (e - mean[ch]) / (var[ch] + eps).sqrt() * scale[ch] + b[ch]
         })
         .collect();
-    Ok(vec![Value::Tensor(f64_tensor(
-        x.shape().to_vec(),
-        out,
-        x.dtype(),
-    )?)])
+    let mut res = vec![Value::Tensor(f64_tensor(x.shape().to_vec(), out, x.dtype())?)];
+    if let Some((rm, rv)) = running {
+        res.push(Value::Tensor(f64_tensor(vec![c], rm, x.dtype())?));
+        res.push(Value::Tensor(f64_tensor(vec![c], rv, x.dtype())?));
+    }
+    Ok(res)
 }
 
 /// Normalizes each of `outer` groups of `inner` consecutive elements; returns (y, mean, inv std).
