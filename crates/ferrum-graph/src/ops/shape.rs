@@ -988,23 +988,69 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
         "ReverseSequence" => one(reverse_sequence(cx)?),
         "Dropout" => {
             let x = cx.t(0)?;
-            let training = cx
-                .opt(2)
-                .map(|t| t.scalar_f64())
-                .transpose()?
-                .unwrap_or(0.0)
-                != 0.0;
-            let ratio = cx
-                .opt(1)
-                .map(|t| t.scalar_f64())
-                .transpose()?
-                .unwrap_or(0.5);
-            if training && ratio != 0.0 {
-                return Err(unsupported("Dropout in training mode"));
+            let training = cx.opt(2).map(|t| t.scalar_f64()).transpose()?.unwrap_or(0.0) != 0.0;
+            let ratio = match cx.opt(1) {
+                Some(t) => t.scalar_f64()?,
+                None if cx.opset() < 12 => cx.af("ratio", 0.5) as f64,
+                None => 0.5,
+            };
+            if !training || ratio == 0.0 {
+                let mask = Tensor::from_vec(x.shape().to_vec(), vec![true; x.len()])?;
+                return Ok(Some(vec![Value::Tensor(x.clone()), Value::Tensor(mask)]));
             }
-            let mask = Tensor::from_vec(x.shape().to_vec(), vec![true; x.len()])?;
-            Ok(Some(vec![Value::Tensor(x.clone()), Value::Tensor(mask)]))
+            // numpy's legacy RandomState(seed).uniform(0, 1, shape) >= ratio, as the reference draws it.
+            let seed = cx.attr("seed").map(|_| cx.ai("seed", 0)).ok_or_else(|| unsupported("training Dropout without a seed"))?;
+            let mut rng = Mt19937::new(seed as u32);
+            let mask: Vec<bool> = (0..x.len()).map(|_| rng.next_f64() >= ratio).collect();
+            let scale = 1.0 / (1.0 - ratio);
+            let y: Vec<f64> = x.to_f64_vec()?.iter().zip(&mask).map(|(&v, &m)| if m { v * scale } else { 0.0 }).collect();
+            let y = crate::ops::elementwise::cast(&Tensor::from_vec(x.shape().to_vec(), y)?, x.dtype())?;
+            Ok(Some(vec![Value::Tensor(y), Value::Tensor(Tensor::from_vec(x.shape().to_vec(), mask)?)]))
         }
         _ => Ok(None),
+    }
+}
+
+/// The Mersenne Twister MT19937 seeded as numpy's legacy `RandomState(seed)` (`init_genrand`).
+struct Mt19937 {
+    mt: [u32; 624],
+    i: usize,
+}
+
+impl Mt19937 {
+    fn new(seed: u32) -> Mt19937 {
+        let mut mt = [0u32; 624];
+        mt[0] = seed;
+        for i in 1..624 {
+            mt[i] = 1_812_433_253u32.wrapping_mul(mt[i - 1] ^ (mt[i - 1] >> 30)).wrapping_add(i as u32);
+        }
+        Mt19937 { mt, i: 624 }
+    }
+
+    fn next_u32(&mut self) -> u32 {
+        if self.i >= 624 {
+            for k in 0..624 {
+                let y = (self.mt[k] & 0x8000_0000) | (self.mt[(k + 1) % 624] & 0x7fff_ffff);
+                let mut v = self.mt[(k + 397) % 624] ^ (y >> 1);
+                if y & 1 != 0 {
+                    v ^= 0x9908_b0df;
+                }
+                self.mt[k] = v;
+            }
+            self.i = 0;
+        }
+        let mut y = self.mt[self.i];
+        self.i += 1;
+        y ^= y >> 11;
+        y ^= (y << 7) & 0x9d2c_5680;
+        y ^= (y << 15) & 0xefc6_0000;
+        y ^ (y >> 18)
+    }
+
+    /// A double in [0, 1) from two draws, as numpy's `random_sample`.
+    fn next_f64(&mut self) -> f64 {
+        let a = (self.next_u32() >> 5) as f64;
+        let b = (self.next_u32() >> 6) as f64;
+        (a * 67_108_864.0 + b) / 9_007_199_254_740_992.0
     }
 }
