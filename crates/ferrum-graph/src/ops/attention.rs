@@ -201,3 +201,77 @@ pub fn attention(cx: &Ctx) -> Result<Vec<Value>> {
     }
     Ok(res)
 }
+
+/// FlexAttention (ai.onnx.preview): attention whose scores and probabilities may be rewritten
+/// by `score_mod` / `prob_mod` subgraphs, run on the whole [B, H, L, S] tensor.
+pub fn flex_attention(cx: &Ctx) -> Result<Vec<Value>> {
+    let (q, k, v) = (cx.t(0)?, cx.t(1)?, cx.t(2)?);
+    if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
+        kbail!("FlexAttention needs rank-4 Q, K, V");
+    }
+    let (b, hq, l, e) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+    let (hk, s, ev) = (k.shape()[1], k.shape()[2], v.shape()[3]);
+    if hk == 0 || hq % hk != 0 {
+        kbail!("{hq} query heads cannot share {hk} key/value heads");
+    }
+    let scale = match cx.attr("scale") {
+        Some(_) => cx.af("scale", 1.0) as f64,
+        None => 1.0 / (e as f64).sqrt(),
+    };
+    let sq = (scale as f32).sqrt() as f64;
+    let compute = match cx.attr("softmax_precision") {
+        Some(_) => DType::from_onnx(cx.ai("softmax_precision", 1) as i32).unwrap_or(DType::F32),
+        None if q.dtype() == DType::F64 => DType::F64,
+        None => DType::F32,
+    };
+    let (qv, kv, vv) = (q.to_f64_vec()?, k.to_f64_vec()?, v.to_f64_vec()?);
+    let rep = hq / hk;
+    let mut scores = vec![0f64; b * hq * l * s];
+    for bi in 0..b {
+        for h in 0..hq {
+            for i in 0..l {
+                for j in 0..s {
+                    let qr = &qv[((bi * hq + h) * l + i) * e..][..e];
+                    let kr = &kv[((bi * hk + h / rep) * s + j) * e..][..e];
+                    scores[((bi * hq + h) * l + i) * s + j] = qr.iter().zip(kr).map(|(a, c)| (a * sq) * (c * sq)).sum();
+                }
+            }
+        }
+    }
+    let shape = vec![b, hq, l, s];
+    let mut st = cast(&cast(&Tensor::from_vec(shape.clone(), scores)?, q.dtype())?, compute)?;
+    let run_mod = |name: &str, t: Tensor| -> Result<Tensor> {
+        match cx.attr(name) {
+            Some(crate::ir::Attr::Graph(g)) => {
+                let out = crate::exec::run_graph(g, vec![Some(Value::Tensor(t))], Some(cx.env))?;
+                cast(&out.into_iter().next().ok_or_else(|| crate::kerr!("{name} has no output"))?.into_tensor()?, compute)
+            }
+            _ => Ok(t),
+        }
+    };
+    st = run_mod("score_mod", st)?;
+    let mut p = st.to_f64_vec()?;
+    for row in p.chunks_mut(s) {
+        let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = row.iter().map(|x| (x - m).exp()).sum();
+        row.iter_mut().for_each(|x| *x = (*x - m).exp() / sum);
+    }
+    let pt = run_mod("prob_mod", cast(&Tensor::from_vec(shape, p)?, compute)?)?;
+    let p = pt.to_f64_vec()?;
+    let mut out = vec![0f64; b * hq * l * ev];
+    for bi in 0..b {
+        for h in 0..hq {
+            for i in 0..l {
+                let prow = &p[((bi * hq + h) * l + i) * s..][..s];
+                let o = &mut out[((bi * hq + h) * l + i) * ev..][..ev];
+                for (j, &w) in prow.iter().enumerate() {
+                    let vr = &vv[((bi * hk + h / rep) * s + j) * ev..][..ev];
+                    for (x, y) in o.iter_mut().zip(vr) {
+                        *x += w * y;
+                    }
+                }
+            }
+        }
+    }
+    Ok(vec![Value::Tensor(cast(&Tensor::from_vec(vec![b, hq, l, ev], out)?, v.dtype())?)])
+}

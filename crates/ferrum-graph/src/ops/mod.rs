@@ -113,6 +113,9 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
     if node.domain == "ai.onnx.preview.training" && node.op != "Gradient" {
         return training::run(&cx);
     }
+    if node.domain == "ai.onnx.preview" && node.op == "FlexAttention" {
+        return attention::flex_attention(&cx);
+    }
     if !(node.domain.is_empty() || node.domain == "ai.onnx") {
         return Err(unsupported(format!(
             "domain '{}' is not implemented",
