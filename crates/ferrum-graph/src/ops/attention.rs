@@ -233,18 +233,28 @@ pub fn flex_attention(cx: &Ctx) -> Result<Vec<Value>> {
                 for j in 0..s {
                     let qr = &qv[((bi * hq + h) * l + i) * e..][..e];
                     let kr = &kv[((bi * hk + h / rep) * s + j) * e..][..e];
-                    scores[((bi * hq + h) * l + i) * s + j] = qr.iter().zip(kr).map(|(a, c)| (a * sq) * (c * sq)).sum();
+                    scores[((bi * hq + h) * l + i) * s + j] =
+                        qr.iter().zip(kr).map(|(a, c)| (a * sq) * (c * sq)).sum();
                 }
             }
         }
     }
     let shape = vec![b, hq, l, s];
-    let mut st = cast(&cast(&Tensor::from_vec(shape.clone(), scores)?, q.dtype())?, compute)?;
+    let mut st = cast(
+        &cast(&Tensor::from_vec(shape.clone(), scores)?, q.dtype())?,
+        compute,
+    )?;
     let run_mod = |name: &str, t: Tensor| -> Result<Tensor> {
         match cx.attr(name) {
             Some(crate::ir::Attr::Graph(g)) => {
                 let out = crate::exec::run_graph(g, vec![Some(Value::Tensor(t))], Some(cx.env))?;
-                cast(&out.into_iter().next().ok_or_else(|| crate::kerr!("{name} has no output"))?.into_tensor()?, compute)
+                cast(
+                    &out.into_iter()
+                        .next()
+                        .ok_or_else(|| crate::kerr!("{name} has no output"))?
+                        .into_tensor()?,
+                    compute,
+                )
             }
             _ => Ok(t),
         }
@@ -273,5 +283,8 @@ pub fn flex_attention(cx: &Ctx) -> Result<Vec<Value>> {
             }
         }
     }
-    Ok(vec![Value::Tensor(cast(&Tensor::from_vec(vec![b, hq, l, ev], out)?, v.dtype())?)])
+    Ok(vec![Value::Tensor(cast(
+        &Tensor::from_vec(vec![b, hq, l, ev], out)?,
+        v.dtype(),
+    )?)])
 }

@@ -201,7 +201,10 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
                 let mut ins = Vec::with_capacity(cx.n_in());
                 for j in 0..cx.n_in() {
                     ins.push(Some(Value::Tensor(match cx.value(j) {
-                        Some(Value::Sequence(s)) => s.get(i).cloned().ok_or_else(|| crate::kerr!("sequence {j} is shorter than {n}"))?,
+                        Some(Value::Sequence(s)) => s
+                            .get(i)
+                            .cloned()
+                            .ok_or_else(|| crate::kerr!("sequence {j} is shorter than {n}"))?,
                         Some(v) => v.tensor()?.clone(),
                         None => kbail!("input {j} missing"),
                     })));

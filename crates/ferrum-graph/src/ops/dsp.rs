@@ -6,7 +6,13 @@ use crate::tensor::{Tensor, Value};
 use crate::{kbail, Result};
 
 /// DFT of `n_in` complex samples zero-padded or cut to `n`; returns `n` bins (or `n/2+1`).
-fn dft_line(re: &[f64], im: &[f64], n: usize, inverse: bool, onesided: bool) -> (Vec<f64>, Vec<f64>) {
+fn dft_line(
+    re: &[f64],
+    im: &[f64],
+    n: usize,
+    inverse: bool,
+    onesided: bool,
+) -> (Vec<f64>, Vec<f64>) {
     let bins = if onesided && !inverse { n / 2 + 1 } else { n };
     let sign = if inverse { 1.0 } else { -1.0 };
     let m = re.len().min(n);
@@ -57,14 +63,22 @@ fn dft(cx: &Ctx) -> Result<Tensor> {
     let v = x.to_f64_vec()?;
     let outer: usize = x.shape()[..a].iter().product();
     let inner: usize = x.shape()[a + 1..r - 1].iter().product();
-    let bins = if inverse && onesided { n } else if onesided { n / 2 + 1 } else { n };
+    let bins = if inverse && onesided {
+        n
+    } else if onesided {
+        n / 2 + 1
+    } else {
+        n
+    };
     let out_c = if inverse && onesided { 1 } else { 2 };
     let mut out = vec![0f64; outer * bins * inner * out_c];
     for o in 0..outer {
         for i in 0..inner {
             let at = |t: usize, c: usize| v[((o * len + t) * inner + i) * cdim + c];
             let mut re: Vec<f64> = (0..len).map(|t| at(t, 0)).collect();
-            let mut im: Vec<f64> = (0..len).map(|t| if cdim == 2 { at(t, 1) } else { 0.0 }).collect();
+            let mut im: Vec<f64> = (0..len)
+                .map(|t| if cdim == 2 { at(t, 1) } else { 0.0 })
+                .collect();
             if inverse && onesided {
                 // Rebuild the Hermitian spectrum, then keep the real part.
                 re.resize(n, 0.0);
@@ -114,9 +128,20 @@ fn stft(cx: &Ctx) -> Result<Tensor> {
     for bi in 0..b {
         for f in 0..frames {
             let start = f * hop;
-            let re: Vec<f64> = (0..win.len()).map(|t| v.get((bi * l + start + t) * cdim).copied().unwrap_or(0.0) * win[t]).collect();
+            let re: Vec<f64> = (0..win.len())
+                .map(|t| v.get((bi * l + start + t) * cdim).copied().unwrap_or(0.0) * win[t])
+                .collect();
             let im: Vec<f64> = (0..win.len())
-                .map(|t| if cdim == 2 { v.get((bi * l + start + t) * cdim + 1).copied().unwrap_or(0.0) * win[t] } else { 0.0 })
+                .map(|t| {
+                    if cdim == 2 {
+                        v.get((bi * l + start + t) * cdim + 1)
+                            .copied()
+                            .unwrap_or(0.0)
+                            * win[t]
+                    } else {
+                        0.0
+                    }
+                })
                 .collect();
             let (or, oi) = dft_line(&re, &im, flen, false, onesided);
             for k in 0..bins {

@@ -48,7 +48,17 @@ fn cubic(x: f64) -> [f64; 4] {
 
 pub fn grid_sample(cx: &Ctx) -> Result<Tensor> {
     let (x, grid) = (cx.t(0)?, cx.t(1)?);
-    let mode = match cx.astr("mode", if cx.opset() < 20 { "bilinear" } else { "linear" }).as_str() {
+    let mode = match cx
+        .astr(
+            "mode",
+            if cx.opset() < 20 {
+                "bilinear"
+            } else {
+                "linear"
+            },
+        )
+        .as_str()
+    {
         "bilinear" | "linear" => 1,
         "nearest" => 0,
         "bicubic" | "cubic" => 2,
@@ -56,11 +66,18 @@ pub fn grid_sample(cx: &Ctx) -> Result<Tensor> {
     };
     let pad = cx.astr("padding_mode", "zeros");
     let align = cx.ai("align_corners", 0) != 0;
-    let k = x.rank().checked_sub(2).ok_or_else(|| crate::kerr!("X must have rank >= 3"))?;
+    let k = x
+        .rank()
+        .checked_sub(2)
+        .ok_or_else(|| crate::kerr!("X must have rank >= 3"))?;
     let (n, c) = (x.shape()[0], x.shape()[1]);
     let dims = &x.shape()[2..];
     if grid.rank() != k + 2 || grid.shape()[k + 1] != k || grid.shape()[0] != n {
-        kbail!("grid shape {:?} does not match X {:?}", grid.shape(), x.shape());
+        kbail!(
+            "grid shape {:?} does not match X {:?}",
+            grid.shape(),
+            x.shape()
+        );
     }
     let out_sp: Vec<usize> = grid.shape()[1..=k].to_vec();
     let osp: usize = out_sp.iter().product();
@@ -70,7 +87,13 @@ pub fn grid_sample(cx: &Ctx) -> Result<Tensor> {
     let gv = grid.to_f64_vec()?;
     let (lo, hi): (Vec<f64>, Vec<f64>) = dims
         .iter()
-        .map(|&d| if align { (0.0, d as f64 - 1.0) } else { (-0.5, d as f64 - 0.5) })
+        .map(|&d| {
+            if align {
+                (0.0, d as f64 - 1.0)
+            } else {
+                (-0.5, d as f64 - 0.5)
+            }
+        })
         .unzip();
     let mut out = vec![0f64; n * c * osp];
     // Per output point: for each dim, taps of (index or None for zero padding, weight).
@@ -81,7 +104,11 @@ pub fn grid_sample(cx: &Ctx) -> Result<Tensor> {
             for i in 0..k {
                 let nv = g[k - 1 - i];
                 let d = dims[i] as f64;
-                let mut v = if align { (nv + 1.0) / 2.0 * (d - 1.0) } else { ((nv + 1.0) * d - 1.0) / 2.0 };
+                let mut v = if align {
+                    (nv + 1.0) / 2.0 * (d - 1.0)
+                } else {
+                    ((nv + 1.0) * d - 1.0) / 2.0
+                };
                 v = v as f32 as f64;
                 if mode == 0 {
                     v = v.round_ties_even();
@@ -97,7 +124,9 @@ pub fn grid_sample(cx: &Ctx) -> Result<Tensor> {
                     let dm = dims[i] as i64;
                     match pad.as_str() {
                         "border" => Some(j.clamp(0, dm - 1) as usize),
-                        "reflection" => Some((reflect(j as f64, lo[i], hi[i]) as i64).clamp(0, dm - 1) as usize),
+                        "reflection" => {
+                            Some((reflect(j as f64, lo[i], hi[i]) as i64).clamp(0, dm - 1) as usize)
+                        }
                         _ => (j >= 0 && j < dm).then_some(j as usize),
                     }
                 };
@@ -176,7 +205,10 @@ pub fn affine_grid(cx: &Ctx) -> Result<Tensor> {
         let th = &tv[b * k * (k + 1)..][..k * (k + 1)];
         for p in 0..total {
             // base coordinates, innermost dim first: (x, y[, z], 1)
-            let mut base: Vec<f64> = (0..k).rev().map(|i| lin((p / sst[i]) % sp[i], sp[i])).collect();
+            let mut base: Vec<f64> = (0..k)
+                .rev()
+                .map(|i| lin((p / sst[i]) % sp[i], sp[i]))
+                .collect();
             base.push(1.0);
             for r in 0..k {
                 out.push((0..=k).map(|j| th[r * (k + 1) + j] * base[j]).sum());

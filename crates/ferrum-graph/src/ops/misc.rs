@@ -15,14 +15,32 @@ fn swiglu(cx: &Ctx) -> Result<Tensor> {
     }
     let alpha = cx.af("alpha", 1.0) as f64;
     let sig = cast(
-        &Tensor::from_vec(a.shape().to_vec(), a.to_f64_vec()?.iter().map(|&x| 1.0 / (1.0 + (-alpha * x).exp())).collect())?,
+        &Tensor::from_vec(
+            a.shape().to_vec(),
+            a.to_f64_vec()?
+                .iter()
+                .map(|&x| 1.0 / (1.0 + (-alpha * x).exp()))
+                .collect(),
+        )?,
         a.dtype(),
     )?;
     let sw = cast(
-        &Tensor::from_vec(a.shape().to_vec(), a.to_f64_vec()?.iter().zip(sig.to_f64_vec()?).map(|(x, s)| x * s).collect())?,
+        &Tensor::from_vec(
+            a.shape().to_vec(),
+            a.to_f64_vec()?
+                .iter()
+                .zip(sig.to_f64_vec()?)
+                .map(|(x, s)| x * s)
+                .collect(),
+        )?,
         a.dtype(),
     )?;
-    let out = sw.to_f64_vec()?.iter().zip(b.to_f64_vec()?).map(|(x, y)| x * y).collect();
+    let out = sw
+        .to_f64_vec()?
+        .iter()
+        .zip(b.to_f64_vec()?)
+        .map(|(x, y)| x * y)
+        .collect();
     cast(&Tensor::from_vec(a.shape().to_vec(), out)?, a.dtype())
 }
 
@@ -97,7 +115,13 @@ fn tensor_scatter(cx: &Ctx) -> Result<Tensor> {
         idx[off] = past.len() + u;
     }
     let _ = seq;
-    let src = crate::ops::shape::concat_t(&[&past.clone().reshape(vec![past.len()])?, &upd.clone().reshape(vec![upd.len()])?], 0)?;
+    let src = crate::ops::shape::concat_t(
+        &[
+            &past.clone().reshape(vec![past.len()])?,
+            &upd.clone().reshape(vec![upd.len()])?,
+        ],
+        0,
+    )?;
     take(&src, &idx, past.shape().to_vec())
 }
 
@@ -119,7 +143,8 @@ fn window(cx: &Ctx) -> Result<Tensor> {
             }
         })
         .collect();
-    let dt = DType::from_onnx(cx.ai("output_datatype", 1) as i32).ok_or_else(|| unsupported("output_datatype"))?;
+    let dt = DType::from_onnx(cx.ai("output_datatype", 1) as i32)
+        .ok_or_else(|| unsupported("output_datatype"))?;
     cast(&Tensor::from_vec(vec![n], v)?, dt)
 }
 
@@ -137,7 +162,9 @@ fn det(cx: &Ctx) -> Result<Tensor> {
             let mut a = a.to_vec();
             let mut det = 1.0;
             for c in 0..m {
-                let p = (c..m).max_by(|&i, &j| a[i * m + c].abs().total_cmp(&a[j * m + c].abs())).unwrap_or(c);
+                let p = (c..m)
+                    .max_by(|&i, &j| a[i * m + c].abs().total_cmp(&a[j * m + c].abs()))
+                    .unwrap_or(c);
                 if a[p * m + c] == 0.0 {
                     return 0.0;
                 }
@@ -158,7 +185,10 @@ fn det(cx: &Ctx) -> Result<Tensor> {
             det
         })
         .collect();
-    cast(&Tensor::from_vec(x.shape()[..r - 2].to_vec(), out)?, x.dtype())
+    cast(
+        &Tensor::from_vec(x.shape()[..r - 2].to_vec(), out)?,
+        x.dtype(),
+    )
 }
 
 fn unique(cx: &Ctx) -> Result<Vec<Value>> {
@@ -194,7 +224,12 @@ fn unique(cx: &Ctx) -> Result<Vec<Value>> {
     let mut order: Vec<usize> = (0..uniq.len()).collect();
     if sorted {
         order.sort_by(|&p, &q| {
-            slices[uniq[p]].iter().zip(&slices[uniq[q]]).map(|(x, y)| x.total_cmp(y)).find(|o| o.is_ne()).unwrap_or(std::cmp::Ordering::Equal)
+            slices[uniq[p]]
+                .iter()
+                .zip(&slices[uniq[q]])
+                .map(|(x, y)| x.total_cmp(y))
+                .find(|o| o.is_ne())
+                .unwrap_or(std::cmp::Ordering::Equal)
         });
     }
     let mut rank = vec![0usize; uniq.len()];
@@ -218,8 +253,14 @@ fn unique(cx: &Ctx) -> Result<Vec<Value>> {
     let n = firsts.len();
     Ok(vec![
         Value::Tensor(y),
-        Value::Tensor(Tensor::from_vec(vec![n], firsts.iter().map(|&i| i as i64).collect())?),
-        Value::Tensor(Tensor::from_vec(vec![d], inverse.iter().map(|&p| rank[p] as i64).collect())?),
+        Value::Tensor(Tensor::from_vec(
+            vec![n],
+            firsts.iter().map(|&i| i as i64).collect(),
+        )?),
+        Value::Tensor(Tensor::from_vec(
+            vec![d],
+            inverse.iter().map(|&p| rank[p] as i64).collect(),
+        )?),
         Value::Tensor(Tensor::from_vec(vec![n], counts)?),
     ])
 }
@@ -227,7 +268,9 @@ fn unique(cx: &Ctx) -> Result<Vec<Value>> {
 fn max_unpool(cx: &Ctx) -> Result<Tensor> {
     let (x, ind) = (cx.t(0)?, cx.t(1)?);
     let nd = x.rank() - 2;
-    let k = cx.aints("kernel_shape").ok_or_else(|| crate::kerr!("kernel_shape is required"))?;
+    let k = cx
+        .aints("kernel_shape")
+        .ok_or_else(|| crate::kerr!("kernel_shape is required"))?;
     let s = cx.aints("strides").unwrap_or(vec![1; nd]);
     let p = cx.aints("pads").unwrap_or(vec![0; 2 * nd]);
     let shape: Vec<usize> = match cx.opt(2) {
@@ -235,7 +278,10 @@ fn max_unpool(cx: &Ctx) -> Result<Tensor> {
         None => {
             let mut sh = x.shape()[..2].to_vec();
             for i in 0..nd {
-                sh.push(((x.shape()[i + 2] as i64 - 1) * s[i] + k[i] - p[i] - p[i + nd]).max(0) as usize);
+                sh.push(
+                    ((x.shape()[i + 2] as i64 - 1) * s[i] + k[i] - p[i] - p[i + nd]).max(0)
+                        as usize,
+                );
             }
             sh
         }
@@ -263,7 +309,10 @@ fn col2im(cx: &Ctx) -> Result<Tensor> {
     let bsz: usize = blk.iter().product();
     let c = ck / bsz;
     let outs: Vec<usize> = (0..nd)
-        .map(|i| ((img[i] as i64 + pads[i] + pads[i + nd] - dil[i] * (blk[i] as i64 - 1) - 1) / st[i] + 1) as usize)
+        .map(|i| {
+            ((img[i] as i64 + pads[i] + pads[i + nd] - dil[i] * (blk[i] as i64 - 1) - 1) / st[i]
+                + 1) as usize
+        })
         .collect();
     if outs.iter().product::<usize>() != l {
         kbail!("L = {l} does not match the block grid {outs:?}");
@@ -304,9 +353,24 @@ fn col2im(cx: &Ctx) -> Result<Tensor> {
 
 fn nms(cx: &Ctx) -> Result<Tensor> {
     let (boxes, scores) = (cx.t(0)?, cx.t(1)?);
-    let max_out = cx.opt(2).filter(|t| !t.is_empty()).map(|t| t.scalar_i64()).transpose()?.unwrap_or(0).max(0) as usize;
-    let iou_t = cx.opt(3).filter(|t| !t.is_empty()).map(|t| t.scalar_f64()).transpose()?.unwrap_or(0.0);
-    let score_t = cx.opt(4).filter(|t| !t.is_empty()).map(|t| t.scalar_f64()).transpose()?;
+    let max_out = cx
+        .opt(2)
+        .filter(|t| !t.is_empty())
+        .map(|t| t.scalar_i64())
+        .transpose()?
+        .unwrap_or(0)
+        .max(0) as usize;
+    let iou_t = cx
+        .opt(3)
+        .filter(|t| !t.is_empty())
+        .map(|t| t.scalar_f64())
+        .transpose()?
+        .unwrap_or(0.0);
+    let score_t = cx
+        .opt(4)
+        .filter(|t| !t.is_empty())
+        .map(|t| t.scalar_f64())
+        .transpose()?;
     let center = cx.ai("center_point_box", 0) != 0;
     let (nb, ns) = (boxes.shape()[0], boxes.shape()[1]);
     let nc = scores.shape()[1];
@@ -315,9 +379,19 @@ fn nms(cx: &Ctx) -> Result<Tensor> {
     let corners = |b: usize, i: usize| -> (f64, f64, f64, f64) {
         let q = &bv[(b * ns + i) * 4..][..4];
         if center {
-            (q[1] - q[3] / 2.0, q[0] - q[2] / 2.0, q[1] + q[3] / 2.0, q[0] + q[2] / 2.0)
+            (
+                q[1] - q[3] / 2.0,
+                q[0] - q[2] / 2.0,
+                q[1] + q[3] / 2.0,
+                q[0] + q[2] / 2.0,
+            )
         } else {
-            (q[0].min(q[2]), q[1].min(q[3]), q[0].max(q[2]), q[1].max(q[3]))
+            (
+                q[0].min(q[2]),
+                q[1].min(q[3]),
+                q[0].max(q[2]),
+                q[1].max(q[3]),
+            )
         }
     };
     let suppress = |b: usize, i: usize, j: usize| -> bool {
@@ -340,7 +414,9 @@ fn nms(cx: &Ctx) -> Result<Tensor> {
     for b in 0..nb {
         for c in 0..nc {
             let s = &sv[(b * nc + c) * ns..][..ns];
-            let mut cand: Vec<usize> = (0..ns).filter(|&i| score_t.is_none_or(|t| s[i] > t)).collect();
+            let mut cand: Vec<usize> = (0..ns)
+                .filter(|&i| score_t.is_none_or(|t| s[i] > t))
+                .collect();
             cand.sort_by(|&p, &q| s[q].total_cmp(&s[p]).then(p.cmp(&q)));
             let mut kept: Vec<usize> = Vec::new();
             for i in cand {

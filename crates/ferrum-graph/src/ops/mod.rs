@@ -6,11 +6,14 @@
 
 mod attention;
 mod control;
+mod conv;
 mod dsp;
 mod elementwise;
+mod gather;
 mod grid;
 mod misc;
 mod nn;
+mod quant;
 mod reduce;
 mod resize;
 mod rnn;
@@ -127,6 +130,15 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
         return one(r);
     }
     if let Some(r) = shape::run(&cx)? {
+        return Ok(r);
+    }
+    if let Some(r) = gather::run(&cx)? {
+        return Ok(r);
+    }
+    if let Some(r) = conv::run(&cx)? {
+        return Ok(r);
+    }
+    if let Some(r) = quant::run(&cx)? {
         return Ok(r);
     }
     if let Some(r) = reduce::run(&cx)? {

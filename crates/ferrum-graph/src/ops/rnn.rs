@@ -78,30 +78,53 @@ fn recurrent(cx: &Ctx, cell: Cell) -> Result<Vec<Value>> {
     } else {
         (x.shape()[1], x.shape()[0], x.shape()[2])
     };
-    let hidden = if hidden == 0 { w.shape()[1] / gates } else { hidden };
+    let hidden = if hidden == 0 {
+        w.shape()[1] / gates
+    } else {
+        hidden
+    };
     if w.shape() != [nd, gates * hidden, input] || r.shape() != [nd, gates * hidden, hidden] {
-        kbail!("W {:?} or R {:?} do not match {nd} directions, {gates} gates, hidden {hidden}", w.shape(), r.shape());
+        kbail!(
+            "W {:?} or R {:?} do not match {nd} directions, {gates} gates, hidden {hidden}",
+            w.shape(),
+            r.shape()
+        );
     }
     let xv = x.to_f64_vec()?;
     let at_x = |t: usize, b: usize| -> &[f64] {
-        let o = if layout == 0 { (t * batch + b) * input } else { (b * seq + t) * input };
+        let o = if layout == 0 {
+            (t * batch + b) * input
+        } else {
+            (b * seq + t) * input
+        };
         &xv[o..o + input]
     };
     let wv = w.to_f64_vec()?;
     let rv = r.to_f64_vec()?;
     let bv = cx.opt(3).map(|t| t.to_f64_vec()).transpose()?;
     let lens: Vec<usize> = match cx.opt(4) {
-        Some(t) => t.to_i64_vec()?.iter().map(|&l| (l.max(0) as usize).min(seq)).collect(),
+        Some(t) => t
+            .to_i64_vec()?
+            .iter()
+            .map(|&l| (l.max(0) as usize).min(seq))
+            .collect(),
         None => vec![seq; batch],
     };
     let h_init = |i: usize| cx.opt(i).map(|t| t.to_f64_vec()).transpose();
     let h0 = h_init(5)?;
     let c0 = if cell == Cell::Lstm { h_init(6)? } else { None };
-    let peep = if cell == Cell::Lstm { cx.opt(7).map(|t| t.to_f64_vec()).transpose()? } else { None };
+    let peep = if cell == Cell::Lstm {
+        cx.opt(7).map(|t| t.to_f64_vec()).transpose()?
+    } else {
+        None
+    };
     let clip = cx.attr("clip").map(|_| cx.af("clip", 0.0) as f64);
     let lbr = cx.ai("linear_before_reset", 0) != 0;
     let names: Vec<String> = match cx.attr("activations") {
-        Some(crate::ir::Attr::Strings(s)) => s.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect(),
+        Some(crate::ir::Attr::Strings(s)) => s
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .collect(),
         _ => vec![],
     };
     let alphas = cx.afloats_vec("activation_alpha").unwrap_or_default();
@@ -118,10 +141,14 @@ fn recurrent(cx: &Ctx, cell: Cell) -> Result<Vec<Value>> {
     };
     let mut acts: Vec<Act> = Vec::new();
     for d in 0..nd {
-        for k in 0..per_dir {
+        for (k, default) in defaults.iter().enumerate() {
             let i = d * per_dir + k;
-            let name = names.get(i).map(String::as_str).unwrap_or(defaults[k]);
-            acts.push(activation(name, alphas.get(i).copied(), betas.get(i).copied())?);
+            let name = names.get(i).map(String::as_str).unwrap_or(default);
+            acts.push(activation(
+                name,
+                alphas.get(i).copied(),
+                betas.get(i).copied(),
+            )?);
         }
     }
     let gh = gates * hidden;
@@ -136,13 +163,20 @@ fn recurrent(cx: &Ctx, cell: Cell) -> Result<Vec<Value>> {
         let wd = &wv[d * gh * input..][..gh * input];
         let rd = &rv[d * gh * hidden..][..gh * hidden];
         let (wb, rb): (Vec<f64>, Vec<f64>) = match &bv {
-            Some(b) => (b[d * 2 * gh..][..gh].to_vec(), b[d * 2 * gh + gh..][..gh].to_vec()),
+            Some(b) => (
+                b[d * 2 * gh..][..gh].to_vec(),
+                b[d * 2 * gh + gh..][..gh].to_vec(),
+            ),
             None => (vec![0.0; gh], vec![0.0; gh]),
         };
         let f = &acts[d * per_dir];
         for b in 0..batch {
-            let mut h: Vec<f64> = h0.as_ref().map_or(vec![0.0; hidden], |v| v[(d * batch + b) * hidden..][..hidden].to_vec());
-            let mut c: Vec<f64> = c0.as_ref().map_or(vec![0.0; hidden], |v| v[(d * batch + b) * hidden..][..hidden].to_vec());
+            let mut h: Vec<f64> = h0.as_ref().map_or(vec![0.0; hidden], |v| {
+                v[(d * batch + b) * hidden..][..hidden].to_vec()
+            });
+            let mut c: Vec<f64> = c0.as_ref().map_or(vec![0.0; hidden], |v| {
+                v[(d * batch + b) * hidden..][..hidden].to_vec()
+            });
             let len = lens[b];
             for step in 0..len {
                 let t = if reverse { len - 1 - step } else { step };
@@ -157,9 +191,17 @@ fn recurrent(cx: &Ctx, cell: Cell) -> Result<Vec<Value>> {
                     Cell::Gru => {
                         let g = &acts[d * per_dir + 1];
                         let mut hn = vec![0f64; hidden];
-                        let z: Vec<f64> = (0..hidden).map(|j| f(cl(xw[j] + hr[j] + wb[j] + rb[j]))).collect();
-                        let rg: Vec<f64> =
-                            (0..hidden).map(|j| f(cl(xw[hidden + j] + hr[hidden + j] + wb[hidden + j] + rb[hidden + j]))).collect();
+                        let z: Vec<f64> = (0..hidden)
+                            .map(|j| f(cl(xw[j] + hr[j] + wb[j] + rb[j])))
+                            .collect();
+                        let rg: Vec<f64> = (0..hidden)
+                            .map(|j| {
+                                f(cl(xw[hidden + j]
+                                    + hr[hidden + j]
+                                    + wb[hidden + j]
+                                    + rb[hidden + j]))
+                            })
+                            .collect();
                         if lbr {
                             for j in 0..hidden {
                                 let k = 2 * hidden + j;
@@ -180,9 +222,17 @@ fn recurrent(cx: &Ctx, cell: Cell) -> Result<Vec<Value>> {
                     }
                     Cell::Lstm => {
                         let (g, hact) = (&acts[d * per_dir + 1], &acts[d * per_dir + 2]);
-                        let p = |k: usize, j: usize| peep.as_ref().map_or(0.0, |p| p[d * 3 * hidden + k * hidden + j]);
+                        let p = |k: usize, j: usize| {
+                            peep.as_ref()
+                                .map_or(0.0, |p| p[d * 3 * hidden + k * hidden + j])
+                        };
                         for j in 0..hidden {
-                            let pre = |k: usize| xw[k * hidden + j] + hr[k * hidden + j] + wb[k * hidden + j] + rb[k * hidden + j];
+                            let pre = |k: usize| {
+                                xw[k * hidden + j]
+                                    + hr[k * hidden + j]
+                                    + wb[k * hidden + j]
+                                    + rb[k * hidden + j]
+                            };
                             let i_g = f(cl(pre(0) + p(0, j) * c[j]));
                             let f_g = f(cl(pre(2) + p(2, j) * c[j]));
                             let c_g = g(cl(pre(3)));
@@ -192,10 +242,18 @@ fn recurrent(cx: &Ctx, cell: Cell) -> Result<Vec<Value>> {
                         }
                     }
                 }
-                let o = if layout == 0 { ((t * nd + d) * batch + b) * hidden } else { ((b * seq + t) * nd + d) * hidden };
+                let o = if layout == 0 {
+                    ((t * nd + d) * batch + b) * hidden
+                } else {
+                    ((b * seq + t) * nd + d) * hidden
+                };
                 y[o..o + hidden].copy_from_slice(&h);
             }
-            let o = if layout == 0 { (d * batch + b) * hidden } else { (b * nd + d) * hidden };
+            let o = if layout == 0 {
+                (d * batch + b) * hidden
+            } else {
+                (b * nd + d) * hidden
+            };
             yh[o..o + hidden].copy_from_slice(&h);
             yc[o..o + hidden].copy_from_slice(&c);
         }

@@ -31,7 +31,13 @@ fn rotary(cx: &Ctx) -> Result<Tensor> {
     let half = rd / 2;
     let xv = x.to_f64_vec()?;
     let mut out = xv.clone();
-    let at = |bi: usize, si: usize, hi: usize| if four { ((bi * h + hi) * s + si) * d } else { ((bi * s + si) * h + hi) * d };
+    let at = |bi: usize, si: usize, hi: usize| {
+        if four {
+            ((bi * h + hi) * s + si) * d
+        } else {
+            ((bi * s + si) * h + hi) * d
+        }
+    };
     for bi in 0..b {
         for si in 0..s {
             let row = match &pos {
@@ -45,7 +51,11 @@ fn rotary(cx: &Ctx) -> Result<Tensor> {
             for hi in 0..h {
                 let o = at(bi, si, hi);
                 for j in 0..half {
-                    let (i1, i2) = if interleaved { (o + 2 * j, o + 2 * j + 1) } else { (o + j, o + half + j) };
+                    let (i1, i2) = if interleaved {
+                        (o + 2 * j, o + 2 * j + 1)
+                    } else {
+                        (o + j, o + half + j)
+                    };
                     let (x1, x2) = (xv[i1], xv[i2]);
                     out[i1] = c[j] * x1 - sn[j] * x2;
                     out[i2] = sn[j] * x1 + c[j] * x2;
@@ -71,14 +81,16 @@ fn linear_attention(cx: &Ctx) -> Result<Vec<Value>> {
     }
     let hq = cx.ai("q_num_heads", 0) as usize;
     let hk = cx.ai("kv_num_heads", 0) as usize;
-    if q.rank() != 3 || k.rank() != 3 || v.rank() != 3 || hq == 0 || hk == 0 || hq % hk != 0 {
+    if q.rank() != 3 || k.rank() != 3 || v.rank() != 3 || hq == 0 || hk == 0 || !hq.is_multiple_of(hk) {
         kbail!("query/key/value must be 3-D with q_num_heads a multiple of kv_num_heads");
     }
     let (b, t) = (q.shape()[0], q.shape()[1]);
     let dk = q.shape()[2] / hq;
     let dv = v.shape()[2] / hk;
     let group = hq / hk;
-    let f = |x: &Tensor| -> Result<Vec<f64>> { Ok(x.to_f64_vec()?.iter().map(|&v| v as f32 as f64).collect()) };
+    let f = |x: &Tensor| -> Result<Vec<f64>> {
+        Ok(x.to_f64_vec()?.iter().map(|&v| v as f32 as f64).collect())
+    };
     let (qv, kv, vv) = (f(q)?, f(k)?, f(v)?);
     let decay = if gating { Some(cx.t(4)?) } else { None };
     let beta = if delta { Some(cx.t(5)?) } else { None };
@@ -95,7 +107,7 @@ fn linear_attention(cx: &Ctx) -> Result<Vec<Value>> {
         kbail!("past_state has the wrong size");
     }
     let scale = match cx.af("scale", 0.0) {
-        s if s == 0.0 => 1.0 / (dk as f64).sqrt(),
+        0.0 => 1.0 / (dk as f64).sqrt(),
         s => s as f64,
     };
     let mut out = vec![0f64; b * t * hq * dv];
@@ -108,13 +120,21 @@ fn linear_attention(cx: &Ctx) -> Result<Vec<Value>> {
                 vt.copy_from_slice(&vv[idx4(t, i, h, dv, bi, hk)..][..dv]);
                 if let Some(g) = &dec {
                     for a in 0..dk {
-                        let gv = if dec_last == hk { g[(bi * t + i) * hk + h] } else { g[((bi * t + i) * hk + h) * dk + a] };
+                        let gv = if dec_last == hk {
+                            g[(bi * t + i) * hk + h]
+                        } else {
+                            g[((bi * t + i) * hk + h) * dk + a]
+                        };
                         let e = gv.exp();
                         st[a * dv..(a + 1) * dv].iter_mut().for_each(|x| *x *= e);
                     }
                 }
                 if let Some(be) = &bet {
-                    let bv = if bet_last == hk { be[(bi * t + i) * hk + h] } else { be[bi * t + i] };
+                    let bv = if bet_last == hk {
+                        be[(bi * t + i) * hk + h]
+                    } else {
+                        be[bi * t + i]
+                    };
                     for m in 0..dv {
                         let retrieved: f64 = (0..dk).map(|a| st[a * dv + m] * kt[a]).sum();
                         vt[m] = bv * (vt[m] - retrieved);
@@ -171,7 +191,8 @@ fn causal_conv(cx: &Ctx) -> Result<Vec<Value>> {
         for ch in 0..c {
             let row = &padded[(bi * c + ch) * pl..][..pl];
             for i in 0..l {
-                let s: f64 = (0..k).map(|j| row[i + j] * wv[ch * k + j]).sum::<f64>() + bias.as_ref().map_or(0.0, |b| b[ch]);
+                let s: f64 = (0..k).map(|j| row[i + j] * wv[ch * k + j]).sum::<f64>()
+                    + bias.as_ref().map_or(0.0, |b| b[ch]);
                 out[(bi * c + ch) * l + i] = s;
             }
         }
@@ -180,7 +201,11 @@ fn causal_conv(cx: &Ctx) -> Result<Vec<Value>> {
     let y = match act.as_str() {
         "none" => y,
         "silu" | "swish" => {
-            let v: Vec<f64> = y.to_f64_vec()?.iter().map(|&v| v / (1.0 + (-v).exp())).collect();
+            let v: Vec<f64> = y
+                .to_f64_vec()?
+                .iter()
+                .map(|&v| v / (1.0 + (-v).exp()))
+                .collect();
             cast(&Tensor::from_vec(vec![b, c, l], v)?, x.dtype())?
         }
         a => return Err(unsupported(format!("activation '{a}'"))),

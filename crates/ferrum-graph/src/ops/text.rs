@@ -11,7 +11,10 @@ fn normalizer(cx: &Ctx) -> Result<Tensor> {
     let action = cx.astr("case_change_action", "NONE");
     let sensitive = cx.ai("is_case_sensitive", 0) != 0;
     let raw_stops: Vec<String> = match cx.attr("stopwords") {
-        Some(crate::ir::Attr::Strings(s)) => s.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect(),
+        Some(crate::ir::Attr::Strings(s)) => s
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .collect(),
         _ => vec![],
     };
     let case = |s: &str| match action.as_str() {
@@ -21,7 +24,10 @@ fn normalizer(cx: &Ctx) -> Result<Tensor> {
     };
     let stops: Vec<String> = raw_stops.iter().map(|s| case(s)).collect();
     let drop = |s: &str, stops: &[String]| -> String {
-        s.split(' ').filter(|w| !stops.iter().any(|x| x == w)).collect::<Vec<_>>().join(" ")
+        s.split(' ')
+            .filter(|w| !stops.iter().any(|x| x == w))
+            .collect::<Vec<_>>()
+            .join(" ")
     };
     if !matches!(action.as_str(), "LOWER" | "UPPER" | "NONE") {
         return Err(unsupported(format!("case_change_action '{action}'")));
@@ -94,9 +100,19 @@ fn py_split(s: &str, sep: Option<&str>, maxsplit: Option<usize>) -> Vec<String> 
 fn split(cx: &Ctx) -> Result<Vec<Value>> {
     let x = cx.t(0)?;
     let delim = cx.astr("delimiter", "");
-    let sep = if delim.is_empty() { None } else { Some(delim.as_str()) };
-    let maxsplit = cx.attr("maxsplit").map(|_| cx.ai("maxsplit", 0).max(0) as usize);
-    let parts: Vec<Vec<String>> = x.as_slice::<String>()?.iter().map(|s| py_split(s, sep, maxsplit)).collect();
+    let sep = if delim.is_empty() {
+        None
+    } else {
+        Some(delim.as_str())
+    };
+    let maxsplit = cx
+        .attr("maxsplit")
+        .map(|_| cx.ai("maxsplit", 0).max(0) as usize);
+    let parts: Vec<Vec<String>> = x
+        .as_slice::<String>()?
+        .iter()
+        .map(|s| py_split(s, sep, maxsplit))
+        .collect();
     let width = parts.iter().map(Vec::len).max().unwrap_or(0);
     let counts: Vec<i64> = parts.iter().map(|p| p.len() as i64).collect();
     let mut flat = Vec::with_capacity(parts.len() * width);
@@ -114,9 +130,13 @@ fn split(cx: &Ctx) -> Result<Vec<Value>> {
 
 fn concat(cx: &Ctx) -> Result<Tensor> {
     let (a, b) = (cx.t(0)?, cx.t(1)?);
-    let (shape, v) = zip_with(a.as_slice::<String>()?, a.shape(), b.as_slice::<String>()?, b.shape(), |p, q| {
-        Ok(p + &q)
-    })?;
+    let (shape, v) = zip_with(
+        a.as_slice::<String>()?,
+        a.shape(),
+        b.as_slice::<String>()?,
+        b.shape(),
+        |p, q| Ok(p + &q),
+    )?;
     Tensor::from_vec(shape, v)
 }
 

@@ -47,7 +47,11 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
                 let (alpha, beta) = (cx.af("alpha", 0.9) as f64, cx.af("beta", 0.999) as f64);
                 let eps = cx.af("epsilon", 1e-6) as f64;
                 let post = cx.af("norm_coefficient_post", 0.0) as f64;
-                let ra = if t > 0.0 { r * (1.0 - beta.powf(t)).sqrt() / (1.0 - alpha.powf(t)) } else { r };
+                let ra = if t > 0.0 {
+                    r * (1.0 - beta.powf(t)).sqrt() / (1.0 - alpha.powf(t))
+                } else {
+                    r
+                };
                 for k in 0..xv.len() {
                     let gr = norm * xv[k] + g[k];
                     n1[k] = alpha * s1v[k] + (1.0 - alpha) * gr;
@@ -62,14 +66,27 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
                 for k in 0..xv.len() {
                     let gr = norm * xv[k] + g[k];
                     n1[k] = alpha * s1v[k] + ba * gr;
-                    nx[k] = if nesterov { xv[k] - r * (gr + alpha * n1[k]) } else { xv[k] - r * n1[k] };
+                    nx[k] = if nesterov {
+                        xv[k] - r * (gr + alpha * n1[k])
+                    } else {
+                        xv[k] - r * n1[k]
+                    };
                 }
             }
         }
-        outs[0].push(Value::Tensor(cast(&Tensor::from_vec(shape.clone(), nx)?, x.dtype())?));
-        outs[1].push(Value::Tensor(cast(&Tensor::from_vec(shape.clone(), n1)?, s1.dtype())?));
+        outs[0].push(Value::Tensor(cast(
+            &Tensor::from_vec(shape.clone(), nx)?,
+            x.dtype(),
+        )?));
+        outs[1].push(Value::Tensor(cast(
+            &Tensor::from_vec(shape.clone(), n1)?,
+            s1.dtype(),
+        )?));
         if kind == 1 {
-            outs[2].push(Value::Tensor(cast(&Tensor::from_vec(shape, n2)?, s1.dtype())?));
+            outs[2].push(Value::Tensor(cast(
+                &Tensor::from_vec(shape, n2)?,
+                s1.dtype(),
+            )?));
         }
     }
     Ok(outs.into_iter().flatten().collect())
