@@ -12,6 +12,7 @@ mod elementwise;
 mod gather;
 mod grid;
 mod misc;
+mod ml;
 mod nn;
 mod quant;
 mod reduce;
@@ -115,6 +116,9 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
     let cx = Ctx { node, ins, env };
     if node.domain == "ai.onnx.preview.training" && node.op != "Gradient" {
         return training::run(&cx);
+    }
+    if node.domain == "ai.onnx.ml" {
+        return ml::run(&cx);
     }
     if node.domain == "ai.onnx.preview" && node.op == "FlexAttention" {
         return attention::flex_attention(&cx);
