@@ -147,6 +147,101 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
         "StringNormalizer" => one(normalizer(cx)?),
         "StringSplit" => split(cx).map(Some),
         "StringConcat" => one(concat(cx)?),
+        "TfIdfVectorizer" => one(tfidf(cx)?),
         _ => Ok(None),
     }
+}
+
+/// TfIdfVectorizer: counts the pool's n-grams (with skips) in each row, then weighs them.
+fn tfidf(cx: &Ctx) -> Result<Tensor> {
+    use std::collections::HashMap;
+    let x = cx.t(0)?;
+    let key = |s: String| s;
+    let xs: Vec<String> = match x.data() {
+        crate::tensor::Data::Str(v) => v.clone(),
+        _ => x.to_i64_vec()?.iter().map(|i| i.to_string()).collect(),
+    };
+    let pool: Vec<String> = match (cx.aints("pool_int64s"), cx.attr("pool_strings")) {
+        (Some(p), _) => p.iter().map(|i| i.to_string()).collect(),
+        (None, Some(crate::ir::Attr::Strings(s))) => s.iter().map(|b| key(String::from_utf8_lossy(b).into_owned())).collect(),
+        _ => kbail!("TfIdfVectorizer needs pool_int64s or pool_strings"),
+    };
+    let (min_n, max_n) = (cx.ai("min_gram_length", 1) as usize, cx.ai("max_gram_length", 1) as usize);
+    let max_skip = cx.ai("max_skip_count", 0) as usize;
+    let counts = cx.aints("ngram_counts").unwrap_or_default();
+    let indexes = cx.aints("ngram_indexes").unwrap_or_default();
+    let weights = cx.afloats_vec("weights").unwrap_or_default();
+    let mode = cx.astr("mode", "TF");
+    let out_size = indexes.iter().copied().max().map_or(0, |m| m + 1) as usize;
+    // n-gram -> output index, for sizes within [min_n, max_n]
+    let mut grams: HashMap<Vec<String>, usize> = HashMap::new();
+    let mut id = 0usize;
+    for (g, &start) in counts.iter().enumerate() {
+        let size = g + 1;
+        let end = counts.get(g + 1).map_or(pool.len(), |&e| e as usize);
+        let start = start as usize;
+        let n = end.saturating_sub(start) / size;
+        for k in 0..n {
+            if size >= min_n && size <= max_n {
+                let out = *indexes.get(id).ok_or_else(|| crate::kerr!("ngram_indexes too short"))? as usize;
+                grams.insert(pool[start + k * size..start + (k + 1) * size].to_vec(), out);
+            }
+            id += 1;
+        }
+    }
+    let (rows, c, batched) = match x.rank() {
+        0 => (1, 1, false),
+        1 => (1, x.shape()[0], false),
+        2 => (x.shape()[0], x.shape()[1], true),
+        _ => kbail!("input must be [C] or [B, C]"),
+    };
+    let mut freq = vec![0f64; rows * out_size];
+    for r in 0..rows {
+        let row = &xs[r * c..(r + 1) * c];
+        let mut start_n = min_n;
+        for skip in 1..=max_skip + 1 {
+            for s in 0..c {
+                if s + skip * (start_n.max(1) - 1) >= c {
+                    break;
+                }
+                let mut gram = Vec::new();
+                let mut i = s;
+                while gram.len() < max_n && i < c {
+                    gram.push(row[i].clone());
+                    if gram.len() >= start_n {
+                        if let Some(&o) = grams.get(&gram) {
+                            freq[r * out_size + o] += 1.0;
+                        }
+                    }
+                    i += skip;
+                }
+            }
+            if start_n == 1 {
+                start_n = 2;
+                if start_n > max_n {
+                    break;
+                }
+            }
+        }
+    }
+    let y: Vec<f64> = freq
+        .iter()
+        .enumerate()
+        .map(|(p, &f)| {
+            let w = weights.get(p % out_size.max(1)).copied();
+            match mode.as_str() {
+                "IDF" => {
+                    if f > 0.0 {
+                        w.unwrap_or(1.0)
+                    } else {
+                        0.0
+                    }
+                }
+                "TFIDF" => w.map_or(f, |w| w * f),
+                _ => f,
+            }
+        })
+        .collect();
+    let shape = if batched { vec![rows, out_size] } else { vec![out_size] };
+    crate::ops::elementwise::cast(&Tensor::from_vec(shape, y)?, crate::tensor::DType::F32)
 }
