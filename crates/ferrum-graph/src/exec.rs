@@ -88,7 +88,10 @@ fn run_node(node: &Node, env: &Env) -> Result<Vec<Option<Value>>> {
         .iter()
         .flatten()
         .find_map(|v| v.tensor().ok().map(|t| t.dtype().to_string()));
-    let outs = ops::run(node, &ins, env).map_err(|e| wrap(e, node, dtype.clone()))?;
+    // A kernel bug must not take the process down: a panic becomes this node's error.
+    let outs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ops::run(node, &ins, env)))
+        .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
+        .map_err(|e| wrap(e, node, dtype.clone()))?;
     let outs: Vec<Option<Value>> = outs.into_iter().map(Some).collect();
     if outs.len()
         < node

@@ -316,3 +316,60 @@ fn wrong_inputs_are_errors() {
         Err(Error::Input(_))
     ));
 }
+
+/// Flipped and truncated bytes of a small valid model: loading and running give results or
+/// errors, never a panic.
+#[test]
+fn mutated_models_never_panic() {
+    use ferrum_graph::proto::build::attr_int;
+    let mp = model(
+        vec![
+            node("MatMul", &["x", "w"], &["xw"], vec![]),
+            node("Softmax", &["xw"], &["s"], vec![attr_int("axis", -1)]),
+            node("Reshape", &["s", "shape"], &["y"], vec![]),
+        ],
+        vec![value("x", 1, &[Some(2), Some(3)])],
+        vec![value("y", 1, &[Some(4)])],
+        vec![
+            f32_tensor("w", &[3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+            TensorProto {
+                name: "shape".into(),
+                dims: vec![1],
+                data_type: 7,
+                int64_data: vec![4],
+                ..Default::default()
+            },
+        ],
+        17,
+    );
+    let bytes = encode(&mp);
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let x = Tensor::from_vec(vec![2, 3], vec![0.5f32; 6]).unwrap();
+    for _ in 0..3000 {
+        let mut b = bytes.clone();
+        for _ in 0..1 + next() % 4 {
+            let i = (next() as usize) % b.len();
+            b[i] = next() as u8;
+        }
+        if next() % 8 == 0 {
+            b.truncate((next() as usize) % b.len());
+        }
+        let r = std::panic::catch_unwind(|| match Session::from_bytes(&b) {
+            Ok(s) => s
+                .run(vec![("x".into(), x.clone().into())])
+                .err()
+                .map(|e| e.to_string()),
+            Err(_) => None,
+        });
+        let msg = r
+            .unwrap_or_else(|_| Some("panicked".into()))
+            .unwrap_or_default();
+        assert!(!msg.contains("panicked"), "mutated model {b:02x?}: {msg}");
+    }
+}

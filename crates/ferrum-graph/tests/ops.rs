@@ -210,3 +210,146 @@ fn reduce_mean_keepdims_and_axes_input() {
     assert_eq!(y.shape(), &[2]);
     close(&y.to_f64_vec().unwrap(), &[2.0, 7.0]);
 }
+
+/// Random shapes, values and attributes for many kernels: each returns a result or an error,
+/// never panics (a hostile model can put any of these in front of a kernel).
+#[test]
+fn kernels_never_panic_on_random_inputs() {
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    // (op, number of float inputs, integer inputs as (count), attributes to randomize)
+    let ops: &[(&str, usize, usize, &[&str])] = &[
+        ("Softmax", 1, 0, &["axis"]),
+        ("LogSoftmax", 1, 0, &["axis"]),
+        ("Concat", 2, 0, &["axis"]),
+        ("Split", 1, 0, &["axis"]),
+        ("Transpose", 1, 0, &[]),
+        ("Flatten", 1, 0, &["axis"]),
+        ("ReduceSum", 1, 1, &["keepdims"]),
+        ("ReduceMax", 1, 1, &["keepdims"]),
+        ("ArgMax", 1, 0, &["axis", "keepdims"]),
+        ("Gather", 1, 1, &["axis"]),
+        ("GatherElements", 1, 1, &["axis"]),
+        ("GatherND", 1, 1, &["batch_dims"]),
+        ("ScatterElements", 1, 1, &["axis"]),
+        ("Reshape", 1, 1, &[]),
+        ("Expand", 1, 1, &[]),
+        ("Tile", 1, 1, &[]),
+        ("Unsqueeze", 1, 1, &[]),
+        ("Squeeze", 1, 1, &[]),
+        ("Slice", 1, 2, &[]),
+        ("Pad", 1, 1, &[]),
+        ("TopK", 1, 1, &["axis"]),
+        ("CumSum", 1, 1, &[]),
+        ("OneHot", 0, 3, &["axis"]),
+        ("MatMul", 2, 0, &[]),
+        ("Add", 2, 0, &[]),
+        ("Where", 2, 0, &[]),
+        ("Conv", 2, 0, &["group"]),
+        ("MaxPool", 1, 0, &[]),
+        ("Einsum", 2, 0, &[]),
+        ("Trilu", 1, 1, &["upper"]),
+        ("DepthToSpace", 1, 0, &["blocksize"]),
+        ("Resize", 1, 0, &[]),
+        ("LayerNormalization", 2, 0, &["axis"]),
+    ];
+    for round in 0..400 {
+        for &(op, nf, ni, attrs) in ops {
+            let mut inputs = Vec::new();
+            let mut feeds = Vec::new();
+            let mut names = Vec::new();
+            for k in 0..nf + ni {
+                let rank = (next() % 4) as usize;
+                let shape: Vec<usize> = (0..rank).map(|_| (next() % 4) as usize).collect();
+                let n: usize = shape.iter().product();
+                let name = format!("i{k}");
+                let t = if k < nf {
+                    Tensor::from_vec(
+                        shape.clone(),
+                        (0..n).map(|_| (next() % 7) as f32 - 3.0).collect(),
+                    )
+                    .unwrap()
+                } else {
+                    Tensor::from_vec(
+                        shape.clone(),
+                        (0..n).map(|_| (next() % 9) as i64 - 4).collect(),
+                    )
+                    .unwrap()
+                };
+                let elem = if k < nf { 1 } else { 7 };
+                inputs.push(value(
+                    &name,
+                    elem,
+                    &shape.iter().map(|&d| Some(d as i64)).collect::<Vec<_>>(),
+                ));
+                feeds.push((name.clone(), Value::Tensor(t)));
+                names.push(name);
+            }
+            if op == "Where" {
+                // a bool condition first
+                let c = Tensor::from_vec(vec![2], vec![true, false]).unwrap();
+                inputs.insert(0, value("c", 9, &[Some(2)]));
+                feeds.insert(0, ("c".into(), Value::Tensor(c)));
+                names.insert(0, "c".into());
+            }
+            let mut node_attrs: Vec<AttributeProto> = attrs
+                .iter()
+                .map(|a| attr_int(a, (next() % 9) as i64 - 4))
+                .collect();
+            match op {
+                "MaxPool" => node_attrs.push(attr_ints("kernel_shape", &[(next() % 3) as i64 + 1])),
+                "Einsum" => node_attrs.push(AttributeProto {
+                    name: "equation".into(),
+                    s: ["ij,jk->ik", "i,i", "...i,...i->...", "ii->i", "ab,bc"]
+                        [(next() % 5) as usize]
+                        .into(),
+                    r#type: 3,
+                    ..Default::default()
+                }),
+                "Resize" => node_attrs.push(AttributeProto {
+                    name: "mode".into(),
+                    s: ["nearest", "linear", "cubic"][(next() % 3) as usize].into(),
+                    r#type: 3,
+                    ..Default::default()
+                }),
+                _ => {}
+            }
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            let mut refs = refs;
+            if op == "Resize" {
+                refs.extend(["", "scales"]);
+                inputs.push(value("scales", 1, &[Some(2)]));
+                feeds.push((
+                    "scales".into(),
+                    Value::Tensor(Tensor::from_vec(vec![2], vec![1.5f32, 0.5]).unwrap()),
+                ));
+            }
+            let mut mp = model(
+                vec![node(op, &refs, &["y"], node_attrs)],
+                inputs,
+                vec![value("y", 1, &[])],
+                vec![],
+                18,
+            );
+            mp.graph.as_mut().unwrap().output[0].r#type = None;
+            let bytes = encode(&mp);
+            // The executor turns a kernel panic into an "internal error"; none may occur.
+            let r = std::panic::catch_unwind(|| match Session::from_bytes(&bytes) {
+                Ok(s) => s.run(feeds.clone()).err().map(|e| e.to_string()),
+                Err(_) => None,
+            });
+            let msg = r
+                .unwrap_or_else(|_| Some("panicked".into()))
+                .unwrap_or_default();
+            assert!(
+                !msg.contains("panicked"),
+                "round {round}: {op} panicked on {feeds:?}: {msg}"
+            );
+        }
+    }
+}

@@ -67,6 +67,17 @@ pub fn attention(cx: &Ctx) -> Result<Vec<Value>> {
                 kbail!("attn_mask must have rank >= 1");
             }
             let last = *shape.last().unwrap_or(&0);
+            let full = [b, hq, sq, skv];
+            let off = 4usize.saturating_sub(shape.len());
+            if shape.len() > 4
+                || last > skv
+                || shape[..shape.len() - 1]
+                    .iter()
+                    .enumerate()
+                    .any(|(i, &d)| d != 1 && d != full[off + i])
+            {
+                kbail!("attn_mask {:?} does not broadcast to {full:?}", m.shape());
+            }
             *shape.last_mut().expect("rank >= 1") = skv;
             let mut st = bstrides(m.shape(), &[b, hq, sq, skv]);
             // the real last-dim stride (the padded tail is handled separately)

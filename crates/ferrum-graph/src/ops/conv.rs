@@ -31,7 +31,14 @@ fn geom(cx: &Ctx, ins: &[usize], k: &[usize], ceil: bool) -> Result<Geom> {
         .aints("pads")
         .map(|v| v.iter().map(|&x| x.max(0) as usize).collect())
         .unwrap_or(vec![0; 2 * nd]);
-    if s.len() != nd || d.len() != nd || pads.len() != 2 * nd || k.len() != nd {
+    const LIMIT: usize = 1 << 24;
+    if [&s, &d, &pads, &k.to_vec()]
+        .iter()
+        .any(|v| v.iter().any(|&x| x > LIMIT))
+    {
+        kbail!("kernel, stride, dilation or pad beyond {LIMIT}");
+    }
+    if s.len() != nd || d.len() != nd || pads.len() != 2 * nd || k.len() != nd || k.contains(&0) {
         kbail!("strides, dilations, pads or kernel_shape do not match {nd} spatial dims");
     }
     let auto = cx.astr("auto_pad", "NOTSET");
@@ -96,8 +103,12 @@ fn indices(shape: &[usize]) -> Vec<Vec<usize>> {
 
 fn conv(cx: &Ctx, integer: bool) -> Result<Tensor> {
     let (x, w) = (cx.t(0)?, cx.t(1)?);
-    if x.rank() < 3 {
-        kbail!("Conv expects N, C and spatial dims");
+    if x.rank() < 3 || w.rank() != x.rank() {
+        kbail!(
+            "Conv expects X and W of equal rank >= 3, got {:?} and {:?}",
+            x.shape(),
+            w.shape()
+        );
     }
     let nd = x.rank() - 2;
     let (n, c) = (x.shape()[0], x.shape()[1]);
@@ -310,7 +321,7 @@ fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
         cx.aints("kernel_shape")
             .ok_or_else(|| crate::kerr!("kernel_shape is required"))?
             .iter()
-            .map(|&v| v as usize)
+            .map(|&v| v.max(0) as usize)
             .collect()
     };
     let g = if global {

@@ -42,7 +42,17 @@ pub fn bstrides(shape: &[usize], out: &[usize]) -> Vec<usize> {
     s
 }
 
-/// For each element of `out` (row-major), the offsets into inputs of the given shapes.
+/// Offsets of `shape`'s elements seen from `out`, when `shape` broadcasts to exactly `out`
+/// (unidirectional broadcasting: Gemm's C, normalization scales, attention masks).
+pub fn broadcast_to(shape: &[usize], out: &[usize]) -> Result<Vec<usize>> {
+    if shape.len() > out.len() || broadcast_shape(shape, out)? != out {
+        kbail!("shape {shape:?} does not broadcast to {out:?}");
+    }
+    Ok(broadcast_offsets(&[shape], out).remove(0))
+}
+
+/// For each element of `out` (row-major), the offsets into inputs of the given shapes
+/// (which must broadcast to `out`).
 pub fn broadcast_offsets(shapes: &[&[usize]], out: &[usize]) -> Vec<Vec<usize>> {
     let n = numel(out).unwrap_or(0);
     let strides: Vec<Vec<usize>> = shapes.iter().map(|s| bstrides(s, out)).collect();

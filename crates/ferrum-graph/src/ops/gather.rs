@@ -37,9 +37,22 @@ fn gather(cx: &Ctx) -> Result<Tensor> {
     take(x, &offs, shape)
 }
 
+/// GatherElements/ScatterElements: indices of the data's rank, no larger off the axis.
+fn check_elements(x: &Tensor, ind: &Tensor, a: usize) -> Result<()> {
+    if ind.rank() != x.rank() || (0..x.rank()).any(|d| d != a && ind.shape()[d] > x.shape()[d]) {
+        kbail!(
+            "indices {:?} do not fit data {:?} on axis {a}",
+            ind.shape(),
+            x.shape()
+        );
+    }
+    Ok(())
+}
+
 fn gather_elements(cx: &Ctx) -> Result<Tensor> {
     let (x, ind) = (cx.t(0)?, cx.t(1)?);
     let a = axis(cx.ai("axis", 0), x.rank())?;
+    check_elements(x, ind, a)?;
     let idx = ind.to_i64_vec()?;
     let xs = strides(x.shape());
     let shape = ind.shape().to_vec();
@@ -63,6 +76,14 @@ fn gather_elements(cx: &Ctx) -> Result<Tensor> {
 fn scatter_elements(cx: &Ctx) -> Result<Tensor> {
     let (x, ind, upd) = (cx.t(0)?, cx.t(1)?, cx.t(2)?);
     let a = axis(cx.ai("axis", 0), x.rank())?;
+    check_elements(x, ind, a)?;
+    if upd.shape() != ind.shape() {
+        kbail!(
+            "updates {:?} differ from indices {:?}",
+            upd.shape(),
+            ind.shape()
+        );
+    }
     let idx = ind.to_i64_vec()?;
     let xs = strides(x.shape());
     let shape = ind.shape();
@@ -144,6 +165,13 @@ fn nd_offsets(x: &Tensor, ind: &Tensor, batch: usize) -> Result<(Vec<usize>, usi
         kbail!("indices must have rank >= 1");
     }
     let k = ind.shape()[q - 1];
+    if batch >= q || x.shape().get(..batch) != ind.shape().get(..batch) {
+        kbail!(
+            "batch_dims {batch} does not fit data {:?} and indices {:?}",
+            x.shape(),
+            ind.shape()
+        );
+    }
     if batch + k > x.rank() {
         kbail!("index depth {k} too large for rank {}", x.rank());
     }
@@ -168,7 +196,8 @@ fn nd_offsets(x: &Tensor, ind: &Tensor, batch: usize) -> Result<(Vec<usize>, usi
 
 fn gather_nd(cx: &Ctx) -> Result<Tensor> {
     let (x, ind) = (cx.t(0)?, cx.t(1)?);
-    let batch = cx.ai("batch_dims", 0) as usize;
+    let batch =
+        usize::try_from(cx.ai("batch_dims", 0)).map_err(|_| crate::kerr!("negative batch_dims"))?;
     let (offs, chunk, shape) = nd_offsets(x, ind, batch)?;
     let all: Vec<usize> = offs.iter().flat_map(|&o| o..o + chunk).collect();
     take(x, &all, shape)

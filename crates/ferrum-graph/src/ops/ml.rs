@@ -18,13 +18,21 @@ enum Key {
 fn attr_list(cx: &Ctx, prefix: &str) -> Result<Option<(Vec<Key>, DType)>> {
     let s = |n: &str| format!("{prefix}_{n}");
     if let Some(Attr::Floats(v)) = cx.attr(&s("floats")) {
-        return Ok(Some((v.iter().map(|&x| Key::F(x as f64)).collect(), DType::F32)));
+        return Ok(Some((
+            v.iter().map(|&x| Key::F(x as f64)).collect(),
+            DType::F32,
+        )));
     }
     if let Some(Attr::Ints(v)) = cx.attr(&s("int64s")) {
         return Ok(Some((v.iter().map(|&x| Key::I(x)).collect(), DType::I64)));
     }
     if let Some(Attr::Strings(v)) = cx.attr(&s("strings")) {
-        return Ok(Some((v.iter().map(|b| Key::S(String::from_utf8_lossy(b).into_owned())).collect(), DType::Str)));
+        return Ok(Some((
+            v.iter()
+                .map(|b| Key::S(String::from_utf8_lossy(b).into_owned()))
+                .collect(),
+            DType::Str,
+        )));
     }
     if let Some(Attr::Tensor(t)) = cx.attr(&s("tensor")) {
         return Ok(Some((keys_of(t)?, t.dtype())));
@@ -42,19 +50,39 @@ fn keys_of(t: &Tensor) -> Result<Vec<Key>> {
 
 fn tensor_of(keys: Vec<Key>, shape: Vec<usize>, dt: DType) -> Result<Tensor> {
     match dt {
-        DType::Str => Tensor::from_vec(shape, keys.into_iter().map(|k| if let Key::S(s) = k { s } else { String::new() }).collect()),
+        DType::Str => Tensor::from_vec(
+            shape,
+            keys.into_iter()
+                .map(|k| if let Key::S(s) = k { s } else { String::new() })
+                .collect(),
+        ),
         dt if dt.is_float() => cast(
-            &Tensor::from_vec(shape, keys.into_iter().map(|k| if let Key::F(f) = k { f } else { 0.0 }).collect())?,
+            &Tensor::from_vec(
+                shape,
+                keys.into_iter()
+                    .map(|k| if let Key::F(f) = k { f } else { 0.0 })
+                    .collect(),
+            )?,
             dt,
         ),
-        dt => cast(&Tensor::from_vec(shape, keys.into_iter().map(|k| if let Key::I(i) = k { i } else { 0 }).collect())?, dt),
+        dt => cast(
+            &Tensor::from_vec(
+                shape,
+                keys.into_iter()
+                    .map(|k| if let Key::I(i) = k { i } else { 0 })
+                    .collect(),
+            )?,
+            dt,
+        ),
     }
 }
 
 fn label_encoder(cx: &Ctx) -> Result<Tensor> {
     let x = cx.t(0)?;
-    let (keys, _) = attr_list(cx, "keys")?.ok_or_else(|| crate::kerr!("LabelEncoder without keys"))?;
-    let (vals, vt) = attr_list(cx, "values")?.ok_or_else(|| crate::kerr!("LabelEncoder without values"))?;
+    let (keys, _) =
+        attr_list(cx, "keys")?.ok_or_else(|| crate::kerr!("LabelEncoder without keys"))?;
+    let (vals, vt) =
+        attr_list(cx, "values")?.ok_or_else(|| crate::kerr!("LabelEncoder without values"))?;
     if keys.len() != vals.len() {
         kbail!("{} keys for {} values", keys.len(), vals.len());
     }
@@ -68,7 +96,11 @@ fn label_encoder(cx: &Ctx) -> Result<Tensor> {
     };
     let out: Vec<Key> = keys_of(x)?
         .into_iter()
-        .map(|k| keys.iter().position(|c| *c == k).map_or(default.clone(), |p| vals[p].clone()))
+        .map(|k| {
+            keys.iter()
+                .position(|c| *c == k)
+                .map_or(default.clone(), |p| vals[p].clone())
+        })
         .collect();
     tensor_of(out, x.shape().to_vec(), vt)
 }
@@ -79,7 +111,11 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
         "LabelEncoder" => label_encoder(cx)?,
         "Binarizer" => {
             let th = cx.af("threshold", 0.0) as f64;
-            let v: Vec<f64> = x.to_f64_vec()?.iter().map(|&e| (e > th) as u8 as f64).collect();
+            let v: Vec<f64> = x
+                .to_f64_vec()?
+                .iter()
+                .map(|&e| (e > th) as u8 as f64)
+                .collect();
             cast(&Tensor::from_vec(x.shape().to_vec(), v)?, x.dtype())?
         }
         "ArrayFeatureExtractor" => {
@@ -95,7 +131,11 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
                     offs.push(o * n + i as usize);
                 }
             }
-            let mut shape = if x.rank() <= 1 { vec![1] } else { x.shape()[..x.rank() - 1].to_vec() };
+            let mut shape = if x.rank() <= 1 {
+                vec![1]
+            } else {
+                x.shape()[..x.rank() - 1].to_vec()
+            };
             shape.push(idx.len());
             take(x, &offs, shape)?
         }

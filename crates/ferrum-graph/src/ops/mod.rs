@@ -105,7 +105,7 @@ pub fn unsupported(msg: impl Into<String>) -> Error {
 /// Normalizes a possibly negative axis against `rank`.
 pub fn axis(a: i64, rank: usize) -> Result<usize> {
     let r = rank as i64;
-    if a < -r || a >= r.max(1) {
+    if a < -r || a >= r {
         kbail!("axis {a} is out of range for rank {rank}");
     }
     Ok(if a < 0 { (a + r) as usize } else { a as usize })

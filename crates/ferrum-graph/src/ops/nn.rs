@@ -141,8 +141,7 @@ fn gemm(cx: &Ctx) -> Result<Tensor> {
     }
     if let Some(c) = cx.opt(2) {
         let cv = c.to_f64_vec()?;
-        let offs = broadcast_offsets(&[c.shape()], &[m, n]);
-        broadcast_shape(c.shape(), &[m, n])?;
+        let offs = [crate::ops::elementwise::broadcast_to(c.shape(), &[m, n])?];
         for (o, &ci) in out.iter_mut().zip(&offs[0]) {
             *o += beta * cv[ci];
         }
@@ -240,7 +239,7 @@ fn layer_norm(cx: &Ctx, rms: bool) -> Result<Vec<Value>> {
     let tail = &x.shape()[a..];
     let apply = |y: &mut Vec<f64>, t: &Tensor, add: bool| -> Result<()> {
         let tv = t.to_f64_vec()?;
-        let offs = broadcast_offsets(&[t.shape()], tail);
+        let offs = [crate::ops::elementwise::broadcast_to(t.shape(), tail)?];
         for (i, e) in y.iter_mut().enumerate() {
             let s = tv[offs[0][i % inner]];
             if add {
@@ -415,8 +414,12 @@ fn einsum(cx: &Ctx) -> Result<Tensor> {
     // Expand "..." into upper-case-free placeholder letters per operand.
     let mut ell_rank = 0;
     for (t, x) in terms.iter().zip(&ts) {
+        let letters = t.len() - if t.contains("...") { 3 } else { 0 };
+        if !t.is_ascii() || letters > x.rank() || (!t.contains("...") && letters != x.rank()) {
+            kbail!("term '{t}' does not fit an operand of rank {}", x.rank());
+        }
         if t.contains("...") {
-            ell_rank = ell_rank.max(x.rank() + 3 - t.len());
+            ell_rank = ell_rank.max(x.rank() - letters);
         }
     }
     let ell: Vec<char> = (0..ell_rank)
@@ -483,6 +486,9 @@ fn einsum(cx: &Ctx) -> Result<Tensor> {
             v
         }
     };
+    if let Some(c) = out.iter().find(|c| !size.contains_key(c)) {
+        kbail!("output label '{c}' appears in no input");
+    }
     let all: Vec<char> = size.keys().copied().collect();
     let dims: Vec<usize> = all.iter().map(|c| size[c]).collect();
     let pos = |c: &char| all.iter().position(|x| x == c).unwrap_or(0);

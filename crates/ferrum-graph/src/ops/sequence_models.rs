@@ -81,7 +81,13 @@ fn linear_attention(cx: &Ctx) -> Result<Vec<Value>> {
     }
     let hq = cx.ai("q_num_heads", 0) as usize;
     let hk = cx.ai("kv_num_heads", 0) as usize;
-    if q.rank() != 3 || k.rank() != 3 || v.rank() != 3 || hq == 0 || hk == 0 || !hq.is_multiple_of(hk) {
+    if q.rank() != 3
+        || k.rank() != 3
+        || v.rank() != 3
+        || hq == 0
+        || hk == 0
+        || !hq.is_multiple_of(hk)
+    {
         kbail!("query/key/value must be 3-D with q_num_heads a multiple of kv_num_heads");
     }
     let (b, t) = (q.shape()[0], q.shape()[1]);

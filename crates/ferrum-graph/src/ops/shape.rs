@@ -22,6 +22,18 @@ pub fn take(t: &Tensor, idx: &[usize], shape: Vec<usize>) -> Result<Tensor> {
         let v = t.as_slice::<T>()?;
         Tensor::from_vec(shape, idx.iter().map(|&i| v[i].clone()).collect())
     }
+    if let Some(&bad) = idx.iter().find(|&&i| i >= t.len()) {
+        kbail!(
+            "element {bad} is out of range for a tensor of {:?}",
+            t.shape()
+        );
+    }
+    if let crate::tensor::Data::Code(dt, v) = t.data() {
+        return Tensor::new(
+            shape,
+            crate::tensor::Data::Code(*dt, idx.iter().map(|&i| v[i]).collect()),
+        );
+    }
     dispatch!(t.dtype(), all, go, t, idx, shape)
 }
 
@@ -40,6 +52,9 @@ fn take_or(
         fill: Option<&Tensor>,
     ) -> Result<Tensor> {
         let v = t.as_slice::<T>()?;
+        if idx.iter().flatten().any(|&i| i >= v.len()) {
+            kbail!("element out of range for a tensor of {:?}", t.shape());
+        }
         let f = match fill {
             Some(f) if !f.is_empty() => f.as_slice::<T>()?[0].clone(),
             _ => T::default(),

@@ -163,10 +163,16 @@ fn tfidf(cx: &Ctx) -> Result<Tensor> {
     };
     let pool: Vec<String> = match (cx.aints("pool_int64s"), cx.attr("pool_strings")) {
         (Some(p), _) => p.iter().map(|i| i.to_string()).collect(),
-        (None, Some(crate::ir::Attr::Strings(s))) => s.iter().map(|b| key(String::from_utf8_lossy(b).into_owned())).collect(),
+        (None, Some(crate::ir::Attr::Strings(s))) => s
+            .iter()
+            .map(|b| key(String::from_utf8_lossy(b).into_owned()))
+            .collect(),
         _ => kbail!("TfIdfVectorizer needs pool_int64s or pool_strings"),
     };
-    let (min_n, max_n) = (cx.ai("min_gram_length", 1) as usize, cx.ai("max_gram_length", 1) as usize);
+    let (min_n, max_n) = (
+        cx.ai("min_gram_length", 1) as usize,
+        cx.ai("max_gram_length", 1) as usize,
+    );
     let max_skip = cx.ai("max_skip_count", 0) as usize;
     let counts = cx.aints("ngram_counts").unwrap_or_default();
     let indexes = cx.aints("ngram_indexes").unwrap_or_default();
@@ -183,7 +189,10 @@ fn tfidf(cx: &Ctx) -> Result<Tensor> {
         let n = end.saturating_sub(start) / size;
         for k in 0..n {
             if size >= min_n && size <= max_n {
-                let out = *indexes.get(id).ok_or_else(|| crate::kerr!("ngram_indexes too short"))? as usize;
+                let out = *indexes
+                    .get(id)
+                    .ok_or_else(|| crate::kerr!("ngram_indexes too short"))?
+                    as usize;
                 grams.insert(pool[start + k * size..start + (k + 1) * size].to_vec(), out);
             }
             id += 1;
@@ -242,6 +251,10 @@ fn tfidf(cx: &Ctx) -> Result<Tensor> {
             }
         })
         .collect();
-    let shape = if batched { vec![rows, out_size] } else { vec![out_size] };
+    let shape = if batched {
+        vec![rows, out_size]
+    } else {
+        vec![out_size]
+    };
     crate::ops::elementwise::cast(&Tensor::from_vec(shape, y)?, crate::tensor::DType::F32)
 }
