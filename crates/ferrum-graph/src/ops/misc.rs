@@ -446,6 +446,104 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
         "MaxUnpool" => one(max_unpool(cx)?),
         "Col2Im" => one(col2im(cx)?),
         "NonMaxSuppression" => one(nms(cx)?),
+        "RoiAlign" => one(roi_align(cx)?),
         _ => Ok(None),
     }
+}
+
+/// RoiAlign: average or max of bilinear samples on a grid inside each region's output bins.
+fn roi_align(cx: &Ctx) -> Result<Tensor> {
+    let (x, rois, bidx) = (cx.t(0)?, cx.t(1)?, cx.t(2)?.to_i64_vec()?);
+    if x.rank() != 4 || rois.rank() != 2 || rois.shape()[1] != 4 || rois.shape()[0] != bidx.len() {
+        kbail!("RoiAlign expects X [N,C,H,W], rois [R,4] and R batch indices");
+    }
+    let (n, c, h, w) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let (oh, ow) = (cx.ai("output_height", 1).max(1) as usize, cx.ai("output_width", 1).max(1) as usize);
+    let ratio = cx.ai("sampling_ratio", 0);
+    let scale = cx.af("spatial_scale", 1.0) as f64;
+    let max_mode = cx.astr("mode", "avg").eq_ignore_ascii_case("max");
+    let half = cx.astr("coordinate_transformation_mode", "half_pixel").eq_ignore_ascii_case("half_pixel");
+    let xv = x.to_f64_vec()?;
+    let rv = rois.to_f64_vec()?;
+    let nr = bidx.len();
+    let mut out = vec![0f64; nr * c * oh * ow];
+    for r in 0..nr {
+        let b = bidx[r];
+        if b < 0 || b as usize >= n {
+            kbail!("batch index {b} out of range");
+        }
+        let off = if half { 0.5 } else { 0.0 };
+        let q = &rv[r * 4..r * 4 + 4];
+        let (sw, sh) = (q[0] * scale - off, q[1] * scale - off);
+        let (mut rw, mut rh) = (q[2] * scale - off - sw, q[3] * scale - off - sh);
+        if !half {
+            rw = rw.max(1.0);
+            rh = rh.max(1.0);
+        }
+        let (bh, bw) = (rh / oh as f64, rw / ow as f64);
+        let gh = if ratio > 0 { ratio as usize } else { (rh / oh as f64).ceil().max(0.0) as usize };
+        let gw = if ratio > 0 { ratio as usize } else { (rw / ow as f64).ceil().max(0.0) as usize };
+        if gh * gw > 1 << 20 {
+            kbail!("sampling grid too large");
+        }
+        let count = (gh * gw).max(1) as f64;
+        // bilinear taps of each sample point: (4 positions, 4 weights)
+        let mut taps: Vec<([usize; 4], [f64; 4])> = Vec::with_capacity(oh * ow * gh * gw);
+        for ph in 0..oh {
+            for pw in 0..ow {
+                for iy in 0..gh {
+                    let y = sh + ph as f64 * bh + (iy as f64 + 0.5) * bh / gh as f64;
+                    for ix in 0..gw {
+                        let mut xx = sw + pw as f64 * bw + (ix as f64 + 0.5) * bw / gw as f64;
+                        if y < -1.0 || y > h as f64 || xx < -1.0 || xx > w as f64 {
+                            taps.push(([0; 4], [0.0; 4]));
+                            continue;
+                        }
+                        let yy = y.max(0.0);
+                        xx = xx.max(0.0);
+                        let (mut yl, mut xl) = (yy as usize, xx as usize);
+                        let (yh, xh);
+                        let mut yv = yy;
+                        if yl >= h - 1 {
+                            yl = h - 1;
+                            yh = h - 1;
+                            yv = yl as f64;
+                        } else {
+                            yh = yl + 1;
+                        }
+                        if xl >= w - 1 {
+                            xl = w - 1;
+                            xh = w - 1;
+                            xx = xl as f64;
+                        } else {
+                            xh = xl + 1;
+                        }
+                        let (ly, lx) = (yv - yl as f64, xx - xl as f64);
+                        let (hy, hx) = (1.0 - ly, 1.0 - lx);
+                        taps.push(([yl * w + xl, yl * w + xh, yh * w + xl, yh * w + xh], [hy * hx, hy * lx, ly * hx, ly * lx]));
+                    }
+                }
+            }
+        }
+        for ch in 0..c {
+            let base = (b as usize * c + ch) * h * w;
+            let mut k = 0;
+            for p in 0..oh * ow {
+                let mut acc: Option<f64> = None;
+                let mut sum = 0.0;
+                for _ in 0..gh * gw {
+                    let (pos, wt) = taps[k];
+                    k += 1;
+                    if max_mode {
+                        let v = (0..4).map(|t| wt[t] * xv[base + pos[t]]).fold(f64::NEG_INFINITY, f64::max);
+                        acc = Some(acc.map_or(v, |a| a.max(v)));
+                    } else {
+                        sum += (0..4).map(|t| wt[t] * xv[base + pos[t]]).sum::<f64>();
+                    }
+                }
+                out[(r * c + ch) * oh * ow + p] = if max_mode { acc.unwrap_or(0.0) } else { sum / count };
+            }
+        }
+    }
+    cast(&Tensor::from_vec(vec![nr, c, oh, ow], out)?, x.dtype())
 }
