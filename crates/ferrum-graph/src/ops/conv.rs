@@ -426,6 +426,7 @@ fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
 pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
     let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
     match cx.node.op.as_str() {
+        "DeformConv" => one(deform_conv(cx)?),
         "Conv" => one(conv(cx, false)?),
         "ConvInteger" => one(conv(cx, true)?),
         "ConvTranspose" => one(conv_transpose(cx)?),
@@ -437,4 +438,75 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
         "GlobalLpPool" => pool(cx, Pool::Lp(cx.ai("p", 2) as f64), true).map(Some),
         _ => Ok(None),
     }
+}
+
+/// DeformConv (2-D): each kernel tap samples X bilinearly at its offset position (zero outside),
+/// scaled by the optional mask.
+pub fn deform_conv(cx: &Ctx) -> Result<Tensor> {
+    let (x, w, off) = (cx.t(0)?, cx.t(1)?, cx.t(2)?);
+    if x.rank() != 4 || w.rank() != 4 || off.rank() != 4 {
+        return Err(unsupported("DeformConv other than 2-D"));
+    }
+    let (n, ic, ih, iw) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let (oc, icg, kh, kw) = (w.shape()[0], w.shape()[1], w.shape()[2], w.shape()[3]);
+    let group = cx.ai("group", 1).max(1) as usize;
+    let og = cx.ai("offset_group", 1).max(1) as usize;
+    let st = cx.aints("strides").unwrap_or(vec![1, 1]);
+    let dl = cx.aints("dilations").unwrap_or(vec![1, 1]);
+    let pads = cx.aints("pads").unwrap_or(vec![0; 4]);
+    let (oh, ow) = (off.shape()[2], off.shape()[3]);
+    if icg * group != ic || oc % group != 0 || ic % og != 0 || off.shape()[1] != og * kh * kw * 2 || off.shape()[0] != n {
+        kbail!("DeformConv shapes disagree: X {:?}, W {:?}, offset {:?}", x.shape(), w.shape(), off.shape());
+    }
+    let (xv, wv, ov) = (x.to_f64_vec()?, w.to_f64_vec()?, off.to_f64_vec()?);
+    let bias = cx.opt(3).map(|t| t.to_f64_vec()).transpose()?;
+    let mask = cx.opt(4).map(|t| t.to_f64_vec()).transpose()?;
+    if mask.as_ref().is_some_and(|m| m.len() != n * og * kh * kw * oh * ow) {
+        kbail!("mask has the wrong size");
+    }
+    let ocg = oc / group;
+    let icog = ic / og;
+    let sample = |plane: &[f64], y: f64, xx: f64| -> f64 {
+        let (y0, x0) = (y.floor(), xx.floor());
+        let (fy, fx) = (y - y0, xx - x0);
+        let at = |r: f64, c: f64| -> f64 {
+            if r < 0.0 || c < 0.0 || r >= ih as f64 || c >= iw as f64 {
+                0.0
+            } else {
+                plane[r as usize * iw + c as usize]
+            }
+        };
+        at(y0, x0) * (1.0 - fy) * (1.0 - fx) + at(y0, x0 + 1.0) * (1.0 - fy) * fx + at(y0 + 1.0, x0) * fy * (1.0 - fx) + at(y0 + 1.0, x0 + 1.0) * fy * fx
+    };
+    let mut out = vec![0f64; n * oc * oh * ow];
+    for b in 0..n {
+        for o in 0..oc {
+            for i in 0..oh {
+                for j in 0..ow {
+                    let mut s = bias.as_ref().map_or(0.0, |bv| bv[o]);
+                    for c in 0..ic {
+                        if c / icg != o / ocg {
+                            continue;
+                        }
+                        let g = c / icog;
+                        let plane = &xv[(b * ic + c) * ih * iw..][..ih * iw];
+                        for p in 0..kh {
+                            for q in 0..kw {
+                                let k = (g * kh + p) * kw + q;
+                                let oy = ov[((b * og * kh * kw + k) * 2 * oh + i) * ow + j];
+                                let ox = ov[(((b * og * kh * kw + k) * 2 + 1) * oh + i) * ow + j];
+                                let y = (-pads[0] + st[0] * i as i64 + p as i64 * dl[0]) as f64 + oy;
+                                let xx = (-pads[1] + st[1] * j as i64 + q as i64 * dl[1]) as f64 + ox;
+                                let m = mask.as_ref().map_or(1.0, |m| m[((b * og * kh * kw + k) * oh + i) * ow + j]);
+                                let v = sample(plane, y as f32 as f64, xx as f32 as f64);
+                                s += v * wv[((o * icg + c % icg) * kh + p) * kw + q] * m;
+                            }
+                        }
+                    }
+                    out[((b * oc + o) * oh + i) * ow + j] = s;
+                }
+            }
+        }
+    }
+    f64_tensor(vec![n, oc, oh, ow], out, x.dtype())
 }
