@@ -92,45 +92,33 @@ fn loop_op(cx: &Ctx) -> Result<Vec<Value>> {
     Ok(res)
 }
 
-fn scan_op(cx: &Ctx) -> Result<Vec<Value>> {
-    if cx.opset() < 9 {
-        return Err(unsupported("Scan-8 (batched form)"));
-    }
-    let body = graph_attr(cx, "body")?;
-    let m = cx.ai("num_scan_inputs", 0) as usize;
-    let n_in = cx.n_in();
-    let n_state = n_in
-        .checked_sub(m)
-        .ok_or_else(|| crate::kerr!("num_scan_inputs too large"))?;
+/// Axes and directions of a Scan's scan inputs and outputs.
+struct ScanDirs {
+    in_axes: Vec<i64>,
+    in_dirs: Vec<i64>,
+    out_axes: Vec<i64>,
+    out_dirs: Vec<i64>,
+}
+
+/// One Scan-9 run: iterate `body` over slices of `scans`, threading `state`. Returns the final
+/// state followed by the stacked scan outputs.
+fn scan_loop(cx: &Ctx, body: &Graph, mut state: Vec<Value>, scans: &[&Tensor], d: &ScanDirs) -> Result<Vec<Value>> {
+    let n_state = state.len();
     let k = body.outputs.len().saturating_sub(n_state);
-    let in_axes = cx.aints("scan_input_axes").unwrap_or(vec![0; m]);
-    let in_dirs = cx.aints("scan_input_directions").unwrap_or(vec![0; m]);
-    let out_axes = cx.aints("scan_output_axes").unwrap_or(vec![0; k]);
-    let out_dirs = cx.aints("scan_output_directions").unwrap_or(vec![0; k]);
-    let mut state: Vec<Value> = (0..n_state)
-        .map(|i| {
-            Ok(cx
-                .value(i)
-                .ok_or_else(|| crate::kerr!("state {i} missing"))?
-                .clone())
-        })
-        .collect::<Result<_>>()?;
-    let scans: Vec<&Tensor> = (0..m).map(|j| cx.t(n_state + j)).collect::<Result<_>>()?;
     let axes: Vec<usize> = scans
         .iter()
-        .zip(&in_axes)
-        .map(|(t, &a)| axis(a, t.rank()))
+        .enumerate()
+        .map(|(j, t)| axis(d.in_axes.get(j).copied().unwrap_or(0), t.rank()))
         .collect::<Result<_>>()?;
     let len = scans.first().map_or(0, |t| t.shape()[axes[0]]);
+    if scans.iter().zip(&axes).any(|(t, &a)| t.shape()[a] != len) {
+        kbail!("scan inputs differ in length");
+    }
     let mut outs: Vec<Vec<Tensor>> = vec![Vec::new(); k];
     for it in 0..len {
         let mut ins: Vec<Option<Value>> = state.iter().cloned().map(Some).collect();
         for (j, t) in scans.iter().enumerate() {
-            let pos = if in_dirs.get(j).copied().unwrap_or(0) == 1 {
-                len - 1 - it
-            } else {
-                it
-            };
+            let pos = if d.in_dirs.get(j).copied().unwrap_or(0) == 1 { len - 1 - it } else { it };
             let s = narrow(t, axes[j], pos, 1)?;
             let mut shape = s.shape().to_vec();
             shape.remove(axes[j]);
@@ -144,22 +132,72 @@ fn scan_op(cx: &Ctx) -> Result<Vec<Value>> {
     }
     let mut result = state;
     for (j, mut parts) in outs.into_iter().enumerate() {
-        if out_dirs.get(j).copied().unwrap_or(0) == 1 {
+        if d.out_dirs.get(j).copied().unwrap_or(0) == 1 {
             parts.reverse();
         }
         let st = stack(&parts, 0)?;
-        let r = st.rank() as i64;
-        let a = axis(out_axes.get(j).copied().unwrap_or(0), r as usize)?;
+        let r = st.rank();
+        let a = axis(d.out_axes.get(j).copied().unwrap_or(0), r)?;
         let t = if a == 0 {
             st
         } else {
-            let mut perm: Vec<usize> = (1..r as usize).collect();
+            let mut perm: Vec<usize> = (1..r).collect();
             perm.insert(a, 0);
             transpose_t(&st, &perm)?
         };
         result.push(Value::Tensor(t));
     }
     Ok(result)
+}
+
+fn scan_op(cx: &Ctx) -> Result<Vec<Value>> {
+    let body = graph_attr(cx, "body")?;
+    let m = cx.ai("num_scan_inputs", 0) as usize;
+    // Scan-8 has a leading (optional) sequence_lens input and a batch dim on everything.
+    let first = if cx.opset() < 9 { 1 } else { 0 };
+    let n_state = cx
+        .n_in()
+        .checked_sub(m + first)
+        .ok_or_else(|| crate::kerr!("num_scan_inputs too large"))?;
+    let k = body.outputs.len().saturating_sub(n_state);
+    let state: Vec<Value> = (0..n_state)
+        .map(|i| Ok(cx.value(first + i).ok_or_else(|| crate::kerr!("state {i} missing"))?.clone()))
+        .collect::<Result<_>>()?;
+    let scans: Vec<&Tensor> = (0..m).map(|j| cx.t(first + n_state + j)).collect::<Result<_>>()?;
+    if cx.opset() >= 9 {
+        let d = ScanDirs {
+            in_axes: cx.aints("scan_input_axes").unwrap_or(vec![0; m]),
+            in_dirs: cx.aints("scan_input_directions").unwrap_or(vec![0; m]),
+            out_axes: cx.aints("scan_output_axes").unwrap_or(vec![0; k]),
+            out_dirs: cx.aints("scan_output_directions").unwrap_or(vec![0; k]),
+        };
+        return scan_loop(cx, body, state, &scans, &d);
+    }
+    if cx.opt(0).is_some() {
+        return Err(unsupported("Scan-8 with sequence_lens"));
+    }
+    let d = ScanDirs {
+        in_axes: vec![0; m],
+        in_dirs: cx.aints("directions").unwrap_or(vec![0; m]),
+        out_axes: vec![0; k],
+        out_dirs: vec![0; k],
+    };
+    let batch = scans.first().map_or(1, |t| t.shape().first().copied().unwrap_or(1));
+    let row = |t: &Tensor, b: usize| -> Result<Tensor> {
+        let s = narrow(t, 0, b, 1)?;
+        let shape = s.shape()[1..].to_vec();
+        s.reshape(shape)
+    };
+    let mut per_batch: Vec<Vec<Tensor>> = vec![Vec::new(); n_state + k];
+    for b in 0..batch {
+        let st: Vec<Value> = state.iter().map(|v| Ok(Value::Tensor(row(v.tensor()?, b)?))).collect::<Result<_>>()?;
+        let sc: Vec<Tensor> = scans.iter().map(|t| row(t, b)).collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = sc.iter().collect();
+        for (j, v) in scan_loop(cx, body, st, &refs, &d)?.into_iter().enumerate() {
+            per_batch[j].push(v.into_tensor()?);
+        }
+    }
+    per_batch.iter().map(|parts| Ok(Value::Tensor(stack(parts, 0)?))).collect()
 }
 
 fn seq<'a>(cx: &Ctx<'a>, i: usize) -> Result<&'a Vec<Tensor>> {
