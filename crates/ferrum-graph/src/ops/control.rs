@@ -102,7 +102,13 @@ struct ScanDirs {
 
 /// One Scan-9 run: iterate `body` over slices of `scans`, threading `state`. Returns the final
 /// state followed by the stacked scan outputs.
-fn scan_loop(cx: &Ctx, body: &Graph, mut state: Vec<Value>, scans: &[&Tensor], d: &ScanDirs) -> Result<Vec<Value>> {
+fn scan_loop(
+    cx: &Ctx,
+    body: &Graph,
+    mut state: Vec<Value>,
+    scans: &[&Tensor],
+    d: &ScanDirs,
+) -> Result<Vec<Value>> {
     let n_state = state.len();
     let k = body.outputs.len().saturating_sub(n_state);
     let axes: Vec<usize> = scans
@@ -118,7 +124,11 @@ fn scan_loop(cx: &Ctx, body: &Graph, mut state: Vec<Value>, scans: &[&Tensor], d
     for it in 0..len {
         let mut ins: Vec<Option<Value>> = state.iter().cloned().map(Some).collect();
         for (j, t) in scans.iter().enumerate() {
-            let pos = if d.in_dirs.get(j).copied().unwrap_or(0) == 1 { len - 1 - it } else { it };
+            let pos = if d.in_dirs.get(j).copied().unwrap_or(0) == 1 {
+                len - 1 - it
+            } else {
+                it
+            };
             let s = narrow(t, axes[j], pos, 1)?;
             let mut shape = s.shape().to_vec();
             shape.remove(axes[j]);
@@ -161,9 +171,16 @@ fn scan_op(cx: &Ctx) -> Result<Vec<Value>> {
         .ok_or_else(|| crate::kerr!("num_scan_inputs too large"))?;
     let k = body.outputs.len().saturating_sub(n_state);
     let state: Vec<Value> = (0..n_state)
-        .map(|i| Ok(cx.value(first + i).ok_or_else(|| crate::kerr!("state {i} missing"))?.clone()))
+        .map(|i| {
+            Ok(cx
+                .value(first + i)
+                .ok_or_else(|| crate::kerr!("state {i} missing"))?
+                .clone())
+        })
         .collect::<Result<_>>()?;
-    let scans: Vec<&Tensor> = (0..m).map(|j| cx.t(first + n_state + j)).collect::<Result<_>>()?;
+    let scans: Vec<&Tensor> = (0..m)
+        .map(|j| cx.t(first + n_state + j))
+        .collect::<Result<_>>()?;
     if cx.opset() >= 9 {
         let d = ScanDirs {
             in_axes: cx.aints("scan_input_axes").unwrap_or(vec![0; m]),
@@ -182,7 +199,9 @@ fn scan_op(cx: &Ctx) -> Result<Vec<Value>> {
         out_axes: vec![0; k],
         out_dirs: vec![0; k],
     };
-    let batch = scans.first().map_or(1, |t| t.shape().first().copied().unwrap_or(1));
+    let batch = scans
+        .first()
+        .map_or(1, |t| t.shape().first().copied().unwrap_or(1));
     let row = |t: &Tensor, b: usize| -> Result<Tensor> {
         let s = narrow(t, 0, b, 1)?;
         let shape = s.shape()[1..].to_vec();
@@ -190,14 +209,20 @@ fn scan_op(cx: &Ctx) -> Result<Vec<Value>> {
     };
     let mut per_batch: Vec<Vec<Tensor>> = vec![Vec::new(); n_state + k];
     for b in 0..batch {
-        let st: Vec<Value> = state.iter().map(|v| Ok(Value::Tensor(row(v.tensor()?, b)?))).collect::<Result<_>>()?;
+        let st: Vec<Value> = state
+            .iter()
+            .map(|v| Ok(Value::Tensor(row(v.tensor()?, b)?)))
+            .collect::<Result<_>>()?;
         let sc: Vec<Tensor> = scans.iter().map(|t| row(t, b)).collect::<Result<_>>()?;
         let refs: Vec<&Tensor> = sc.iter().collect();
         for (j, v) in scan_loop(cx, body, st, &refs, &d)?.into_iter().enumerate() {
             per_batch[j].push(v.into_tensor()?);
         }
     }
-    per_batch.iter().map(|parts| Ok(Value::Tensor(stack(parts, 0)?))).collect()
+    per_batch
+        .iter()
+        .map(|parts| Ok(Value::Tensor(stack(parts, 0)?)))
+        .collect()
 }
 
 fn seq<'a>(cx: &Ctx<'a>, i: usize) -> Result<&'a Vec<Tensor>> {

@@ -101,8 +101,45 @@ fn indices(shape: &[usize]) -> Vec<Vec<usize>> {
         .collect()
 }
 
-fn conv(cx: &Ctx, integer: bool) -> Result<Tensor> {
-    let (x, w) = (cx.t(0)?, cx.t(1)?);
+/// Conv's three forms: float, ConvInteger (zero points, int32 out), QLinearConv (quantized in
+/// and out).
+#[derive(Clone, Copy, PartialEq)]
+enum ConvKind {
+    Float,
+    Integer,
+    QLinear,
+}
+
+/// `(w - zero_point) * scale` with per-output-channel (dim 0) or scalar parameters.
+fn per_channel(w: &Tensor, zp: Option<&Tensor>, scale: Option<&Tensor>) -> Result<Vec<f64>> {
+    let m = w.shape().first().copied().unwrap_or(1).max(1);
+    let per = w.len() / m;
+    let pick = |v: &[f64], i: usize| -> Result<f64> {
+        match v.len() {
+            1 => Ok(v[0]),
+            l if l == m => Ok(v[i / per.max(1)]),
+            l => kbail!("{l} per-channel parameters for {m} channels"),
+        }
+    };
+    let z = zp.map(|t| t.to_f64_vec()).transpose()?;
+    let s = scale.map(|t| t.to_f64_vec()).transpose()?;
+    let mut wv = w.to_f64_vec()?;
+    for (i, e) in wv.iter_mut().enumerate() {
+        if let Some(z) = &z {
+            *e -= pick(z, i)?;
+        }
+        if let Some(s) = &s {
+            *e *= pick(s, i)?;
+        }
+    }
+    Ok(wv)
+}
+
+fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
+    let (x, w) = (
+        cx.t(0)?,
+        cx.t(if kind == ConvKind::QLinear { 3 } else { 1 })?,
+    );
     if x.rank() < 3 || w.rank() != x.rank() {
         kbail!(
             "Conv expects X and W of equal rank >= 3, got {:?} and {:?}",
@@ -123,25 +160,47 @@ fn conv(cx: &Ctx, integer: bool) -> Result<Tensor> {
     }
     let k: Vec<usize> = w.shape()[2..].to_vec();
     let g = geom(cx, &x.shape()[2..], &k, false)?;
-    let (xv, wv) = if integer {
-        // Weight zero points are per output channel (dim 0).
-        let mut wv = w.to_f64_vec()?;
-        if let Some(z) = cx.opt(3) {
-            let z = z.to_f64_vec()?;
-            let per = w.len() / m.max(1);
-            for (i, e) in wv.iter_mut().enumerate() {
-                *e -= z[if z.len() == 1 { 0 } else { i / per }];
-            }
+    let (xv, wv, bias) = match kind {
+        // Weight zero points (and scales) are per output channel (dim 0).
+        ConvKind::Integer => (
+            minus_zp(x, cx.opt(2), false)?,
+            per_channel(w, cx.opt(3), None)?,
+            None,
+        ),
+        ConvKind::Float => (
+            x.to_f64_vec()?,
+            w.to_f64_vec()?,
+            cx.opt(2).map(|b| b.to_f64_vec()).transpose()?,
+        ),
+        ConvKind::QLinear => {
+            let xs = cx.t(1)?.scalar_f64()?;
+            let xv: Vec<f64> = minus_zp(x, cx.opt(2), false)?
+                .iter()
+                .map(|v| v * xs)
+                .collect();
+            let wv = per_channel(w, cx.opt(5), Some(cx.t(4)?))?;
+            // int32 bias is in units of x_scale * w_scale
+            let ws = per_channel(
+                &Tensor::from_vec(vec![m], vec![1f64; m])?,
+                None,
+                Some(cx.t(4)?),
+            )?;
+            let bias = cx.opt(8).map(|b| -> Result<Vec<f64>> {
+                Ok(b.to_f64_vec()?
+                    .iter()
+                    .enumerate()
+                    .map(|(o, v)| v * xs * ws[o.min(m - 1)])
+                    .collect())
+            });
+            (xv, wv, bias.transpose()?)
         }
-        (minus_zp(x, cx.opt(2), false)?, wv)
-    } else {
-        (x.to_f64_vec()?, w.to_f64_vec()?)
     };
-    let bias = if integer {
-        None
-    } else {
-        cx.opt(2).map(|b| b.to_f64_vec()).transpose()?
-    };
+    if bias.as_ref().is_some_and(|b| b.len() != m) {
+        kbail!(
+            "bias has {} entries for {m} output channels",
+            bias.as_ref().map_or(0, Vec::len)
+        );
+    }
     let osp: usize = g.outs.iter().product();
     let isp: usize = g.ins.iter().product();
     let ksp: usize = k.iter().product();
@@ -181,8 +240,25 @@ fn conv(cx: &Ctx, integer: bool) -> Result<Tensor> {
     }
     let mut shape = vec![n, m];
     shape.extend_from_slice(&g.outs);
-    let _ = nd;
-    f64_tensor(shape, out, if integer { DType::I32 } else { x.dtype() })
+    match kind {
+        ConvKind::Float => f64_tensor(shape, out, x.dtype()),
+        ConvKind::Integer => f64_tensor(shape, out, DType::I32),
+        ConvKind::QLinear => {
+            let ys = cx.t(6)?.scalar_f64()?;
+            let yz = cx.t(7)?;
+            let zv = yz.scalar_f64()?;
+            let (lo, hi) = if yz.dtype() == DType::I8 {
+                (-128.0, 127.0)
+            } else {
+                (0.0, 255.0)
+            };
+            let q = out
+                .iter()
+                .map(|&v| ((v / ys).round_ties_even() + zv).clamp(lo, hi))
+                .collect();
+            f64_tensor(shape, q, yz.dtype())
+        }
+    }
 }
 
 fn conv_transpose(cx: &Ctx) -> Result<Tensor> {
@@ -427,8 +503,9 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
     let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
     match cx.node.op.as_str() {
         "DeformConv" => one(deform_conv(cx)?),
-        "Conv" => one(conv(cx, false)?),
-        "ConvInteger" => one(conv(cx, true)?),
+        "Conv" => one(conv(cx, ConvKind::Float)?),
+        "ConvInteger" => one(conv(cx, ConvKind::Integer)?),
+        "QLinearConv" => one(conv(cx, ConvKind::QLinear)?),
         "ConvTranspose" => one(conv_transpose(cx)?),
         "MaxPool" => pool(cx, Pool::Max, false).map(Some),
         "AveragePool" => pool(cx, Pool::Avg, false).map(Some),
@@ -455,13 +532,26 @@ pub fn deform_conv(cx: &Ctx) -> Result<Tensor> {
     let dl = cx.aints("dilations").unwrap_or(vec![1, 1]);
     let pads = cx.aints("pads").unwrap_or(vec![0; 4]);
     let (oh, ow) = (off.shape()[2], off.shape()[3]);
-    if icg * group != ic || oc % group != 0 || ic % og != 0 || off.shape()[1] != og * kh * kw * 2 || off.shape()[0] != n {
-        kbail!("DeformConv shapes disagree: X {:?}, W {:?}, offset {:?}", x.shape(), w.shape(), off.shape());
+    if icg * group != ic
+        || oc % group != 0
+        || ic % og != 0
+        || off.shape()[1] != og * kh * kw * 2
+        || off.shape()[0] != n
+    {
+        kbail!(
+            "DeformConv shapes disagree: X {:?}, W {:?}, offset {:?}",
+            x.shape(),
+            w.shape(),
+            off.shape()
+        );
     }
     let (xv, wv, ov) = (x.to_f64_vec()?, w.to_f64_vec()?, off.to_f64_vec()?);
     let bias = cx.opt(3).map(|t| t.to_f64_vec()).transpose()?;
     let mask = cx.opt(4).map(|t| t.to_f64_vec()).transpose()?;
-    if mask.as_ref().is_some_and(|m| m.len() != n * og * kh * kw * oh * ow) {
+    if mask
+        .as_ref()
+        .is_some_and(|m| m.len() != n * og * kh * kw * oh * ow)
+    {
         kbail!("mask has the wrong size");
     }
     let ocg = oc / group;
@@ -476,7 +566,10 @@ pub fn deform_conv(cx: &Ctx) -> Result<Tensor> {
                 plane[r as usize * iw + c as usize]
             }
         };
-        at(y0, x0) * (1.0 - fy) * (1.0 - fx) + at(y0, x0 + 1.0) * (1.0 - fy) * fx + at(y0 + 1.0, x0) * fy * (1.0 - fx) + at(y0 + 1.0, x0 + 1.0) * fy * fx
+        at(y0, x0) * (1.0 - fy) * (1.0 - fx)
+            + at(y0, x0 + 1.0) * (1.0 - fy) * fx
+            + at(y0 + 1.0, x0) * fy * (1.0 - fx)
+            + at(y0 + 1.0, x0 + 1.0) * fy * fx
     };
     let mut out = vec![0f64; n * oc * oh * ow];
     for b in 0..n {
@@ -495,9 +588,13 @@ pub fn deform_conv(cx: &Ctx) -> Result<Tensor> {
                                 let k = (g * kh + p) * kw + q;
                                 let oy = ov[((b * og * kh * kw + k) * 2 * oh + i) * ow + j];
                                 let ox = ov[(((b * og * kh * kw + k) * 2 + 1) * oh + i) * ow + j];
-                                let y = (-pads[0] + st[0] * i as i64 + p as i64 * dl[0]) as f64 + oy;
-                                let xx = (-pads[1] + st[1] * j as i64 + q as i64 * dl[1]) as f64 + ox;
-                                let m = mask.as_ref().map_or(1.0, |m| m[((b * og * kh * kw + k) * oh + i) * ow + j]);
+                                let y =
+                                    (-pads[0] + st[0] * i as i64 + p as i64 * dl[0]) as f64 + oy;
+                                let xx =
+                                    (-pads[1] + st[1] * j as i64 + q as i64 * dl[1]) as f64 + ox;
+                                let m = mask
+                                    .as_ref()
+                                    .map_or(1.0, |m| m[((b * og * kh * kw + k) * oh + i) * ow + j]);
                                 let v = sample(plane, y as f32 as f64, xx as f32 as f64);
                                 s += v * wv[((o * icg + c % icg) * kh + p) * kw + q] * m;
                             }

@@ -458,11 +458,16 @@ fn roi_align(cx: &Ctx) -> Result<Tensor> {
         kbail!("RoiAlign expects X [N,C,H,W], rois [R,4] and R batch indices");
     }
     let (n, c, h, w) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
-    let (oh, ow) = (cx.ai("output_height", 1).max(1) as usize, cx.ai("output_width", 1).max(1) as usize);
+    let (oh, ow) = (
+        cx.ai("output_height", 1).max(1) as usize,
+        cx.ai("output_width", 1).max(1) as usize,
+    );
     let ratio = cx.ai("sampling_ratio", 0);
     let scale = cx.af("spatial_scale", 1.0) as f64;
     let max_mode = cx.astr("mode", "avg").eq_ignore_ascii_case("max");
-    let half = cx.astr("coordinate_transformation_mode", "half_pixel").eq_ignore_ascii_case("half_pixel");
+    let half = cx
+        .astr("coordinate_transformation_mode", "half_pixel")
+        .eq_ignore_ascii_case("half_pixel");
     let xv = x.to_f64_vec()?;
     let rv = rois.to_f64_vec()?;
     let nr = bidx.len();
@@ -481,8 +486,16 @@ fn roi_align(cx: &Ctx) -> Result<Tensor> {
             rh = rh.max(1.0);
         }
         let (bh, bw) = (rh / oh as f64, rw / ow as f64);
-        let gh = if ratio > 0 { ratio as usize } else { (rh / oh as f64).ceil().max(0.0) as usize };
-        let gw = if ratio > 0 { ratio as usize } else { (rw / ow as f64).ceil().max(0.0) as usize };
+        let gh = if ratio > 0 {
+            ratio as usize
+        } else {
+            (rh / oh as f64).ceil().max(0.0) as usize
+        };
+        let gw = if ratio > 0 {
+            ratio as usize
+        } else {
+            (rw / ow as f64).ceil().max(0.0) as usize
+        };
         if gh * gw > 1 << 20 {
             kbail!("sampling grid too large");
         }
@@ -520,7 +533,10 @@ fn roi_align(cx: &Ctx) -> Result<Tensor> {
                         }
                         let (ly, lx) = (yv - yl as f64, xx - xl as f64);
                         let (hy, hx) = (1.0 - ly, 1.0 - lx);
-                        taps.push(([yl * w + xl, yl * w + xh, yh * w + xl, yh * w + xh], [hy * hx, hy * lx, ly * hx, ly * lx]));
+                        taps.push((
+                            [yl * w + xl, yl * w + xh, yh * w + xl, yh * w + xh],
+                            [hy * hx, hy * lx, ly * hx, ly * lx],
+                        ));
                     }
                 }
             }
@@ -535,13 +551,19 @@ fn roi_align(cx: &Ctx) -> Result<Tensor> {
                     let (pos, wt) = taps[k];
                     k += 1;
                     if max_mode {
-                        let v = (0..4).map(|t| wt[t] * xv[base + pos[t]]).fold(f64::NEG_INFINITY, f64::max);
+                        let v = (0..4)
+                            .map(|t| wt[t] * xv[base + pos[t]])
+                            .fold(f64::NEG_INFINITY, f64::max);
                         acc = Some(acc.map_or(v, |a| a.max(v)));
                     } else {
                         sum += (0..4).map(|t| wt[t] * xv[base + pos[t]]).sum::<f64>();
                     }
                 }
-                out[(r * c + ch) * oh * ow + p] = if max_mode { acc.unwrap_or(0.0) } else { sum / count };
+                out[(r * c + ch) * oh * ow + p] = if max_mode {
+                    acc.unwrap_or(0.0)
+                } else {
+                    sum / count
+                };
             }
         }
     }
