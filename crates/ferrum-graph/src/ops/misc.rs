@@ -267,34 +267,90 @@ fn unique(cx: &Ctx) -> Result<Vec<Value>> {
 
 fn max_unpool(cx: &Ctx) -> Result<Tensor> {
     let (x, ind) = (cx.t(0)?, cx.t(1)?);
-    let nd = x.rank() - 2;
+    let nd = x
+        .rank()
+        .checked_sub(2)
+        .ok_or_else(|| crate::kerr!("X must have rank >= 3"))?;
     let k = cx
         .aints("kernel_shape")
         .ok_or_else(|| crate::kerr!("kernel_shape is required"))?;
     let s = cx.aints("strides").unwrap_or(vec![1; nd]);
     let p = cx.aints("pads").unwrap_or(vec![0; 2 * nd]);
-    let shape: Vec<usize> = match cx.opt(2) {
-        Some(t) => t.to_i64_vec()?.iter().map(|&v| v as usize).collect(),
-        None => {
-            let mut sh = x.shape()[..2].to_vec();
-            for i in 0..nd {
-                sh.push(
-                    ((x.shape()[i + 2] as i64 - 1) * s[i] + k[i] - p[i] - p[i + nd]).max(0)
-                        as usize,
-                );
-            }
-            sh
-        }
-    };
-    let n: usize = shape.iter().product();
-    let mut out = vec![0f64; n];
+    if k.len() != nd || s.len() != nd || p.len() != 2 * nd {
+        kbail!("kernel_shape, strides or pads do not match {nd} spatial dims");
+    }
+    // Scatter into the inferred shape, then place it at the origin of output_shape.
+    let mut inferred = x.shape()[..2].to_vec();
+    for i in 0..nd {
+        inferred
+            .push(((x.shape()[i + 2] as i64 - 1) * s[i] + k[i] - p[i] - p[i + nd]).max(0) as usize);
+    }
+    let n: usize = inferred.iter().product();
+    let mut y = vec![0f64; n];
     for (v, &i) in x.to_f64_vec()?.iter().zip(&ind.to_i64_vec()?) {
         if i < 0 || i as usize >= n {
             kbail!("index {i} out of range");
         }
-        out[i as usize] = *v;
+        y[i as usize] = *v;
+    }
+    let shape: Vec<usize> = match cx.opt(2) {
+        Some(t) => t.to_i64_vec()?.iter().map(|&v| v.max(0) as usize).collect(),
+        None => inferred.clone(),
+    };
+    if shape.len() != inferred.len() || shape.iter().zip(&inferred).any(|(a, b)| a < b) {
+        kbail!("output_shape {shape:?} is smaller than {inferred:?}");
+    }
+    let mut out = vec![0f64; shape.iter().product()];
+    let (is, os) = (strides(&inferred), strides(&shape));
+    for (i, v) in y.into_iter().enumerate() {
+        let o: usize = (0..shape.len())
+            .map(|d| (i / is[d]) % inferred[d] * os[d])
+            .sum();
+        out[o] = v;
     }
     cast(&Tensor::from_vec(shape, out)?, x.dtype())
+}
+
+fn mel_weight_matrix(cx: &Ctx) -> Result<Tensor> {
+    let bins = cx.t(0)?.scalar_i64()?.max(0) as usize;
+    let dft = cx.t(1)?.scalar_i64()?.max(0);
+    let rate = cx.t(2)?.scalar_f64()?;
+    let (lo, hi) = (cx.t(3)?.scalar_f64()?, cx.t(4)?.scalar_f64()?);
+    let spec = (dft / 2 + 1) as usize;
+    if bins > 1 << 16 || spec > 1 << 24 {
+        kbail!("MelWeightMatrix too large");
+    }
+    let mel = |f: f64| 2595.0 * (f / 700.0).ln_1p() / 10f64.ln();
+    let (ml, mh) = (mel(lo), mel(hi));
+    let step = (mh - ml) / (bins + 2) as f64;
+    let fb: Vec<usize> = (0..bins + 2)
+        .map(|i| {
+            let hz = 700.0 * ((i as f64 * step + ml) / 2595.0 * 10f64.ln()).exp_m1();
+            (((dft + 1) as f64 * hz) / rate).floor().max(0.0) as usize
+        })
+        .collect();
+    let mut out = vec![0f64; spec * bins];
+    let mut set = |j: usize, i: usize, v: f64| {
+        if j < spec {
+            out[j * bins + i] = v;
+        }
+    };
+    for i in 0..bins {
+        let (l, c, h) = (fb[i], fb[i + 1], fb[i + 2]);
+        if c == l {
+            set(c, i, 1.0);
+        } else {
+            for j in l..=c {
+                set(j, i, (j - l) as f64 / (c - l) as f64);
+            }
+        }
+        for j in c..h {
+            set(j, i, (h - j) as f64 / (h - c) as f64);
+        }
+    }
+    let dt = DType::from_onnx(cx.ai("output_datatype", 1) as i32)
+        .ok_or_else(|| unsupported("output_datatype"))?;
+    cast(&Tensor::from_vec(vec![spec, bins], out)?, dt)
 }
 
 fn col2im(cx: &Ctx) -> Result<Tensor> {
@@ -447,6 +503,7 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
         "Col2Im" => one(col2im(cx)?),
         "NonMaxSuppression" => one(nms(cx)?),
         "RoiAlign" => one(roi_align(cx)?),
+        "MelWeightMatrix" => one(mel_weight_matrix(cx)?),
         _ => Ok(None),
     }
 }
