@@ -2,6 +2,7 @@
 
 mod cmd;
 mod common;
+mod onnx_run;
 
 use clap::{Parser, Subcommand};
 
@@ -28,6 +29,10 @@ enum Command {
     Profile(cmd::profile::Args),
     /// Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
     Serve(cmd::serve::Args),
+    /// Run an ONNX model on inputs from ONNX test data (.pb) or NumPy (.npy) files.
+    Run(onnx_run::RunArgs),
+    /// Describe an ONNX model: opsets, inputs and outputs, op histogram, parameters, FLOPs.
+    Inspect(onnx_run::InspectArgs),
 }
 
 /// Keeps freed memory in the process: the forward pass allocates activation buffers of a few MB
@@ -53,6 +58,8 @@ fn main() {
         Command::Bench(a) => cmd::bench::run(a),
         Command::Profile(a) => cmd::profile::run(a),
         Command::Serve(a) => cmd::serve::run(a),
+        Command::Run(a) => onnx_run::run(a),
+        Command::Inspect(a) => onnx_run::inspect(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -18,6 +18,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "ferrum-tokenizer",
         ],
     ),
+    ("ferrum-graph", &["ferrum-core", "ferrum-kernels"]),
     ("ferrum-server", &["ferrum-llm", "ferrum-tokenizer"]),
     (
         "ferrum-cli",
@@ -28,6 +29,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "ferrum-tokenizer",
             "ferrum-llm",
             "ferrum-server",
+            "ferrum-graph",
         ],
     ),
 ];

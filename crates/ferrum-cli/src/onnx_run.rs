@@ -1,0 +1,402 @@
+//! `ferrum run` and `ferrum inspect` for ONNX models.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args as ClapArgs;
+use ferrum_graph::ir::{Attr, Dim, ValueType};
+use ferrum_graph::onnx::{value_from_bytes, value_to_bytes};
+use ferrum_graph::{DType, Data, Session, Tensor, Value};
+
+/// Exit status for unsupported ops and types (the conformance runner reports these apart).
+pub const EXIT_UNSUPPORTED: i32 = 3;
+
+#[derive(ClapArgs, Debug)]
+pub struct RunArgs {
+    /// The ONNX model (.onnx) to run.
+    #[arg(long, short = 'm')]
+    pub model: PathBuf,
+    /// A folder of ONNX test data: input_0.pb, input_1.pb, ... (TensorProto, or SequenceProto /
+    /// OptionalProto for those input kinds), one per graph input that has no initializer, in
+    /// graph-input order.
+    #[arg(long)]
+    pub inputs: Option<PathBuf>,
+    /// One named input from a NumPy .npy file, as NAME=FILE.npy (repeatable; combines with
+    /// --inputs, and overrides it for that name).
+    #[arg(long = "input", value_name = "NAME=FILE.npy")]
+    pub input: Vec<String>,
+    /// A folder to write the outputs to: output_0.pb, output_1.pb, ... in graph-output order
+    /// (created if missing); when --input was given, also NAME.npy for each tensor output.
+    #[arg(long)]
+    pub outputs: Option<PathBuf>,
+    /// Print nothing but errors.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+#[derive(ClapArgs, Debug)]
+pub struct InspectArgs {
+    /// The ONNX model (.onnx) to describe.
+    pub model: PathBuf,
+}
+
+/// Runs `f`, and exits with status 3 when it failed on an unsupported op or type.
+fn exit_unsupported<T>(r: Result<T>) -> Result<T> {
+    if let Err(e) = &r {
+        if let Some(g) = e.downcast_ref::<ferrum_graph::Error>() {
+            if g.is_unsupported() {
+                eprintln!("error: {e:#}");
+                std::process::exit(EXIT_UNSUPPORTED);
+            }
+        }
+    }
+    r
+}
+
+pub fn run(a: RunArgs) -> Result<()> {
+    exit_unsupported(run_inner(a))
+}
+
+fn run_inner(a: RunArgs) -> Result<()> {
+    let session = Session::from_file(&a.model)?;
+    let model = session.model();
+    let g = &model.graph;
+    let runtime = g.runtime_inputs();
+    let mut inputs: Vec<(String, Value)> = Vec::new();
+    if let Some(dir) = &a.inputs {
+        for (j, id) in runtime.iter().enumerate() {
+            let info = model.value(*id);
+            let p = dir.join(format!("input_{j}.pb"));
+            if !p.exists() {
+                if a.input
+                    .iter()
+                    .any(|s| s.split_once('=').map(|x| x.0) == Some(&info.name))
+                {
+                    continue;
+                }
+                bail!("{} is missing (input '{}')", p.display(), info.name);
+            }
+            let bytes = std::fs::read(&p).with_context(|| p.display().to_string())?;
+            let v = value_from_bytes(&bytes, &info.ty)
+                .with_context(|| format!("reading {}", p.display()))?;
+            inputs.push((info.name.clone(), v));
+        }
+    }
+    for spec in &a.input {
+        let (name, file) = spec
+            .split_once('=')
+            .with_context(|| format!("--input '{spec}' is not NAME=FILE.npy"))?;
+        let t = read_npy(Path::new(file))?;
+        inputs.retain(|(n, _)| n != name);
+        inputs.push((name.to_string(), Value::Tensor(t)));
+    }
+    if a.inputs.is_none() && a.input.is_empty() && !runtime.is_empty() {
+        bail!(
+            "the model has {} inputs: give --inputs DIR or --input NAME=FILE.npy",
+            runtime.len()
+        );
+    }
+    let outs = session.run(inputs)?;
+    if let Some(dir) = &a.outputs {
+        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+        for (j, (name, v)) in outs.iter().enumerate() {
+            let p = dir.join(format!("output_{j}.pb"));
+            std::fs::write(&p, value_to_bytes(v, name)).with_context(|| p.display().to_string())?;
+            if !a.input.is_empty() {
+                if let Value::Tensor(t) = v {
+                    let safe: String = name
+                        .chars()
+                        .map(|c| {
+                            if c.is_alphanumeric() || c == '_' || c == '-' || c == '.' {
+                                c
+                            } else {
+                                '_'
+                            }
+                        })
+                        .collect();
+                    let p = dir.join(format!("{safe}.npy"));
+                    write_npy(&p, t)?;
+                }
+            }
+        }
+    }
+    if !a.quiet {
+        for (name, v) in &outs {
+            println!("{name}: {}", describe(v));
+        }
+    }
+    Ok(())
+}
+
+/// One line: type, shape and a summary of the values.
+fn describe(v: &Value) -> String {
+    match v {
+        Value::Tensor(t) => {
+            let mut s = format!("{} {:?}", t.dtype(), t.shape());
+            match t.data() {
+                Data::Str(v) => s += &format!(" first: {:?}", &v[..v.len().min(4)]),
+                Data::Bool(v) => {
+                    s += &format!(" true: {}/{}", v.iter().filter(|b| **b).count(), v.len())
+                }
+                _ => {
+                    if let Ok(f) = t.to_f64_vec() {
+                        if !f.is_empty() {
+                            let min = f.iter().copied().fold(f64::INFINITY, f64::min);
+                            let max = f.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                            let mean = f.iter().sum::<f64>() / f.len() as f64;
+                            let first: Vec<String> =
+                                f.iter().take(4).map(|x| format!("{x:.6}")).collect();
+                            s += &format!(
+                                " min {min:.6} max {max:.6} mean {mean:.6} first [{}]",
+                                first.join(", ")
+                            );
+                        }
+                    }
+                }
+            }
+            s
+        }
+        Value::Sequence(ts) => format!("sequence of {} tensors", ts.len()),
+        Value::Optional(None) => "empty optional".into(),
+        Value::Optional(Some(v)) => format!("optional {}", describe(v)),
+    }
+}
+
+fn npy_descr(dt: DType) -> Option<&'static str> {
+    Some(match dt {
+        DType::F32 => "<f4",
+        DType::F64 => "<f8",
+        DType::F16 => "<f2",
+        DType::I8 => "|i1",
+        DType::I16 => "<i2",
+        DType::I32 => "<i4",
+        DType::I64 => "<i8",
+        DType::U8 => "|u1",
+        DType::U16 => "<u2",
+        DType::U32 => "<u4",
+        DType::U64 => "<u8",
+        DType::Bool => "|b1",
+        _ => return None,
+    })
+}
+
+/// Reads a NumPy .npy file (C order, little-endian numeric or bool dtypes).
+pub fn read_npy(path: &Path) -> Result<Tensor> {
+    let bytes = std::fs::read(path).with_context(|| path.display().to_string())?;
+    let bad = |m: &str| anyhow::anyhow!("{}: not a supported .npy file: {m}", path.display());
+    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
+        return Err(bad("bad magic"));
+    }
+    let (hlen, start) = if bytes[6] == 1 {
+        (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10)
+    } else {
+        if bytes.len() < 12 {
+            return Err(bad("truncated header"));
+        }
+        (
+            u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+            12,
+        )
+    };
+    let header = bytes
+        .get(start..start + hlen)
+        .ok_or_else(|| bad("truncated header"))?;
+    let header = String::from_utf8_lossy(header);
+    let field = |key: &str| -> Option<String> {
+        let i = header.find(&format!("'{key}'"))?;
+        let rest = &header[i + key.len() + 2..];
+        let rest = rest.trim_start().strip_prefix(':')?.trim_start();
+        Some(rest.to_string())
+    };
+    let descr = field("descr").ok_or_else(|| bad("no descr"))?;
+    let descr = descr
+        .trim_start_matches('\'')
+        .split('\'')
+        .next()
+        .unwrap_or("")
+        .to_string();
+    if field("fortran_order").is_some_and(|f| f.starts_with("True")) {
+        return Err(bad("Fortran order"));
+    }
+    let shape_s = field("shape").ok_or_else(|| bad("no shape"))?;
+    let inner = shape_s
+        .trim_start_matches('(')
+        .split(')')
+        .next()
+        .unwrap_or("");
+    let shape: Vec<usize> = inner
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().map_err(|_| bad("bad shape")))
+        .collect::<Result<_>>()?;
+    let dt = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::Bool,
+    ]
+    .into_iter()
+    .find(|d| {
+        npy_descr(*d).is_some_and(|n| n == descr || n[1..] == descr[1..] && descr.starts_with('='))
+            || (descr == "<b1" && *d == DType::Bool)
+            || (descr == "<u1" && *d == DType::U8)
+            || (descr == "<i1" && *d == DType::I8)
+    })
+    .ok_or_else(|| bad(&format!("dtype '{descr}'")))?;
+    let data = &bytes[start + hlen..];
+    let proto = ferrum_graph::proto::TensorProto {
+        dims: shape.iter().map(|&d| d as i64).collect(),
+        data_type: dt.onnx(),
+        raw_data: data.to_vec(),
+        ..Default::default()
+    };
+    Ok(ferrum_graph::onnx::tensor_from_proto(&proto, None)?)
+}
+
+/// Writes a tensor as a NumPy .npy file (version 1.0).
+pub fn write_npy(path: &Path, t: &Tensor) -> Result<()> {
+    let Some(descr) = npy_descr(t.dtype()) else {
+        bail!("{} tensors cannot be written as .npy", t.dtype());
+    };
+    let shape = match t.shape() {
+        [] => "()".to_string(),
+        [d] => format!("({d},)"),
+        s => format!(
+            "({})",
+            s.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(&ferrum_graph::onnx::tensor_to_proto(t, "").raw_data);
+    std::fs::write(path, out).with_context(|| path.display().to_string())
+}
+
+fn fmt_type(ty: &ValueType) -> String {
+    match ty {
+        ValueType::Tensor { dtype, shape } => format!(
+            "{} {}",
+            dtype.map_or("?".to_string(), |d| d.to_string()),
+            shape.as_ref().map_or("[?]".to_string(), |s| fmt_dims(s))
+        ),
+        ValueType::Sequence(t) => format!("sequence<{}>", fmt_type(t)),
+        ValueType::Optional(t) => format!("optional<{}>", fmt_type(t)),
+        ValueType::Other(s) => s.clone(),
+        ValueType::Unknown => "?".into(),
+    }
+}
+
+fn fmt_dims(dims: &[Dim]) -> String {
+    let parts: Vec<String> = dims
+        .iter()
+        .map(|d| match d {
+            Dim::Known(k) => k.to_string(),
+            Dim::Sym(s) => s.clone(),
+            Dim::Unknown => "?".into(),
+        })
+        .collect();
+    format!("[{}]", parts.join(", "))
+}
+
+fn human(n: f64) -> String {
+    if n <= 0.0 {
+        return "0".into();
+    }
+    for (s, u) in [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")] {
+        if n >= s {
+            return format!("{:.2}{u}", n / s);
+        }
+    }
+    format!("{n:.0}")
+}
+
+pub fn inspect(a: InspectArgs) -> Result<()> {
+    exit_unsupported(inspect_inner(a))
+}
+
+fn inspect_inner(a: InspectArgs) -> Result<()> {
+    let session = Session::from_file(&a.model)?;
+    let m = session.model();
+    let g = &m.graph;
+    println!("model: {}", a.model.display());
+    println!("IR version {}, producer '{}'", m.ir_version, m.producer);
+    let opsets: Vec<String> = m
+        .opsets
+        .iter()
+        .map(|(d, v)| format!("{}={v}", if d.is_empty() { "ai.onnx" } else { d }))
+        .collect();
+    println!("opsets: {}", opsets.join(", "));
+    println!("\ninputs:");
+    for id in g.runtime_inputs() {
+        let v = m.value(id);
+        println!("  {}: {}", v.name, fmt_type(&v.ty));
+    }
+    println!("outputs:");
+    for id in &g.outputs {
+        let v = m.value(*id);
+        println!("  {}: {}", v.name, fmt_type(&v.ty));
+    }
+    let mut params = 0usize;
+    let mut bytes = 0usize;
+    let mut count = |t: &Tensor| {
+        params += t.len();
+        bytes += t.len() * t.dtype().size().max(1);
+    };
+    for (_, t) in &g.initializers {
+        count(t);
+    }
+    let mut hist: BTreeMap<String, usize> = BTreeMap::new();
+    let mut flops: BTreeMap<String, f64> = BTreeMap::new();
+    let shapes = ferrum_graph::infer::static_shapes(m);
+    for n in &g.nodes {
+        let key = if n.domain.is_empty() {
+            n.op.clone()
+        } else {
+            format!("{}.{}", n.domain, n.op)
+        };
+        *hist.entry(key.clone()).or_default() += 1;
+        if n.op == "Constant" {
+            if let Some(Attr::Tensor(t)) = n.attrs.get("value") {
+                count(t);
+            }
+        }
+        if let Some(f) = ferrum_graph::infer::node_flops(n, &shapes) {
+            *flops.entry(key).or_default() += f;
+        }
+    }
+    println!(
+        "\nparameters: {} ({} bytes)",
+        human(params as f64),
+        human(bytes as f64)
+    );
+    println!("nodes: {}", g.nodes.len());
+    let mut ops: Vec<(&String, &usize)> = hist.iter().collect();
+    ops.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    println!("\n{:<28} {:>6} {:>12}", "op", "count", "FLOPs");
+    for (op, c) in ops {
+        let f = flops.get(op).map_or("-".to_string(), |f| human(*f));
+        println!("{op:<28} {c:>6} {f:>12}");
+    }
+    let total: f64 = flops.values().sum();
+    println!("{:<28} {:>6} {:>12}", "total", g.nodes.len(), human(total));
+    Ok(())
+}

@@ -1,0 +1,145 @@
+//! The executor: runs a [`Graph`]'s nodes in order, freeing each value after its last reader.
+
+use std::collections::HashMap;
+
+use crate::error::UnsupportedOp;
+use crate::ir::{Graph, Node, ValueId};
+use crate::ops;
+use crate::tensor::Value;
+use crate::{Error, Result};
+
+/// The values visible while a graph runs: its own, then those of the enclosing graphs.
+pub struct Env<'a> {
+    local: HashMap<ValueId, Value>,
+    parent: Option<&'a Env<'a>>,
+}
+
+impl<'a> Env<'a> {
+    pub fn new(parent: Option<&'a Env<'a>>) -> Env<'a> {
+        Env {
+            local: HashMap::new(),
+            parent,
+        }
+    }
+
+    pub fn get(&self, id: ValueId) -> Option<&Value> {
+        match self.local.get(&id) {
+            Some(v) => Some(v),
+            None => self.parent.and_then(|p| p.get(id)),
+        }
+    }
+
+    pub fn set(&mut self, id: ValueId, v: Value) {
+        self.local.insert(id, v);
+    }
+}
+
+/// Runs `graph` with `inputs` bound to its declared inputs in order (`None`: use the initializer
+/// default), inside `parent` (the enclosing graph's values, for subgraphs). Returns the outputs.
+pub fn run_graph(
+    graph: &Graph,
+    inputs: Vec<Option<Value>>,
+    parent: Option<&Env>,
+) -> Result<Vec<Value>> {
+    let mut env = Env::new(parent);
+    for (id, t) in &graph.initializers {
+        env.set(*id, Value::Tensor((**t).clone()));
+    }
+    for (id, v) in graph.inputs.iter().zip(inputs) {
+        if let Some(v) = v {
+            env.set(*id, v);
+        }
+    }
+    for (node, frees) in graph.nodes.iter().zip(&graph.frees) {
+        let outs = run_node(node, &env)?;
+        for (slot, v) in node.outputs.iter().zip(outs) {
+            if let (Some(id), Some(v)) = (slot, v) {
+                env.set(*id, v);
+            }
+        }
+        for v in frees {
+            env.local.remove(v);
+        }
+    }
+    graph
+        .outputs
+        .iter()
+        .map(|id| {
+            env.get(*id)
+                .cloned()
+                .ok_or_else(|| Error::Format(format!("graph output #{} was not computed", id.0)))
+        })
+        .collect()
+}
+
+fn run_node(node: &Node, env: &Env) -> Result<Vec<Option<Value>>> {
+    let mut ins = Vec::with_capacity(node.inputs.len());
+    for i in &node.inputs {
+        match i {
+            None => ins.push(None),
+            Some(id) => ins.push(Some(env.get(*id).ok_or_else(|| Error::Node {
+                node: node.name.clone(),
+                op: node.op.clone(),
+                msg: format!("input #{} has no value", id.0),
+            })?)),
+        }
+    }
+    let dtype = ins
+        .iter()
+        .flatten()
+        .find_map(|v| v.tensor().ok().map(|t| t.dtype().to_string()));
+    // A kernel bug must not take the process down: a panic becomes this node's error.
+    let outs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ops::run(node, &ins, env)))
+        .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
+        .map_err(|e| wrap(e, node, dtype.clone()))?;
+    let outs: Vec<Option<Value>> = outs.into_iter().map(Some).collect();
+    if outs.len()
+        < node
+            .outputs
+            .iter()
+            .rposition(|o| o.is_some())
+            .map_or(0, |p| p + 1)
+    {
+        return Err(Error::Unsupported(Box::new(UnsupportedOp {
+            node: node.name.clone(),
+            op: node.op.clone(),
+            domain: node.domain.clone(),
+            opset: node.opset,
+            dtype,
+            detail: format!(
+                "produces {} outputs, {} requested",
+                outs.len(),
+                node.outputs.len()
+            ),
+        })));
+    }
+    Ok(outs)
+}
+
+/// Attaches the node (and the input dtype) to a kernel's error.
+fn wrap(e: Error, node: &Node, dtype: Option<String>) -> Error {
+    let unsupported = |detail: String, dtype: Option<String>| {
+        Error::Unsupported(Box::new(UnsupportedOp {
+            node: node.name.clone(),
+            op: node.op.clone(),
+            domain: if node.domain.is_empty() {
+                String::new()
+            } else {
+                format!("{}.", node.domain)
+            },
+            opset: node.opset,
+            dtype,
+            detail,
+        }))
+    };
+    match e {
+        Error::Kernel(msg) => Error::Node {
+            node: node.name.clone(),
+            op: node.op.clone(),
+            msg,
+        },
+        Error::KernelUnsupported(msg) => unsupported(msg, dtype),
+        Error::UnsupportedType(t) => unsupported(format!("type {t} not implemented"), Some(t)),
+        other => other,
+    }
+}

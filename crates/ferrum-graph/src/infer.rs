@@ -1,0 +1,284 @@
+//! Cheap static shape inference (concrete dims only) and FLOP estimates, for `ferrum inspect`.
+//!
+//! Shapes come from graph inputs, initializers and `Constant`s, and are propagated through the
+//! common ops; a value whose shape depends on anything else stays unknown.
+
+use std::collections::HashMap;
+
+use crate::ir::{Attr, Dim, Model, Node, ValueId, ValueType};
+use crate::ops::broadcast_shape;
+use crate::tensor::Tensor;
+
+/// Known shapes (and small constant integer values, for Reshape targets) by value.
+pub struct Shapes {
+    pub shapes: HashMap<ValueId, Vec<usize>>,
+    consts: HashMap<ValueId, Vec<i64>>,
+}
+
+impl Shapes {
+    pub fn get(&self, v: Option<ValueId>) -> Option<&Vec<usize>> {
+        self.shapes.get(&v?)
+    }
+}
+
+fn const_ints(t: &Tensor) -> Option<Vec<i64>> {
+    if t.len() <= 64 && t.dtype().is_int() {
+        t.to_i64_vec().ok()
+    } else {
+        None
+    }
+}
+
+/// Propagates concrete shapes through the main graph.
+pub fn static_shapes(m: &Model) -> Shapes {
+    let mut s = Shapes {
+        shapes: HashMap::new(),
+        consts: HashMap::new(),
+    };
+    let g = &m.graph;
+    for id in &g.inputs {
+        if let ValueType::Tensor { shape: Some(d), .. } = &m.value(*id).ty {
+            if let Some(k) = d
+                .iter()
+                .map(|d| {
+                    if let Dim::Known(k) = d {
+                        Some(*k)
+                    } else {
+                        None
+                    }
+                })
+                .collect::<Option<Vec<_>>>()
+            {
+                s.shapes.insert(*id, k);
+            }
+        }
+    }
+    for (id, t) in &g.initializers {
+        s.shapes.insert(*id, t.shape().to_vec());
+        if let Some(c) = const_ints(t) {
+            s.consts.insert(*id, c);
+        }
+    }
+    for n in &g.nodes {
+        if let Some(shape) = infer_node(n, &mut s) {
+            if let Some(Some(o)) = n.outputs.first() {
+                s.shapes.insert(*o, shape);
+            }
+        }
+    }
+    s
+}
+
+fn ai(n: &Node, name: &str, d: i64) -> i64 {
+    match n.attrs.get(name) {
+        Some(Attr::Int(v)) => *v,
+        _ => d,
+    }
+}
+
+fn ints(n: &Node, name: &str) -> Option<Vec<i64>> {
+    match n.attrs.get(name) {
+        Some(Attr::Ints(v)) => Some(v.clone()),
+        _ => None,
+    }
+}
+
+fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
+    let inp = |i: usize| s.get(n.inputs.get(i).copied().flatten()).cloned();
+    let x = inp(0);
+    match n.op.as_str() {
+        "ConstantOfShape" => {
+            let dims = s.consts.get(&n.inputs.first().copied().flatten()?)?;
+            Some(dims.iter().map(|&d| d.max(0) as usize).collect())
+        }
+        "Shape" => {
+            let x = x?;
+            if let Some(Some(o)) = n.outputs.first() {
+                if ai(n, "start", 0) == 0 && !n.attrs.contains_key("end") {
+                    s.consts.insert(*o, x.iter().map(|&d| d as i64).collect());
+                }
+            }
+            Some(vec![x.len()])
+        }
+        "Constant" => {
+            if let Some(Attr::Tensor(t)) = n.attrs.get("value") {
+                if let (Some(c), Some(Some(o))) = (const_ints(t), n.outputs.first()) {
+                    s.consts.insert(*o, c);
+                }
+                return Some(t.shape().to_vec());
+            }
+            None
+        }
+        "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Max" | "Min" | "Sum" | "Equal" | "Less"
+        | "Greater" | "Where" | "And" | "Or" | "PRelu" => {
+            let mut acc = x?;
+            for i in 1..n.inputs.len() {
+                acc = broadcast_shape(&acc, &inp(i)?).ok()?;
+            }
+            Some(acc)
+        }
+        "Relu"
+        | "Sigmoid"
+        | "Tanh"
+        | "Exp"
+        | "Log"
+        | "Sqrt"
+        | "Erf"
+        | "Neg"
+        | "Abs"
+        | "Clip"
+        | "LeakyRelu"
+        | "Elu"
+        | "Gelu"
+        | "HardSigmoid"
+        | "HardSwish"
+        | "Softmax"
+        | "LogSoftmax"
+        | "BatchNormalization"
+        | "LayerNormalization"
+        | "InstanceNormalization"
+        | "Identity"
+        | "Dropout"
+        | "Cast"
+        | "LRN"
+        | "Reciprocal"
+        | "Softplus"
+        | "Mish" => x,
+        "MatMul" => {
+            let (a, b) = (x?, inp(1)?);
+            if a.len() < 2 || b.len() < 2 {
+                return None;
+            }
+            let mut batch = broadcast_shape(&a[..a.len() - 2], &b[..b.len() - 2]).ok()?;
+            batch.push(a[a.len() - 2]);
+            batch.push(b[b.len() - 1]);
+            Some(batch)
+        }
+        "Gemm" => {
+            let (a, b) = (x?, inp(1)?);
+            let m = if ai(n, "transA", 0) != 0 { a[1] } else { a[0] };
+            let nn = if ai(n, "transB", 0) != 0 { b[0] } else { b[1] };
+            Some(vec![m, nn])
+        }
+        "Conv" | "MaxPool" | "AveragePool" => {
+            let x = x?;
+            let nd = x.len().checked_sub(2)?;
+            let k: Vec<usize> = if n.op == "Conv" {
+                inp(1)?[2..].to_vec()
+            } else {
+                ints(n, "kernel_shape")?
+                    .iter()
+                    .map(|&v| v as usize)
+                    .collect()
+            };
+            let st = ints(n, "strides").unwrap_or(vec![1; nd]);
+            let dl = ints(n, "dilations").unwrap_or(vec![1; nd]);
+            let pads = ints(n, "pads").unwrap_or(vec![0; 2 * nd]);
+            let auto =
+                matches!(n.attrs.get("auto_pad"), Some(Attr::Str(v)) if v.starts_with(b"SAME"));
+            let mut out = vec![x[0], if n.op == "Conv" { inp(1)?[0] } else { x[1] }];
+            for i in 0..nd {
+                let o = if auto {
+                    x[i + 2].div_ceil(st[i] as usize)
+                } else {
+                    let ek = (k[i] - 1) * dl[i] as usize + 1;
+                    (x[i + 2] + pads[i] as usize + pads[i + nd] as usize).checked_sub(ek)?
+                        / st[i] as usize
+                        + 1
+                };
+                out.push(o);
+            }
+            Some(out)
+        }
+        "GlobalAveragePool" | "GlobalMaxPool" => {
+            let x = x?;
+            let mut o = x[..2].to_vec();
+            o.extend(std::iter::repeat_n(1, x.len() - 2));
+            Some(o)
+        }
+        "Flatten" => {
+            let x = x?;
+            let a = ai(n, "axis", 1);
+            let a = if a < 0 { a + x.len() as i64 } else { a } as usize;
+            let outer: usize = x[..a.min(x.len())].iter().product();
+            Some(vec![outer, x.iter().product::<usize>() / outer.max(1)])
+        }
+        "Transpose" => {
+            let x = x?;
+            let perm: Vec<usize> = ints(n, "perm")
+                .map(|p| p.iter().map(|&v| v as usize).collect())
+                .unwrap_or((0..x.len()).rev().collect());
+            perm.iter().map(|&p| x.get(p).copied()).collect()
+        }
+        "Reshape" => {
+            let x = x?;
+            let spec = s.consts.get(&n.inputs.get(1).copied().flatten()?)?.clone();
+            let mut out: Vec<usize> = Vec::new();
+            let mut infer = None;
+            for (i, &d) in spec.iter().enumerate() {
+                match d {
+                    -1 => {
+                        infer = Some(i);
+                        out.push(1);
+                    }
+                    0 => out.push(*x.get(i)?),
+                    d => out.push(d as usize),
+                }
+            }
+            if let Some(i) = infer {
+                out[i] = x.iter().product::<usize>() / out.iter().product::<usize>().max(1);
+            }
+            Some(out)
+        }
+        "Concat" => {
+            let mut acc = x?;
+            let a = ai(n, "axis", 0);
+            let a = if a < 0 { a + acc.len() as i64 } else { a } as usize;
+            for i in 1..n.inputs.len() {
+                acc[a] += inp(i)?.get(a)?;
+            }
+            Some(acc)
+        }
+        _ => None,
+    }
+}
+
+/// Estimated floating-point operations of one node (multiply-add = 2), when shapes are known.
+pub fn node_flops(n: &Node, s: &Shapes) -> Option<f64> {
+    let inp = |i: usize| s.get(n.inputs.get(i).copied().flatten());
+    let out = s.get(n.outputs.first().copied().flatten());
+    let numel = |v: &Vec<usize>| v.iter().product::<usize>() as f64;
+    match n.op.as_str() {
+        "MatMul" => {
+            let a = inp(0)?;
+            Some(2.0 * numel(out?) * *a.last()? as f64)
+        }
+        "Gemm" => {
+            let a = inp(0)?;
+            let k = if ai(n, "transA", 0) != 0 { a[0] } else { a[1] };
+            Some(2.0 * numel(out?) * k as f64)
+        }
+        "Conv" => {
+            let w = inp(1)?;
+            Some(2.0 * numel(out?) * w[1..].iter().product::<usize>() as f64)
+        }
+        "MaxPool" | "AveragePool" => {
+            let k: usize = ints(n, "kernel_shape")?
+                .iter()
+                .map(|&v| v as usize)
+                .product();
+            Some(numel(out?) * k as f64)
+        }
+        "GlobalAveragePool" | "GlobalMaxPool" => Some(numel(inp(0)?)),
+        "Softmax"
+        | "LogSoftmax"
+        | "LayerNormalization"
+        | "BatchNormalization"
+        | "InstanceNormalization" => Some(5.0 * numel(inp(0)?)),
+        "Add" | "Sub" | "Mul" | "Div" | "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Sqrt" | "Erf"
+        | "Pow" | "Clip" | "LeakyRelu" | "Gelu" | "Max" | "Min" | "Sum" | "Neg" | "Reciprocal" => {
+            Some(numel(out?))
+        }
+        _ => None,
+    }
+}

@@ -1,0 +1,142 @@
+//! ferrum's graph IR: values addressed by [`ValueId`], nodes in a `Vec` in execution order.
+//!
+//! An ONNX model is imported once into these types ([`crate::onnx`]); the executor and, later,
+//! rewrite passes (constant folding, fusion, dead-code elimination, memory planning) work on them
+//! and never on the protobuf. Subgraphs (If/Loop/Scan bodies) are [`Graph`]s held by their node's
+//! attributes; they share the model's value table, so a body reads outer values by id.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::tensor::{DType, Tensor};
+
+/// Index of a value in [`Model::values`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ValueId(pub u32);
+
+/// One dimension of a value's static shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Dim {
+    Known(usize),
+    /// A named symbol (`dim_param`): equal names are equal sizes across the model.
+    Sym(String),
+    Unknown,
+}
+
+/// What kind of value flows on an edge.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ValueType {
+    /// A tensor: element type (None when unknown) and shape (None when the rank is unknown).
+    Tensor {
+        dtype: Option<DType>,
+        shape: Option<Vec<Dim>>,
+    },
+    Sequence(Box<ValueType>),
+    Optional(Box<ValueType>),
+    /// Maps, sparse tensors and other types ferrum does not run.
+    Other(String),
+    Unknown,
+}
+
+/// A named value and what is known of it statically.
+#[derive(Clone, Debug)]
+pub struct ValueInfo {
+    pub name: String,
+    pub ty: ValueType,
+}
+
+/// A node attribute, converted from ONNX's `AttributeProto`.
+#[derive(Clone, Debug)]
+pub enum Attr {
+    Float(f32),
+    Int(i64),
+    Str(Vec<u8>),
+    Tensor(Tensor),
+    Graph(Arc<Graph>),
+    Floats(Vec<f32>),
+    Ints(Vec<i64>),
+    Strings(Vec<Vec<u8>>),
+    Tensors(Vec<Tensor>),
+    Graphs(Vec<Arc<Graph>>),
+    /// Type protos and sparse tensors: kept by name only.
+    Other,
+}
+
+/// One operator application.
+#[derive(Clone, Debug)]
+pub struct Node {
+    /// The node's name, or `op_type#index` when the file gives none.
+    pub name: String,
+    pub op: String,
+    /// `""` for the default domain (`ai.onnx`).
+    pub domain: String,
+    /// The opset version imported for the node's domain.
+    pub opset: i64,
+    /// `None` for an omitted optional input.
+    pub inputs: Vec<Option<ValueId>>,
+    /// `None` for an omitted optional output.
+    pub outputs: Vec<Option<ValueId>>,
+    pub attrs: BTreeMap<String, Attr>,
+    /// Outer values read by the node's subgraphs (kept alive until the node has run).
+    pub implicit_inputs: Vec<ValueId>,
+}
+
+/// A graph: its nodes in a valid execution order and its interface.
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    pub name: String,
+    pub nodes: Vec<Node>,
+    /// Every declared input, including those with an initializer as default.
+    pub inputs: Vec<ValueId>,
+    pub outputs: Vec<ValueId>,
+    /// Initializers: constants, or defaults for inputs of the same name.
+    pub initializers: Vec<(ValueId, Arc<Tensor>)>,
+    /// For each node, the values whose last reader it is (freed after it runs).
+    pub frees: Vec<Vec<ValueId>>,
+}
+
+impl Graph {
+    /// Inputs the caller must (or may) feed: declared inputs without an initializer.
+    pub fn runtime_inputs(&self) -> Vec<ValueId> {
+        self.inputs
+            .iter()
+            .copied()
+            .filter(|v| !self.initializers.iter().any(|(i, _)| i == v))
+            .collect()
+    }
+
+    /// Recomputes [`Graph::frees`] from the node order (call after changing nodes).
+    pub fn plan_frees(&mut self) {
+        let mut last: BTreeMap<ValueId, usize> = BTreeMap::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            for v in n.inputs.iter().flatten().chain(&n.implicit_inputs) {
+                last.insert(*v, i);
+            }
+        }
+        let mut frees = vec![Vec::new(); self.nodes.len()];
+        for (v, i) in last {
+            if !self.outputs.contains(&v) {
+                frees[i].push(v);
+            }
+        }
+        self.frees = frees;
+    }
+}
+
+/// An imported model.
+#[derive(Clone, Debug)]
+pub struct Model {
+    pub ir_version: i64,
+    pub producer: String,
+    /// Imported opsets by domain (`""` = ai.onnx).
+    pub opsets: BTreeMap<String, i64>,
+    /// Every value of the main graph and all subgraphs.
+    pub values: Vec<ValueInfo>,
+    pub graph: Graph,
+}
+
+impl Model {
+    pub fn value(&self, id: ValueId) -> &ValueInfo {
+        &self.values[id.0 as usize]
+    }
+}

@@ -1,0 +1,609 @@
+//! Convolutions (Conv, ConvInteger, ConvTranspose) and pooling (Max, Average, Lp, global).
+//! Reference loops over N-D spatial dims in f64.
+
+use crate::ops::nn::{f64_tensor, minus_zp};
+use crate::ops::shape::strides;
+use crate::ops::{unsupported, Ctx};
+use crate::tensor::{DType, Tensor, Value};
+use crate::{kbail, Result};
+
+/// Spatial geometry shared by Conv and the pools.
+struct Geom {
+    ins: Vec<usize>,
+    k: Vec<usize>,
+    s: Vec<usize>,
+    d: Vec<usize>,
+    pad_begin: Vec<usize>,
+    outs: Vec<usize>,
+}
+
+fn geom(cx: &Ctx, ins: &[usize], k: &[usize], ceil: bool) -> Result<Geom> {
+    let nd = ins.len();
+    let s: Vec<usize> = cx
+        .aints("strides")
+        .map(|v| v.iter().map(|&x| x.max(1) as usize).collect())
+        .unwrap_or(vec![1; nd]);
+    let d: Vec<usize> = cx
+        .aints("dilations")
+        .map(|v| v.iter().map(|&x| x.max(1) as usize).collect())
+        .unwrap_or(vec![1; nd]);
+    let mut pads: Vec<usize> = cx
+        .aints("pads")
+        .map(|v| v.iter().map(|&x| x.max(0) as usize).collect())
+        .unwrap_or(vec![0; 2 * nd]);
+    const LIMIT: usize = 1 << 24;
+    if [&s, &d, &pads, &k.to_vec()]
+        .iter()
+        .any(|v| v.iter().any(|&x| x > LIMIT))
+    {
+        kbail!("kernel, stride, dilation or pad beyond {LIMIT}");
+    }
+    if s.len() != nd || d.len() != nd || pads.len() != 2 * nd || k.len() != nd || k.contains(&0) {
+        kbail!("strides, dilations, pads or kernel_shape do not match {nd} spatial dims");
+    }
+    let auto = cx.astr("auto_pad", "NOTSET");
+    let mut outs = vec![0; nd];
+    for i in 0..nd {
+        let ek = (k[i] - 1) * d[i] + 1;
+        match auto.as_str() {
+            "SAME_UPPER" | "SAME_LOWER" => {
+                let o = ins[i].div_ceil(s[i]);
+                let total = ((o - 1) * s[i] + ek).saturating_sub(ins[i]);
+                let small = total / 2;
+                let (b, e) = if auto == "SAME_UPPER" {
+                    (small, total - small)
+                } else {
+                    (total - small, small)
+                };
+                pads[i] = b;
+                pads[i + nd] = e;
+                outs[i] = o;
+            }
+            "VALID" | "NOTSET" | "" => {
+                if auto == "VALID" {
+                    pads[i] = 0;
+                    pads[i + nd] = 0;
+                }
+                let span = ins[i] + pads[i] + pads[i + nd];
+                if span < ek {
+                    kbail!("kernel larger than the padded input");
+                }
+                let num = span - ek;
+                let mut o = if ceil {
+                    num.div_ceil(s[i]) + 1
+                } else {
+                    num / s[i] + 1
+                };
+                if ceil && (o - 1) * s[i] >= ins[i] + pads[i] {
+                    o -= 1;
+                }
+                outs[i] = o;
+            }
+            a => return Err(unsupported(format!("auto_pad '{a}'"))),
+        }
+    }
+    Ok(Geom {
+        ins: ins.to_vec(),
+        k: k.to_vec(),
+        s,
+        d,
+        pad_begin: pads[..nd].to_vec(),
+        outs,
+    })
+}
+
+/// Every index of a shape, row-major.
+fn indices(shape: &[usize]) -> Vec<Vec<usize>> {
+    let n: usize = shape.iter().product();
+    let st = strides(shape);
+    (0..n)
+        .map(|o| (0..shape.len()).map(|d| (o / st[d]) % shape[d]).collect())
+        .collect()
+}
+
+/// Conv's three forms: float, ConvInteger (zero points, int32 out), QLinearConv (quantized in
+/// and out).
+#[derive(Clone, Copy, PartialEq)]
+enum ConvKind {
+    Float,
+    Integer,
+    QLinear,
+}
+
+/// `(w - zero_point) * scale` with per-output-channel (dim 0) or scalar parameters.
+fn per_channel(w: &Tensor, zp: Option<&Tensor>, scale: Option<&Tensor>) -> Result<Vec<f64>> {
+    let m = w.shape().first().copied().unwrap_or(1).max(1);
+    let per = w.len() / m;
+    let pick = |v: &[f64], i: usize| -> Result<f64> {
+        match v.len() {
+            1 => Ok(v[0]),
+            l if l == m => Ok(v[i / per.max(1)]),
+            l => kbail!("{l} per-channel parameters for {m} channels"),
+        }
+    };
+    let z = zp.map(|t| t.to_f64_vec()).transpose()?;
+    let s = scale.map(|t| t.to_f64_vec()).transpose()?;
+    let mut wv = w.to_f64_vec()?;
+    for (i, e) in wv.iter_mut().enumerate() {
+        if let Some(z) = &z {
+            *e -= pick(z, i)?;
+        }
+        if let Some(s) = &s {
+            *e *= pick(s, i)?;
+        }
+    }
+    Ok(wv)
+}
+
+fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
+    let (x, w) = (
+        cx.t(0)?,
+        cx.t(if kind == ConvKind::QLinear { 3 } else { 1 })?,
+    );
+    if x.rank() < 3 || w.rank() != x.rank() {
+        kbail!(
+            "Conv expects X and W of equal rank >= 3, got {:?} and {:?}",
+            x.shape(),
+            w.shape()
+        );
+    }
+    let nd = x.rank() - 2;
+    let (n, c) = (x.shape()[0], x.shape()[1]);
+    let m = w.shape()[0];
+    let group = cx.ai("group", 1).max(1) as usize;
+    let cg = w.shape()[1];
+    if cg * group != c || m % group != 0 {
+        kbail!(
+            "channels {c}, weights {:?} and group {group} disagree",
+            w.shape()
+        );
+    }
+    let k: Vec<usize> = w.shape()[2..].to_vec();
+    let g = geom(cx, &x.shape()[2..], &k, false)?;
+    let (xv, wv, bias) = match kind {
+        // Weight zero points (and scales) are per output channel (dim 0).
+        ConvKind::Integer => (
+            minus_zp(x, cx.opt(2), false)?,
+            per_channel(w, cx.opt(3), None)?,
+            None,
+        ),
+        ConvKind::Float => (
+            x.to_f64_vec()?,
+            w.to_f64_vec()?,
+            cx.opt(2).map(|b| b.to_f64_vec()).transpose()?,
+        ),
+        ConvKind::QLinear => {
+            let xs = cx.t(1)?.scalar_f64()?;
+            let xv: Vec<f64> = minus_zp(x, cx.opt(2), false)?
+                .iter()
+                .map(|v| v * xs)
+                .collect();
+            let wv = per_channel(w, cx.opt(5), Some(cx.t(4)?))?;
+            // int32 bias is in units of x_scale * w_scale
+            let ws = per_channel(
+                &Tensor::from_vec(vec![m], vec![1f64; m])?,
+                None,
+                Some(cx.t(4)?),
+            )?;
+            let bias = cx.opt(8).map(|b| -> Result<Vec<f64>> {
+                Ok(b.to_f64_vec()?
+                    .iter()
+                    .enumerate()
+                    .map(|(o, v)| v * xs * ws[o.min(m - 1)])
+                    .collect())
+            });
+            (xv, wv, bias.transpose()?)
+        }
+    };
+    if bias.as_ref().is_some_and(|b| b.len() != m) {
+        kbail!(
+            "bias has {} entries for {m} output channels",
+            bias.as_ref().map_or(0, Vec::len)
+        );
+    }
+    let osp: usize = g.outs.iter().product();
+    let isp: usize = g.ins.iter().product();
+    let ksp: usize = k.iter().product();
+    let ist = strides(&g.ins);
+    let kidx = indices(&k);
+    let oidx = indices(&g.outs);
+    let mut out = vec![0f64; n * m * osp];
+    let mpg = m / group;
+    for b in 0..n {
+        for oc in 0..m {
+            let grp = oc / mpg;
+            for (op, oi) in oidx.iter().enumerate() {
+                let mut s = bias.as_ref().map_or(0.0, |bv| bv[oc]);
+                for (kp, ki) in kidx.iter().enumerate() {
+                    let mut off = 0usize;
+                    let mut inside = true;
+                    for dd in 0..nd {
+                        let pos = (oi[dd] * g.s[dd] + ki[dd] * g.d[dd]) as isize
+                            - g.pad_begin[dd] as isize;
+                        if pos < 0 || pos >= g.ins[dd] as isize {
+                            inside = false;
+                            break;
+                        }
+                        off += pos as usize * ist[dd];
+                    }
+                    if !inside {
+                        continue;
+                    }
+                    for ci in 0..cg {
+                        let ic = grp * cg + ci;
+                        s += xv[(b * c + ic) * isp + off] * wv[(oc * cg + ci) * ksp + kp];
+                    }
+                }
+                out[(b * m + oc) * osp + op] = s;
+            }
+        }
+    }
+    let mut shape = vec![n, m];
+    shape.extend_from_slice(&g.outs);
+    match kind {
+        ConvKind::Float => f64_tensor(shape, out, x.dtype()),
+        ConvKind::Integer => f64_tensor(shape, out, DType::I32),
+        ConvKind::QLinear => {
+            let ys = cx.t(6)?.scalar_f64()?;
+            let yz = cx.t(7)?;
+            let zv = yz.scalar_f64()?;
+            let (lo, hi) = if yz.dtype() == DType::I8 {
+                (-128.0, 127.0)
+            } else {
+                (0.0, 255.0)
+            };
+            let q = out
+                .iter()
+                .map(|&v| ((v / ys).round_ties_even() + zv).clamp(lo, hi))
+                .collect();
+            f64_tensor(shape, q, yz.dtype())
+        }
+    }
+}
+
+fn conv_transpose(cx: &Ctx) -> Result<Tensor> {
+    let (x, w) = (cx.t(0)?, cx.t(1)?);
+    let nd = x.rank() - 2;
+    let (n, c) = (x.shape()[0], x.shape()[1]);
+    let group = cx.ai("group", 1).max(1) as usize;
+    let mpg = w.shape()[1];
+    let m = mpg * group;
+    let k: Vec<usize> = w.shape()[2..].to_vec();
+    let ins = &x.shape()[2..];
+    let s: Vec<usize> = cx
+        .aints("strides")
+        .map(|v| v.iter().map(|&x| x as usize).collect())
+        .unwrap_or(vec![1; nd]);
+    let d: Vec<usize> = cx
+        .aints("dilations")
+        .map(|v| v.iter().map(|&x| x as usize).collect())
+        .unwrap_or(vec![1; nd]);
+    let opad: Vec<usize> = cx
+        .aints("output_padding")
+        .map(|v| v.iter().map(|&x| x as usize).collect())
+        .unwrap_or(vec![0; nd]);
+    let mut pads: Vec<usize> = cx
+        .aints("pads")
+        .map(|v| v.iter().map(|&x| x as usize).collect())
+        .unwrap_or(vec![0; 2 * nd]);
+    let auto = cx.astr("auto_pad", "NOTSET");
+    let full: Vec<usize> = (0..nd)
+        .map(|i| s[i] * (ins[i] - 1) + opad[i] + (k[i] - 1) * d[i] + 1)
+        .collect();
+    let outs: Vec<usize> = if let Some(os) = cx.aints("output_shape") {
+        let os: Vec<usize> = os
+            .iter()
+            .rev()
+            .take(nd)
+            .rev()
+            .map(|&v| v as usize)
+            .collect();
+        for i in 0..nd {
+            let total = full[i].saturating_sub(os[i]);
+            if auto == "SAME_UPPER" {
+                pads[i] = total / 2;
+                pads[i + nd] = total - total / 2;
+            } else {
+                pads[i] = total - total / 2;
+                pads[i + nd] = total / 2;
+            }
+        }
+        os
+    } else if auto == "SAME_UPPER" || auto == "SAME_LOWER" {
+        let os: Vec<usize> = (0..nd).map(|i| ins[i] * s[i]).collect();
+        for i in 0..nd {
+            let total = full[i].saturating_sub(os[i]);
+            if auto == "SAME_UPPER" {
+                pads[i] = total / 2;
+                pads[i + nd] = total - total / 2;
+            } else {
+                pads[i] = total - total / 2;
+                pads[i + nd] = total / 2;
+            }
+        }
+        os
+    } else {
+        (0..nd).map(|i| full[i] - pads[i] - pads[i + nd]).collect()
+    };
+    let (xv, wv) = (x.to_f64_vec()?, w.to_f64_vec()?);
+    let osp: usize = outs.iter().product();
+    let isp: usize = ins.iter().product();
+    let ksp: usize = k.iter().product();
+    let ost = strides(&outs);
+    let kidx = indices(&k);
+    let iidx = indices(ins);
+    let cpg = c / group;
+    let mut out = vec![0f64; n * m * osp];
+    for b in 0..n {
+        for ic in 0..c {
+            let grp = ic / cpg;
+            for (ip, ii) in iidx.iter().enumerate() {
+                let xval = xv[(b * c + ic) * isp + ip];
+                for (kp, ki) in kidx.iter().enumerate() {
+                    let mut off = 0usize;
+                    let mut inside = true;
+                    for dd in 0..nd {
+                        let pos = (ii[dd] * s[dd] + ki[dd] * d[dd]) as isize - pads[dd] as isize;
+                        if pos < 0 || pos >= outs[dd] as isize {
+                            inside = false;
+                            break;
+                        }
+                        off += pos as usize * ost[dd];
+                    }
+                    if !inside {
+                        continue;
+                    }
+                    for oj in 0..mpg {
+                        let oc = grp * mpg + oj;
+                        out[(b * m + oc) * osp + off] += xval * wv[(ic * mpg + oj) * ksp + kp];
+                    }
+                }
+            }
+        }
+    }
+    if let Some(bias) = cx.opt(2) {
+        let bv = bias.to_f64_vec()?;
+        for b in 0..n {
+            for oc in 0..m {
+                for v in &mut out[(b * m + oc) * osp..(b * m + oc + 1) * osp] {
+                    *v += bv[oc];
+                }
+            }
+        }
+    }
+    let mut shape = vec![n, m];
+    shape.extend_from_slice(&outs);
+    f64_tensor(shape, out, x.dtype())
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Pool {
+    Max,
+    Avg,
+    Lp(f64),
+}
+
+fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
+    let x = cx.t(0)?;
+    if x.rank() < 3 {
+        kbail!("pooling expects N, C and spatial dims");
+    }
+    let (n, c) = (x.shape()[0], x.shape()[1]);
+    let ins = &x.shape()[2..];
+    let nd = ins.len();
+    let k: Vec<usize> = if global {
+        ins.to_vec()
+    } else {
+        cx.aints("kernel_shape")
+            .ok_or_else(|| crate::kerr!("kernel_shape is required"))?
+            .iter()
+            .map(|&v| v.max(0) as usize)
+            .collect()
+    };
+    let g = if global {
+        Geom {
+            ins: ins.to_vec(),
+            k: k.clone(),
+            s: vec![1; nd],
+            d: vec![1; nd],
+            pad_begin: vec![0; nd],
+            outs: vec![1; nd],
+        }
+    } else {
+        geom(cx, ins, &k, cx.ai("ceil_mode", 0) != 0)?
+    };
+    let pads_end: Vec<usize> = if global {
+        vec![0; nd]
+    } else {
+        cx.aints("pads")
+            .map(|v| v[nd..].iter().map(|&x| x as usize).collect())
+            .unwrap_or(vec![0; nd])
+    };
+    let include_pad = cx.ai("count_include_pad", 0) != 0;
+    let xv = x.to_f64_vec()?;
+    let osp: usize = g.outs.iter().product();
+    let isp: usize = ins.iter().product();
+    let ist = strides(ins);
+    let kidx = indices(&g.k);
+    let oidx = indices(&g.outs);
+    let mut out = vec![0f64; n * c * osp];
+    let mut arg = vec![0i64; n * c * osp];
+    let col_major = cx.ai("storage_order", 0) != 0;
+    for nc in 0..n * c {
+        for (op, oi) in oidx.iter().enumerate() {
+            let mut best = f64::NEG_INFINITY;
+            let mut best_at = 0usize;
+            let mut sum = 0.0;
+            let mut count = 0usize;
+            let mut pad_count = 0usize;
+            for ki in &kidx {
+                let mut off = 0usize;
+                let mut inside = true;
+                let mut in_pad = true;
+                for dd in 0..nd {
+                    let pos =
+                        (oi[dd] * g.s[dd] + ki[dd] * g.d[dd]) as isize - g.pad_begin[dd] as isize;
+                    if pos < -(g.pad_begin[dd] as isize)
+                        || pos >= (g.ins[dd] + pads_end[dd]) as isize
+                    {
+                        in_pad = false;
+                    }
+                    if pos < 0 || pos >= g.ins[dd] as isize {
+                        inside = false;
+                    } else {
+                        off += pos as usize * ist[dd];
+                    }
+                }
+                if in_pad {
+                    pad_count += 1;
+                }
+                if !inside {
+                    continue;
+                }
+                let v = xv[nc * isp + off];
+                count += 1;
+                match kind {
+                    Pool::Max => {
+                        if v > best || (v.is_nan() && !best.is_nan()) {
+                            best = v;
+                            best_at = off;
+                        }
+                    }
+                    Pool::Avg => sum += v,
+                    Pool::Lp(p) => sum += v.abs().powf(p),
+                }
+            }
+            out[nc * osp + op] = match kind {
+                Pool::Max => best,
+                Pool::Avg => sum / (if include_pad { pad_count } else { count }).max(1) as f64,
+                Pool::Lp(p) => sum.powf(1.0 / p),
+            };
+            let idx = if col_major && nd == 2 {
+                let (h, w) = (ins[0], ins[1]);
+                let (r, cc) = (best_at / w, best_at % w);
+                r + cc * h
+            } else {
+                best_at
+            };
+            arg[nc * osp + op] = (nc * isp + idx) as i64;
+        }
+    }
+    let mut shape = vec![n, c];
+    shape.extend_from_slice(&g.outs);
+    let y = f64_tensor(shape.clone(), out, x.dtype())?;
+    let mut res = vec![Value::Tensor(y)];
+    if kind == Pool::Max && cx.node.outputs.len() > 1 {
+        res.push(Value::Tensor(Tensor::from_vec(shape, arg)?));
+    }
+    Ok(res)
+}
+
+/// Convolution and pooling ops; `None` when `cx`'s op is not one of them.
+pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
+    let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
+    match cx.node.op.as_str() {
+        "DeformConv" => one(deform_conv(cx)?),
+        "Conv" => one(conv(cx, ConvKind::Float)?),
+        "ConvInteger" => one(conv(cx, ConvKind::Integer)?),
+        "QLinearConv" => one(conv(cx, ConvKind::QLinear)?),
+        "ConvTranspose" => one(conv_transpose(cx)?),
+        "MaxPool" => pool(cx, Pool::Max, false).map(Some),
+        "AveragePool" => pool(cx, Pool::Avg, false).map(Some),
+        "LpPool" => pool(cx, Pool::Lp(cx.ai("p", 2) as f64), false).map(Some),
+        "GlobalMaxPool" => pool(cx, Pool::Max, true).map(Some),
+        "GlobalAveragePool" => pool(cx, Pool::Avg, true).map(Some),
+        "GlobalLpPool" => pool(cx, Pool::Lp(cx.ai("p", 2) as f64), true).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// DeformConv (2-D): each kernel tap samples X bilinearly at its offset position (zero outside),
+/// scaled by the optional mask.
+pub fn deform_conv(cx: &Ctx) -> Result<Tensor> {
+    let (x, w, off) = (cx.t(0)?, cx.t(1)?, cx.t(2)?);
+    if x.rank() != 4 || w.rank() != 4 || off.rank() != 4 {
+        return Err(unsupported("DeformConv other than 2-D"));
+    }
+    let (n, ic, ih, iw) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let (oc, icg, kh, kw) = (w.shape()[0], w.shape()[1], w.shape()[2], w.shape()[3]);
+    let group = cx.ai("group", 1).max(1) as usize;
+    let og = cx.ai("offset_group", 1).max(1) as usize;
+    let st = cx.aints("strides").unwrap_or(vec![1, 1]);
+    let dl = cx.aints("dilations").unwrap_or(vec![1, 1]);
+    let pads = cx.aints("pads").unwrap_or(vec![0; 4]);
+    let (oh, ow) = (off.shape()[2], off.shape()[3]);
+    if icg * group != ic
+        || oc % group != 0
+        || ic % og != 0
+        || off.shape()[1] != og * kh * kw * 2
+        || off.shape()[0] != n
+    {
+        kbail!(
+            "DeformConv shapes disagree: X {:?}, W {:?}, offset {:?}",
+            x.shape(),
+            w.shape(),
+            off.shape()
+        );
+    }
+    let (xv, wv, ov) = (x.to_f64_vec()?, w.to_f64_vec()?, off.to_f64_vec()?);
+    let bias = cx.opt(3).map(|t| t.to_f64_vec()).transpose()?;
+    let mask = cx.opt(4).map(|t| t.to_f64_vec()).transpose()?;
+    if mask
+        .as_ref()
+        .is_some_and(|m| m.len() != n * og * kh * kw * oh * ow)
+    {
+        kbail!("mask has the wrong size");
+    }
+    let ocg = oc / group;
+    let icog = ic / og;
+    let sample = |plane: &[f64], y: f64, xx: f64| -> f64 {
+        let (y0, x0) = (y.floor(), xx.floor());
+        let (fy, fx) = (y - y0, xx - x0);
+        let at = |r: f64, c: f64| -> f64 {
+            if r < 0.0 || c < 0.0 || r >= ih as f64 || c >= iw as f64 {
+                0.0
+            } else {
+                plane[r as usize * iw + c as usize]
+            }
+        };
+        at(y0, x0) * (1.0 - fy) * (1.0 - fx)
+            + at(y0, x0 + 1.0) * (1.0 - fy) * fx
+            + at(y0 + 1.0, x0) * fy * (1.0 - fx)
+            + at(y0 + 1.0, x0 + 1.0) * fy * fx
+    };
+    let mut out = vec![0f64; n * oc * oh * ow];
+    for b in 0..n {
+        for o in 0..oc {
+            for i in 0..oh {
+                for j in 0..ow {
+                    let mut s = bias.as_ref().map_or(0.0, |bv| bv[o]);
+                    for c in 0..ic {
+                        if c / icg != o / ocg {
+                            continue;
+                        }
+                        let g = c / icog;
+                        let plane = &xv[(b * ic + c) * ih * iw..][..ih * iw];
+                        for p in 0..kh {
+                            for q in 0..kw {
+                                let k = (g * kh + p) * kw + q;
+                                let oy = ov[((b * og * kh * kw + k) * 2 * oh + i) * ow + j];
+                                let ox = ov[(((b * og * kh * kw + k) * 2 + 1) * oh + i) * ow + j];
+                                let y =
+                                    (-pads[0] + st[0] * i as i64 + p as i64 * dl[0]) as f64 + oy;
+                                let xx =
+                                    (-pads[1] + st[1] * j as i64 + q as i64 * dl[1]) as f64 + ox;
+                                let m = mask
+                                    .as_ref()
+                                    .map_or(1.0, |m| m[((b * og * kh * kw + k) * oh + i) * ow + j]);
+                                let v = sample(plane, y as f32 as f64, xx as f32 as f64);
+                                s += v * wv[((o * icg + c % icg) * kh + p) * kw + q] * m;
+                            }
+                        }
+                    }
+                    out[((b * oc + o) * oh + i) * ow + j] = s;
+                }
+            }
+        }
+    }
+    f64_tensor(vec![n, oc, oh, ow], out, x.dtype())
+}

@@ -1,0 +1,909 @@
+//! Elementwise ops: binary with multidirectional (numpy) broadcasting, variadic, unary, Cast.
+
+use crate::ops::{unsupported, Ctx};
+use crate::tensor::{numel, DType, Data, Elem, Num, Tensor};
+use crate::{dispatch, kbail, Result};
+
+/// The numpy broadcast of two shapes.
+pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let r = a.len().max(b.len());
+    let mut out = vec![0; r];
+    for i in 0..r {
+        let da = if i + a.len() >= r {
+            a[i + a.len() - r]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= r {
+            b[i + b.len() - r]
+        } else {
+            1
+        };
+        out[i] = if da == db || db == 1 {
+            da
+        } else if da == 1 {
+            db
+        } else {
+            kbail!("shapes {a:?} and {b:?} do not broadcast");
+        };
+    }
+    Ok(out)
+}
+
+/// Strides of `shape` seen from the broadcast shape `out` (0 on broadcast dims).
+pub fn bstrides(shape: &[usize], out: &[usize]) -> Vec<usize> {
+    let mut s = vec![0; out.len()];
+    let off = out.len() - shape.len();
+    let mut acc = 1;
+    for i in (0..shape.len()).rev() {
+        s[i + off] = if shape[i] == 1 { 0 } else { acc };
+        acc *= shape[i];
+    }
+    s
+}
+
+/// Offsets of `shape`'s elements seen from `out`, when `shape` broadcasts to exactly `out`
+/// (unidirectional broadcasting: Gemm's C, normalization scales, attention masks).
+pub fn broadcast_to(shape: &[usize], out: &[usize]) -> Result<Vec<usize>> {
+    if shape.len() > out.len() || broadcast_shape(shape, out)? != out {
+        kbail!("shape {shape:?} does not broadcast to {out:?}");
+    }
+    Ok(broadcast_offsets(&[shape], out).remove(0))
+}
+
+/// For each element of `out` (row-major), the offsets into inputs of the given shapes
+/// (which must broadcast to `out`).
+pub fn broadcast_offsets(shapes: &[&[usize]], out: &[usize]) -> Vec<Vec<usize>> {
+    let n = numel(out).unwrap_or(0);
+    let strides: Vec<Vec<usize>> = shapes.iter().map(|s| bstrides(s, out)).collect();
+    let mut offs: Vec<Vec<usize>> = vec![Vec::with_capacity(n); shapes.len()];
+    let mut idx = vec![0usize; out.len()];
+    let mut cur = vec![0usize; shapes.len()];
+    for _ in 0..n {
+        for (k, o) in offs.iter_mut().enumerate() {
+            o.push(cur[k]);
+        }
+        for d in (0..out.len()).rev() {
+            idx[d] += 1;
+            for (k, c) in cur.iter_mut().enumerate() {
+                *c += strides[k][d];
+            }
+            if idx[d] < out[d] {
+                break;
+            }
+            for (k, c) in cur.iter_mut().enumerate() {
+                *c -= strides[k][d] * out[d];
+            }
+            idx[d] = 0;
+        }
+    }
+    offs
+}
+
+/// Applies `f` over the broadcast of `a` and `b`.
+pub fn zip_with<A: Clone, B: Clone, O>(
+    a: &[A],
+    ash: &[usize],
+    b: &[B],
+    bsh: &[usize],
+    mut f: impl FnMut(A, B) -> Result<O>,
+) -> Result<(Vec<usize>, Vec<O>)> {
+    let out = broadcast_shape(ash, bsh)?;
+    let v = if ash == bsh {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| f(x.clone(), y.clone()))
+            .collect::<Result<_>>()?
+    } else if b.len() == 1 && out == ash {
+        a.iter()
+            .map(|x| f(x.clone(), b[0].clone()))
+            .collect::<Result<_>>()?
+    } else {
+        let offs = broadcast_offsets(&[ash, bsh], &out);
+        offs[0]
+            .iter()
+            .zip(&offs[1])
+            .map(|(&i, &j)| f(a[i].clone(), b[j].clone()))
+            .collect::<Result<_>>()?
+    };
+    Ok((out, v))
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Bin {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Mod,
+    FMod,
+    Max,
+    Min,
+    BitAnd,
+    BitOr,
+    BitXor,
+    Shl,
+    Shr,
+    PRelu,
+}
+
+fn bin_num<T: Num>(op: Bin, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let x = a.as_slice::<T>()?;
+    let bits = (T::DT.size() * 8) as u32;
+    let signed = matches!(T::DT, DType::I8 | DType::I16 | DType::I32 | DType::I64);
+    let f = |p: T, q: T| -> Result<T> {
+        Ok(match op {
+            Bin::Add => p.add(q),
+            Bin::Sub => p.sub(q),
+            Bin::Mul => p.mul(q),
+            Bin::Div => p.div(q)?,
+            Bin::Pow => unreachable!("Pow has its own exponent type"),
+            Bin::Mod | Bin::FMod if T::IS_FLOAT => {
+                let (p, q) = (p.to_f64(), q.to_f64());
+                let mut r = p % q;
+                if op == Bin::Mod && r != 0.0 && ((r < 0.0) != (q < 0.0)) {
+                    r += q;
+                }
+                T::from_f64(r)
+            }
+            Bin::Mod | Bin::FMod => {
+                let (p, q) = (p.to_i128(), q.to_i128());
+                if q == 0 {
+                    kbail!("integer modulo by zero");
+                }
+                let r = if op == Bin::Mod {
+                    p.rem_euclid(q)
+                } else {
+                    p % q
+                };
+                let r = if op == Bin::Mod && r != 0 && q < 0 {
+                    r + q
+                } else {
+                    r
+                };
+                T::from_i128(r)
+            }
+            Bin::Max => {
+                if p.is_nan() || q.is_nan() {
+                    if p.is_nan() {
+                        p
+                    } else {
+                        q
+                    }
+                } else if q > p {
+                    q
+                } else {
+                    p
+                }
+            }
+            Bin::Min => {
+                if p.is_nan() || q.is_nan() {
+                    if p.is_nan() {
+                        p
+                    } else {
+                        q
+                    }
+                } else if q < p {
+                    q
+                } else {
+                    p
+                }
+            }
+            Bin::BitAnd => T::from_i128(p.to_i128() & q.to_i128()),
+            Bin::BitOr => T::from_i128(p.to_i128() | q.to_i128()),
+            Bin::BitXor => T::from_i128(p.to_i128() ^ q.to_i128()),
+            Bin::Shl | Bin::Shr => {
+                let (v, s) = (p.to_i128(), q.to_i128());
+                let r = if s < 0 || s >= bits as i128 {
+                    if op == Bin::Shr && signed && v < 0 {
+                        -1
+                    } else {
+                        0
+                    }
+                } else if op == Bin::Shl {
+                    v << s
+                } else {
+                    v >> s
+                };
+                T::from_i128(r)
+            }
+            Bin::PRelu => {
+                if p < T::zero() {
+                    p.mul(q)
+                } else {
+                    p
+                }
+            }
+        })
+    };
+    let (shape, v) = zip_with(x, a.shape(), b.as_slice::<T>()?, b.shape(), f)?;
+    Tensor::from_vec(shape, v)
+}
+
+fn pow<T: Num>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let e = b.to_f64_vec()?;
+    let exp_int = b.dtype().is_int();
+    let (shape, v) = zip_with(a.as_slice::<T>()?, a.shape(), &e, b.shape(), |p, q| {
+        if T::IS_FLOAT {
+            Ok(T::from_f64(p.to_f64().powf(q)))
+        } else if exp_int && q >= 0.0 {
+            let mut r: i128 = 1;
+            let base = p.to_i128();
+            for _ in 0..(q as u64).min(128) {
+                r = r.wrapping_mul(base);
+            }
+            Ok(T::from_i128(r))
+        } else {
+            Ok(T::from_f64(p.to_f64().powf(q)))
+        }
+    })?;
+    Tensor::from_vec(shape, v)
+}
+
+#[derive(Clone, Copy)]
+enum Cmp {
+    Eq,
+    Lt,
+    Gt,
+    Le,
+    Ge,
+}
+
+fn cmp<T: Elem + PartialOrd>(op: Cmp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (shape, v) = zip_with(
+        a.as_slice::<T>()?,
+        a.shape(),
+        b.as_slice::<T>()?,
+        b.shape(),
+        |p, q| {
+            Ok(match op {
+                Cmp::Eq => p == q,
+                Cmp::Lt => p < q,
+                Cmp::Gt => p > q,
+                Cmp::Le => p <= q,
+                Cmp::Ge => p >= q,
+            })
+        },
+    )?;
+    Tensor::from_vec(shape, v)
+}
+
+fn same_type(a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.dtype() != b.dtype() {
+        kbail!("input types differ: {} and {}", a.dtype(), b.dtype());
+    }
+    Ok(())
+}
+
+/// Legacy (opset < 7) `broadcast`/`axis` attributes: B aligned at `axis` of A.
+fn legacy_b(cx: &Ctx, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if cx.opset() >= 7 || cx.ai("broadcast", 0) == 0 {
+        return Ok(b.clone());
+    }
+    let Some(ax) = cx.attr("axis").map(|_| cx.ai("axis", 0)) else {
+        return Ok(b.clone());
+    };
+    let ax = crate::ops::axis(ax, a.rank())?;
+    let mut shape = vec![1; ax];
+    shape.extend_from_slice(b.shape());
+    while shape.len() < a.rank() {
+        shape.push(1);
+    }
+    b.clone().reshape(shape)
+}
+
+fn binary(cx: &Ctx, op: Bin) -> Result<Tensor> {
+    let a = cx.t(0)?;
+    let mut b = legacy_b(cx, a, cx.t(1)?)?;
+    if op == Bin::PRelu
+        && cx.opset() < 7
+        && b.rank() == 1
+        && a.rank() > 2
+        && b.len() == a.shape()[1]
+    {
+        // PRelu-6: a 1-D slope is per channel.
+        let mut shape = vec![b.len()];
+        shape.resize(a.rank() - 1, 1);
+        b = b.reshape(shape)?;
+    }
+    if op == Bin::Pow {
+        return dispatch!(a.dtype(), num_nobool, pow, a, &b);
+    }
+    same_type(a, &b)?;
+    match (op, a.dtype()) {
+        (Bin::BitAnd | Bin::BitOr | Bin::BitXor | Bin::Shl | Bin::Shr, dt) if !dt.is_int() => {
+            Err(crate::Error::UnsupportedType(dt.to_string()))
+        }
+        _ => dispatch!(a.dtype(), num_nobool, bin_num, op, a, &b),
+    }
+}
+
+fn logical(a: &Tensor, b: &Tensor, f: fn(bool, bool) -> bool) -> Result<Tensor> {
+    let (shape, v) = zip_with(
+        a.as_slice::<bool>()?,
+        a.shape(),
+        b.as_slice::<bool>()?,
+        b.shape(),
+        |p, q| Ok(f(p, q)),
+    )?;
+    Tensor::from_vec(shape, v)
+}
+
+fn variadic(cx: &Ctx, op: Bin) -> Result<Tensor> {
+    let n = cx.n_in();
+    if n == 0 {
+        kbail!("needs at least one input");
+    }
+    let mut acc = cx.t(0)?.clone();
+    for i in 1..n {
+        let b = cx.t(i)?;
+        same_type(&acc, b)?;
+        acc = dispatch!(acc.dtype(), num_nobool, bin_num, op, &acc, b)?;
+    }
+    if op == Bin::Add && cx.node.op == "Mean" {
+        fn div<T: Num>(t: &Tensor, n: usize) -> Result<Tensor> {
+            let v = t
+                .as_slice::<T>()?
+                .iter()
+                .map(|x| T::from_f64(x.to_f64() / n as f64))
+                .collect();
+            Tensor::from_vec(t.shape().to_vec(), v)
+        }
+        acc = dispatch!(acc.dtype(), num_nobool, div, &acc, n)?;
+    }
+    Ok(acc)
+}
+
+fn where_op(cx: &Ctx) -> Result<Tensor> {
+    let c = cx.t(0)?;
+    let (x, y) = (cx.t(1)?, cx.t(2)?);
+    same_type(x, y)?;
+    fn go<T: Elem>(c: &Tensor, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let out = broadcast_shape(&broadcast_shape(c.shape(), x.shape())?, y.shape())?;
+        let offs = broadcast_offsets(&[c.shape(), x.shape(), y.shape()], &out);
+        let (cv, xv, yv) = (
+            c.as_slice::<bool>()?,
+            x.as_slice::<T>()?,
+            y.as_slice::<T>()?,
+        );
+        let v = (0..offs[0].len())
+            .map(|k| {
+                if cv[offs[0][k]] {
+                    xv[offs[1][k]].clone()
+                } else {
+                    yv[offs[2][k]].clone()
+                }
+            })
+            .collect();
+        Tensor::from_vec(out, v)
+    }
+    dispatch!(x.dtype(), all, go, c, x, y)
+}
+
+/// Maps every element through `f` in f64, for float tensors.
+pub fn map_float(t: &Tensor, f: &dyn Fn(f64) -> f64) -> Result<Tensor> {
+    fn go<T: Num>(t: &Tensor, f: &dyn Fn(f64) -> f64) -> Result<Tensor> {
+        let v = t
+            .as_slice::<T>()?
+            .iter()
+            .map(|x| T::from_f64(f(x.to_f64())))
+            .collect();
+        Tensor::from_vec(t.shape().to_vec(), v)
+    }
+    dispatch!(t.dtype(), float, go, t, f)
+}
+
+/// Maps every element through `f` in f64, for any numeric tensor (integers round-trip exactly
+/// below 2^53).
+fn map_num(t: &Tensor, f: &dyn Fn(f64) -> f64) -> Result<Tensor> {
+    fn go<T: Num>(t: &Tensor, f: &dyn Fn(f64) -> f64) -> Result<Tensor> {
+        let v = t
+            .as_slice::<T>()?
+            .iter()
+            .map(|x| T::from_f64(f(x.to_f64())))
+            .collect();
+        Tensor::from_vec(t.shape().to_vec(), v)
+    }
+    dispatch!(t.dtype(), num_nobool, go, t, f)
+}
+
+fn map_pred(t: &Tensor, f: &dyn Fn(f64) -> bool) -> Result<Tensor> {
+    fn go<T: Num>(t: &Tensor, f: &dyn Fn(f64) -> bool) -> Result<Tensor> {
+        let v: Vec<bool> = t.as_slice::<T>()?.iter().map(|x| f(x.to_f64())).collect();
+        Tensor::from_vec(t.shape().to_vec(), v)
+    }
+    dispatch!(t.dtype(), num, go, t, f)
+}
+
+/// The error function (Taylor series, then 1 past |x| = 5.9 where erf(x) rounds to 1 in f64).
+pub fn erf(x: f64) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    let ax = x.abs();
+    if ax > 5.9 {
+        return x.signum();
+    }
+    if ax > 2.5 {
+        // Continued fraction for erfc (Lentz), accurate for larger |x|.
+        let z = ax;
+        let mut f = z;
+        let mut c = z;
+        let mut d = 0.0;
+        for k in 1..200 {
+            let an = k as f64 / 2.0;
+            d = z + an * d;
+            d = 1.0 / d;
+            c = z + an / c;
+            let delta = c * d;
+            f *= delta;
+            if (delta - 1.0).abs() < 1e-16 {
+                break;
+            }
+        }
+        let erfc = (-z * z).exp() / (f * std::f64::consts::PI.sqrt());
+        return x.signum() * (1.0 - erfc);
+    }
+    let mut sum = 0.0;
+    let mut term = x;
+    let x2 = x * x;
+    let mut n = 0.0;
+    loop {
+        let t = term / (2.0 * n + 1.0);
+        sum += t;
+        if t.abs() < 1e-17 * sum.abs() {
+            break;
+        }
+        n += 1.0;
+        term *= -x2 / n;
+        if n > 200.0 {
+            break;
+        }
+    }
+    sum * 2.0 / std::f64::consts::PI.sqrt()
+}
+
+fn unary(cx: &Ctx) -> Result<Option<Tensor>> {
+    use std::f64::consts::PI;
+    let op = cx.node.op.as_str();
+    let f: &dyn Fn(f64) -> f64 = match op {
+        "Exp" => &f64::exp,
+        "Log" => &f64::ln,
+        "Sqrt" => &f64::sqrt,
+        "Reciprocal" => &|x| 1.0 / x,
+        "Sin" => &f64::sin,
+        "Cos" => &f64::cos,
+        "Tan" => &f64::tan,
+        "Asin" => &f64::asin,
+        "Acos" => &f64::acos,
+        "Atan" => &f64::atan,
+        "Sinh" => &f64::sinh,
+        "Cosh" => &f64::cosh,
+        "Asinh" => &f64::asinh,
+        "Acosh" => &f64::acosh,
+        "Atanh" => &f64::atanh,
+        "Tanh" => &f64::tanh,
+        "Sigmoid" => &|x| {
+            if x >= 0.0 {
+                1.0 / (1.0 + (-x).exp())
+            } else {
+                let e = x.exp();
+                e / (1.0 + e)
+            }
+        },
+        "Erf" => &erf,
+        "Floor" => &f64::floor,
+        "Ceil" => &f64::ceil,
+        "Round" => &f64::round_ties_even,
+        "Softsign" => &|x| x / (1.0 + x.abs()),
+        "Softplus" => &|x| if x > 30.0 { x } else { x.exp().ln_1p() },
+        "Mish" => &|x| x * (if x > 30.0 { x } else { x.exp().ln_1p() }).tanh(),
+        "HardSwish" => &|x| x * (x / 6.0 + 0.5).clamp(0.0, 1.0),
+        _ => return unary_attr(cx),
+    };
+    let _ = PI;
+    Ok(Some(map_float(cx.t(0)?, f)?))
+}
+
+const UNARY_ATTR: &[&str] = &[
+    "Abs",
+    "Neg",
+    "Sign",
+    "Relu",
+    "Elu",
+    "Celu",
+    "Selu",
+    "LeakyRelu",
+    "ThresholdedRelu",
+    "HardSigmoid",
+    "Shrink",
+    "Swish",
+    "Gelu",
+    "Not",
+    "BitwiseNot",
+    "IsNaN",
+    "IsInf",
+];
+
+fn unary_attr(cx: &Ctx) -> Result<Option<Tensor>> {
+    let op = cx.node.op.as_str();
+    if !UNARY_ATTR.contains(&op) {
+        return Ok(None);
+    }
+    let x = cx.t(0)?;
+    let alpha = |d: f32| cx.af("alpha", d) as f64;
+    Ok(Some(match op {
+        "Abs" => map_num_signed(x, |v| v.abs())?,
+        "Neg" => map_num_signed(x, |v| -v)?,
+        "Sign" => map_num(x, &|v| {
+            if v > 0.0 {
+                1.0
+            } else if v < 0.0 {
+                -1.0
+            } else {
+                v
+            }
+        })?,
+        "Relu" => map_num(x, &|v| if v > 0.0 { v } else { 0.0 })?,
+        "Elu" => {
+            let a = alpha(1.0);
+            map_float(x, &|v| if v > 0.0 { v } else { a * (v.exp() - 1.0) })?
+        }
+        "Celu" => {
+            let a = alpha(1.0);
+            map_float(x, &|v| v.max(0.0) + (a * ((v / a).exp() - 1.0)).min(0.0))?
+        }
+        "Selu" => {
+            let a = cx.af("alpha", 1.673_263_2) as f64;
+            let g = cx.af("gamma", 1.050_701) as f64;
+            map_float(x, &|v| {
+                if v > 0.0 {
+                    g * v
+                } else {
+                    g * (a * v.exp() - a)
+                }
+            })?
+        }
+        "LeakyRelu" => {
+            let a = alpha(0.01);
+            map_float(x, &|v| if v >= 0.0 { v } else { a * v })?
+        }
+        "ThresholdedRelu" => {
+            let a = alpha(1.0);
+            map_float(x, &|v| if v > a { v } else { 0.0 })?
+        }
+        "HardSigmoid" => {
+            let (a, b) = (alpha(0.2), cx.af("beta", 0.5) as f64);
+            map_float(x, &|v| (a * v + b).clamp(0.0, 1.0))?
+        }
+        "Shrink" => {
+            let (b, l) = (cx.af("bias", 0.0) as f64, cx.af("lambd", 0.5) as f64);
+            map_num(x, &|v| {
+                if v < -l {
+                    v + b
+                } else if v > l {
+                    v - b
+                } else {
+                    0.0
+                }
+            })?
+        }
+        "Swish" => {
+            let a = alpha(1.0);
+            map_float(x, &|v| v / (1.0 + (-a * v).exp()))?
+        }
+        "Gelu" => {
+            if cx.astr("approximate", "none") == "tanh" {
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                map_float(x, &|v| {
+                    0.5 * v * (1.0 + (c * (v + 0.044715 * v * v * v)).tanh())
+                })?
+            } else {
+                map_float(x, &|v| 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2)))?
+            }
+        }
+        "Not" => {
+            let v: Vec<bool> = x.as_slice::<bool>()?.iter().map(|b| !b).collect();
+            Tensor::from_vec(x.shape().to_vec(), v)?
+        }
+        "BitwiseNot" => {
+            fn go<T: Num>(t: &Tensor) -> Result<Tensor> {
+                let v = t
+                    .as_slice::<T>()?
+                    .iter()
+                    .map(|x| T::from_i128(!x.to_i128()))
+                    .collect();
+                Tensor::from_vec(t.shape().to_vec(), v)
+            }
+            dispatch!(x.dtype(), int, go, x)?
+        }
+        "IsNaN" => map_pred(x, &f64::is_nan)?,
+        "IsInf" => {
+            let (neg, pos) = (
+                cx.ai("detect_negative", 1) != 0,
+                cx.ai("detect_positive", 1) != 0,
+            );
+            map_pred(x, &|v| {
+                v.is_infinite() && ((v > 0.0 && pos) || (v < 0.0 && neg))
+            })?
+        }
+        _ => return Ok(None),
+    }))
+}
+
+/// Abs/Neg: exact for every integer width (no f64 round trip), f64 for floats.
+fn map_num_signed(t: &Tensor, f: fn(f64) -> f64) -> Result<Tensor> {
+    fn go<T: Num>(t: &Tensor, f: fn(f64) -> f64) -> Result<Tensor> {
+        let neg = f(-1.0) == 1.0 && f(1.0) == -1.0;
+        let v = t
+            .as_slice::<T>()?
+            .iter()
+            .map(|x| {
+                if T::IS_FLOAT {
+                    T::from_f64(f(x.to_f64()))
+                } else {
+                    let i = x.to_i128();
+                    T::from_i128(if neg { i.wrapping_neg() } else { i.abs() })
+                }
+            })
+            .collect();
+        Tensor::from_vec(t.shape().to_vec(), v)
+    }
+    dispatch!(t.dtype(), num_nobool, go, t, f)
+}
+
+/// Casts a tensor to `to` (saturating for float8 targets, E8M0 rounding up).
+pub fn cast(t: &Tensor, to: DType) -> Result<Tensor> {
+    cast_with(t, to, true, "up")
+}
+
+/// Casts a tensor to `to`; `saturate` and `round_mode` apply to float8 targets.
+pub fn cast_with(t: &Tensor, to: DType, saturate: bool, round_mode: &str) -> Result<Tensor> {
+    use crate::small;
+    if t.dtype() == to {
+        return Ok(t.clone());
+    }
+    if to.is_small() {
+        let int_target = matches!(to, DType::I4 | DType::U4 | DType::I2 | DType::U2);
+        let codes: Vec<u8> = if t.dtype().is_int() || t.dtype() == DType::Bool {
+            let v = t.to_f64_vec()?;
+            if int_target {
+                t.to_i64_vec()
+                    .unwrap_or_else(|_| v.iter().map(|&x| x as i64).collect())
+                    .iter()
+                    .map(|&x| small::encode_int(to, x as i128))
+                    .collect()
+            } else {
+                v.iter()
+                    .map(|&x| small::encode(to, x, saturate, round_mode))
+                    .collect()
+            }
+        } else {
+            let v = match t.data() {
+                Data::Str(_) => cast(t, DType::F64)?.to_f64_vec()?,
+                _ => t.to_f64_vec()?,
+            };
+            v.iter()
+                .map(|&x| small::encode(to, x, saturate, round_mode))
+                .collect()
+        };
+        return Tensor::new(t.shape().to_vec(), Data::Code(to, codes));
+    }
+    if t.dtype().is_small() {
+        let v = t.to_f64_vec()?;
+        return cast_with(
+            &Tensor::from_vec(t.shape().to_vec(), v)?,
+            to,
+            saturate,
+            round_mode,
+        );
+    }
+    fn from_str<D: Num>(v: &[String]) -> Result<Data> {
+        let out: Vec<D> = v
+            .iter()
+            .map(|s| {
+                let s = s.trim();
+                let f = match s.to_ascii_lowercase().as_str() {
+                    "inf" | "+inf" | "infinity" | "+infinity" => f64::INFINITY,
+                    "-inf" | "-infinity" => f64::NEG_INFINITY,
+                    "nan" | "+nan" | "-nan" => f64::NAN,
+                    _ => {
+                        if !D::IS_FLOAT {
+                            if let Ok(i) = s.parse::<i128>() {
+                                return D::from_i128(i);
+                            }
+                        }
+                        s.parse::<f64>().unwrap_or(f64::NAN)
+                    }
+                };
+                D::from_f64(f)
+            })
+            .collect();
+        Ok(D::into_data(out))
+    }
+    fn to_str<S: Num>(v: &[S]) -> Result<Data> {
+        Ok(Data::Str(
+            v.iter()
+                .map(|x| {
+                    if S::IS_FLOAT {
+                        let f = x.to_f64();
+                        if f.is_nan() {
+                            "NaN".to_string()
+                        } else if f.is_infinite() {
+                            if f > 0.0 { "INF" } else { "-INF" }.to_string()
+                        } else {
+                            format!("{}", x.to_f64() as f32)
+                        }
+                    } else if S::DT == DType::Bool {
+                        (x.to_i128() != 0).to_string()
+                    } else {
+                        x.to_i128().to_string()
+                    }
+                })
+                .collect(),
+        ))
+    }
+    fn num_to<S: Num, D: Num>(v: &[S]) -> Result<Data> {
+        let out: Vec<D> = if S::IS_FLOAT {
+            v.iter()
+                .map(|x| {
+                    let f = x.to_f64();
+                    if !D::IS_FLOAT && D::DT != DType::Bool && f.is_finite() {
+                        // Out-of-range floats keep the low bits of their integer value, as numpy does.
+                        D::from_i128(f.trunc() as i128)
+                    } else {
+                        D::from_f64(f)
+                    }
+                })
+                .collect()
+        } else {
+            v.iter().map(|x| D::from_i128(x.to_i128())).collect()
+        };
+        Ok(D::into_data(out))
+    }
+    fn src<S: Num>(t: &Tensor, to: DType) -> Result<Data> {
+        let v = t.as_slice::<S>()?;
+        macro_rules! go {
+            ($($d:ident => $ty:ty),*) => {
+                match to {
+                    DType::Str => to_str::<S>(v),
+                    $(DType::$d => num_to::<S, $ty>(v),)*
+                    d => Err(crate::Error::UnsupportedType(d.to_string())),
+                }
+            };
+        }
+        go!(F32 => f32, F64 => f64, F16 => half::f16, BF16 => half::bf16, I8 => i8, I16 => i16,
+            I32 => i32, I64 => i64, U8 => u8, U16 => u16, U32 => u32, U64 => u64, Bool => bool)
+    }
+    let data = if t.dtype() == DType::Str {
+        let v = t.as_slice::<String>()?;
+        dispatch!(to, num, from_str, v)?
+    } else {
+        dispatch!(t.dtype(), num, src, t, to)?
+    };
+    Tensor::new(t.shape().to_vec(), data)
+}
+
+fn cast_to(cx: &Ctx) -> Result<DType> {
+    let code = match cx.attr("to") {
+        Some(crate::ir::Attr::Str(s)) => {
+            let name = String::from_utf8_lossy(s).to_uppercase();
+            (0..29).find(|&c| DType::onnx_name(c) == name).unwrap_or(0)
+        }
+        _ => cx.ai("to", 0) as i32,
+    };
+    DType::from_onnx(code).ok_or_else(|| crate::Error::UnsupportedType(DType::onnx_name(code)))
+}
+
+fn clip(cx: &Ctx) -> Result<Tensor> {
+    let x = cx.t(0)?;
+    let (lo, hi) = if cx.opset() < 11 {
+        (
+            cx.attr("min").map(|_| cx.af("min", 0.0) as f64),
+            cx.attr("max").map(|_| cx.af("max", 0.0) as f64),
+        )
+    } else {
+        (
+            cx.opt(1).map(|t| t.scalar_f64()).transpose()?,
+            cx.opt(2).map(|t| t.scalar_f64()).transpose()?,
+        )
+    };
+    fn go<T: Num>(t: &Tensor, lo: Option<f64>, hi: Option<f64>) -> Result<Tensor> {
+        let (lo, hi) = (lo.map(T::from_f64), hi.map(T::from_f64));
+        let v = t
+            .as_slice::<T>()?
+            .iter()
+            .map(|&x| {
+                let mut y = x;
+                if let Some(l) = lo {
+                    if y < l {
+                        y = l;
+                    }
+                }
+                if let Some(h) = hi {
+                    if y > h {
+                        y = h;
+                    }
+                }
+                y
+            })
+            .collect();
+        Tensor::from_vec(t.shape().to_vec(), v)
+    }
+    dispatch!(x.dtype(), num_nobool, go, x, lo, hi)
+}
+
+/// Elementwise ops; `None` when `cx`'s op is not one of them.
+pub fn run(cx: &Ctx) -> Result<Option<Tensor>> {
+    let op = cx.node.op.as_str();
+    let b = |o| binary(cx, o).map(Some);
+    let c = |o| -> Result<Option<Tensor>> {
+        let (a, b) = (cx.t(0)?, cx.t(1)?);
+        same_type(a, b)?;
+        dispatch!(a.dtype(), all, cmp, o, a, b).map(Some)
+    };
+    match op {
+        "Add" => b(Bin::Add),
+        "Sub" => b(Bin::Sub),
+        "Mul" => b(Bin::Mul),
+        "Div" => b(Bin::Div),
+        "Pow" => b(Bin::Pow),
+        "Mod" => b(if cx.ai("fmod", 0) != 0 {
+            Bin::FMod
+        } else {
+            Bin::Mod
+        }),
+        "BitwiseAnd" => b(Bin::BitAnd),
+        "BitwiseOr" => b(Bin::BitOr),
+        "BitwiseXor" => b(Bin::BitXor),
+        "BitShift" => match cx.astr("direction", "").as_str() {
+            "LEFT" => b(Bin::Shl),
+            "RIGHT" => b(Bin::Shr),
+            d => Err(unsupported(format!("BitShift direction '{d}'"))),
+        },
+        "PRelu" => b(Bin::PRelu),
+        "Equal" => c(Cmp::Eq),
+        "Less" => c(Cmp::Lt),
+        "Greater" => c(Cmp::Gt),
+        "LessOrEqual" => c(Cmp::Le),
+        "GreaterOrEqual" => c(Cmp::Ge),
+        "And" => logical(cx.t(0)?, &legacy_b(cx, cx.t(0)?, cx.t(1)?)?, |p, q| p && q).map(Some),
+        "Or" => logical(cx.t(0)?, &legacy_b(cx, cx.t(0)?, cx.t(1)?)?, |p, q| p || q).map(Some),
+        "Xor" => logical(cx.t(0)?, &legacy_b(cx, cx.t(0)?, cx.t(1)?)?, |p, q| p ^ q).map(Some),
+        "Max" => variadic(cx, Bin::Max).map(Some),
+        "Min" => variadic(cx, Bin::Min).map(Some),
+        "Sum" | "Mean" => variadic(cx, Bin::Add).map(Some),
+        "Where" => where_op(cx).map(Some),
+        "Clip" => clip(cx).map(Some),
+        "Cast" => cast_with(
+            cx.t(0)?,
+            cast_to(cx)?,
+            cx.ai("saturate", 1) != 0,
+            &cx.astr("round_mode", "up"),
+        )
+        .map(Some),
+        "BitCast" => {
+            let x = cx.t(0)?;
+            let to = cast_to(cx)?;
+            if to.size() != x.dtype().size()
+                || to.is_small()
+                || to == DType::Str
+                || x.dtype() == DType::Str
+            {
+                return Err(unsupported(format!("BitCast from {} to {to}", x.dtype())));
+            }
+            let mut p = crate::onnx::tensor_to_proto(x, "");
+            p.data_type = to.onnx();
+            crate::onnx::tensor_from_proto(&p, None).map(Some)
+        }
+        "CastLike" => cast_with(
+            cx.t(0)?,
+            cx.t(1)?.dtype(),
+            cx.ai("saturate", 1) != 0,
+            &cx.astr("round_mode", "up"),
+        )
+        .map(Some),
+        _ => unary(cx),
+    }
+}

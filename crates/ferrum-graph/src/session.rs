@@ -1,0 +1,123 @@
+//! [`Session`]: a loaded model, run with named inputs.
+
+use std::path::Path;
+
+use crate::exec::run_graph;
+use crate::ir::{Dim, Model, ValueType};
+use crate::tensor::Value;
+use crate::{Error, Result};
+
+/// A model ready to run.
+pub struct Session {
+    model: Model,
+}
+
+impl Session {
+    /// Loads and imports an `.onnx` file (external data is read from its folder).
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Session> {
+        Ok(Session {
+            model: crate::onnx::load_model(path.as_ref())?,
+        })
+    }
+
+    /// Imports a model from memory (external data is refused).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Session> {
+        Ok(Session {
+            model: crate::onnx::load_model_bytes(bytes, None)?,
+        })
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Names of the inputs a caller feeds, in graph order (initializer-backed inputs excluded).
+    pub fn input_names(&self) -> Vec<String> {
+        self.model
+            .graph
+            .runtime_inputs()
+            .iter()
+            .map(|&id| self.model.value(id).name.clone())
+            .collect()
+    }
+
+    pub fn output_names(&self) -> Vec<String> {
+        self.model
+            .graph
+            .outputs
+            .iter()
+            .map(|&id| self.model.value(id).name.clone())
+            .collect()
+    }
+
+    /// Runs the model. Every non-initializer input must be given by name; inputs that have an
+    /// initializer may be given to override it. Returns the outputs in graph order.
+    pub fn run(&self, inputs: Vec<(String, Value)>) -> Result<Vec<(String, Value)>> {
+        let g = &self.model.graph;
+        let mut slots: Vec<Option<Value>> = vec![None; g.inputs.len()];
+        for (name, v) in inputs {
+            let pos = g
+                .inputs
+                .iter()
+                .position(|&id| self.model.value(id).name == name)
+                .ok_or_else(|| Error::Input(format!("the model has no input named '{name}'")))?;
+            self.check_input(pos, &v)?;
+            slots[pos] = Some(v);
+        }
+        for (pos, id) in g.inputs.iter().enumerate() {
+            let has_default = g.initializers.iter().any(|(i, _)| i == id);
+            if slots[pos].is_none() && !has_default {
+                return Err(Error::Input(format!(
+                    "input '{}' is required",
+                    self.model.value(*id).name
+                )));
+            }
+        }
+        let outs = run_graph(g, slots, None)?;
+        Ok(self.output_names().into_iter().zip(outs).collect())
+    }
+
+    fn check_input(&self, pos: usize, v: &Value) -> Result<()> {
+        let info = self.model.value(self.model.graph.inputs[pos]);
+        if let (ValueType::Tensor { dtype, shape }, Value::Tensor(t)) = (&info.ty, v) {
+            if let Some(dt) = dtype {
+                if *dt != t.dtype() {
+                    return Err(Error::Input(format!(
+                        "input '{}' must be {dt}, got {}",
+                        info.name,
+                        t.dtype()
+                    )));
+                }
+            }
+            if let Some(dims) = shape {
+                let ok = dims.len() == t.rank()
+                    && dims.iter().zip(t.shape()).all(|(d, &s)| match d {
+                        Dim::Known(k) => *k == s,
+                        _ => true,
+                    });
+                if !ok {
+                    return Err(Error::Input(format!(
+                        "input '{}' must have shape {}, got {:?}",
+                        info.name,
+                        fmt_dims(dims),
+                        t.shape()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `[1, N, 3]`-style rendering of a static shape.
+pub fn fmt_dims(dims: &[Dim]) -> String {
+    let parts: Vec<String> = dims
+        .iter()
+        .map(|d| match d {
+            Dim::Known(k) => k.to_string(),
+            Dim::Sym(s) => s.clone(),
+            Dim::Unknown => "?".into(),
+        })
+        .collect();
+    format!("[{}]", parts.join(", "))
+}

@@ -1,0 +1,375 @@
+//! ONNX decoding and import: both protobuf encodings of repeated numerics, and hostile files
+//! that must give an error, never a panic.
+
+use ferrum_graph::onnx::{load_model, load_model_bytes, tensor_from_proto};
+use ferrum_graph::proto::build::{f32_tensor, model, node, value};
+use ferrum_graph::proto::{decode, encode, AttributeProto, StringStringEntryProto, TensorProto};
+use ferrum_graph::{Error, Session, Tensor};
+
+fn varint(mut v: u64, out: &mut Vec<u8>) {
+    loop {
+        let b = (v & 0x7f) as u8;
+        v >>= 7;
+        if v == 0 {
+            out.push(b);
+            return;
+        }
+        out.push(b | 0x80);
+    }
+}
+
+/// A TensorProto with dims [2, 3], INT64 data [-1, 5, 300, 0, 7, -9], dims and int64_data either
+/// one tag per element (unpacked) or one length-delimited blob (packed).
+fn int64_tensor_bytes(packed: bool) -> Vec<u8> {
+    let mut b = Vec::new();
+    let field = |tag: u64, vals: &[i64], b: &mut Vec<u8>| {
+        if packed {
+            let mut blob = Vec::new();
+            for &v in vals {
+                varint(v as u64, &mut blob);
+            }
+            varint(tag << 3 | 2, b);
+            varint(blob.len() as u64, b);
+            b.extend(blob);
+        } else {
+            for &v in vals {
+                varint(tag << 3, b);
+                varint(v as u64, b);
+            }
+        }
+    };
+    field(1, &[2, 3], &mut b);
+    varint(2 << 3, &mut b);
+    varint(7, &mut b); // INT64
+    field(7, &[-1, 5, 300, 0, 7, -9], &mut b);
+    b
+}
+
+#[test]
+fn repeated_numerics_decode_packed_and_unpacked() {
+    for packed in [false, true] {
+        let tp: TensorProto = decode(&int64_tensor_bytes(packed), "tensor").unwrap();
+        assert_eq!(tp.dims, vec![2, 3], "packed = {packed}");
+        let t = tensor_from_proto(&tp, None).unwrap();
+        assert_eq!(t.shape(), &[2, 3]);
+        assert_eq!(t.to_i64_vec().unwrap(), vec![-1, 5, 300, 0, 7, -9]);
+    }
+}
+
+#[test]
+fn attribute_floats_decode_packed_and_unpacked() {
+    // AttributeProto.floats (field 7, fixed32): unpacked = tag 0x3d per element, packed = LEN.
+    let vals = [1.5f32, -2.0];
+    let mut unpacked = Vec::new();
+    for v in vals {
+        unpacked.push(7 << 3 | 5);
+        unpacked.extend_from_slice(&v.to_le_bytes());
+    }
+    let mut packed = vec![7 << 3 | 2, 8];
+    for v in vals {
+        packed.extend_from_slice(&v.to_le_bytes());
+    }
+    for bytes in [unpacked, packed] {
+        let a: AttributeProto = decode(&bytes, "attribute").unwrap();
+        assert_eq!(a.floats, vals.to_vec());
+    }
+}
+
+#[test]
+fn raw_data_and_typed_fields_agree() {
+    let typed = f32_tensor("t", &[3], &[1.0, -2.5, 3.25]);
+    let raw = TensorProto {
+        name: "t".into(),
+        dims: vec![3],
+        data_type: 1,
+        raw_data: [1.0f32, -2.5, 3.25]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        ..Default::default()
+    };
+    assert_eq!(
+        tensor_from_proto(&typed, None).unwrap(),
+        tensor_from_proto(&raw, None).unwrap()
+    );
+}
+
+fn add_model() -> ferrum_graph::proto::ModelProto {
+    model(
+        vec![node("Add", &["a", "b"], &["y"], vec![])],
+        vec![
+            value("a", 1, &[Some(2), Some(1), Some(3)]),
+            value("b", 1, &[Some(4), Some(1)]),
+        ],
+        vec![value("y", 1, &[Some(2), Some(4), Some(3)])],
+        vec![],
+        17,
+    )
+}
+
+#[test]
+fn truncated_files_are_errors() {
+    let bytes = encode(&add_model());
+    for cut in [1, bytes.len() / 3, bytes.len() / 2, bytes.len() - 1] {
+        match load_model_bytes(&bytes[..cut], None) {
+            Err(Error::Format(_)) => {}
+            other => panic!("cut at {cut}: expected a format error, got {other:?}"),
+        }
+    }
+    assert!(load_model_bytes(b"\xff\xff\xff\xff\xff", None).is_err());
+}
+
+#[test]
+fn absurd_dims_are_refused_before_allocating() {
+    let t = TensorProto {
+        name: "w".into(),
+        dims: vec![1 << 40, 1 << 40],
+        data_type: 1,
+        raw_data: vec![0; 16],
+        ..Default::default()
+    };
+    assert!(matches!(tensor_from_proto(&t, None), Err(Error::Format(_))));
+    let t = TensorProto {
+        name: "w".into(),
+        dims: vec![1 << 20, 1 << 10],
+        data_type: 1,
+        raw_data: vec![0; 16],
+        ..Default::default()
+    };
+    assert!(matches!(tensor_from_proto(&t, None), Err(Error::Format(_))));
+    let t = TensorProto {
+        name: "w".into(),
+        dims: vec![-3],
+        data_type: 1,
+        ..Default::default()
+    };
+    assert!(tensor_from_proto(&t, None).is_err());
+}
+
+#[test]
+fn external_data_may_not_escape_the_model_folder() {
+    let dir = std::env::temp_dir().join(format!("ferrum-graph-ext-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("m")).unwrap();
+    std::fs::write(dir.join("secret.bin"), [0u8; 12]).unwrap();
+    std::fs::write(dir.join("m/w.bin"), 7f32.to_le_bytes().repeat(3)).unwrap();
+    let ext = |loc: &str| TensorProto {
+        name: "w".into(),
+        dims: vec![3],
+        data_type: 1,
+        data_location: 1,
+        external_data: vec![StringStringEntryProto {
+            key: "location".into(),
+            value: loc.into(),
+        }],
+        ..Default::default()
+    };
+    let m = dir.join("m");
+    for bad in ["../secret.bin", "/etc/passwd", "sub/../../secret.bin", ""] {
+        let r = tensor_from_proto(&ext(bad), Some(&m));
+        assert!(
+            matches!(r, Err(Error::Format(_))),
+            "location {bad:?}: {r:?}"
+        );
+    }
+    let ok = tensor_from_proto(&ext("w.bin"), Some(&m)).unwrap();
+    assert_eq!(ok.to_f64_vec().unwrap(), vec![7.0; 3]);
+    // A model file using it: loads through the file's folder.
+    let mp = model(
+        vec![node("Identity", &["w"], &["y"], vec![])],
+        vec![],
+        vec![value("y", 1, &[Some(3)])],
+        vec![ext("w.bin")],
+        17,
+    );
+    std::fs::write(m.join("model.onnx"), encode(&mp)).unwrap();
+    assert!(load_model(&m.join("model.onnx")).is_ok());
+    let mp = model(
+        vec![node("Identity", &["w"], &["y"], vec![])],
+        vec![],
+        vec![value("y", 1, &[Some(3)])],
+        vec![ext("../secret.bin")],
+        17,
+    );
+    std::fs::write(m.join("bad.onnx"), encode(&mp)).unwrap();
+    assert!(matches!(
+        load_model(&m.join("bad.onnx")),
+        Err(Error::Format(_))
+    ));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn cycles_are_errors() {
+    let mp = model(
+        vec![
+            node("Relu", &["b"], &["a"], vec![]),
+            node("Relu", &["a"], &["b"], vec![]),
+        ],
+        vec![],
+        vec![value("a", 1, &[Some(1)])],
+        vec![],
+        17,
+    );
+    match load_model_bytes(&encode(&mp), None) {
+        Err(Error::Format(m)) => assert!(m.contains("cycle"), "{m}"),
+        other => panic!("expected a cycle error, got {other:?}"),
+    }
+}
+
+#[test]
+fn dangling_inputs_and_duplicate_names_are_errors() {
+    let mp = model(
+        vec![node("Relu", &["nowhere"], &["y"], vec![])],
+        vec![],
+        vec![value("y", 1, &[Some(1)])],
+        vec![],
+        17,
+    );
+    match load_model_bytes(&encode(&mp), None) {
+        Err(Error::Format(m)) => assert!(m.contains("nowhere"), "{m}"),
+        other => panic!("expected a dangling-name error, got {other:?}"),
+    }
+    let mp = model(
+        vec![
+            node("Relu", &["x"], &["y"], vec![]),
+            node("Relu", &["x"], &["y"], vec![]),
+        ],
+        vec![value("x", 1, &[Some(1)])],
+        vec![value("y", 1, &[Some(1)])],
+        vec![],
+        17,
+    );
+    assert!(matches!(
+        load_model_bytes(&encode(&mp), None),
+        Err(Error::Format(_))
+    ));
+    let mp = model(
+        vec![node("Relu", &["x"], &["y"], vec![])],
+        vec![value("x", 1, &[Some(1)])],
+        vec![value("missing", 1, &[Some(1)])],
+        vec![],
+        17,
+    );
+    assert!(matches!(
+        load_model_bytes(&encode(&mp), None),
+        Err(Error::Format(_))
+    ));
+}
+
+#[test]
+fn nodes_out_of_order_are_sorted() {
+    let mp = model(
+        vec![
+            node("Neg", &["t"], &["y"], vec![]),
+            node("Relu", &["x"], &["t"], vec![]),
+        ],
+        vec![value("x", 1, &[Some(2)])],
+        vec![value("y", 1, &[Some(2)])],
+        vec![],
+        17,
+    );
+    let s = Session::from_bytes(&encode(&mp)).unwrap();
+    let x = Tensor::from_vec(vec![2], vec![-1.0f32, 2.0]).unwrap();
+    let out = s.run(vec![("x".into(), x.into())]).unwrap();
+    assert_eq!(
+        out[0].1.tensor().unwrap().to_f64_vec().unwrap(),
+        vec![0.0, -2.0]
+    );
+}
+
+#[test]
+fn unsupported_ops_name_node_op_opset_and_dtype() {
+    let mut n = node("NoSuchOp", &["x"], &["y"], vec![]);
+    n.name = "mystery".into();
+    let mp = model(
+        vec![n],
+        vec![value("x", 1, &[Some(1)])],
+        vec![value("y", 1, &[Some(1)])],
+        vec![],
+        17,
+    );
+    let s = Session::from_bytes(&encode(&mp)).unwrap();
+    let err = s
+        .run(vec![(
+            "x".into(),
+            Tensor::from_vec(vec![1], vec![1f32]).unwrap().into(),
+        )])
+        .unwrap_err();
+    assert!(err.is_unsupported());
+    let msg = err.to_string();
+    for part in ["mystery", "NoSuchOp", "opset 17", "FLOAT"] {
+        assert!(msg.contains(part), "{msg} lacks {part}");
+    }
+}
+
+#[test]
+fn wrong_inputs_are_errors() {
+    let s = Session::from_bytes(&encode(&add_model())).unwrap();
+    let a = Tensor::from_vec(vec![2, 1, 3], vec![0f32; 6]).unwrap();
+    assert!(matches!(
+        s.run(vec![("a".into(), a.clone().into())]),
+        Err(Error::Input(_))
+    ));
+    let bad = Tensor::from_vec(vec![5], vec![0f32; 5]).unwrap();
+    assert!(matches!(
+        s.run(vec![("a".into(), a.into()), ("b".into(), bad.into())]),
+        Err(Error::Input(_))
+    ));
+}
+
+/// Flipped and truncated bytes of a small valid model: loading and running give results or
+/// errors, never a panic.
+#[test]
+fn mutated_models_never_panic() {
+    use ferrum_graph::proto::build::attr_int;
+    let mp = model(
+        vec![
+            node("MatMul", &["x", "w"], &["xw"], vec![]),
+            node("Softmax", &["xw"], &["s"], vec![attr_int("axis", -1)]),
+            node("Reshape", &["s", "shape"], &["y"], vec![]),
+        ],
+        vec![value("x", 1, &[Some(2), Some(3)])],
+        vec![value("y", 1, &[Some(4)])],
+        vec![
+            f32_tensor("w", &[3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+            TensorProto {
+                name: "shape".into(),
+                dims: vec![1],
+                data_type: 7,
+                int64_data: vec![4],
+                ..Default::default()
+            },
+        ],
+        17,
+    );
+    let bytes = encode(&mp);
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let x = Tensor::from_vec(vec![2, 3], vec![0.5f32; 6]).unwrap();
+    for _ in 0..3000 {
+        let mut b = bytes.clone();
+        for _ in 0..1 + next() % 4 {
+            let i = (next() as usize) % b.len();
+            b[i] = next() as u8;
+        }
+        if next() % 8 == 0 {
+            b.truncate((next() as usize) % b.len());
+        }
+        let r = std::panic::catch_unwind(|| match Session::from_bytes(&b) {
+            Ok(s) => s
+                .run(vec![("x".into(), x.clone().into())])
+                .err()
+                .map(|e| e.to_string()),
+            Err(_) => None,
+        });
+        let msg = r
+            .unwrap_or_else(|_| Some("panicked".into()))
+            .unwrap_or_default();
+        assert!(!msg.contains("panicked"), "mutated model {b:02x?}: {msg}");
+    }
+}

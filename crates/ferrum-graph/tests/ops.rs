@@ -1,0 +1,355 @@
+//! Kernels against hand-computed values, through one-node models.
+
+use ferrum_graph::proto::build::{attr_int, attr_ints, f32_tensor, model, node, value};
+use ferrum_graph::proto::{encode, AttributeProto, TensorProto};
+use ferrum_graph::{broadcast_shape, Session, Tensor, Value};
+
+/// Runs a one-node model on named f32 inputs; returns the first output.
+fn run1(
+    op: &str,
+    attrs: Vec<AttributeProto>,
+    inputs: &[(&str, Vec<usize>, Vec<f32>)],
+    inits: Vec<TensorProto>,
+    opset: i64,
+) -> Tensor {
+    let names: Vec<&str> = inputs
+        .iter()
+        .map(|i| i.0)
+        .chain(inits.iter().map(|t| t.name.as_str()))
+        .collect();
+    let mp = model(
+        vec![node(op, &names, &["y"], attrs)],
+        inputs
+            .iter()
+            .map(|(n, s, _)| value(n, 1, &s.iter().map(|&d| Some(d as i64)).collect::<Vec<_>>()))
+            .collect(),
+        vec![value("y", 0, &[])],
+        inits,
+        opset,
+    );
+    let mut mp = mp;
+    mp.graph.as_mut().unwrap().output[0].r#type = None;
+    let s = Session::from_bytes(&encode(&mp)).unwrap();
+    let feeds = inputs
+        .iter()
+        .map(|(n, s, v)| {
+            (
+                n.to_string(),
+                Value::Tensor(Tensor::from_vec(s.clone(), v.clone()).unwrap()),
+            )
+        })
+        .collect();
+    s.run(feeds).unwrap().remove(0).1.into_tensor().unwrap()
+}
+
+fn close(a: &[f64], b: &[f64]) {
+    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= 1e-5 + 1e-5 * y.abs(), "{a:?} vs {b:?}");
+    }
+}
+
+#[test]
+fn broadcast_shapes() {
+    assert_eq!(broadcast_shape(&[2, 1, 3], &[4, 1]).unwrap(), vec![2, 4, 3]);
+    assert_eq!(broadcast_shape(&[], &[5]).unwrap(), vec![5]);
+    assert_eq!(broadcast_shape(&[0, 1], &[1, 7]).unwrap(), vec![0, 7]);
+    assert!(broadcast_shape(&[2, 3], &[4]).is_err());
+}
+
+#[test]
+fn add_broadcasts_both_ways() {
+    let y = run1(
+        "Add",
+        vec![],
+        &[
+            ("a", vec![2, 1], vec![10.0, 20.0]),
+            ("b", vec![3], vec![1.0, 2.0, 3.0]),
+        ],
+        vec![],
+        17,
+    );
+    assert_eq!(y.shape(), &[2, 3]);
+    close(
+        &y.to_f64_vec().unwrap(),
+        &[11.0, 12.0, 13.0, 21.0, 22.0, 23.0],
+    );
+}
+
+#[test]
+fn matmul_batched_and_vector() {
+    // [2,2] x [2] -> [2]
+    let y = run1(
+        "MatMul",
+        vec![],
+        &[
+            ("a", vec![2, 2], vec![1.0, 2.0, 3.0, 4.0]),
+            ("b", vec![2], vec![5.0, 6.0]),
+        ],
+        vec![],
+        13,
+    );
+    assert_eq!(y.shape(), &[2]);
+    close(&y.to_f64_vec().unwrap(), &[17.0, 39.0]);
+    // batch broadcast: [2,1,2] x [2,1] -> [2,1,1]
+    let y = run1(
+        "MatMul",
+        vec![],
+        &[
+            ("a", vec![2, 1, 2], vec![1.0, 2.0, 3.0, 4.0]),
+            ("b", vec![2, 1], vec![1.0, 1.0]),
+        ],
+        vec![],
+        13,
+    );
+    assert_eq!(y.shape(), &[2, 1, 1]);
+    close(&y.to_f64_vec().unwrap(), &[3.0, 7.0]);
+}
+
+#[test]
+fn softmax_new_and_legacy_axes() {
+    let x = vec![1.0, 2.0, 3.0, 1.0, 1.0, 1.0];
+    let y = run1(
+        "Softmax",
+        vec![],
+        &[("x", vec![2, 3], x.clone())],
+        vec![],
+        13,
+    );
+    let e: Vec<f64> = [1.0f64, 2.0, 3.0].iter().map(|v| v.exp()).collect();
+    let s: f64 = e.iter().sum();
+    close(
+        &y.to_f64_vec().unwrap(),
+        &[
+            e[0] / s,
+            e[1] / s,
+            e[2] / s,
+            1.0 / 3.0,
+            1.0 / 3.0,
+            1.0 / 3.0,
+        ],
+    );
+    // opset 11, axis 0: the whole tensor is one row
+    let y = run1(
+        "Softmax",
+        vec![attr_int("axis", 0)],
+        &[("x", vec![2, 3], x)],
+        vec![],
+        11,
+    );
+    let total: f64 = y.to_f64_vec().unwrap().iter().sum();
+    assert!((total - 1.0).abs() < 1e-6);
+}
+
+#[test]
+fn conv_with_padding() {
+    // 3x3 input 1..9, 2x2 kernel of ones, pads 1: corner sums.
+    let x: Vec<f32> = (1..=9).map(|v| v as f32).collect();
+    let w = f32_tensor("w", &[1, 1, 2, 2], &[1.0; 4]);
+    let y = run1(
+        "Conv",
+        vec![attr_ints("pads", &[1, 1, 1, 1])],
+        &[("x", vec![1, 1, 3, 3], x)],
+        vec![w],
+        13,
+    );
+    assert_eq!(y.shape(), &[1, 1, 4, 4]);
+    close(
+        &y.to_f64_vec().unwrap(),
+        &[
+            1.0, 3.0, 5.0, 3.0, 5.0, 12.0, 16.0, 9.0, 11.0, 24.0, 28.0, 15.0, 7.0, 15.0, 17.0, 9.0,
+        ],
+    );
+}
+
+#[test]
+fn gather_negative_indices_and_transpose() {
+    let idx = TensorProto {
+        name: "i".into(),
+        dims: vec![2],
+        data_type: 7,
+        int64_data: vec![-1, 0],
+        ..Default::default()
+    };
+    let y = run1(
+        "Gather",
+        vec![attr_int("axis", 1)],
+        &[("x", vec![2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0])],
+        vec![idx],
+        13,
+    );
+    assert_eq!(y.shape(), &[2, 2]);
+    close(&y.to_f64_vec().unwrap(), &[3.0, 1.0, 6.0, 4.0]);
+    let y = run1(
+        "Transpose",
+        vec![],
+        &[("x", vec![2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0])],
+        vec![],
+        13,
+    );
+    assert_eq!(y.shape(), &[3, 2]);
+    close(&y.to_f64_vec().unwrap(), &[1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+}
+
+#[test]
+fn reduce_mean_keepdims_and_axes_input() {
+    let axes = TensorProto {
+        name: "axes".into(),
+        dims: vec![1],
+        data_type: 7,
+        int64_data: vec![1],
+        ..Default::default()
+    };
+    let y = run1(
+        "ReduceMean",
+        vec![attr_int("keepdims", 0)],
+        &[("x", vec![2, 2], vec![1.0, 3.0, 5.0, 9.0])],
+        vec![axes],
+        18,
+    );
+    assert_eq!(y.shape(), &[2]);
+    close(&y.to_f64_vec().unwrap(), &[2.0, 7.0]);
+}
+
+/// Random shapes, values and attributes for many kernels: each returns a result or an error,
+/// never panics (a hostile model can put any of these in front of a kernel).
+#[test]
+fn kernels_never_panic_on_random_inputs() {
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    // (op, number of float inputs, integer inputs as (count), attributes to randomize)
+    let ops: &[(&str, usize, usize, &[&str])] = &[
+        ("Softmax", 1, 0, &["axis"]),
+        ("LogSoftmax", 1, 0, &["axis"]),
+        ("Concat", 2, 0, &["axis"]),
+        ("Split", 1, 0, &["axis"]),
+        ("Transpose", 1, 0, &[]),
+        ("Flatten", 1, 0, &["axis"]),
+        ("ReduceSum", 1, 1, &["keepdims"]),
+        ("ReduceMax", 1, 1, &["keepdims"]),
+        ("ArgMax", 1, 0, &["axis", "keepdims"]),
+        ("Gather", 1, 1, &["axis"]),
+        ("GatherElements", 1, 1, &["axis"]),
+        ("GatherND", 1, 1, &["batch_dims"]),
+        ("ScatterElements", 1, 1, &["axis"]),
+        ("Reshape", 1, 1, &[]),
+        ("Expand", 1, 1, &[]),
+        ("Tile", 1, 1, &[]),
+        ("Unsqueeze", 1, 1, &[]),
+        ("Squeeze", 1, 1, &[]),
+        ("Slice", 1, 2, &[]),
+        ("Pad", 1, 1, &[]),
+        ("TopK", 1, 1, &["axis"]),
+        ("CumSum", 1, 1, &[]),
+        ("OneHot", 0, 3, &["axis"]),
+        ("MatMul", 2, 0, &[]),
+        ("Add", 2, 0, &[]),
+        ("Where", 2, 0, &[]),
+        ("Conv", 2, 0, &["group"]),
+        ("MaxPool", 1, 0, &[]),
+        ("Einsum", 2, 0, &[]),
+        ("Trilu", 1, 1, &["upper"]),
+        ("DepthToSpace", 1, 0, &["blocksize"]),
+        ("Resize", 1, 0, &[]),
+        ("LayerNormalization", 2, 0, &["axis"]),
+    ];
+    for round in 0..400 {
+        for &(op, nf, ni, attrs) in ops {
+            let mut inputs = Vec::new();
+            let mut feeds = Vec::new();
+            let mut names = Vec::new();
+            for k in 0..nf + ni {
+                let rank = (next() % 4) as usize;
+                let shape: Vec<usize> = (0..rank).map(|_| (next() % 4) as usize).collect();
+                let n: usize = shape.iter().product();
+                let name = format!("i{k}");
+                let t = if k < nf {
+                    Tensor::from_vec(
+                        shape.clone(),
+                        (0..n).map(|_| (next() % 7) as f32 - 3.0).collect(),
+                    )
+                    .unwrap()
+                } else {
+                    Tensor::from_vec(
+                        shape.clone(),
+                        (0..n).map(|_| (next() % 9) as i64 - 4).collect(),
+                    )
+                    .unwrap()
+                };
+                let elem = if k < nf { 1 } else { 7 };
+                inputs.push(value(
+                    &name,
+                    elem,
+                    &shape.iter().map(|&d| Some(d as i64)).collect::<Vec<_>>(),
+                ));
+                feeds.push((name.clone(), Value::Tensor(t)));
+                names.push(name);
+            }
+            if op == "Where" {
+                // a bool condition first
+                let c = Tensor::from_vec(vec![2], vec![true, false]).unwrap();
+                inputs.insert(0, value("c", 9, &[Some(2)]));
+                feeds.insert(0, ("c".into(), Value::Tensor(c)));
+                names.insert(0, "c".into());
+            }
+            let mut node_attrs: Vec<AttributeProto> = attrs
+                .iter()
+                .map(|a| attr_int(a, (next() % 9) as i64 - 4))
+                .collect();
+            match op {
+                "MaxPool" => node_attrs.push(attr_ints("kernel_shape", &[(next() % 3) as i64 + 1])),
+                "Einsum" => node_attrs.push(AttributeProto {
+                    name: "equation".into(),
+                    s: ["ij,jk->ik", "i,i", "...i,...i->...", "ii->i", "ab,bc"]
+                        [(next() % 5) as usize]
+                        .into(),
+                    r#type: 3,
+                    ..Default::default()
+                }),
+                "Resize" => node_attrs.push(AttributeProto {
+                    name: "mode".into(),
+                    s: ["nearest", "linear", "cubic"][(next() % 3) as usize].into(),
+                    r#type: 3,
+                    ..Default::default()
+                }),
+                _ => {}
+            }
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            let mut refs = refs;
+            if op == "Resize" {
+                refs.extend(["", "scales"]);
+                inputs.push(value("scales", 1, &[Some(2)]));
+                feeds.push((
+                    "scales".into(),
+                    Value::Tensor(Tensor::from_vec(vec![2], vec![1.5f32, 0.5]).unwrap()),
+                ));
+            }
+            let mut mp = model(
+                vec![node(op, &refs, &["y"], node_attrs)],
+                inputs,
+                vec![value("y", 1, &[])],
+                vec![],
+                18,
+            );
+            mp.graph.as_mut().unwrap().output[0].r#type = None;
+            let bytes = encode(&mp);
+            // The executor turns a kernel panic into an "internal error"; none may occur.
+            let r = std::panic::catch_unwind(|| match Session::from_bytes(&bytes) {
+                Ok(s) => s.run(feeds.clone()).err().map(|e| e.to_string()),
+                Err(_) => None,
+            });
+            let msg = r
+                .unwrap_or_else(|_| Some("panicked".into()))
+                .unwrap_or_default();
+            assert!(
+                !msg.contains("panicked"),
+                "round {round}: {op} panicked on {feeds:?}: {msg}"
+            );
+        }
+    }
+}
