@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ferrum's whole test suite: fetches the test models (cached in ./models), checks formatting
 # and lints, then builds once and runs every test, the real-model tests included, then drives the
-# server with the `openai` Python client.
+# server with the `openai` Python client, then runs the ONNX conformance suites through `ferrum run`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 scripts/fetch_models.py
@@ -14,3 +14,5 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import openai' 2>/dev/nul
     .venv/bin/pip install --quiet --disable-pip-version-check 'openai>=1.40'
 fi
 .venv/bin/python scripts/openai_client_test.py target/debug/ferrum
+# ONNX conformance of `ferrum run` against the committed baseline (fails if any suite's pass count drops).
+./scripts/onnx_conformance.sh target/debug/ferrum
