@@ -22,6 +22,7 @@
 
 pub mod error;
 pub mod exec;
+mod gradient;
 pub mod infer;
 pub mod ir;
 pub mod onnx;

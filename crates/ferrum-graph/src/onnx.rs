@@ -127,7 +127,7 @@ impl Importer<'_> {
     /// Imports `gp` with `outer` as the enclosing scopes (innermost last). Returns the graph and
     /// the outer values it reads (its free variables).
     fn graph(&mut self, gp: &GraphProto, outer: &mut Vec<Scope>) -> Result<(Graph, Vec<ValueId>)> {
-        let nodes_p = self.expand_functions(&gp.node, 0)?;
+        let nodes_p = crate::gradient::expand(&self.expand_functions(&gp.node, 0)?);
         let mut local = Scope::new();
         let mut g = Graph {
             name: gp.name.clone(),
