@@ -261,11 +261,9 @@ impl Importer<'_> {
             }
             Ok(())
         })();
-        let local = outer.pop().expect("pushed above");
+        outer.pop();
         result?;
-        // Values defined here by initializers count as local; so do inputs.
-        let _ = local;
-        toposort(&mut g, &self.values)?;
+        toposort(&mut g)?;
         g.plan_frees();
         Ok((g, free))
     }
@@ -432,7 +430,7 @@ impl Importer<'_> {
 }
 
 /// Orders nodes so each runs after the producers of its inputs; an error on a cycle.
-fn toposort(g: &mut Graph, values: &[ValueInfo]) -> Result<()> {
+fn toposort(g: &mut Graph) -> Result<()> {
     let n = g.nodes.len();
     let mut producer: HashMap<ValueId, usize> = HashMap::new();
     for (i, node) in g.nodes.iter().enumerate() {
@@ -465,7 +463,6 @@ fn toposort(g: &mut Graph, values: &[ValueInfo]) -> Result<()> {
     if order.len() != n {
         let stuck = (0..n).find(|&i| indeg[i] > 0).unwrap_or(0);
         let node = &g.nodes[stuck];
-        let _ = values;
         return Err(bad(format!(
             "the graph has a cycle through node '{}' ({})",
             node.name, node.op
