@@ -20,6 +20,7 @@
 //! # Ok::<(), ferrum_graph::Error>(())
 //! ```
 
+mod codec;
 pub mod error;
 pub mod exec;
 mod gradient;
