@@ -31,7 +31,7 @@ RESULTS="$CACHE/results.jsonl"
 start=$(date +%s)
 "$PY" "$RUNNER" run "$CACHE/node" "$CACHE/light" "$DATA/simple" "$DATA/pytorch-converted" "$DATA/pytorch-operator" \
     --cmd "$BIN run --quiet --model {model} --inputs {inputs} --outputs {outputs}" \
-    -j "$JOBS" --timeout 120 --json "$RESULTS"
+    -j "$JOBS" --timeout 300 --json "$RESULTS"
 echo "conformance run took $(( $(date +%s) - start )) s"
 "$PY" - "$RESULTS" tests/onnx/baseline.json tests/onnx/results.txt "${ONNX_CONFORMANCE_UPDATE:-0}" <<'PYEOF'
 import json, os, sys

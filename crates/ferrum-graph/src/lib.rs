@@ -20,8 +20,10 @@
 //! # Ok::<(), ferrum_graph::Error>(())
 //! ```
 
+mod codec;
 pub mod error;
 pub mod exec;
+mod gradient;
 pub mod infer;
 pub mod ir;
 pub mod onnx;

@@ -183,11 +183,7 @@ pub fn encode(dt: DType, v: f64, saturate: bool, round_mode: &str) -> u8 {
         return nan;
     }
     let neg = v.is_sign_negative();
-    let sign = if neg && f.kind != Kind::Fnuz {
-        sign_bit
-    } else {
-        0
-    };
+    let sign = if neg { sign_bit } else { 0 };
     let max_code = |neg: bool| -> u8 {
         let s = if neg { sign_bit } else { 0 };
         let top = match f.kind {
@@ -218,7 +214,8 @@ pub fn encode(dt: DType, v: f64, saturate: bool, round_mode: &str) -> u8 {
         return overflow(neg);
     }
     if r == 0.0 {
-        return sign;
+        // FNUZ formats have no negative zero (its code is NaN).
+        return if f.kind == Kind::Fnuz { 0 } else { sign };
     }
     let e2 = r.log2().floor() as i32;
     let code = if e2 < emin {
@@ -253,4 +250,87 @@ fn encode_e8m0(x: f32, saturate: bool, mode: &str) -> u8 {
         return 0xFE;
     }
     (exp + up as u32).min(0xFF) as u8
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn float8_known_codes() {
+        assert_eq!(encode(DType::F8E4M3FN, 448.0, true, "up"), 0x7E);
+        assert_eq!(encode(DType::F8E4M3FN, 1e6, true, "up"), 0x7E);
+        assert_eq!(encode(DType::F8E4M3FN, 1e6, false, "up"), 0x7F); // NaN
+        assert_eq!(encode(DType::F8E4M3FN, -1.0, true, "up"), 0xB8);
+        assert_eq!(encode(DType::F8E5M2, f64::INFINITY, false, "up"), 0x7C);
+        assert_eq!(encode(DType::F8E5M2, f64::INFINITY, true, "up"), 0x7B);
+        assert_eq!(encode(DType::F8E4M3FNUZ, -0.0, true, "up"), 0x00);
+        assert!(decode(DType::F8E4M3FNUZ, 0x80).is_nan());
+        assert_eq!(decode(DType::F8E5M2FNUZ, 0x7F), 57344.0);
+        // round half to even: 1.0625 lies halfway between 1.0 and 1.125 in E4M3
+        assert_eq!(
+            decode(DType::F8E4M3FN, encode(DType::F8E4M3FN, 1.0625, true, "up")),
+            1.0
+        );
+        // smallest subnormal of E4M3FN is 2^-9
+        assert_eq!(decode(DType::F8E4M3FN, 0x01), 2f64.powi(-9));
+    }
+
+    #[test]
+    fn every_float8_code_round_trips() {
+        for dt in [
+            DType::F8E4M3FN,
+            DType::F8E4M3FNUZ,
+            DType::F8E5M2,
+            DType::F8E5M2FNUZ,
+            DType::F4E2M1,
+        ] {
+            let n = 1u16 << bits(dt);
+            for c in 0..n {
+                let v = decode(dt, c as u8);
+                if v.is_nan() || (v == 0.0 && v.is_sign_negative() && dt == DType::F8E4M3FNUZ) {
+                    continue;
+                }
+                let back = encode(dt, v, false, "up");
+                assert_eq!(decode(dt, back), v, "{dt} code {c:#x}");
+            }
+        }
+    }
+
+    #[test]
+    fn e8m0_and_small_ints() {
+        assert_eq!(encode(DType::F8E8M0, 1.0, true, "up"), 0x7F);
+        assert_eq!(encode(DType::F8E8M0, 1.1, true, "up"), 0x80); // rounds up to 2
+        assert_eq!(encode(DType::F8E8M0, 1.1, true, "down"), 0x7F);
+        assert_eq!(decode(DType::F8E8M0, 0x80), 2.0);
+        assert_eq!(encode(DType::I4, -9.0, true, "up"), 7); // wraps modulo 16
+        assert_eq!(decode(DType::I4, 0x8), -8.0);
+        assert_eq!(decode(DType::I2, 0x3), -1.0);
+        assert_eq!(encode(DType::F4E2M1, 5.0, true, "up"), 0x6); // 5 is halfway 4..6 -> even (4)
+        assert_eq!(encode(DType::F4E2M1, 100.0, false, "up"), 0x7); // always saturates
+    }
+
+    #[test]
+    fn packing_is_lsb_first() {
+        // INT4 [1, -2, 3] -> bytes [0xE1, 0x03]
+        let codes: Vec<u8> = [1i128, -2, 3]
+            .iter()
+            .map(|&v| encode_int(DType::I4, v))
+            .collect();
+        assert_eq!(pack(DType::I4, &codes), vec![0xE1, 0x03]);
+        assert_eq!(unpack(DType::I4, &[0xE1, 0x03], 3), codes);
+        // INT2 [1, -2, 0, -1, 1] -> [201, 1]
+        let codes: Vec<u8> = [1i128, -2, 0, -1, 1]
+            .iter()
+            .map(|&v| encode_int(DType::I2, v))
+            .collect();
+        assert_eq!(pack(DType::I2, &codes), vec![201, 1]);
+        // 6-bit: four codes in three bytes
+        let six = [0x3F, 0x01, 0x20, 0x15];
+        assert_eq!(
+            unpack(DType::F6E2M3, &pack(DType::F6E2M3, &six), 4),
+            six.to_vec()
+        );
+        assert_eq!(packed_len(DType::F6E2M3, 4), 3);
+    }
 }

@@ -207,34 +207,50 @@ fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
     let ist = strides(&g.ins);
     let kidx = indices(&k);
     let oidx = indices(&g.outs);
+    // For each kernel tap, the (output position, input offset) pairs that fall inside the
+    // input: the same for every batch and channel, so the inner loop is a plain gather-FMA.
+    let mut pairs: Vec<Vec<(u32, u32)>> = Vec::with_capacity(ksp);
+    for ki in &kidx {
+        let mut v = Vec::new();
+        for (op, oi) in oidx.iter().enumerate() {
+            let mut off = 0usize;
+            let mut inside = true;
+            for dd in 0..nd {
+                let pos = (oi[dd] * g.s[dd] + ki[dd] * g.d[dd]) as isize - g.pad_begin[dd] as isize;
+                if pos < 0 || pos >= g.ins[dd] as isize {
+                    inside = false;
+                    break;
+                }
+                off += pos as usize * ist[dd];
+            }
+            if inside {
+                v.push((op as u32, off as u32));
+            }
+        }
+        pairs.push(v);
+    }
+    if isp > u32::MAX as usize || osp > u32::MAX as usize {
+        kbail!("convolution too large");
+    }
     let mut out = vec![0f64; n * m * osp];
     let mpg = m / group;
     for b in 0..n {
         for oc in 0..m {
             let grp = oc / mpg;
-            for (op, oi) in oidx.iter().enumerate() {
-                let mut s = bias.as_ref().map_or(0.0, |bv| bv[oc]);
-                for (kp, ki) in kidx.iter().enumerate() {
-                    let mut off = 0usize;
-                    let mut inside = true;
-                    for dd in 0..nd {
-                        let pos = (oi[dd] * g.s[dd] + ki[dd] * g.d[dd]) as isize
-                            - g.pad_begin[dd] as isize;
-                        if pos < 0 || pos >= g.ins[dd] as isize {
-                            inside = false;
-                            break;
-                        }
-                        off += pos as usize * ist[dd];
-                    }
-                    if !inside {
-                        continue;
-                    }
-                    for ci in 0..cg {
-                        let ic = grp * cg + ci;
-                        s += xv[(b * c + ic) * isp + off] * wv[(oc * cg + ci) * ksp + kp];
+            let o = &mut out[(b * m + oc) * osp..][..osp];
+            if let Some(bv) = &bias {
+                o.iter_mut().for_each(|v| *v = bv[oc]);
+            }
+            for ci in 0..cg {
+                let ic = grp * cg + ci;
+                let plane = &xv[(b * c + ic) * isp..][..isp];
+                let wrow = &wv[(oc * cg + ci) * ksp..][..ksp];
+                for (kp, pk) in pairs.iter().enumerate() {
+                    let wk = wrow[kp];
+                    for &(op, off) in pk {
+                        o[op as usize] += wk * plane[off as usize];
                     }
                 }
-                out[(b * m + oc) * osp + op] = s;
             }
         }
     }

@@ -465,7 +465,6 @@ pub fn erf(x: f64) -> f64 {
 }
 
 fn unary(cx: &Ctx) -> Result<Option<Tensor>> {
-    use std::f64::consts::PI;
     let op = cx.node.op.as_str();
     let f: &dyn Fn(f64) -> f64 = match op {
         "Exp" => &f64::exp,
@@ -502,7 +501,6 @@ fn unary(cx: &Ctx) -> Result<Option<Tensor>> {
         "HardSwish" => &|x| x * (x / 6.0 + 0.5).clamp(0.0, 1.0),
         _ => return unary_attr(cx),
     };
-    let _ = PI;
     Ok(Some(map_float(cx.t(0)?, f)?))
 }
 

@@ -89,7 +89,6 @@ fn tensor_scatter(cx: &Ctx) -> Result<Tensor> {
     let r = past.rank();
     let a = axis(cx.ai("axis", -2), r)?;
     let max = past.shape()[a];
-    let seq = upd.shape()[a];
     let ps = strides(past.shape());
     let us = strides(upd.shape());
     let mut idx: Vec<usize> = (0..past.len()).collect();
@@ -114,7 +113,6 @@ fn tensor_scatter(cx: &Ctx) -> Result<Tensor> {
         }
         idx[off] = past.len() + u;
     }
-    let _ = seq;
     let src = crate::ops::shape::concat_t(
         &[
             &past.clone().reshape(vec![past.len()])?,

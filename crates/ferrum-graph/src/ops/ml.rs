@@ -1,4 +1,4 @@
-//! A few `ai.onnx.ml` ops: LabelEncoder, Binarizer, ArrayFeatureExtractor.
+//! A few `ai.onnx.ml` ops: LabelEncoder, Binarizer, ArrayFeatureExtractor, TreeEnsemble.
 
 use crate::ir::Attr;
 use crate::ops::elementwise::cast;
@@ -109,6 +109,7 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
     let x = cx.t(0)?;
     let out = match cx.node.op.as_str() {
         "LabelEncoder" => label_encoder(cx)?,
+        "TreeEnsemble" => tree_ensemble(cx)?,
         "Binarizer" => {
             let th = cx.af("threshold", 0.0) as f64;
             let v: Vec<f64> = x
@@ -142,4 +143,139 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
         op => return Err(unsupported(format!("ai.onnx.ml.{op} is not implemented"))),
     };
     Ok(vec![Value::Tensor(out)])
+}
+
+/// TreeEnsemble (ai.onnx.ml 5): every tree maps a row to a (target, weight) leaf; leaves are
+/// aggregated per target.
+fn tree_ensemble(cx: &Ctx) -> Result<Tensor> {
+    let x = cx.t(0)?;
+    if x.rank() != 2 {
+        kbail!("X must be [N, F]");
+    }
+    let (rows, feats) = (x.shape()[0], x.shape()[1]);
+    let xv = x.to_f64_vec()?;
+    let tensor = |n: &str| -> Result<Vec<f64>> {
+        match cx.attr(n) {
+            Some(Attr::Tensor(t)) => t.to_f64_vec(),
+            _ => kbail!("attribute {n} is required"),
+        }
+    };
+    let ints = |n: &str| cx.aints(n).unwrap_or_default();
+    let splits = tensor("nodes_splits")?;
+    let modes = tensor("nodes_modes")?;
+    let feat = ints("nodes_featureids");
+    let (tid, fid) = (ints("nodes_truenodeids"), ints("nodes_falsenodeids"));
+    let (tleaf, fleaf) = (ints("nodes_trueleafs"), ints("nodes_falseleafs"));
+    let missing = ints("nodes_missing_value_tracks_true");
+    let leaf_t = ints("leaf_targetids");
+    let leaf_w = tensor("leaf_weights")?;
+    let roots = ints("tree_roots");
+    let members = match cx.attr("membership_values") {
+        Some(Attr::Tensor(t)) => t.to_f64_vec()?,
+        _ => vec![],
+    };
+    let n_targets = cx.ai("n_targets", 1).max(1) as usize;
+    let agg = cx.ai("aggregate_function", 1);
+    let nn = splits.len();
+    if [
+        modes.len(),
+        feat.len(),
+        tid.len(),
+        fid.len(),
+        tleaf.len(),
+        fleaf.len(),
+    ]
+    .iter()
+    .any(|&l| l != nn)
+        || leaf_t.len() != leaf_w.len()
+    {
+        kbail!("node or leaf attributes differ in length");
+    }
+    // Sets of MEMBER nodes, taken from membership_values in the order nodes are first reached
+    // (depth-first, true branch first), as the reference builds them.
+    let mut sets: Vec<Vec<f64>> = vec![Vec::new(); nn];
+    let mut it = members.iter();
+    let mut stack: Vec<usize> = roots.iter().rev().map(|&r| r as usize).collect();
+    let mut seen = vec![false; nn];
+    while let Some(i) = stack.pop() {
+        if i >= nn || seen[i] {
+            continue;
+        }
+        seen[i] = true;
+        if modes[i] as i64 == 6 {
+            for &v in it.by_ref() {
+                if v.is_nan() {
+                    break;
+                }
+                sets[i].push(v);
+            }
+        }
+        if fleaf[i] == 0 {
+            stack.push(fid[i] as usize);
+        }
+        if tleaf[i] == 0 {
+            stack.push(tid[i] as usize);
+        }
+    }
+    let init = match agg {
+        2 => f64::MAX,
+        3 => f64::MIN,
+        _ => 0.0,
+    };
+    let mut out = vec![init; rows * n_targets];
+    for r in 0..rows {
+        let row = &xv[r * feats..(r + 1) * feats];
+        for &root in &roots {
+            let mut i = root as usize;
+            let leaf = loop {
+                if i >= nn {
+                    kbail!("node index {i} out of range");
+                }
+                if tleaf[i] != 0 && fleaf[i] != 0 && tid[i] == fid[i] {
+                    break tid[i] as usize;
+                }
+                let f = feat[i] as usize;
+                let v = *row
+                    .get(f)
+                    .ok_or_else(|| crate::kerr!("feature {f} out of range"))?;
+                let s = splits[i];
+                let go_true = (missing.get(i).copied().unwrap_or(0) != 0 && v.is_nan())
+                    || match modes[i] as i64 {
+                        0 => v <= s,
+                        1 => v < s,
+                        2 => v >= s,
+                        3 => v > s,
+                        4 => v == s,
+                        5 => v != s,
+                        6 => sets[i].contains(&v),
+                        m => return Err(unsupported(format!("node mode {m}"))),
+                    };
+                let (next, is_leaf) = if go_true {
+                    (tid[i], tleaf[i])
+                } else {
+                    (fid[i], fleaf[i])
+                };
+                if is_leaf != 0 {
+                    break next as usize;
+                }
+                i = next as usize;
+            };
+            let t = *leaf_t
+                .get(leaf)
+                .ok_or_else(|| crate::kerr!("leaf {leaf} out of range"))?
+                as usize;
+            if t >= n_targets {
+                kbail!("target {t} out of range");
+            }
+            let o = &mut out[r * n_targets + t];
+            let w = leaf_w[leaf];
+            match agg {
+                0 => *o += w / roots.len() as f64,
+                2 => *o = o.min(w),
+                3 => *o = o.max(w),
+                _ => *o += w,
+            }
+        }
+    }
+    cast(&Tensor::from_vec(vec![rows, n_targets], out)?, x.dtype())
 }

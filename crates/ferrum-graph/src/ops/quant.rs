@@ -80,13 +80,23 @@ fn quantize(cx: &Ctx) -> Result<Tensor> {
     }
     let sv = scale.to_f64_vec()?;
     let zv = zp.map(|z| z.to_f64_vec()).transpose()?;
+    // x / scale in the input's precision (f32 unless the input is f64), as the reference does:
+    // it decides which way halves round.
+    let wide = x.dtype() == DType::F64;
+    let div = |a: f64, b: f64| {
+        if wide {
+            a / b
+        } else {
+            (a as f32 / b as f32) as f64
+        }
+    };
     let xv = x.to_f64_vec()?;
     let out = xv
         .iter()
         .zip(&idx)
         .map(|(&v, &i)| {
             let z = zv.as_ref().map_or(0.0, |z| z[i]);
-            ((v / sv[i]).round_ties_even() + z).clamp(lo, hi)
+            (div(v, sv[i]).round_ties_even() + z).clamp(lo, hi)
         })
         .collect();
     f64_tensor(x.shape().to_vec(), out, to)

@@ -2,7 +2,6 @@
 //! coordinate transformations, nearest rounding modes, linear/cubic taps and antialiasing.
 
 use crate::ops::elementwise::cast;
-use crate::ops::shape::strides;
 use crate::ops::{axis, unsupported, Ctx};
 use crate::tensor::{DType, Tensor};
 use crate::{kbail, Result};
@@ -186,7 +185,6 @@ fn resize_axis(
             }
         }
     }
-    let _ = strides;
     Ok((out, out_shape))
 }
 

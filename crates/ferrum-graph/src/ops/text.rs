@@ -148,6 +148,18 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
         "StringSplit" => split(cx).map(Some),
         "StringConcat" => one(concat(cx)?),
         "TfIdfVectorizer" => one(tfidf(cx)?),
+        "RegexFullMatch" => {
+            let x = cx.t(0)?;
+            let pat = cx.astr("pattern", "");
+            let re = regex::Regex::new(&format!("^(?:{pat})$"))
+                .map_err(|e| unsupported(format!("pattern '{pat}': {e}")))?;
+            let v: Vec<bool> = x
+                .as_slice::<String>()?
+                .iter()
+                .map(|s| re.is_match(s))
+                .collect();
+            one(Tensor::from_vec(x.shape().to_vec(), v)?)
+        }
         _ => Ok(None),
     }
 }
