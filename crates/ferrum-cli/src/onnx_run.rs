@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
-use ferrum_graph::ir::{Attr, Dim, ValueType};
+use ferrum_graph::fmt_dims;
+use ferrum_graph::ir::{Attr, ValueType};
 use ferrum_graph::onnx::{value_from_bytes, value_to_bytes};
 use ferrum_graph::{DType, Data, Session, Tensor, Value};
 
@@ -303,18 +304,6 @@ fn fmt_type(ty: &ValueType) -> String {
         ValueType::Other(s) => s.clone(),
         ValueType::Unknown => "?".into(),
     }
-}
-
-fn fmt_dims(dims: &[Dim]) -> String {
-    let parts: Vec<String> = dims
-        .iter()
-        .map(|d| match d {
-            Dim::Known(k) => k.to_string(),
-            Dim::Sym(s) => s.clone(),
-            Dim::Unknown => "?".into(),
-        })
-        .collect();
-    format!("[{}]", parts.join(", "))
 }
 
 fn human(n: f64) -> String {

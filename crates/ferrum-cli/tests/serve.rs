@@ -301,22 +301,7 @@ fn metrics_priorities_and_the_queue_limit() {
 
     // The engine updates its gauges at the end of the step that answered the last request, a
     // moment after the client has its answer: poll until they settle.
-    let metric = |body: &str, name: &str| -> f64 {
-        body.lines()
-            .find(|l| l.starts_with(name) && !l.starts_with('#'))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{body}"))
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let body = loop {
-        let (s, body) = http(&a, "GET", "/metrics", "");
-        assert_eq!(s, 200);
-        if metric(&body, "vllm:num_requests_running{") == 0.0 || Instant::now() > deadline {
-            break body;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let body = metrics_when_idle(&a);
     let value = |name: &str| metric(&body, name);
     assert_eq!(value("vllm:num_requests_running{"), 0.0);
     assert_eq!(value("vllm:num_requests_waiting{"), 0.0);

@@ -36,5 +36,5 @@ pub mod tensor;
 pub use error::{Error, Result};
 pub use ir::{Graph, Model, Node, ValueId};
 pub use ops::broadcast_shape;
-pub use session::Session;
+pub use session::{fmt_dims, Session};
 pub use tensor::{DType, Data, Tensor, Value};
