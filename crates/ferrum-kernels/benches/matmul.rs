@@ -83,7 +83,13 @@ fn main() {
         let cols = if dtype.block_size() == 256 { 1024 } else { 576 };
         let rb = dtype.row_bytes(cols).unwrap();
         // GEMV over 64 MiB of weights (memory) and over 8 MiB (fits the last-level cache).
-        for mib in [64usize, 8] {
+        // `FERRUM_BENCH_GEMM_ONLY=1` skips them.
+        let gemv_sizes: &[usize] = if std::env::var_os("FERRUM_BENCH_GEMM_ONLY").is_some() {
+            &[]
+        } else {
+            &[64, 8]
+        };
+        for &mib in gemv_sizes {
             let rows = (mib << 20) / rb / 16 * 16;
             let w = weights(dtype, rows, cols, &mut rng);
             let wr = WeightRef {

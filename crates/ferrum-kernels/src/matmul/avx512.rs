@@ -324,6 +324,270 @@ unsafe fn tile_x_q8_0<const C: usize, const BW: usize>(
     out
 }
 
+/// Weight rows per call of the tile kernel of `dtype`: 8 for Q5_0 and Q8_0 ([`tile8`]), 4 for
+/// Q4_1 ([`tile`]).
+pub fn tile_rows(dtype: DType) -> usize {
+    match dtype {
+        DType::Q5_0 | DType::Q8_0 => 8,
+        _ => 4,
+    }
+}
+
+/// `out[c][r] = row r · token tok0 + c` for 8 Q5_0 or Q8_0 weight rows (`rows[r]`, each `nb`
+/// blocks; they may repeat) and `C` consecutive tokens starting at `tok0`. Each block of the 8
+/// rows is unpacked and its scales broadcast once for the `C` tokens, and each token's activation
+/// block is loaded once for the 8 rows.
+pub fn tile8<const C: usize>(
+    dtype: DType,
+    rows: [&[u8]; 8],
+    p: &Prepared,
+    tok0: usize,
+) -> [[f32; 8]; C] {
+    let nb = p.nb;
+    let bw = match dtype {
+        DType::Q5_0 => 22,
+        DType::Q8_0 => 34,
+        other => panic!("no 8-row AVX-512 tile kernel for {other}"),
+    };
+    for r in rows {
+        assert!(r.len() >= nb * bw, "tile8: weight row too short");
+    }
+    assert!(
+        p.quants.len() >= (tok0 + C) * nb * 64
+            && p.corr.len() >= (tok0 + C) * nb * 16
+            && p.scales.len() >= (tok0 + C) * nb,
+        "tile8: activations"
+    );
+    assert!(available(), "tile8: CPU lacks AVX-512 VNNI");
+    // SAFETY: `available()` confirmed AVX-512 F/BW/VL/VNNI (and AVX2/FMA/F16C) at run time, and
+    // the lengths the kernel reads were checked above.
+    unsafe {
+        match dtype {
+            DType::Q5_0 => tile8_x_q8_0::<C, 22>(rows, p, tok0),
+            _ => tile8_x_q8_0::<C, 34>(rows, p, tok0),
+        }
+    }
+}
+
+/// [`tile8`]'s kernel: four row pairs x `C` tokens of accumulators. Per block, the float
+/// operations of every output are those of [`tile_x_q8_0`] (and of `vec_dot`): one product
+/// `d_w·d_a`, one conversion, one FMA per lane.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile8_x_q8_0<const C: usize, const BW: usize>(
+    rows: [&[u8]; 8],
+    p: &Prepared,
+    tok0: usize,
+) -> [[f32; 8]; C] {
+    let nb = p.nb;
+    let didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let mut acc = [[_mm512_setzero_ps(); C]; 4];
+    let wp = rows.map(|r| r.as_ptr());
+    for b in 0..nb {
+        let mut wz = [_mm512_setzero_si512(); 4];
+        let mut dw = [_mm512_setzero_ps(); 4];
+        for pair in 0..4 {
+            let (r0, r1) = (wp[2 * pair], wp[2 * pair + 1]);
+            // SAFETY: block b of each row is within the row (lengths checked by `tile8`).
+            unsafe {
+                let d0 = (r0.add(b * BW) as *const u16).read_unaligned();
+                let d1 = (r1.add(b * BW) as *const u16).read_unaligned();
+                let d = _mm_cvtph_ps(_mm_setr_epi16(d0 as i16, d1 as i16, 0, 0, 0, 0, 0, 0));
+                // [d0 x8, d1 x8]
+                dw[pair] = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(d));
+                // BW is a constant: the branch folds away and the unpack inlines.
+                wz[pair] = if BW == 34 {
+                    unpack_q8_0_pair(r0, r1, b)
+                } else {
+                    unpack_q5_0_pair(r0, r1, b)
+                };
+            }
+        }
+        for c in 0..C {
+            let i = (tok0 + c) * nb + b;
+            // SAFETY: token tok0 + c < t and b < nb, checked by `tile8`.
+            let (a, corr, da) = unsafe {
+                (
+                    _mm512_loadu_si512(p.quants.as_ptr().add(i * 64) as *const _),
+                    _mm512_loadu_si512(p.corr.as_ptr().add(i * 16) as *const _),
+                    _mm512_set1_ps(*p.scales.get_unchecked(i)),
+                )
+            };
+            for pair in 0..4 {
+                let isum = _mm512_dpbusd_epi32(corr, wz[pair], a);
+                let d = _mm512_mul_ps(dw[pair], da);
+                acc[pair][c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[pair][c]);
+            }
+        }
+    }
+    let mut out = [[0f32; 8]; C];
+    for pair in 0..4 {
+        for c in 0..C {
+            let mut l = [0f32; 16];
+            // SAFETY: `l` holds 16 f32; unaligned store.
+            unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[pair][c]) };
+            out[c][2 * pair] = hsum8_order(l[0..8].try_into().unwrap());
+            out[c][2 * pair + 1] = hsum8_order(l[8..16].try_into().unwrap());
+        }
+    }
+    out
+}
+
+/// One 64-byte line, 64-byte aligned.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub struct Line([u8; 64]);
+
+/// Q5_0 or Q8_0 weight rows unpacked for [`tile8_unpacked`]: per block and row pair, the 64
+/// unsigned bytes `q + 128` of the two rows (`[row0 elements 0..32, row1 elements 0..32]`) and
+/// their scales as `[d0 x8, d1 x8]`. A task unpacks its rows once and runs every token over them.
+pub struct Unpacked {
+    nb: usize,
+    pairs: usize,
+    quants: Vec<Line>,
+    scales: Vec<Line>,
+}
+
+impl Unpacked {
+    pub const fn new() -> Unpacked {
+        Unpacked {
+            nb: 0,
+            pairs: 0,
+            quants: Vec::new(),
+            scales: Vec::new(),
+        }
+    }
+
+    /// Unpacks `rows` (an even number of rows of `nb` blocks of `dtype`, Q5_0 or Q8_0).
+    pub fn fill(&mut self, dtype: DType, rows: &[&[u8]], nb: usize) {
+        let bw = match dtype {
+            DType::Q5_0 => 22,
+            DType::Q8_0 => 34,
+            other => panic!("Unpacked: no layout for {other}"),
+        };
+        assert!(rows.len().is_multiple_of(2), "Unpacked: odd row count");
+        for r in rows {
+            assert!(r.len() >= nb * bw, "Unpacked: weight row too short");
+        }
+        assert!(available(), "Unpacked: CPU lacks AVX-512 VNNI");
+        let pairs = rows.len() / 2;
+        self.nb = nb;
+        self.pairs = pairs;
+        self.quants.clear();
+        self.quants.resize(nb * pairs, Line([0; 64]));
+        self.scales.clear();
+        self.scales.resize(nb * pairs, Line([0; 64]));
+        // SAFETY: `available()` was checked; the rows hold `nb` blocks (checked above).
+        unsafe { unpack_rows(self, bw, rows) }
+    }
+}
+
+/// [`Unpacked::fill`]'s loop (sizes set and checked by the caller).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_rows(u: &mut Unpacked, bw: usize, rows: &[&[u8]]) {
+    let (nb, pairs) = (u.nb, u.pairs);
+    let didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for b in 0..nb {
+        for pair in 0..pairs {
+            let (r0, r1) = (rows[2 * pair].as_ptr(), rows[2 * pair + 1].as_ptr());
+            let at = b * pairs + pair;
+            // SAFETY: block b of both rows is readable (checked by the caller) and `at` is
+            // inside both buffers.
+            unsafe {
+                let d0 = (r0.add(b * bw) as *const u16).read_unaligned();
+                let d1 = (r1.add(b * bw) as *const u16).read_unaligned();
+                let d = _mm_cvtph_ps(_mm_setr_epi16(d0 as i16, d1 as i16, 0, 0, 0, 0, 0, 0));
+                let dz = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(d));
+                _mm512_store_ps(u.scales.as_mut_ptr().add(at) as *mut f32, dz);
+                let wz = if bw == 34 {
+                    unpack_q8_0_pair(r0, r1, b)
+                } else {
+                    unpack_q5_0_pair(r0, r1, b)
+                };
+                _mm512_store_si512(u.quants.as_mut_ptr().add(at) as *mut _, wz);
+            }
+        }
+    }
+}
+
+impl Default for Unpacked {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// `out[c][r] = row 2·pair0 + r · token tok0 + c` for the 8 unpacked rows of pairs
+/// `pair0..pair0 + 4` and `C` consecutive tokens: the float operations of [`tile8`].
+pub fn tile8_unpacked<const C: usize>(
+    u: &Unpacked,
+    pair0: usize,
+    p: &Prepared,
+    tok0: usize,
+) -> [[f32; 8]; C] {
+    assert!(pair0 + 4 <= u.pairs && u.nb == p.nb, "tile8_unpacked: rows");
+    assert!(
+        p.quants.len() >= (tok0 + C) * p.nb * 64
+            && p.corr.len() >= (tok0 + C) * p.nb * 16
+            && p.scales.len() >= (tok0 + C) * p.nb,
+        "tile8_unpacked: activations"
+    );
+    assert!(available(), "tile8_unpacked: CPU lacks AVX-512 VNNI");
+    // SAFETY: `available()` confirmed AVX-512 F/BW/VL/VNNI at run time, and the lengths the
+    // kernel reads were checked above.
+    unsafe { tile8_unpacked_kernel::<C>(u, pair0, p, tok0) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile8_unpacked_kernel<const C: usize>(
+    u: &Unpacked,
+    pair0: usize,
+    p: &Prepared,
+    tok0: usize,
+) -> [[f32; 8]; C] {
+    let nb = p.nb;
+    let mut acc = [[_mm512_setzero_ps(); C]; 4];
+    for b in 0..nb {
+        let at = b * u.pairs + pair0;
+        // SAFETY: pairs pair0..pair0 + 4 of block b are inside the buffers (checked by the caller).
+        let (wz, dw): ([__m512i; 4], [__m512; 4]) = unsafe {
+            (
+                core::array::from_fn(|k| {
+                    _mm512_load_si512(u.quants.as_ptr().add(at + k) as *const _)
+                }),
+                core::array::from_fn(|k| {
+                    _mm512_load_ps(u.scales.as_ptr().add(at + k) as *const f32)
+                }),
+            )
+        };
+        for c in 0..C {
+            let i = (tok0 + c) * nb + b;
+            // SAFETY: token tok0 + c < t and b < nb, checked by the caller.
+            let (a, corr, da) = unsafe {
+                (
+                    _mm512_loadu_si512(p.quants.as_ptr().add(i * 64) as *const _),
+                    _mm512_loadu_si512(p.corr.as_ptr().add(i * 16) as *const _),
+                    _mm512_set1_ps(*p.scales.get_unchecked(i)),
+                )
+            };
+            for pair in 0..4 {
+                let isum = _mm512_dpbusd_epi32(corr, wz[pair], a);
+                let d = _mm512_mul_ps(dw[pair], da);
+                acc[pair][c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[pair][c]);
+            }
+        }
+    }
+    let mut out = [[0f32; 8]; C];
+    for pair in 0..4 {
+        for c in 0..C {
+            let mut l = [0f32; 16];
+            // SAFETY: `l` holds 16 f32; unaligned store.
+            unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[pair][c]) };
+            out[c][2 * pair] = hsum8_order(l[0..8].try_into().unwrap());
+            out[c][2 * pair + 1] = hsum8_order(l[8..16].try_into().unwrap());
+        }
+    }
+    out
+}
+
 /// Elements per block of the types here.
 pub const BLOCK: usize = QK;
 

@@ -157,6 +157,9 @@ struct Scratch {
 }
 
 thread_local! {
+    /// The tile kernels' unpacked weight rows, per worker thread.
+    #[cfg(target_arch = "x86_64")]
+    static UNPACKED: RefCell<avx512::Unpacked> = const { RefCell::new(avx512::Unpacked::new()) };
     static SCRATCH: RefCell<Scratch> = const {
         RefCell::new(Scratch {
             act: Vec::new(),
@@ -197,11 +200,12 @@ fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
     let rb = w.row_bytes();
     let out = OutPtr(y.as_mut_ptr());
     let n_tasks = rows.div_ceil(TILE_ROWS_PER_TASK);
+    let tr = avx512::tile_rows(w.dtype);
     pool::parallel_for(n_tasks, |task| {
         let r_begin = task * TILE_ROWS_PER_TASK;
         let r_end = (r_begin + TILE_ROWS_PER_TASK).min(rows);
         let row = |r: usize| &w.data[r.min(rows - 1) * rb..][..rb];
-        let store = |tok: usize, r0: usize, v: &[f32; 4]| {
+        let store = |tok: usize, r0: usize, v: &[f32]| {
             for (i, &val) in v.iter().enumerate() {
                 if r0 + i < r_end {
                     // SAFETY: `tok < t` and `r0 + i < rows`, so the index is inside `y`
@@ -210,42 +214,60 @@ fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
                 }
             }
         };
-        for tb in (0..t).step_by(TILE_TOKEN_BLOCK) {
-            let te = (tb + TILE_TOKEN_BLOCK).min(t);
-            for r0 in (r_begin..r_end).step_by(4) {
-                let quad = [row(r0), row(r0 + 1), row(r0 + 2), row(r0 + 3)];
-                if r0 + PREFETCH_ROWS + 4 <= rows {
-                    avx512::prefetch(
-                        &w.data[(r0 + PREFETCH_ROWS) * rb..(r0 + PREFETCH_ROWS + 4) * rb],
-                    );
-                }
-                let mut tok = tb;
+        // Runs the tile kernel over tokens tok..te for the rows starting at r0, 4 tokens per
+        // call and then the remainder.
+        macro_rules! sweep {
+            ($tile:ident($($arg:expr),*), $tok:expr, $te:expr, $r0:expr) => {{
+                let (mut tok, te, r0) = ($tok, $te, $r0);
                 while tok + 4 <= te {
-                    let o = avx512::tile::<4>(w.dtype, quad, p, tok);
-                    for (c, v) in o.iter().enumerate() {
-                        store(tok + c, r0, v);
-                    }
+                    let o = avx512::$tile::<4>($($arg,)* p, tok);
+                    o.iter().enumerate().for_each(|(c, v)| store(tok + c, r0, v));
                     tok += 4;
                 }
                 match te - tok {
                     3 => {
-                        let o = avx512::tile::<3>(w.dtype, quad, p, tok);
-                        o.iter()
-                            .enumerate()
-                            .for_each(|(c, v)| store(tok + c, r0, v));
+                        let o = avx512::$tile::<3>($($arg,)* p, tok);
+                        o.iter().enumerate().for_each(|(c, v)| store(tok + c, r0, v));
                     }
                     2 => {
-                        let o = avx512::tile::<2>(w.dtype, quad, p, tok);
-                        o.iter()
-                            .enumerate()
-                            .for_each(|(c, v)| store(tok + c, r0, v));
+                        let o = avx512::$tile::<2>($($arg,)* p, tok);
+                        o.iter().enumerate().for_each(|(c, v)| store(tok + c, r0, v));
                     }
                     1 => {
-                        let o = avx512::tile::<1>(w.dtype, quad, p, tok);
+                        let o = avx512::$tile::<1>($($arg,)* p, tok);
                         store(tok, r0, &o[0]);
                     }
                     _ => {}
                 }
+            }};
+        }
+        if tr == 8 {
+            // Unpack the task's rows once (padded to whole 8-row tiles by repeating the last
+            // row), then run every token over them.
+            let n = (r_end - r_begin).div_ceil(8) * 8;
+            let task_rows: [&[u8]; TILE_ROWS_PER_TASK] = std::array::from_fn(|i| row(r_begin + i));
+            UNPACKED.with_borrow_mut(|u| {
+                u.fill(w.dtype, &task_rows[..n], p.nb);
+                for tb in (0..t).step_by(TILE_TOKEN_BLOCK) {
+                    let te = (tb + TILE_TOKEN_BLOCK).min(t);
+                    for r0 in (r_begin..r_end).step_by(8) {
+                        let pair0 = (r0 - r_begin) / 2;
+                        sweep!(tile8_unpacked(&*u, pair0), tb, te, r0);
+                    }
+                }
+            });
+            return;
+        }
+        for tb in (0..t).step_by(TILE_TOKEN_BLOCK) {
+            let te = (tb + TILE_TOKEN_BLOCK).min(t);
+            for r0 in (r_begin..r_end).step_by(tr) {
+                if r0 + PREFETCH_ROWS + tr <= rows {
+                    avx512::prefetch(
+                        &w.data[(r0 + PREFETCH_ROWS) * rb..(r0 + PREFETCH_ROWS + tr) * rb],
+                    );
+                }
+                let quad = [row(r0), row(r0 + 1), row(r0 + 2), row(r0 + 3)];
+                sweep!(tile(w.dtype, quad), tb, te, r0);
             }
         }
     });
