@@ -435,7 +435,7 @@ unsafe fn tile8_x_q8_0<const C: usize, const BW: usize>(
 /// One 64-byte line, 64-byte aligned.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-pub struct Line([u8; 64]);
+pub struct Line(pub [u8; 64]);
 
 /// Q5_0 or Q8_0 weight rows unpacked for [`tile8_unpacked`]: per block and row pair, the 64
 /// unsigned bytes `q + 128` of the two rows (`[row0 elements 0..32, row1 elements 0..32]`) and

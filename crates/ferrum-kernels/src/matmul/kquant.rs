@@ -2,12 +2,15 @@
 //! uses for them ([`Order::Q4kGemm`], [`Order::Q4kGemv`], [`Order::Q6kTiled`]).
 //!
 //! Those orders are exact integer sums per super-block (Q4_K: per 64-element chunk) followed by a
-//! few scalar FMAs, so the integer part may be computed any way at all. Here each task unpacks 4
-//! weight rows once into plain signed bytes (Q4_K 0..15, Q6_K -32..31) with per-lane scale
-//! vectors, then walks the tokens: per super-block, 4 VNNI dot products of 64 bytes, scaled per
-//! lane, reduced, and finished by the scalar epilogue of [`crate::quant`]'s reference for that
-//! order. Results equal `vec_dot_q4k_gemm_order` / `vec_dot_q4k_repacked` /
-//! `vec_dot_q6k_tiled_order` bit for bit (tests/matmul_tiles.rs).
+//! few scalar FMAs, so the integer part may be computed any way at all. Here each task unpacks 16
+//! weight rows once, interleaved: per 4 consecutive elements, one 64-byte line holding them for
+//! all 16 rows (Q4_K as 0..15, Q6_K as q + 32, both unsigned), so one VNNI instruction against
+//! a token's 4 activations broadcast to every lane advances 16 rows' sums. The sums of a
+//! sub-block are scaled per lane (row) and added; the float epilogue then runs on the 16 rows as
+//! the lanes of one vector, each lane doing exactly the scalar operations of the order's
+//! reference (`quant::vec_dot_q4k_gemm_order_ref`, `vec_dot_q4k_repacked_ref`,
+//! `vec_dot_q6k_tiled_order_ref`) for its row. Results equal `vec_dot_q4k_gemm_order` /
+//! `vec_dot_q4k_repacked` / `vec_dot_q6k_tiled_order` bit for bit (tests/matmul_tiles.rs).
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the block layouts
 
@@ -15,13 +18,17 @@ use core::arch::x86_64::*;
 
 use ferrum_core::DType;
 
+use super::avx512::Line;
 use super::{Order, OutPtr, WeightRef};
-use crate::quant::blocks::{rd_f16, rd_f32, scale_min_k4, unpack_q4k, unpack_q6k};
+use crate::quant::blocks::{rd_f16, scale_min_k4, unpack_q4k, unpack_q6k};
 use crate::quant::QK_K;
 
 /// Q8_K block: d (f32), 256 quants, 16 bsums (i16).
 const Q8K_BYTES: usize = 292;
-const ROWS: usize = 4;
+/// Weight rows per task: one vector lane each.
+const ROWS: usize = 16;
+/// Tokens per call of the tile kernel.
+const TOKENS: usize = 4;
 
 /// Whether these kernels take a product of `dtype` with these per-token orders.
 pub fn supports(dtype: DType, orders: &[Order]) -> bool {
@@ -35,80 +42,92 @@ pub fn supports(dtype: DType, orders: &[Order]) -> bool {
         }
 }
 
-/// One weight row unpacked: quants as signed bytes (Q4_K 0..15, Q6_K -32..31), per-lane start
-/// values `-128·Σ w` over each 4 bytes (the activations enter VNNI as unsigned `a + 128`), per
-/// super-block lane scales and floats.
-struct Unpacked {
-    q: Vec<u8>,
-    corr: Vec<i32>,
-    /// Per super-block, 4 vectors of 16 i32: the scale of each lane's sub-block.
-    scales: Vec<i32>,
-    /// Q4_K: per super-block the 8 mins (16 slots; Q6_K leaves them unused).
-    aux: Vec<i32>,
-    /// Per super-block: d, and dmin (Q4_K).
-    d: Vec<f32>,
-    dmin: Vec<f32>,
+/// 16 weight rows unpacked and interleaved (see the module text). Every field is a list of
+/// 64-byte lines, one vector each.
+struct Rows16 {
+    /// Per super-block, 64 lines: line g holds elements 4g..4g+4 of the 16 rows.
+    q: Vec<Line>,
+    /// Per super-block, one line of 16 i32 per sub-block (Q4_K: 8 of 32 elements, Q6_K: 16 of 16):
+    /// the rows' scales.
+    sc: Vec<Line>,
+    /// Q4_K: per super-block, 8 lines of 16 i32: the rows' mins.
+    mins: Vec<Line>,
+    /// Per super-block, 16 f32: the rows' d (and Q4_K's dmin).
+    d: Vec<Line>,
+    dmin: Vec<Line>,
 }
 
-impl Unpacked {
-    fn new(nsb: usize) -> Self {
-        Unpacked {
-            q: vec![0; nsb * QK_K],
-            corr: vec![0; nsb * 64],
-            scales: vec![0; nsb * 64],
-            aux: vec![0; nsb * 16],
-            d: vec![0.0; nsb],
-            dmin: vec![0.0; nsb],
+const ZERO_LINE: Line = Line([0; 64]);
+
+impl Rows16 {
+    const fn new() -> Self {
+        Rows16 {
+            q: Vec::new(),
+            sc: Vec::new(),
+            mins: Vec::new(),
+            d: Vec::new(),
+            dmin: Vec::new(),
         }
     }
 
-    fn fill(&mut self, dtype: DType, row: &[u8]) {
+    /// Unpacks `rows` (16 rows of `nsb` super-blocks of `dtype`).
+    fn fill(&mut self, dtype: DType, rows: &[&[u8]; ROWS], nsb: usize) {
         let bb = dtype.block_bytes();
+        let n_sub = if dtype == DType::Q4_K { 8 } else { 16 };
+        for (v, n) in [
+            (&mut self.q, nsb * 64),
+            (&mut self.sc, nsb * n_sub),
+            (&mut self.mins, nsb * 8),
+            (&mut self.d, nsb),
+            (&mut self.dmin, nsb),
+        ] {
+            v.clear();
+            v.resize(n, ZERO_LINE);
+        }
+        let put_i32 = |l: &mut Line, r: usize, v: i32| {
+            l.0[4 * r..4 * r + 4].copy_from_slice(&v.to_le_bytes())
+        };
+        let put_f32 = |l: &mut Line, r: usize, v: f32| {
+            l.0[4 * r..4 * r + 4].copy_from_slice(&v.to_le_bytes())
+        };
         let mut q = [0i8; QK_K];
-        for (b, blk) in row.chunks_exact(bb).enumerate() {
-            let co = &mut self.corr[b * 64..(b + 1) * 64];
-            let qo = &mut self.q[b * QK_K..(b + 1) * QK_K];
-            let so = &mut self.scales[b * 64..(b + 1) * 64];
-            let ao = &mut self.aux[b * 16..(b + 1) * 16];
-            if dtype == DType::Q4_K {
-                unpack_q4k(blk, &mut q);
-                for (o, &v) in qo.iter_mut().zip(&q) {
-                    *o = v as u8;
-                }
-                let (sc, m) = scale_min_k4(&blk[4..16]);
-                // Lane i of chunk p covers elements 64p + 4i .. + 4: sub-block 2p + i / 8.
-                for p in 0..4 {
-                    for i in 0..16 {
-                        so[16 * p + i] = sc[2 * p + i / 8] as i32;
+        for (r, row) in rows.iter().enumerate() {
+            for b in 0..nsb {
+                let blk = &row[b * bb..(b + 1) * bb];
+                let off = if dtype == DType::Q4_K {
+                    unpack_q4k(blk, &mut q);
+                    let (sc, m) = scale_min_k4(&blk[4..16]);
+                    for j in 0..8 {
+                        put_i32(&mut self.sc[b * 8 + j], r, sc[j] as i32);
+                        put_i32(&mut self.mins[b * 8 + j], r, m[j] as i32);
+                    }
+                    put_f32(&mut self.d[b], r, rd_f16(blk, 0));
+                    put_f32(&mut self.dmin[b], r, rd_f16(blk, 2));
+                    0i8
+                } else {
+                    unpack_q6k(blk, &mut q);
+                    for s in 0..16 {
+                        put_i32(&mut self.sc[b * 16 + s], r, blk[192 + s] as i8 as i32);
+                    }
+                    put_f32(&mut self.d[b], r, rd_f16(blk, 208));
+                    32
+                };
+                for g in 0..64 {
+                    let l = &mut self.q[b * 64 + g].0[4 * r..4 * r + 4];
+                    for k in 0..4 {
+                        l[k] = (q[4 * g + k] + off) as u8;
                     }
                 }
-                for j in 0..8 {
-                    ao[j] = m[j] as i32;
-                }
-                self.d[b] = rd_f16(blk, 0);
-                self.dmin[b] = rd_f16(blk, 2);
-            } else {
-                unpack_q6k(blk, &mut q);
-                for (o, &v) in qo.iter_mut().zip(&q) {
-                    *o = v as u8;
-                }
-                // Sub-blocks of 16 elements: lane i of chunk p is sub-block 4p + i / 4.
-                for p in 0..4 {
-                    for i in 0..16 {
-                        so[16 * p + i] = blk[192 + 4 * p + i / 4] as i8 as i32;
-                    }
-                }
-                self.d[b] = rd_f16(blk, 208);
-            }
-            for (lane, c) in co.iter_mut().enumerate() {
-                let w: i32 = qo[4 * lane..4 * lane + 4]
-                    .iter()
-                    .map(|&v| v as i8 as i32)
-                    .sum();
-                *c = -128 * w;
             }
         }
     }
+}
+
+thread_local! {
+    /// Each worker's unpacked rows.
+    static ROWS16: std::cell::RefCell<Rows16> = const { std::cell::RefCell::new(Rows16::new()) };
+    /// Per-token integers from the activations' bsums, built once per call on the calling thread.
+    static PREP: std::cell::RefCell<Vec<i32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `y[tok, r]` for every token of `act` (`t` rows of Q8_K, `ab` bytes each) and every row of `w`.
@@ -120,24 +139,72 @@ pub fn matmul_k(w: &WeightRef, act: &[u8], ab: usize, t: usize, orders: &[Order]
     assert!(act.len() >= t * ab && orders.len() == t && y.len() == t * rows);
     let rb = w.row_bytes();
     let out = OutPtr(y.as_mut_ptr());
-    crate::pool::parallel_for(rows.div_ceil(ROWS), |task| {
-        let r0 = task * ROWS;
-        let n = ROWS.min(rows - r0);
-        let mut un: Vec<Unpacked> = (0..n).map(|_| Unpacked::new(nsb)).collect();
-        for (i, u) in un.iter_mut().enumerate() {
-            u.fill(w.dtype, &w.data[(r0 + i) * rb..(r0 + i + 1) * rb]);
-        }
-        // A last task of fewer than 4 rows repeats its last row; the extra results are dropped.
-        let rows4: [&Unpacked; ROWS] = core::array::from_fn(|i| &un[i.min(n - 1)]);
+    let dtype = w.dtype;
+    PREP.with_borrow_mut(|prep| {
+        // Per token and super-block, 16 i32: Q4_K the 8 sums of each 32 activations (bsum pairs),
+        // Q6_K the start value -32·Σ of each 16 activations (the weights enter as q + 32).
+        prep.clear();
+        prep.resize(t * nsb * 16, 0);
         for tok in 0..t {
-            let a = &act[tok * ab..(tok + 1) * ab];
-            // SAFETY: `supports` checked AVX-512 VNNI; each row and `a` hold nsb super-blocks.
-            let v = unsafe { rows4_k(w.dtype, rows4, a, nsb, orders[tok] == Order::Q4kGemm) };
-            for (i, &val) in v[..n].iter().enumerate() {
-                // SAFETY: tok < t and r0 + i < rows: inside `y`; only this task writes row r0 + i.
-                unsafe { *out.at(tok * rows + r0 + i) = val };
+            for b in 0..nsb {
+                let bs = bsums(&act[tok * ab + b * Q8K_BYTES..][..Q8K_BYTES]);
+                let p = &mut prep[(tok * nsb + b) * 16..][..16];
+                if dtype == DType::Q4_K {
+                    for j in 0..8 {
+                        p[j] = bs[2 * j] + bs[2 * j + 1];
+                    }
+                } else {
+                    for s in 0..16 {
+                        p[s] = -32 * bs[s];
+                    }
+                }
             }
         }
+        let prep = &prep[..];
+        crate::pool::parallel_for(rows.div_ceil(ROWS), |task| {
+            let r0 = task * ROWS;
+            let n = ROWS.min(rows - r0);
+            // A last task of fewer than 16 rows repeats its last row; the extra results are dropped.
+            let rws: [&[u8]; ROWS] =
+                core::array::from_fn(|i| &w.data[(r0 + i.min(n - 1)) * rb..][..rb]);
+            ROWS16.with_borrow_mut(|u| {
+                u.fill(dtype, &rws, nsb);
+                let k = Kernel {
+                    dtype,
+                    u: &*u,
+                    act,
+                    ab,
+                    prep,
+                    nsb,
+                };
+                let store = |tok: usize, v: &[f32; ROWS]| {
+                    for (i, &val) in v[..n].iter().enumerate() {
+                        // SAFETY: tok < t and r0 + i < rows: inside `y`; only this task writes
+                        // row r0 + i.
+                        unsafe { *out.at(tok * rows + r0 + i) = val };
+                    }
+                };
+                let gemm = |tok: usize| orders[tok] == Order::Q4kGemm;
+                let mut tok = 0;
+                while tok + TOKENS <= t {
+                    let o = k.tile::<TOKENS>(tok, core::array::from_fn(|c| gemm(tok + c)));
+                    o.iter().enumerate().for_each(|(c, v)| store(tok + c, v));
+                    tok += TOKENS;
+                }
+                match t - tok {
+                    3 => {
+                        let o = k.tile::<3>(tok, core::array::from_fn(|c| gemm(tok + c)));
+                        o.iter().enumerate().for_each(|(c, v)| store(tok + c, v));
+                    }
+                    2 => {
+                        let o = k.tile::<2>(tok, core::array::from_fn(|c| gemm(tok + c)));
+                        o.iter().enumerate().for_each(|(c, v)| store(tok + c, v));
+                    }
+                    1 => store(tok, &k.tile::<1>(tok, [gemm(tok)])[0]),
+                    _ => {}
+                }
+            });
+        });
     });
 }
 
@@ -152,96 +219,203 @@ fn bsums(by: &[u8]) -> [i32; 16] {
     out
 }
 
-/// `aux[i]` of the 4 rows as one vector.
-#[inline(always)]
-fn mins4(u: &[&Unpacked; ROWS], i: usize) -> __m128i {
-    // SAFETY: SSE2 is part of the x86_64 baseline.
-    unsafe { _mm_setr_epi32(u[0].aux[i], u[1].aux[i], u[2].aux[i], u[3].aux[i]) }
+/// One call's operands: 16 unpacked rows against the tokens of `act`.
+struct Kernel<'a> {
+    dtype: DType,
+    u: &'a Rows16,
+    act: &'a [u8],
+    ab: usize,
+    prep: &'a [i32],
+    nsb: usize,
 }
 
-/// 4 rows x one token: the integer sums of the 4 rows' chunks reduced together, and the float
-/// epilogue run on the 4 rows as the lanes of one vector, each lane doing exactly the scalar
-/// operations of the order's reference (`quant::vec_dot_q4k_gemm_order_ref`,
-/// `vec_dot_q4k_repacked_ref`, `vec_dot_q6k_tiled_order_ref`) for its row.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-fn rows4_k(dtype: DType, u: [&Unpacked; ROWS], a: &[u8], nsb: usize, gemm: bool) -> [f32; ROWS] {
-    let flip = _mm512_set1_epi8(0x80u8 as i8);
-    let mut acc = _mm_setzero_ps();
-    let mut acc_m = _mm_setzero_ps();
-    for b in 0..nsb {
-        let by = &a[b * Q8K_BYTES..(b + 1) * Q8K_BYTES];
-        let qa = &by[4..4 + QK_K];
-        // v[p][r]: chunk p of row r, 16 lanes of scale * Σ4 a·w.
-        let mut ip = [_mm_setzero_si128(); 4];
-        for p in 0..4 {
-            // SAFETY: 64 bytes at 64p of the 256 quants.
-            let av = unsafe { _mm512_loadu_si512(qa.as_ptr().add(64 * p) as *const _) };
-            let av = _mm512_xor_si512(av, flip);
-            let mut v = [_mm512_setzero_si512(); ROWS];
-            for r in 0..ROWS {
-                let o = b * QK_K + 64 * p;
-                let os = b * 64 + 16 * p;
-                // SAFETY: `u[r]` holds nsb super-blocks: q[o..o+64], scales/corr[os..os+16].
-                unsafe {
-                    let wv = _mm512_loadu_si512(u[r].q.as_ptr().add(o) as *const _);
-                    let s = _mm512_loadu_si512(u[r].scales.as_ptr().add(os) as *const _);
-                    let c = _mm512_loadu_si512(u[r].corr.as_ptr().add(os) as *const _);
-                    v[r] = _mm512_mullo_epi32(_mm512_dpbusd_epi32(c, av, wv), s);
-                }
+impl Kernel<'_> {
+    /// The 16 rows x `C` tokens from `tok0`; `gemm[c]`: token `tok0 + c` takes the Q4_K GEMM order.
+    fn tile<const C: usize>(&self, tok0: usize, gemm: [bool; C]) -> [[f32; ROWS]; C] {
+        let nsb = self.nsb;
+        let n_sub = if self.dtype == DType::Q4_K { 8 } else { 16 };
+        assert!(
+            self.u.q.len() >= nsb * 64
+                && self.u.sc.len() >= nsb * n_sub
+                && self.u.mins.len() >= nsb * 8
+                && self.u.d.len() >= nsb
+                && self.u.dmin.len() >= nsb
+        );
+        assert!(self.act.len() >= (tok0 + C) * self.ab && self.ab >= nsb * Q8K_BYTES);
+        assert!(self.prep.len() >= (tok0 + C) * nsb * 16);
+        assert!(super::avx512::available());
+        // SAFETY: AVX-512 VNNI checked; every buffer the kernel reads holds what it reads
+        // (asserted above).
+        unsafe {
+            if self.dtype == DType::Q4_K {
+                self.tile_q4k::<C>(tok0, gemm)
+            } else {
+                self.tile_q6k::<C>(tok0)
             }
-            // The 4 rows' 16-lane vectors to [row0, row1, row2, row3] sums (integers: exact).
-            let t0 = _mm512_add_epi32(
-                _mm512_unpacklo_epi32(v[0], v[1]),
-                _mm512_unpackhi_epi32(v[0], v[1]),
-            );
-            let t1 = _mm512_add_epi32(
-                _mm512_unpacklo_epi32(v[2], v[3]),
-                _mm512_unpackhi_epi32(v[2], v[3]),
-            );
-            let u4 = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
-            let h = _mm256_add_epi32(
-                _mm512_castsi512_si256(u4),
-                _mm512_extracti64x4_epi64::<1>(u4),
-            );
-            ip[p] = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
-        }
-        let dy = _mm_set1_ps(rd_f32(by, 0));
-        let d = _mm_setr_ps(u[0].d[b], u[1].d[b], u[2].d[b], u[3].d[b]);
-        if dtype == DType::Q6_K {
-            let s = _mm_add_epi32(_mm_add_epi32(ip[0], ip[1]), _mm_add_epi32(ip[2], ip[3]));
-            let r = _mm_mul_ps(_mm_cvtepi32_ps(s), d);
-            acc = _mm_fmadd_ps(r, dy, acc);
-            continue;
-        }
-        let bs = bsums(by);
-        let dmin = _mm_setr_ps(u[0].dmin[b], u[1].dmin[b], u[2].dmin[b], u[3].dmin[b]);
-        let mins = |j: usize| mins4(&u, b * 16 + j);
-        if gemm {
-            let dd = _mm_mul_ps(d, dy);
-            let dm = _mm_mul_ps(dmin, dy);
-            for p in 0..4 {
-                let mp = _mm_add_epi32(
-                    _mm_mullo_epi32(mins(2 * p), _mm_set1_epi32(bs[4 * p] + bs[4 * p + 1])),
-                    _mm_mullo_epi32(
-                        mins(2 * p + 1),
-                        _mm_set1_epi32(bs[4 * p + 2] + bs[4 * p + 3]),
-                    ),
-                );
-                acc = _mm_fmadd_ps(_mm_cvtepi32_ps(ip[p]), dd, acc);
-                acc_m = _mm_fmadd_ps(_mm_cvtepi32_ps(mp), dm, acc_m);
-            }
-        } else {
-            let isum = _mm_add_epi32(_mm_add_epi32(ip[0], ip[1]), _mm_add_epi32(ip[2], ip[3]));
-            let mut imin = _mm_setzero_si128();
-            for g in 0..16 {
-                imin = _mm_add_epi32(imin, _mm_mullo_epi32(mins(g / 2), _mm_set1_epi32(bs[g])));
-            }
-            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), _mm_mul_ps(d, dy), acc);
-            acc_m = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_mul_ps(dmin, dy), acc_m);
         }
     }
-    let mut out = [0f32; ROWS];
-    // SAFETY: `out` holds 4 f32.
-    unsafe { _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_m)) };
-    out
+
+    /// Token `tok`'s 4 activations of group `g` (elements 4g..4g+4) of super-block `b`, in
+    /// every lane.
+    #[inline(always)]
+    unsafe fn a4(&self, tok: usize, b: usize, g: usize) -> __m512i {
+        // SAFETY: the caller keeps tok, b and g inside the activations (checked by `tile`).
+        unsafe {
+            let p = self
+                .act
+                .as_ptr()
+                .add(tok * self.ab + b * Q8K_BYTES + 4 + 4 * g);
+            _mm512_set1_epi32((p as *const i32).read_unaligned())
+        }
+    }
+
+    /// Token `tok`'s d of super-block `b` in every lane.
+    #[inline(always)]
+    unsafe fn dy(&self, tok: usize, b: usize) -> __m512 {
+        // SAFETY: as for `a4`.
+        unsafe {
+            let p = self.act.as_ptr().add(tok * self.ab + b * Q8K_BYTES);
+            _mm512_set1_ps((p as *const f32).read_unaligned())
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn prep(&self, tok: usize, b: usize, i: usize) -> __m512i {
+        // SAFETY: as for `a4`.
+        unsafe { _mm512_set1_epi32(*self.prep.get_unchecked((tok * self.nsb + b) * 16 + i)) }
+    }
+
+    #[inline(always)]
+    unsafe fn line_i(v: &[Line], i: usize) -> __m512i {
+        // SAFETY: the caller keeps i inside `v` (checked by `tile`); lines are 64-byte aligned.
+        unsafe { _mm512_load_si512(v.as_ptr().add(i) as *const _) }
+    }
+
+    #[inline(always)]
+    unsafe fn line_f(v: &[Line], i: usize) -> __m512 {
+        // SAFETY: as for `line_i`.
+        unsafe { _mm512_load_ps(v.as_ptr().add(i) as *const f32) }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    unsafe fn tile_q6k<const C: usize>(&self, tok0: usize) -> [[f32; ROWS]; C] {
+        let u = self.u;
+        let mut acc = [_mm512_setzero_ps(); C];
+        for b in 0..self.nsb {
+            let mut tot = [_mm512_setzero_si512(); C];
+            for s in 0..16 {
+                // SAFETY (whole block): indices inside the buffers checked by `tile`.
+                unsafe {
+                    let mut i: [__m512i; C] = core::array::from_fn(|c| self.prep(tok0 + c, b, s));
+                    for g in 4 * s..4 * s + 4 {
+                        let wv = Self::line_i(&u.q, b * 64 + g);
+                        for c in 0..C {
+                            i[c] = _mm512_dpbusd_epi32(i[c], wv, self.a4(tok0 + c, b, g));
+                        }
+                    }
+                    let sc = Self::line_i(&u.sc, b * 16 + s);
+                    for c in 0..C {
+                        tot[c] = _mm512_add_epi32(tot[c], _mm512_mullo_epi32(i[c], sc));
+                    }
+                }
+            }
+            // SAFETY: as above.
+            unsafe {
+                let d = Self::line_f(&u.d, b);
+                for c in 0..C {
+                    let r = _mm512_mul_ps(_mm512_cvtepi32_ps(tot[c]), d);
+                    acc[c] = _mm512_fmadd_ps(r, self.dy(tok0 + c, b), acc[c]);
+                }
+            }
+        }
+        let mut out = [[0f32; ROWS]; C];
+        for c in 0..C {
+            // SAFETY: `out[c]` holds 16 f32.
+            unsafe { _mm512_storeu_ps(out[c].as_mut_ptr(), acc[c]) };
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    unsafe fn tile_q4k<const C: usize>(&self, tok0: usize, gemm: [bool; C]) -> [[f32; ROWS]; C] {
+        let u = self.u;
+        let mut acc = [_mm512_setzero_ps(); C];
+        let mut acc_m = [_mm512_setzero_ps(); C];
+        for b in 0..self.nsb {
+            // SAFETY (whole block): indices inside the buffers checked by `tile`.
+            unsafe {
+                let d = Self::line_f(&u.d, b);
+                let dmin = Self::line_f(&u.dmin, b);
+                let mut isum = [_mm512_setzero_si512(); C];
+                for p in 0..4 {
+                    let mut ip = [_mm512_setzero_si512(); C];
+                    for j in 2 * p..2 * p + 2 {
+                        let mut i = [_mm512_setzero_si512(); C];
+                        for g in 8 * j..8 * j + 8 {
+                            let wv = Self::line_i(&u.q, b * 64 + g);
+                            for c in 0..C {
+                                i[c] = _mm512_dpbusd_epi32(i[c], wv, self.a4(tok0 + c, b, g));
+                            }
+                        }
+                        let sc = Self::line_i(&u.sc, b * 8 + j);
+                        for c in 0..C {
+                            ip[c] = _mm512_add_epi32(ip[c], _mm512_mullo_epi32(i[c], sc));
+                        }
+                    }
+                    for c in 0..C {
+                        if gemm[c] {
+                            let dy = self.dy(tok0 + c, b);
+                            let m0 = Self::line_i(&u.mins, b * 8 + 2 * p);
+                            let m1 = Self::line_i(&u.mins, b * 8 + 2 * p + 1);
+                            let mp = _mm512_add_epi32(
+                                _mm512_mullo_epi32(m0, self.prep(tok0 + c, b, 2 * p)),
+                                _mm512_mullo_epi32(m1, self.prep(tok0 + c, b, 2 * p + 1)),
+                            );
+                            acc[c] = _mm512_fmadd_ps(
+                                _mm512_cvtepi32_ps(ip[c]),
+                                _mm512_mul_ps(d, dy),
+                                acc[c],
+                            );
+                            acc_m[c] = _mm512_fmadd_ps(
+                                _mm512_cvtepi32_ps(mp),
+                                _mm512_mul_ps(dmin, dy),
+                                acc_m[c],
+                            );
+                        } else {
+                            isum[c] = _mm512_add_epi32(isum[c], ip[c]);
+                        }
+                    }
+                }
+                for c in 0..C {
+                    if !gemm[c] {
+                        let dy = self.dy(tok0 + c, b);
+                        let mut imin = _mm512_setzero_si512();
+                        for j in 0..8 {
+                            let m = Self::line_i(&u.mins, b * 8 + j);
+                            imin = _mm512_add_epi32(
+                                imin,
+                                _mm512_mullo_epi32(m, self.prep(tok0 + c, b, j)),
+                            );
+                        }
+                        acc[c] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(isum[c]),
+                            _mm512_mul_ps(d, dy),
+                            acc[c],
+                        );
+                        acc_m[c] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(imin),
+                            _mm512_mul_ps(dmin, dy),
+                            acc_m[c],
+                        );
+                    }
+                }
+            }
+        }
+        let mut out = [[0f32; ROWS]; C];
+        for c in 0..C {
+            // SAFETY: `out[c]` holds 16 f32.
+            unsafe { _mm512_storeu_ps(out[c].as_mut_ptr(), _mm512_sub_ps(acc[c], acc_m[c])) };
+        }
+        out
+    }
 }
