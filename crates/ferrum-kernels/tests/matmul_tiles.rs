@@ -283,7 +283,16 @@ fn k_quant_prompt_kernels_follow_llama_cpp_orders_bit_for_bit() {
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
     for &dtype in &[DType::Q4_K, DType::Q6_K] {
-        for &(rows, cols, t) in &[(8, 256, 4), (16, 512, 5), (13, 256, 9), (24, 768, 13)] {
+        for &(rows, cols, t) in &[
+            (8, 256, 4),
+            (16, 512, 5),
+            (13, 256, 9),
+            (24, 768, 13),
+            (8, 256, 1),
+            (17, 512, 1),
+            (33, 768, 1),
+            (24, 256, 2),
+        ] {
             let data = random_weights(dtype, rows, cols, &mut rng);
             let w = WeightRef {
                 dtype,

@@ -161,7 +161,7 @@ pub fn prefetch(bytes: &[u8]) {
 
 /// `hsum_float_8` of the 8 lanes `l` (in lane order), in its exact order.
 #[inline(always)]
-fn hsum8_order(l: [f32; 8]) -> f32 {
+pub(crate) fn hsum8_order(l: [f32; 8]) -> f32 {
     let r = [l[4] + l[0], l[5] + l[1], l[6] + l[2], l[7] + l[3]];
     (r[0] + r[2]) + (r[1] + r[3])
 }

@@ -419,3 +419,101 @@ impl Kernel<'_> {
         out
     }
 }
+
+/// Two Q6_K rows x one Q8_K activation row in the float order of `vec_dot` (llama.cpp's AVX2
+/// `ggml_vec_dot_q6_K_q8_K`): per super-block the 8 exact i32 lanes of that kernel (lane l: the
+/// scaled products of bytes 4l..4l+4 of every 32-element chunk, minus 32·(scale·bsum) of
+/// sub-blocks 2l and 2l+1), then `acc = fma(d_w·d_x, f32(lane), acc)` per lane and
+/// `hsum_float_8`. A 512-bit vector holds the two rows' 8 lanes, so the unpacking and the VNNI
+/// products serve both rows at once. Same bits as `vec_dot` (tests/matmul_tiles.rs).
+pub fn q6k_vec_pair(ra: &[u8], rb: &[u8], act: &[u8], nsb: usize) -> [f32; 2] {
+    assert!(
+        super::avx512::available(),
+        "q6k_vec_pair: CPU lacks AVX-512 VNNI"
+    );
+    assert!(ra.len() >= nsb * 210 && rb.len() >= nsb * 210 && act.len() >= nsb * Q8K_BYTES);
+    // SAFETY: AVX-512 VNNI checked; the rows and the activations hold nsb super-blocks.
+    unsafe { q6k_vec_pair_kernel(ra, rb, act, nsb) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6k_vec_pair_kernel(ra: &[u8], rb: &[u8], act: &[u8], nsb: usize) -> [f32; 2] {
+    use crate::quant::blocks::{Q6_K_D, Q6_K_QH, Q6_K_SCALES, Q8_K_BSUMS, Q8_K_QS};
+    let m4 = _mm512_set1_epi8(0x0f);
+    let m2 = _mm512_set1_epi8(3);
+    // Scale lanes of chunk c: row A sub-blocks 2c (lanes 0..4), 2c+1 (4..8); row B likewise.
+    let sidx0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 16, 16, 16, 16, 17, 17, 17, 17);
+    let mut acc = _mm512_setzero_ps();
+    // SAFETY (whole loop): every offset below stays inside super-block b of the rows and of the
+    // activations (lengths checked by the caller).
+    unsafe {
+        let pair = |off: usize| -> __m512i {
+            let a = _mm256_loadu_si256(ra.as_ptr().add(off) as *const __m256i);
+            let b = _mm256_loadu_si256(rb.as_ptr().add(off) as *const __m256i);
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
+        };
+        for blk in 0..nsb {
+            let (wo, ao) = (blk * 210, blk * Q8K_BYTES);
+            let sc_a = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                ra.as_ptr().add(wo + Q6_K_SCALES) as *const __m128i
+            ));
+            let sc_b = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                rb.as_ptr().add(wo + Q6_K_SCALES) as *const __m128i
+            ));
+            // 32·(scale·bsum) over sub-block pairs, as the AVX2 kernel's `madd_epi16`.
+            let sc16 = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(
+                    ra.as_ptr().add(wo + Q6_K_SCALES) as *const __m128i,
+                ))),
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                    rb.as_ptr().add(wo + Q6_K_SCALES) as *const __m128i
+                )),
+            );
+            let bs = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                act.as_ptr().add(ao + Q8_K_BSUMS) as *const __m256i
+            ));
+            let sub = _mm512_slli_epi32::<5>(_mm512_madd_epi16(bs, sc16));
+            let mut sumi = _mm512_setzero_si512();
+            for h in 0..2 {
+                let ql0 = pair(wo + 64 * h);
+                let ql1 = pair(wo + 64 * h + 32);
+                let qh = pair(wo + Q6_K_QH + 32 * h);
+                let lows = [
+                    _mm512_and_si512(ql0, m4),
+                    _mm512_and_si512(ql1, m4),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(ql0), m4),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(ql1), m4),
+                ];
+                for (k, &lo) in lows.iter().enumerate() {
+                    let hi =
+                        _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32)), m2);
+                    let q = _mm512_or_si512(lo, _mm512_slli_epi16::<4>(hi));
+                    let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        act.as_ptr().add(ao + Q8_K_QS + 128 * h + 32 * k) as *const __m256i,
+                    ));
+                    let c = 4 * h + k;
+                    let idx = _mm512_add_epi32(sidx0, _mm512_set1_epi32(2 * c as i32));
+                    let s = _mm512_permutex2var_epi32(sc_a, idx, sc_b);
+                    let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, y);
+                    sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(p, s));
+                }
+            }
+            let sumi = _mm512_sub_epi32(sumi, sub);
+            let dy = (act.as_ptr().add(ao) as *const f32).read_unaligned();
+            let da = crate::quant::blocks::rd_f16(ra, wo + Q6_K_D) * dy;
+            let db = crate::quant::blocks::rd_f16(rb, wo + Q6_K_D) * dy;
+            let d = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                _mm512_castps_pd(_mm512_set1_ps(da)),
+                _mm256_castps_pd(_mm256_set1_ps(db)),
+            ));
+            acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), acc);
+        }
+    }
+    let mut l = [0f32; 16];
+    // SAFETY: `l` holds 16 f32.
+    unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc) };
+    [
+        super::avx512::hsum8_order(l[0..8].try_into().unwrap()),
+        super::avx512::hsum8_order(l[8..16].try_into().unwrap()),
+    ]
+}

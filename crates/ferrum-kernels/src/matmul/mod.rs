@@ -284,6 +284,23 @@ fn matmul_dots(w: &WeightRef, act: &[u8], ab: usize, orders: &[Order], y: &mut [
         Order::Q4kGemm => quant::vec_dot_q4k_gemm_order(wr, ar, cols),
         Order::Q6kTiled => quant::vec_dot_q6k_tiled_order(wr, ar, cols),
     };
+    #[cfg(target_arch = "x86_64")]
+    if t == 1 && w.dtype == DType::Q6_K && orders[0] == Order::Vec && avx512::available() {
+        // Two rows per AVX-512 kernel call, in `vec_dot`'s order (an odd last row is paired
+        // with itself).
+        let nsb = cols / quant::QK_K;
+        pool::parallel_chunks_mut(y, ROWS_PER_TASK, |ci, yc| {
+            let r0 = ci * ROWS_PER_TASK;
+            let row = |i: usize| &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
+            for i in (0..yc.len()).step_by(2) {
+                let j = (i + 1).min(yc.len() - 1);
+                let v = kquant::q6k_vec_pair(row(i), row(j), act, nsb);
+                yc[i] = v[0];
+                yc[j] = if j == i { v[0] } else { v[1] };
+            }
+        });
+        return;
+    }
     if t == 1 {
         pool::parallel_chunks_mut(y, ROWS_PER_TASK, |ci, yc| {
             let r0 = ci * ROWS_PER_TASK;
