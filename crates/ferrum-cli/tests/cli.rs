@@ -1082,12 +1082,28 @@ fn profile_prints_operator_tables_trace_and_roofline() {
             &trace_s,
             "--roofline",
             &svg_s,
+            "--overhead",
+            "1",
         ],
         None,
         MODEL_RUN,
         &[("FERRUM_MACHINE_FILE", &machine_s)],
     );
     assert!(out.status.success(), "{}", out.describe());
+    // The profiler's off-cost: calls per token x ns per disabled call, well under 5% of a token.
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("profiler off: "))
+        .unwrap_or_else(|| panic!("no `profiler off` line: {}", out.describe()));
+    let pct: f64 = line
+        .rsplit('(')
+        .next()
+        .and_then(|s| s.split('%').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no share in {line}"));
+    assert!(pct.is_finite() && (0.0..5.0).contains(&pct), "{line}");
+    assert!(line.contains(" operator calls/token"), "{line}");
     for phase in ["prompt phase: 24 tokens", "generation phase: 6 tokens"] {
         let line = out
             .stdout

@@ -39,6 +39,11 @@ pub struct Args {
     /// Write a roofline chart (SVG) with the machine's ceilings and one point per operator class.
     #[arg(long)]
     pub roofline: Option<PathBuf>,
+    /// Also measure what profiling costs: N rounds of the generation phase with profiling on and
+    /// off in turn (fresh cache each), printing the medians. Off, each operator call pays one
+    /// relaxed atomic load, strictly less than on, so the on-cost bounds the off-cost. 0: skip.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub overhead: usize,
 }
 
 struct Phase {
@@ -118,6 +123,9 @@ pub fn run(a: Args) -> Result<()> {
     for ph in &phases {
         print_phase(ph, &ceilings, threads, a.n_prompt, a.n_gen);
     }
+    if a.overhead > 0 && a.n_gen > 0 {
+        print_overhead(&llm, prompt, gen, a.overhead)?;
+    }
     if let Some(path) = &a.trace {
         write_trace(path, &phases)?;
         println!("trace: {}", path.display());
@@ -127,6 +135,64 @@ pub fn run(a: Args) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
         println!("roofline: {}", path.display());
     }
+    Ok(())
+}
+
+/// Generation wall time with profiling on vs off, `rounds` of each in turn (each round writes
+/// the same cache positions after the prompt again), medians per token.
+fn print_overhead(llm: &ferrum_llm::Llm, prompt: &[u32], gen: &[u32], rounds: usize) -> Result<()> {
+    let cfg = &llm.model.config;
+    let mut cache = KvCache::new(cfg, prompt.len() + gen.len() + 1);
+    for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+        llm.model
+            .forward(chunk, i * PREFILL_CHUNK, &mut cache, Logits::Last)?;
+    }
+    let mut times = [Vec::new(), Vec::new()]; // [off, on]
+    let mut calls_per_token = 0.0;
+    for round in 0..2 * rounds {
+        let on = round % 2 == 1;
+        if on {
+            profile::start();
+        }
+        let t = Instant::now();
+        for (i, &tok) in gen.iter().enumerate() {
+            llm.model
+                .forward(&[tok], prompt.len() + i, &mut cache, Logits::Last)?;
+        }
+        let per_token = t.elapsed().as_secs_f64() / gen.len() as f64;
+        if on {
+            calls_per_token = profile::stop().len() as f64 / gen.len() as f64;
+        }
+        times[on as usize].push(per_token);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (off, on) = (median(&mut times[0]), median(&mut times[1]));
+    println!(
+        "\nprofiler cost, generation, median of {rounds} rounds each: off {:.3} ms/token, on {:.3} ms/token ({:+.2}%); off costs at most what on costs",
+        off * 1e3,
+        on * 1e3,
+        100.0 * (on - off) / off
+    );
+    // The off path alone: one disabled `record` per operator call.
+    let n = 10_000_000u64;
+    let t = Instant::now();
+    let mut acc = 0u64;
+    for i in 0..n {
+        acc = acc.wrapping_add(profile::record("op", "class", 0.0, 0.0, || {
+            std::hint::black_box(i)
+        }));
+    }
+    std::hint::black_box(acc);
+    let call_s = t.elapsed().as_secs_f64() / n as f64;
+    println!(
+        "profiler off: {calls_per_token:.0} operator calls/token x {:.2} ns per disabled call = {:.2} us/token ({:.4}% of a token)",
+        call_s * 1e9,
+        calls_per_token * call_s * 1e6,
+        100.0 * calls_per_token * call_s / off
+    );
     Ok(())
 }
 
