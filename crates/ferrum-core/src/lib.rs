@@ -6,10 +6,12 @@
 
 pub mod dtype;
 pub mod error;
+pub mod recycle;
 pub mod storage;
 
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use recycle::Buf;
 pub use storage::{Bytes, HugeBuf};
 
 /// IEEE binary16, re-exported so every crate converts the same way.

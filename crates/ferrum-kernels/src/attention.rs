@@ -179,7 +179,10 @@ fn run(
             }
         };
         pool::parallel_chunks_mut(out, H * hd, |ci, o| {
-            let rows: Vec<Row> = (ci * H..ci * H + o.len() / hd).map(job).collect();
+            // The chunk's rows (a last chunk may hold fewer than H; no heap allocation).
+            let n = o.len() / hd;
+            let all: [Row; H] = core::array::from_fn(|i| job(ci * H + i.min(n - 1)));
+            let rows = &all[..n];
             let paired = rows.len() == H && rows.iter().all(|r| r.keys == rows[0].keys);
             if paired && hd <= 128 {
                 let pair: [&Row; H] = [&rows[0], &rows[1]];
@@ -294,6 +297,12 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
     let mut s = [0f32; H];
     SCORES.with_borrow_mut(|scores| {
         scores.clear();
+        if scores.capacity() < H * n_keys {
+            // Room for every row of the cache at once (up to 4 MiB), so a growing context does
+            // not reallocate step after step.
+            let cache_rows = rows[0].k.len() / rows[0].kv_row.max(1);
+            scores.reserve((H * cache_rows).clamp(H * n_keys, (1 << 20).max(H * n_keys)));
+        }
         scores.resize(H * n_keys, 0.0);
         // Scores first: they do not depend on the running max and sum, so the Q.K products of
         // many keys overlap; the pass below is then a short dependency chain per key.

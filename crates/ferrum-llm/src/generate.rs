@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use ferrum_core::{Error, Result};
+use ferrum_core::{Buf, Error, Result};
 
 use crate::model::{KvCache, Logits};
 use crate::sampling::{top_logprobs, Sampler, SamplingParams};
@@ -40,9 +40,9 @@ pub fn prefill_calls(n: usize, sliding_window: bool) -> Vec<std::ops::Range<usiz
 }
 
 /// Runs `prompt` from position 0 into `cache` and returns the logits of its last token.
-pub fn prefill(llm: &Llm, prompt: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
+pub fn prefill(llm: &Llm, prompt: &[u32], cache: &mut KvCache) -> Result<Buf> {
     let calls = prefill_calls(prompt.len(), llm.model.config.sliding_window.is_some());
-    let mut logits = Vec::new();
+    let mut logits = Buf::default();
     for r in &calls {
         let want = if r.end == prompt.len() {
             Logits::Last
@@ -176,7 +176,7 @@ pub fn generate(
     }
 
     let t0 = Instant::now();
-    let mut logits = Vec::new();
+    let mut logits = Buf::default();
     for (i, chunk) in req.prompt.chunks(PREFILL_CHUNK).enumerate() {
         let last = (i + 1) * PREFILL_CHUNK >= req.prompt.len();
         let want = if last { Logits::Last } else { Logits::None };

@@ -130,7 +130,8 @@ pub fn matmul_segments(w: &WeightRef, x: &[f32], y: &mut [f32], segs: &[usize]) 
             matmul_tiles(w, &sc.prepared, t, y);
             return;
         }
-        let orders: Vec<Order> = segs
+        // Inline for up to 16 tokens: a decode step allocates nothing here.
+        let orders: smallvec::SmallVec<[Order; 16]> = segs
             .iter()
             .flat_map(|&n| (0..n).map(move |tok| Order::of(w.dtype, rows, n, tok)))
             .collect();

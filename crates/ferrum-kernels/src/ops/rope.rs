@@ -16,8 +16,9 @@ pub enum RopeStyle {
 pub struct RopeCache {
     n_rot: usize,
     style: RopeStyle,
-    /// [positions, n_rot/2] pairs of (cos, sin).
-    cos_sin: Vec<(f32, f32)>,
+    /// [positions, n_rot/2] pairs of (cos, sin), interleaved (a recycled buffer: building one
+    /// per step allocates nothing once warm).
+    cos_sin: ferrum_core::Buf,
 }
 
 impl RopeCache {
@@ -26,11 +27,11 @@ impl RopeCache {
     pub fn new(positions: &[usize], n_rot: usize, base: f32, style: RopeStyle) -> Self {
         assert!(n_rot.is_multiple_of(2), "rope: n_rot must be even");
         let theta_scale = base.powf(-2.0 / n_rot as f32);
-        let mut cos_sin = Vec::with_capacity(positions.len() * n_rot / 2);
+        let mut cos_sin = ferrum_core::Buf::with_capacity(positions.len() * n_rot);
         for &p in positions {
             let mut theta = p as f32;
             for _ in 0..n_rot / 2 {
-                cos_sin.push((theta.cos(), theta.sin()));
+                cos_sin.extend_from_slice(&[theta.cos(), theta.sin()]);
                 theta *= theta_scale;
             }
         }
@@ -44,7 +45,7 @@ impl RopeCache {
     /// Rotates `x`, laid out [positions, heads, head_dim], in place; dims past n_rot pass through.
     pub fn apply(&self, x: &mut [f32], n_heads: usize, head_dim: usize) {
         let half = self.n_rot / 2;
-        let n_pos = self.cos_sin.len() / half.max(1);
+        let n_pos = self.cos_sin.len() / (2 * half).max(1);
         assert_eq!(x.len(), n_pos * n_heads * head_dim, "rope: shape differs");
         assert!(self.n_rot <= head_dim, "rope: n_rot exceeds head_dim");
         #[cfg(target_arch = "x86_64")]
@@ -69,9 +70,10 @@ impl RopeCache {
     fn apply_generic(&self, x: &mut [f32], n_heads: usize, head_dim: usize) {
         let half = self.n_rot / 2;
         for (t, row) in x.chunks_exact_mut(n_heads * head_dim).enumerate() {
-            let cs = &self.cos_sin[t * half..(t + 1) * half];
+            let cs = &self.cos_sin[2 * t * half..2 * (t + 1) * half];
             for head in row.chunks_exact_mut(head_dim) {
-                for (i, &(c, s)) in cs.iter().enumerate() {
+                for (i, cs) in cs.chunks_exact(2).enumerate() {
+                    let (c, s) = (cs[0], cs[1]);
                     let (a, b) = match self.style {
                         RopeStyle::Norm => (2 * i, 2 * i + 1),
                         RopeStyle::Neox => (i, i + half),

@@ -13,8 +13,9 @@
 
 use super::weights::Weights;
 use super::{add, geglu, rms_norm, rms_norm_inplace, rope, scale, trace, Step};
+use ferrum_core::Buf;
 
-pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
+pub fn forward(w: &Weights, s: &mut Step, x: &mut Buf) {
     let cfg = s.cfg;
     let (nh, nkv, hd, eps) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps);
     let e = cfg.n_embd;

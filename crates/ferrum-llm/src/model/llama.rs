@@ -10,8 +10,9 @@
 
 use super::weights::Weights;
 use super::{add, rms_norm, rope, swiglu, trace, Step};
+use ferrum_core::Buf;
 
-pub fn forward(w: &Weights, s: &mut Step, x: &mut Vec<f32>) {
+pub fn forward(w: &Weights, s: &mut Step, x: &mut Buf) {
     let cfg = s.cfg;
     let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
     let kq_scale = 1.0 / (hd as f32).sqrt();

@@ -7,11 +7,12 @@ pub mod kv_cache;
 pub mod llama;
 pub mod weights;
 
-use ferrum_core::{Error, Result};
+use ferrum_core::{Buf, Error, Result};
 use ferrum_kernels::attention::{attention_paged, AttnParams};
 use ferrum_kernels::matmul;
 use ferrum_kernels::ops::{self, RopeCache};
 use ferrum_kernels::profile;
+use smallvec::SmallVec;
 
 pub use config::{Arch, Config};
 pub use kv_cache::{KvCache, KvPool};
@@ -48,22 +49,40 @@ pub struct SeqInput<'a> {
 pub struct Step<'a> {
     pub cfg: &'a Config,
     pool: &'a mut KvPool,
-    tables: Vec<&'a [u32]>,
-    starts: Vec<usize>,
-    lens: Vec<usize>,
+    tables: PerSeq<&'a [u32]>,
+    starts: PerSeq<usize>,
+    lens: PerSeq<usize>,
     /// Per sequence, the first of its rows whose output is needed (`None`: no row). As llama.cpp
     /// does, the last layer runs its output projection and feed-forward block only on those rows.
-    out_first: Vec<Option<usize>>,
+    out_first: PerSeq<Option<usize>>,
     /// Position of each row of the batch.
-    pub positions: Vec<usize>,
+    pub positions: PerRow<usize>,
     pub rope: RopeCache,
     /// RoPE of sliding-window layers, when their base differs (Gemma 3).
     pub rope_swa: Option<RopeCache>,
     /// Rows per sequence in the activations now (all its tokens; after the last layer's pruning,
     /// the rows that need logits). Matmuls take it so each sequence's rows are computed as if
     /// alone in the call: a sequence's results do not depend on its batch.
-    pub segs: Vec<usize>,
+    pub segs: PerSeq<usize>,
 }
+
+/// The rows kept by the last layer: per sequence, from its first needed row to its end.
+fn kept_rows<'a>(
+    lens: &'a [usize],
+    out_first: &'a [Option<usize>],
+) -> impl Iterator<Item = usize> + 'a {
+    let mut r0 = 0;
+    lens.iter().zip(out_first).flat_map(move |(&len, first)| {
+        let rows = r0 + first.unwrap_or(len)..r0 + len;
+        r0 += len;
+        rows
+    })
+}
+
+/// Per-sequence values of a step, inline for batches of up to 16 sequences (no allocation).
+pub type PerSeq<T> = SmallVec<[T; 16]>;
+/// Per-row values of a step, inline up to 16 rows (a decode step of up to 16 sequences).
+pub type PerRow<T> = SmallVec<[T; 16]>;
 
 impl Step<'_> {
     pub fn n_tokens(&self) -> usize {
@@ -74,28 +93,25 @@ impl Step<'_> {
     /// (the attention output before its projection, [T, n_head * head_dim]) that logits need. As
     /// in llama.cpp this happens before the output projection, so that projection (and the FFN)
     /// runs only on the kept rows.
-    pub fn keep_output_rows(&mut self, il: usize, x: &mut Vec<f32>, a: &mut Vec<f32>) {
+    pub fn keep_output_rows(&mut self, il: usize, x: &mut Buf, a: &mut Buf) {
         if il + 1 != self.cfg.n_layer {
             return;
         }
         let (e, qd) = (self.cfg.n_embd, self.cfg.q_dim());
-        let mut kept = Vec::new();
-        let mut segs = Vec::with_capacity(self.lens.len());
-        let mut r0 = 0;
-        for (&len, first) in self.lens.iter().zip(&self.out_first) {
-            let first = first.unwrap_or(len);
-            kept.extend(r0 + first..r0 + len);
-            segs.push(len - first);
-            r0 += len;
-        }
-        let gather = |v: &[f32], cols: usize| -> Vec<f32> {
-            kept.iter()
-                .flat_map(|&r| v[r * cols..(r + 1) * cols].iter().copied())
-                .collect()
+        let gather = |v: &[f32], cols: usize| -> Buf {
+            let n = kept_rows(&self.lens, &self.out_first).count();
+            let mut out = Buf::with_capacity(n * cols);
+            for r in kept_rows(&self.lens, &self.out_first) {
+                out.extend_from_slice(&v[r * cols..(r + 1) * cols]);
+            }
+            out
         };
         *x = gather(x, e);
         *a = gather(a, qd);
-        self.segs = segs;
+        self.segs.clear();
+        for (&len, first) in self.lens.iter().zip(&self.out_first) {
+            self.segs.push(len - first.unwrap_or(len));
+        }
     }
 
     /// Writes each sequence's K/V rows into its cache for layer `il`, then attends every query to
@@ -109,7 +125,7 @@ impl Step<'_> {
         v: &[f32],
         scale: f32,
         window: Option<usize>,
-    ) -> Vec<f32> {
+    ) -> Buf {
         let cfg = self.cfg;
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         profile::record(
@@ -135,7 +151,7 @@ impl Step<'_> {
             scale,
             window,
         };
-        let mut out = vec![0f32; q.len()];
+        let mut out = Buf::zeros(q.len());
         // Keys each query reads, for the FLOP and byte counts.
         let keys: usize = self
             .positions
@@ -197,8 +213,8 @@ pub fn trace(name: &str, il: Option<usize>, x: &[f32], cols: usize) {
 }
 
 /// RMSNorm of every row, returning a new buffer.
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let mut y = vec![0f32; x.len()];
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Buf {
+    let mut y = Buf::zeros(x.len());
     let n = x.len() as f64;
     profile::record("rms_norm", "norm", 4.0 * n, 8.0 * n, || {
         ops::rms_norm(x, w, eps, &mut y)
@@ -254,39 +270,49 @@ impl Model {
     }
 
     /// Runs `tokens` at positions `start..start+T` (the cache must hold `0..start`), and returns
-    /// logits [n, n_vocab] for the positions `want` selects.
+    /// logits [n, n_vocab] for the positions `want` selects. The result is a recycled buffer:
+    /// a decode loop that drops each step's logits before the next step allocates nothing once
+    /// warm.
     pub fn forward(
         &self,
         tokens: &[u32],
         start: usize,
         cache: &mut KvCache,
         want: Logits,
-    ) -> Result<Vec<f32>> {
-        let mut out = self.forward_batch(
-            &mut cache.pool,
-            vec![SeqInput {
-                tokens,
-                start,
-                table: &cache.table,
-                want,
-            }],
-        )?;
-        Ok(out.pop().unwrap_or_default())
+    ) -> Result<Buf> {
+        let seq = SeqInput {
+            tokens,
+            start,
+            table: &cache.table,
+            want,
+        };
+        Ok(self.run(&mut cache.pool, std::slice::from_ref(&seq))?.0)
     }
 
     /// Runs several sequences in one pass (their rows share every matmul, so each weight is read
     /// once for all of them) and returns each sequence's logits, [n_i, n_vocab] for the positions
-    /// its `want` selects. A sequence's logits are the same bits as when it runs alone. Every
-    /// sequence's cache lives in `pool`, through its block table.
-    pub fn forward_batch(
-        &self,
-        pool: &mut KvPool,
-        mut seqs: Vec<SeqInput<'_>>,
-    ) -> Result<Vec<Vec<f32>>> {
+    /// its `want` selects, for the sequences with tokens (in order). A sequence's logits are the
+    /// same bits as when it runs alone. Every sequence's cache lives in `pool`, through its block
+    /// table.
+    pub fn forward_batch(&self, pool: &mut KvPool, seqs: Vec<SeqInput<'_>>) -> Result<Vec<Buf>> {
+        let (logits, segs) = self.run(pool, &seqs)?;
+        let v = self.config.n_vocab;
+        let mut out = Vec::with_capacity(segs.len());
+        let mut r0 = 0;
+        for &n in &segs {
+            out.push(Buf::from_slice(&logits[r0 * v..(r0 + n) * v]));
+            r0 += n;
+        }
+        Ok(out)
+    }
+
+    /// The forward pass of [`Model::forward_batch`]: all logits rows stacked, and how many rows
+    /// each sequence with tokens has.
+    fn run(&self, pool: &mut KvPool, seqs: &[SeqInput<'_>]) -> Result<(Buf, PerSeq<usize>)> {
         let cfg = &self.config;
-        seqs.retain(|s| !s.tokens.is_empty());
-        let mut written = std::collections::HashSet::new();
-        for s in &seqs {
+        let seqs = || seqs.iter().filter(|s| !s.tokens.is_empty());
+        let mut written: PerRow<u32> = SmallVec::new();
+        for s in seqs() {
             let t = s.tokens.len();
             let capacity = pool.capacity_of(s.table);
             if s.start + t > capacity {
@@ -297,13 +323,7 @@ impl Model {
             }
             pool.check_table(s.table)?;
             let bs = pool.block_size();
-            for &b in &s.table[s.start / bs..=(s.start + t - 1) / bs] {
-                if !written.insert(b) {
-                    return Err(Error::msg(format!(
-                        "KV block {b} would be written by two sequences of one batch"
-                    )));
-                }
-            }
+            written.extend_from_slice(&s.table[s.start / bs..=(s.start + t - 1) / bs]);
             if let Some(&bad) = s.tokens.iter().find(|&&id| id as usize >= cfg.n_vocab) {
                 return Err(Error::msg(format!(
                     "token id {bad} is outside the vocabulary of {}",
@@ -311,21 +331,25 @@ impl Model {
                 )));
             }
         }
-        if seqs.is_empty() {
-            return Ok(Vec::new());
+        written.sort_unstable();
+        if let Some(w) = written.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::msg(format!(
+                "KV block {} would be written by two sequences of one batch",
+                w[0]
+            )));
         }
-        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let t = tokens.len();
-        let positions: Vec<usize> = seqs
-            .iter()
+        if seqs().next().is_none() {
+            return Ok((Buf::default(), PerSeq::new()));
+        }
+        let t: usize = seqs().map(|s| s.tokens.len()).sum();
+        let positions: PerRow<usize> = seqs()
             .flat_map(|s| s.start..s.start + s.tokens.len())
             .collect();
         let rope = RopeCache::new(&positions, cfg.n_rot, cfg.rope_base, cfg.rope_style);
         let rope_swa = (cfg.sliding_window.is_some() && cfg.rope_base_swa != cfg.rope_base)
             .then(|| RopeCache::new(&positions, cfg.n_rot, cfg.rope_base_swa, cfg.rope_style));
-        let lens: Vec<usize> = seqs.iter().map(|s| s.tokens.len()).collect();
-        let out_first: Vec<Option<usize>> = seqs
-            .iter()
+        let lens: PerSeq<usize> = seqs().map(|s| s.tokens.len()).collect();
+        let out_first: PerSeq<Option<usize>> = seqs()
             .map(|s| {
                 let n = s.tokens.len();
                 match s.want {
@@ -335,12 +359,11 @@ impl Model {
                 }
             })
             .collect();
-        let starts = seqs.iter().map(|s| s.start).collect();
         let mut step = Step {
             cfg,
             pool,
-            tables: seqs.into_iter().map(|s| s.table).collect(),
-            starts,
+            tables: seqs().map(|s| s.table).collect(),
+            starts: seqs().map(|s| s.start).collect(),
             segs: lens.clone(),
             lens,
             out_first,
@@ -351,10 +374,11 @@ impl Model {
 
         // x: [T, n_embd], the embedding rows (dequantized exactly).
         let e = cfg.n_embd;
-        let mut x = vec![0f32; t * e];
+        let mut x = Buf::zeros(t * e);
         let embd = weights_ref(&self.weights.token_embd, e, cfg.n_vocab);
         profile::record("get_rows", "token_embd", 0.0, (8 * t * e) as f64, || {
-            for (row, &id) in x.chunks_exact_mut(e).zip(&tokens) {
+            let tokens = seqs().flat_map(|s| s.tokens.iter());
+            for (row, &id) in x.chunks_exact_mut(e).zip(tokens) {
                 matmul::get_row(&embd, id as usize, row);
             }
         });
@@ -367,7 +391,7 @@ impl Model {
         // The last layer kept only the rows that need logits, `step.segs` of them per sequence.
         let n_out: usize = step.segs.iter().sum();
         let logits = if n_out == 0 {
-            Vec::new()
+            Buf::default()
         } else {
             let h = rms_norm(&x, &self.weights.output_norm, cfg.rms_eps);
             trace("result_norm", None, &h, e);
@@ -375,14 +399,7 @@ impl Model {
             trace("result_output", None, &logits, cfg.n_vocab);
             logits
         };
-        let v = cfg.n_vocab;
-        let mut out = Vec::with_capacity(step.segs.len());
-        let mut r0 = 0;
-        for &n in &step.segs {
-            out.push(logits[r0 * v..(r0 + n) * v].to_vec());
-            r0 += n;
-        }
-        Ok(out)
+        Ok((logits, step.segs))
     }
 }
 

@@ -4,7 +4,7 @@
 //! storage type. A [`TensorSource`] hands out tensors by GGUF name; the GGUF loader reads them from
 //! the memory map, the safetensors loader translates Hugging Face names and layouts.
 
-use ferrum_core::{Bytes, DType, Error, Result};
+use ferrum_core::{Buf, Bytes, DType, Error, Result};
 use ferrum_kernels::matmul::{self, WeightRef};
 use ferrum_kernels::profile;
 use ferrum_kernels::quant;
@@ -89,9 +89,9 @@ impl Linear {
 
     /// `x`: [T, n_in] -> [T, n_out]. `segs`: the rows of each sequence stacked in `x` (each
     /// sequence's rows are computed as if alone in the call; see [`matmul::matmul_segments`]).
-    pub fn forward(&self, x: &[f32], segs: &[usize]) -> Vec<f32> {
+    pub fn forward(&self, x: &[f32], segs: &[usize]) -> Buf {
         let t = x.len() / self.n_in;
-        let mut y = vec![0f32; t * self.n_out];
+        let mut y = Buf::zeros(t * self.n_out);
         let flops = 2.0 * (self.n_in * self.n_out * t) as f64;
         let bytes = (self.weight.data.len() + 4 * t * (self.n_in + self.n_out)) as f64;
         profile::record("matmul", self.kind, flops, bytes, || {
