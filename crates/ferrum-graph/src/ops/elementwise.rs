@@ -834,6 +834,9 @@ fn clip(cx: &Ctx) -> Result<Tensor> {
 
 /// Elementwise ops; `None` when `cx`'s op is not one of them.
 pub fn run(cx: &Ctx) -> Result<Option<Tensor>> {
+    if let Some(t) = crate::ops::fast::elementwise(cx)? {
+        return Ok(Some(t));
+    }
     let op = cx.node.op.as_str();
     let b = |o| binary(cx, o).map(Some);
     let c = |o| -> Result<Option<Tensor>> {

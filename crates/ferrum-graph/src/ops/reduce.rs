@@ -242,14 +242,18 @@ fn softmax(cx: &Ctx, kind: Soft) -> Result<Tensor> {
                 }
                 match kind {
                     Soft::Hardmax => out[at(arg)] = T::one(),
-                    _ => {
+                    Soft::Softmax => {
+                        // Each exponential once, summed in order.
+                        buf.iter_mut().for_each(|b| *b = (*b - m).exp());
+                        let s: f64 = buf.iter().sum();
+                        for k in 0..d {
+                            out[at(k)] = T::from_f64(buf[k] / s);
+                        }
+                    }
+                    Soft::LogSoftmax => {
                         let s: f64 = buf.iter().map(|&b| (b - m).exp()).sum();
                         for k in 0..d {
-                            out[at(k)] = T::from_f64(if kind == Soft::Softmax {
-                                (buf[k] - m).exp() / s
-                            } else {
-                                buf[k] - m - s.ln()
-                            });
+                            out[at(k)] = T::from_f64(buf[k] - m - s.ln());
                         }
                     }
                 }

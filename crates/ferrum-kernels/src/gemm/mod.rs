@@ -320,8 +320,10 @@ unsafe fn blocked<K: Micro>(
             let kc = KC.min(k - pc);
             let acc = accumulate || pc > 0;
             pack_b(b.offset(pc, jc), kc, nc, nr, &mut bp);
-            for ic in (0..m).step_by(MC) {
-                let mc = MC.min(m - ic);
+            // Row blocks of equal size (whole MR panels), at most MC + MR - 1 rows.
+            let mcb = m.div_ceil(m.div_ceil(MC)).next_multiple_of(mr);
+            for ic in (0..m).step_by(mcb) {
+                let mc = mcb.min(m - ic);
                 pack_a(a.offset(ic, pc), mc, kc, mr, alpha, &mut ap);
                 for (qj, jr) in (0..nc).step_by(nr).enumerate() {
                     let cols = nr.min(nc - jr);

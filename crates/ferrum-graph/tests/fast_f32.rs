@@ -1,0 +1,316 @@
+//! The float32 fast paths (GEMM-backed MatMul, Gemm and Conv; elementwise Add/Sub/Mul/Div,
+//! Relu, Sqrt, Erf; MaxPool) against the reference kernels, which run when the same model is
+//! fed float64 values: fresh random shapes and attributes every run.
+//!
+//! Tolerances: products and convolutions |f32 - f64| <= 1e-5 * (sum of |terms|) per output
+//! (f32 accumulation of the products; the per-element sum of absolute terms is bounded here by
+//! the output count times the max); elementwise Add/Sub/Mul/Div/Relu/Sqrt/MaxPool bit-identical
+//! to the reference rounded to f32; Erf within 1 ulp. NaN never passes (`err <= tol`).
+
+use ferrum_graph::proto::build::{attr_int, attr_ints, model, node, value};
+use ferrum_graph::proto::{encode, AttributeProto};
+use ferrum_graph::{Session, Tensor, Value};
+use rand::{Rng, SeedableRng};
+
+type Rng64 = rand::rngs::StdRng;
+
+fn rng() -> Rng64 {
+    let seed: u64 = rand::random();
+    eprintln!("seed {seed}");
+    Rng64::seed_from_u64(seed)
+}
+
+/// Runs a one-node model on `inputs` (all f32 or all f64), returning the first output as f64.
+fn run(
+    op: &str,
+    attrs: Vec<AttributeProto>,
+    inputs: &[(Vec<usize>, Vec<f32>)],
+    f64_inputs: bool,
+    opset: i64,
+) -> (Vec<usize>, Vec<f64>) {
+    let names: Vec<String> = (0..inputs.len()).map(|i| format!("x{i}")).collect();
+    let nr: Vec<&str> = names.iter().map(String::as_str).collect();
+    let elem = if f64_inputs { 11 } else { 1 };
+    let mut mp = model(
+        vec![node(op, &nr, &["y"], attrs)],
+        inputs
+            .iter()
+            .zip(&nr)
+            .map(|((s, _), n)| {
+                value(
+                    n,
+                    elem,
+                    &s.iter().map(|&d| Some(d as i64)).collect::<Vec<_>>(),
+                )
+            })
+            .collect(),
+        vec![value("y", 0, &[])],
+        vec![],
+        opset,
+    );
+    mp.graph.as_mut().unwrap().output[0].r#type = None;
+    let s = Session::from_bytes(&encode(&mp)).unwrap();
+    let feeds = inputs
+        .iter()
+        .zip(&names)
+        .map(|((s, v), n)| {
+            let t = if f64_inputs {
+                Tensor::from_vec(s.clone(), v.iter().map(|&x| x as f64).collect::<Vec<_>>())
+            } else {
+                Tensor::from_vec(s.clone(), v.clone())
+            };
+            (n.clone(), Value::Tensor(t.unwrap()))
+        })
+        .collect();
+    let t = s.run(feeds).unwrap().remove(0).1.into_tensor().unwrap();
+    (t.shape().to_vec(), t.to_f64_vec().unwrap())
+}
+
+/// f32 fast path vs f64 reference: shapes equal, every element within `tol(reference)`.
+fn compare(
+    what: &str,
+    op: &str,
+    attrs: Vec<AttributeProto>,
+    inputs: &[(Vec<usize>, Vec<f32>)],
+    opset: i64,
+    tol: impl Fn(f64) -> f64,
+) {
+    let (s32, v32) = run(op, attrs.clone(), inputs, false, opset);
+    let (s64, v64) = run(op, attrs, inputs, true, opset);
+    assert_eq!(s32, s64, "{what}: shapes");
+    for (i, (a, b)) in v32.iter().zip(&v64).enumerate() {
+        let err = (a - b).abs();
+        assert!(
+            err <= tol(*b),
+            "{what}: element {i}: f32 path {a}, reference {b} (err {err:e})"
+        );
+    }
+}
+
+fn randv(rng: &mut Rng64, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+}
+
+#[test]
+fn conv2d_matches_the_reference() {
+    let mut rng = rng();
+    for case in 0..40 {
+        let n = rng.gen_range(1..3);
+        let group = [1, 1, 2, 3][case % 4];
+        let cg = rng.gen_range(1..5);
+        let c = cg * group;
+        let depthwise = case % 5 == 4;
+        let (c, cg, group, m) = if depthwise {
+            (c, 1, c, c)
+        } else {
+            (c, cg, group, group * rng.gen_range(1..5))
+        };
+        let kh = [1, 3, 5, 7][rng.gen_range(0..4)];
+        let kw = [1, 2, 3][rng.gen_range(0..3)];
+        let d = [1 + (case % 7 == 6) as i64, 1];
+        let ekh = (kh - 1) * d[0] as usize + 1;
+        let (ih, iw) = (rng.gen_range(ekh..ekh + 12), rng.gen_range(kw..kw + 12));
+        let s = [rng.gen_range(1..3), rng.gen_range(1..3)];
+        let pads = [
+            rng.gen_range(0..3),
+            rng.gen_range(0..2),
+            rng.gen_range(0..3),
+            rng.gen_range(0..2),
+        ];
+        let mut inputs = vec![
+            (vec![n, c, ih, iw], randv(&mut rng, n * c * ih * iw)),
+            (vec![m, cg, kh, kw], randv(&mut rng, m * cg * kh * kw)),
+        ];
+        if case % 2 == 0 {
+            inputs.push((vec![m], randv(&mut rng, m)));
+        }
+        let attrs = vec![
+            attr_int("group", group as i64),
+            attr_ints("strides", &s),
+            attr_ints("dilations", &d),
+            attr_ints("pads", &pads),
+        ];
+        let terms = (cg * kh * kw + 1) as f64;
+        compare(
+            &format!(
+                "Conv case {case}: x {:?} w {:?} s {s:?} d {d:?} pads {pads:?} group {group}",
+                inputs[0].0, inputs[1].0
+            ),
+            "Conv",
+            attrs,
+            &inputs,
+            17,
+            |_| 1e-5 * terms,
+        );
+    }
+}
+
+#[test]
+fn matmul_and_gemm_match_the_reference() {
+    let mut rng = rng();
+    let shapes: Vec<(Vec<usize>, Vec<usize>)> = vec![
+        (vec![7], vec![7, 5]),
+        (vec![3, 7], vec![7]),
+        (vec![2, 3, 17, 9], vec![9, 33]),
+        (vec![2, 1, 5, 9], vec![3, 9, 4]),
+        (vec![1, 4, 13, 64], vec![1, 4, 64, 13]),
+        (vec![130, 70], vec![70, 129]),
+    ];
+    for (a, b) in shapes {
+        let k = *a.last().unwrap() as f64;
+        let na: usize = a.iter().product();
+        let nb: usize = b.iter().product();
+        let inputs = [
+            (a.clone(), randv(&mut rng, na)),
+            (b.clone(), randv(&mut rng, nb)),
+        ];
+        compare(
+            &format!("MatMul {a:?} {b:?}"),
+            "MatMul",
+            vec![],
+            &inputs,
+            17,
+            |_| 1e-5 * k,
+        );
+    }
+    for case in 0..12 {
+        let (m, n, k) = (
+            rng.gen_range(1..40),
+            rng.gen_range(1..40),
+            rng.gen_range(1..300),
+        );
+        let (ta, tb) = (case % 2 == 1, case % 4 >= 2);
+        let ash = if ta { vec![k, m] } else { vec![m, k] };
+        let bsh = if tb { vec![n, k] } else { vec![k, n] };
+        let csh = [vec![m, n], vec![n], vec![1], vec![m, 1]][case % 4].clone();
+        let nc: usize = csh.iter().product();
+        let inputs = [
+            (ash, randv(&mut rng, m * k)),
+            (bsh, randv(&mut rng, n * k)),
+            (csh, randv(&mut rng, nc)),
+        ];
+        let mut attrs = vec![attr_int("transA", ta as i64), attr_int("transB", tb as i64)];
+        if case % 3 == 0 {
+            attrs.push(AttributeProto {
+                name: "alpha".into(),
+                f: 0.5,
+                r#type: 1,
+                ..Default::default()
+            });
+            attrs.push(AttributeProto {
+                name: "beta".into(),
+                f: -2.0,
+                r#type: 1,
+                ..Default::default()
+            });
+        }
+        compare(
+            &format!("Gemm case {case} m{m} n{n} k{k} ta{ta} tb{tb}"),
+            "Gemm",
+            attrs,
+            &inputs,
+            13,
+            |_| 1e-5 * (k as f64 + 2.0),
+        );
+    }
+}
+
+#[test]
+fn elementwise_matches_the_reference_exactly() {
+    let mut rng = rng();
+    let pairs: Vec<(Vec<usize>, Vec<usize>)> = vec![
+        (vec![2, 3, 4], vec![2, 3, 4]),
+        (vec![2, 3, 4], vec![4]),
+        (vec![2, 3, 4], vec![3, 1]),
+        (vec![1, 3, 1], vec![2, 1, 5]),
+        (vec![], vec![3, 2]),
+        (vec![5, 1], vec![]),
+        (vec![1, 12, 7, 7], vec![1, 1, 1, 7]),
+        (vec![0, 3], vec![1, 3]),
+    ];
+    for (a, b) in pairs {
+        let na: usize = a.iter().product();
+        let nb: usize = b.iter().product();
+        let mut bv = randv(&mut rng, nb);
+        if nb > 1 {
+            bv[0] = 0.0; // x / 0 and 0 / 0
+        }
+        let inputs = [(a.clone(), randv(&mut rng, na)), (b.clone(), bv)];
+        for op in ["Add", "Sub", "Mul", "Div"] {
+            let (s32, v32) = run(op, vec![], &inputs, false, 17);
+            let (s64, v64) = run(op, vec![], &inputs, true, 17);
+            assert_eq!(s32, s64, "{op} {a:?} {b:?}");
+            for (x, y) in v32.iter().zip(&v64) {
+                let y32 = *y as f32;
+                assert!(
+                    (*x as f32).to_bits() == y32.to_bits() || (x.is_nan() && y.is_nan()),
+                    "{op} {a:?} {b:?}: {x} vs {y32}"
+                );
+            }
+        }
+    }
+    let mut xs = randv(&mut rng, 4000);
+    xs.iter_mut()
+        .enumerate()
+        .for_each(|(i, x)| *x *= [0.01, 1.0, 3.0, 8.0][i % 4]);
+    xs.extend([0.0, -0.0, 0.25, -0.25, 6.0, f32::NAN, f32::INFINITY, 1e-30]);
+    let n = xs.len();
+    let inputs = [(vec![n], xs.clone())];
+    let clip_inputs = [
+        (vec![n], xs.clone()),
+        (vec![], vec![-0.5]),
+        (vec![], vec![0.25]),
+    ];
+    for op in ["Relu", "Sqrt", "Erf", "Clip"] {
+        let ins: &[(Vec<usize>, Vec<f32>)] = if op == "Clip" { &clip_inputs } else { &inputs };
+        let (_, v32) = run(op, vec![], ins, false, 17);
+        let (_, v64) = run(op, vec![], ins, true, 17);
+        for (i, (x, y)) in v32.iter().zip(&v64).enumerate() {
+            let (a, b) = (*x as f32, *y as f32);
+            let ulps = (a.to_bits() as i64 - b.to_bits() as i64).abs();
+            // -0 and +0 count as equal (the reference's Erf(-0) is +0).
+            let ok = a == b || if op == "Erf" { ulps <= 1 } else { ulps == 0 };
+            assert!(
+                ok || (a.is_nan() && b.is_nan()),
+                "{op}({}) = {a}, reference {b}",
+                xs[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn maxpool_matches_the_reference_exactly() {
+    let mut rng = rng();
+    for case in 0..20 {
+        let k = [rng.gen_range(1..4), rng.gen_range(1..4)];
+        let (h, w) = (rng.gen_range(k[0]..k[0] + 9), rng.gen_range(k[1]..k[1] + 9));
+        let pads = [
+            rng.gen_range(0..k[0] as i64),
+            rng.gen_range(0..k[1] as i64),
+            rng.gen_range(0..k[0] as i64),
+            rng.gen_range(0..k[1] as i64),
+        ];
+        let s = [rng.gen_range(1..3), rng.gen_range(1..3)];
+        let mut x = randv(&mut rng, 2 * 3 * h * w);
+        if case == 3 {
+            x[5] = f32::NAN;
+        }
+        let attrs = vec![
+            attr_ints("kernel_shape", &[k[0] as i64, k[1] as i64]),
+            attr_ints("strides", &s),
+            attr_ints("pads", &pads),
+            attr_int("ceil_mode", (case % 3 == 0) as i64),
+        ];
+        let inputs = [(vec![2, 3, h, w], x)];
+        let (s32, v32) = run("MaxPool", attrs.clone(), &inputs, false, 12);
+        let (s64, v64) = run("MaxPool", attrs, &inputs, true, 12);
+        assert_eq!(s32, s64);
+        for (a, b) in v32.iter().zip(&v64) {
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "MaxPool case {case}: {a} vs {b}"
+            );
+        }
+    }
+}
