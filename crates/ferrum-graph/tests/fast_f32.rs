@@ -314,3 +314,110 @@ fn maxpool_matches_the_reference_exactly() {
         }
     }
 }
+
+#[test]
+fn transpose_softmax_where_match_the_reference_exactly() {
+    let mut rng = rng();
+    let exact = |what: &str, a: &[f64], b: &[f64]| {
+        for (x, y) in a.iter().zip(b) {
+            let (x, y) = (*x as f32, *y as f32);
+            assert!(
+                x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()),
+                "{what}: {x} vs {y}"
+            );
+        }
+    };
+    for (shape, perm) in [
+        (vec![1, 5, 3, 4], vec![0, 2, 1, 3]),
+        (vec![1, 5, 3, 4], vec![0, 2, 3, 1]),
+        (vec![6, 7], vec![1, 0]),
+        (vec![2, 3, 4, 5], vec![3, 1, 0, 2]),
+        (vec![3], vec![0]),
+    ] {
+        let n: usize = shape.iter().product();
+        let inputs = [(shape.clone(), randv(&mut rng, n))];
+        let attrs = vec![attr_ints(
+            "perm",
+            &perm.iter().map(|&p| p as i64).collect::<Vec<_>>(),
+        )];
+        let (s32, v32) = run("Transpose", attrs.clone(), &inputs, false, 17);
+        let (s64, v64) = run("Transpose", attrs, &inputs, true, 17);
+        assert_eq!(s32, s64);
+        exact(&format!("Transpose {shape:?} {perm:?}"), &v32, &v64);
+    }
+    for (shape, axis, opset) in [
+        (vec![2, 3, 17], -1, 17),
+        (vec![4, 1], -1, 13),
+        (vec![2, 3, 5], 1, 11),
+        (vec![2, 3, 5], 2, 11),
+    ] {
+        let n: usize = shape.iter().product();
+        let mut x = randv(&mut rng, n);
+        x.iter_mut().for_each(|v| *v *= 20.0);
+        let inputs = [(shape.clone(), x)];
+        let attrs = vec![attr_int("axis", axis)];
+        let (s32, v32) = run("Softmax", attrs.clone(), &inputs, false, opset);
+        let (s64, v64) = run("Softmax", attrs, &inputs, true, opset);
+        assert_eq!(s32, s64);
+        exact(
+            &format!("Softmax {shape:?} axis {axis} opset {opset}"),
+            &v32,
+            &v64,
+        );
+    }
+}
+
+#[test]
+fn where_matches_the_reference_exactly() {
+    use ferrum_graph::proto::build::value as val;
+    let mut rng = rng();
+    for (cs, xs, ys) in [
+        (vec![1, 1, 1, 6], vec![], vec![1, 3, 5, 6]),
+        (vec![2, 3], vec![2, 3], vec![2, 3]),
+        (vec![3, 1], vec![1, 4], vec![]),
+    ] {
+        let nc: usize = cs.iter().product();
+        let nx: usize = xs.iter().product();
+        let ny: usize = ys.iter().product();
+        let cond: Vec<bool> = (0..nc).map(|_| rng.gen()).collect();
+        let (xv, yv) = (randv(&mut rng, nx), randv(&mut rng, ny));
+        let mut outs = Vec::new();
+        for f64_in in [false, true] {
+            let elem = if f64_in { 11 } else { 1 };
+            let dims = |s: &Vec<usize>| s.iter().map(|&d| Some(d as i64)).collect::<Vec<_>>();
+            let mut mp = model(
+                vec![node("Where", &["c", "x", "y"], &["o"], vec![])],
+                vec![
+                    val("c", 9, &dims(&cs)),
+                    val("x", elem, &dims(&xs)),
+                    val("y", elem, &dims(&ys)),
+                ],
+                vec![val("o", 0, &[])],
+                vec![],
+                17,
+            );
+            mp.graph.as_mut().unwrap().output[0].r#type = None;
+            let s = Session::from_bytes(&encode(&mp)).unwrap();
+            let t = |sh: &Vec<usize>, v: &Vec<f32>| -> Value {
+                if f64_in {
+                    Tensor::from_vec(sh.clone(), v.iter().map(|&a| a as f64).collect::<Vec<_>>())
+                } else {
+                    Tensor::from_vec(sh.clone(), v.clone())
+                }
+                .unwrap()
+                .into()
+            };
+            let feeds = vec![
+                (
+                    "c".to_string(),
+                    Tensor::from_vec(cs.clone(), cond.clone()).unwrap().into(),
+                ),
+                ("x".to_string(), t(&xs, &xv)),
+                ("y".to_string(), t(&ys, &yv)),
+            ];
+            let o = s.run(feeds).unwrap().remove(0).1.into_tensor().unwrap();
+            outs.push((o.shape().to_vec(), o.to_f64_vec().unwrap()));
+        }
+        assert_eq!(outs[0], outs[1], "Where {cs:?} {xs:?} {ys:?}");
+    }
+}

@@ -534,3 +534,125 @@ pub fn maxpool2d(x: &[f32], planes: usize, (ih, iw): (usize, usize), g: &Conv2d)
     });
     out
 }
+
+/// Transpose of a float32 tensor: output rows (last output dim) gathered with the input's stride
+/// along that dim; the same elements as the reference, moved rather than computed.
+pub fn transpose_f32(x: &Tensor, perm: &[usize]) -> Result<Tensor> {
+    let st = crate::ops::shape::strides(x.shape());
+    let shape: Vec<usize> = perm.iter().map(|&p| x.shape()[p]).collect();
+    let pst: Vec<usize> = perm.iter().map(|&p| st[p]).collect();
+    let xv = x.as_slice::<f32>()?;
+    let n = xv.len();
+    let r = shape.len();
+    if r == 0 || n == 0 {
+        return Tensor::from_vec(shape, xv.to_vec());
+    }
+    let last = shape[r - 1];
+    let ls = pst[r - 1];
+    let mut out = Vec::with_capacity(n);
+    let mut idx = vec![0usize; r - 1];
+    let mut off = 0usize;
+    for _ in 0..n / last {
+        if ls == 1 {
+            out.extend_from_slice(&xv[off..off + last]);
+        } else {
+            out.extend((0..last).map(|j| xv[off + j * ls]));
+        }
+        for d in (0..r - 1).rev() {
+            idx[d] += 1;
+            off += pst[d];
+            if idx[d] < shape[d] {
+                break;
+            }
+            off -= pst[d] * shape[d];
+            idx[d] = 0;
+        }
+    }
+    Tensor::from_vec(shape, out)
+}
+
+/// Softmax of a float32 tensor along its last axis, rows spread over the pool's threads; each
+/// row as the reference computes it (f64 max, exponentials, in-order sum, quotient rounded to
+/// f32), so the same bits.
+pub fn softmax_last_f32(x: &Tensor) -> Result<Tensor> {
+    let xv = x.as_slice::<f32>()?;
+    let d = x.shape().last().copied().unwrap_or(1).max(1);
+    let mut out = vec![0f32; xv.len()];
+    let rows_per = (1usize << 14).div_ceil(d).max(1);
+    pool::parallel_chunks_mut(&mut out, rows_per * d, |ci, o| {
+        let mut buf = vec![0f64; d];
+        for (r, orow) in o.chunks_mut(d).enumerate() {
+            let row = &xv[(ci * rows_per + r) * d..][..d];
+            let mut m = f64::NEG_INFINITY;
+            for (b, &v) in buf.iter_mut().zip(row) {
+                *b = v as f64;
+                if *b > m {
+                    m = *b;
+                }
+            }
+            buf.iter_mut().for_each(|b| *b = (*b - m).exp());
+            let s: f64 = buf.iter().sum();
+            for (o, &b) in orow.iter_mut().zip(&buf) {
+                *o = (b / s) as f32;
+            }
+        }
+    });
+    Tensor::from_vec(x.shape().to_vec(), out)
+}
+
+/// Where with float32 branches: numpy broadcasting of the three inputs, rows of the output's
+/// last dim at a time (as [`zip_f32`]).
+pub fn where_f32(c: &Tensor, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let out = broadcast_shape(&broadcast_shape(c.shape(), x.shape())?, y.shape())?;
+    let (cv, xv, yv) = (
+        c.as_slice::<bool>()?,
+        x.as_slice::<f32>()?,
+        y.as_slice::<f32>()?,
+    );
+    let n: usize = out.iter().product();
+    let r = out.len();
+    let st = |s: &[usize]| -> Vec<usize> {
+        let mut v = vec![0; r];
+        let mut acc = 1;
+        for i in (0..s.len()).rev() {
+            let o = r - s.len() + i;
+            v[o] = if s[i] == 1 { 0 } else { acc };
+            acc *= s[i];
+        }
+        v
+    };
+    let ss = [st(c.shape()), st(x.shape()), st(y.shape())];
+    let last = if r == 0 { 1 } else { out[r - 1] };
+    let ls: Vec<usize> = ss
+        .iter()
+        .map(|s| if r == 0 { 0 } else { s[r - 1] })
+        .collect();
+    let mut v = Vec::with_capacity(n);
+    let mut idx = vec![0usize; r.saturating_sub(1)];
+    let mut o = [0usize; 3];
+    if let Some(rows) = n.checked_div(last) {
+        for _ in 0..rows {
+            v.extend((0..last).map(|j| {
+                if cv[o[0] + j * ls[0]] {
+                    xv[o[1] + j * ls[1]]
+                } else {
+                    yv[o[2] + j * ls[2]]
+                }
+            }));
+            for d in (0..r.saturating_sub(1)).rev() {
+                idx[d] += 1;
+                for k in 0..3 {
+                    o[k] += ss[k][d];
+                }
+                if idx[d] < out[d] {
+                    break;
+                }
+                for k in 0..3 {
+                    o[k] -= ss[k][d] * out[d];
+                }
+                idx[d] = 0;
+            }
+        }
+    }
+    Tensor::from_vec(out, v)
+}

@@ -2,7 +2,7 @@
 
 use crate::ops::shape::strides;
 use crate::ops::{axis, Ctx};
-use crate::tensor::{Num, Tensor, Value};
+use crate::tensor::{DType, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
 #[derive(Clone, Copy, PartialEq)]
@@ -211,6 +211,12 @@ fn softmax(cx: &Ctx, kind: Soft) -> Result<Tensor> {
     let x = cx.t(0)?;
     let legacy = cx.opset() < 13;
     let a = axis(cx.ai("axis", if legacy { 1 } else { -1 }), x.rank())?;
+    if kind == Soft::Softmax && x.dtype() == DType::F32 && (legacy || a + 1 == x.rank()) {
+        // One row per softmax: the last axis, or (legacy) everything from `axis` on.
+        let rows: usize = x.shape()[..a].iter().product();
+        let flat = x.clone().reshape(vec![rows, x.len() / rows.max(1)])?;
+        return crate::ops::fast::softmax_last_f32(&flat)?.reshape(x.shape().to_vec());
+    }
     let (outer, d, inner) = if legacy {
         (
             x.shape()[..a].iter().product::<usize>(),

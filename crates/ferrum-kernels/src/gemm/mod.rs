@@ -9,7 +9,7 @@
 //! packing reads them in whatever order they lie.
 //!
 //! Microkernels ([`Isa`], picked once at run time with `is_x86_feature_detected!`): AVX-512F
-//! (`12 x 32`), AVX2 + FMA (`6 x 16`), and a portable scalar one (`4 x 8`); `FERRUM_NO_AVX512=1`
+//! (`12 x 32`, or `8 x 32` when 8 divides the row count better), AVX2 + FMA (`6 x 16`), and a portable scalar one (`4 x 8`); `FERRUM_NO_AVX512=1`
 //! and `FERRUM_FORCE_SCALAR=1` step down as in the other kernels. [`gemm_ref`] is the plain
 //! reference (f64 accumulation) the randomized tests compare every path with.
 //!
@@ -31,7 +31,7 @@ pub const KC: usize = 256;
 /// Row block of A packed at once (`MC x KC` floats stay in L2); a multiple of every `MR`.
 pub const MC: usize = 120;
 /// Column block of B packed at once; a multiple of every `NR`.
-pub const NC: usize = 2048;
+pub const NC: usize = 1024;
 
 /// A read-only matrix view: element `(i, j)` is `data[i * rs + j * cs]`.
 #[derive(Clone, Copy, Debug)]
@@ -359,6 +359,16 @@ unsafe fn blocked<K: Micro>(
     }
 }
 
+/// Rows of the AVX-512 kernel for an `m`-row product: 8 when that pads fewer rows than 12 (and
+/// always for small `m`), else 12 (more accumulators per B load).
+fn avx512_rows(m: usize) -> usize {
+    if m.next_multiple_of(8) < m.next_multiple_of(12) || m <= 96 {
+        8
+    } else {
+        12
+    }
+}
+
 /// Dispatches [`blocked`] to the microkernel for `isa`.
 ///
 /// # Safety
@@ -380,7 +390,11 @@ unsafe fn blocked_isa(
     unsafe {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => blocked::<x86::Avx512>(m, n, k, alpha, a, b, c, ldc, accumulate),
+            Isa::Avx512 if avx512_rows(m) == 8 => {
+                blocked::<x86::Avx512<8>>(m, n, k, alpha, a, b, c, ldc, accumulate)
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => blocked::<x86::Avx512<12>>(m, n, k, alpha, a, b, c, ldc, accumulate),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => blocked::<x86::Avx2>(m, n, k, alpha, a, b, c, ldc, accumulate),
             _ => blocked::<Scalar>(m, n, k, alpha, a, b, c, ldc, accumulate),
@@ -450,7 +464,7 @@ pub fn gemm_with(
         return;
     }
     let (mr, nr) = match isa {
-        Isa::Avx512 => (12, 32),
+        Isa::Avx512 => (avx512_rows(m), 32),
         Isa::Avx2 => (6, 16),
         Isa::Scalar => (4, 8),
     };
