@@ -421,3 +421,41 @@ fn where_matches_the_reference_exactly() {
         assert_eq!(outs[0], outs[1], "Where {cs:?} {xs:?} {ys:?}");
     }
 }
+
+#[test]
+fn layer_norm_matches_the_reference_exactly() {
+    let mut rng = rng();
+    for (shape, axis, bias) in [
+        (vec![2, 5, 16], -1, true),
+        (vec![3, 4, 6], 1, false),
+        (vec![1, 197, 32], 2, true),
+    ] {
+        let n: usize = shape.iter().product();
+        let a = if axis < 0 {
+            shape.len() - 1
+        } else {
+            axis as usize
+        };
+        let tail = shape[a..].to_vec();
+        let nt: usize = tail.iter().product();
+        let mut inputs = vec![
+            (shape.clone(), randv(&mut rng, n)),
+            (tail.clone(), randv(&mut rng, nt)),
+        ];
+        if bias {
+            inputs.push((tail.clone(), randv(&mut rng, nt)));
+        }
+        let attrs = vec![attr_int("axis", axis)];
+        let (s32, v32) = run("LayerNormalization", attrs.clone(), &inputs, false, 17);
+        let (s64, v64) = run("LayerNormalization", attrs, &inputs, true, 17);
+        assert_eq!(s32, s64);
+        for (x, y) in v32.iter().zip(&v64) {
+            let (x, y) = (*x as f32, *y as f32);
+            assert_eq!(
+                x.to_bits(),
+                y.to_bits(),
+                "LayerNorm {shape:?} axis {axis}: {x} vs {y}"
+            );
+        }
+    }
+}

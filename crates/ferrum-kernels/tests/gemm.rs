@@ -119,12 +119,17 @@ fn random_shapes_match_the_f64_reference() {
 fn large_threaded_shapes() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
     for isa in available_isas() {
-        for (m, n, k) in [(64, 3137, 147), (301, 67, 600), (129, 769, 513)] {
+        for (m, n, k) in [
+            (64, 3137, 147),
+            (301, 67, 600),
+            (129, 769, 513),
+            (512, 49, 700),
+        ] {
             let c = Case {
                 m,
                 n,
                 k,
-                ta: false,
+                ta: n == 49,
                 tb: isa == Isa::Avx2,
                 alpha: 1.0,
                 beta: 0.0,

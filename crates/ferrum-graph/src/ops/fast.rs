@@ -241,40 +241,42 @@ fn im2col(x: &[f32], cg: usize, (ih, iw): (usize, usize), g: &Conv2d, col: &mut 
 }
 
 /// Depthwise convolution (one input and one output channel per group), accumulated into `out`
-/// (batch x channels planes, holding the bias).
+/// (batch x channels planes, holding the bias): each plane is copied once into a zero-padded
+/// buffer, so every tap is a plain (or strided) multiply-add over output rows.
 fn depthwise(x: &[f32], w: &[f32], out: &mut [f32], (ih, iw): (usize, usize), g: &Conv2d) {
     let [kh, kw] = g.k;
     let [oh, ow] = g.out;
     let (osp, isp) = (oh * ow, ih * iw);
     let c = w.len() / (kh * kw);
+    // The padded extent every tap reads.
+    let hp = (oh - 1) * g.s[0] + (kh - 1) * g.d[0] + 1;
+    let wp = (ow - 1) * g.s[1] + (kw - 1) * g.d[1] + 1;
     pool::parallel_chunks_mut(out, osp, |p, o| {
         let plane = &x[p * isp..][..isp];
         let wk = &w[(p % c) * kh * kw..][..kh * kw];
-        for ky in 0..kh {
-            let ty = ky * g.d[0];
-            for kx in 0..kw {
-                let wv = wk[ky * kw + kx];
-                let tx = kx * g.d[1];
-                let (xlo, xhi) = valid_range(iw, ow, g.s[1], tx, g.pad[1]);
-                if xlo >= xhi {
-                    continue;
-                }
-                for oy in 0..oh {
-                    let iy = (oy * g.s[0] + ty) as isize - g.pad[0] as isize;
-                    if iy < 0 || iy >= ih as isize {
-                        continue;
-                    }
-                    let src = &plane[iy as usize * iw..][..iw];
-                    let dst = &mut o[oy * ow..][..ow];
+        let mut xp = vec![0f32; hp * wp];
+        for y in 0..ih {
+            let py = y + g.pad[0];
+            if py >= hp {
+                break;
+            }
+            let cols = iw.min(wp.saturating_sub(g.pad[1]));
+            xp[py * wp + g.pad[1]..][..cols].copy_from_slice(&plane[y * iw..][..cols]);
+        }
+        for oy in 0..oh {
+            let orow = &mut o[oy * ow..][..ow];
+            for ky in 0..kh {
+                let src = &xp[(oy * g.s[0] + ky * g.d[0]) * wp..][..wp];
+                for kx in 0..kw {
+                    let wv = wk[ky * kw + kx];
+                    let off = kx * g.d[1];
                     if g.s[1] == 1 {
-                        let start = xlo + tx - g.pad[1];
-                        let s = &src[start..start + (xhi - xlo)];
-                        for (d, &v) in dst[xlo..xhi].iter_mut().zip(s) {
+                        for (d, &v) in orow.iter_mut().zip(&src[off..off + ow]) {
                             *d += wv * v;
                         }
                     } else {
-                        for ox in xlo..xhi {
-                            dst[ox] += wv * src[ox * g.s[1] + tx - g.pad[1]];
+                        for (ox, d) in orow.iter_mut().enumerate() {
+                            *d += wv * src[off + ox * g.s[1]];
                         }
                     }
                 }
@@ -655,4 +657,42 @@ pub fn where_f32(c: &Tensor, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         }
     }
     Tensor::from_vec(out, v)
+}
+
+/// LayerNormalization of float32 rows of `inner` elements with a scale (and bias) of exactly the
+/// normalized shape: each row as the reference computes it (f64 mean and variance summed in
+/// order, `(x - mean) * inv * scale + bias` rounded once to f32), rows spread over the pool.
+pub fn layer_norm_f32(
+    x: &Tensor,
+    inner: usize,
+    eps: f64,
+    scale: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    let xv = x.as_slice::<f32>()?;
+    let sv = scale.as_slice::<f32>()?;
+    let bv = bias.map(|b| b.as_slice::<f32>()).transpose()?;
+    let inner = inner.max(1);
+    let mut out = vec![0f32; xv.len()];
+    let rows_per = (1usize << 14).div_ceil(inner).max(1);
+    pool::parallel_chunks_mut(&mut out, rows_per * inner, |ci, o| {
+        for (r, orow) in o.chunks_mut(inner).enumerate() {
+            let s = &xv[(ci * rows_per + r) * inner..][..inner];
+            let mean = s.iter().map(|&e| e as f64).sum::<f64>() / inner as f64;
+            let var = s
+                .iter()
+                .map(|&e| (e as f64 - mean) * (e as f64 - mean))
+                .sum::<f64>()
+                / inner as f64;
+            let inv = 1.0 / (var + eps).sqrt();
+            for (j, (o, &e)) in orow.iter_mut().zip(s).enumerate() {
+                let mut y = (e as f64 - mean) * inv * sv[j] as f64;
+                if let Some(b) = bv {
+                    y += b[j] as f64;
+                }
+                *o = y as f32;
+            }
+        }
+    });
+    Tensor::from_vec(x.shape().to_vec(), out)
 }

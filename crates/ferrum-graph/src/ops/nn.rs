@@ -250,6 +250,16 @@ fn layer_norm(cx: &Ctx, rms: bool) -> Result<Vec<Value>> {
     let a = axis(cx.ai("axis", -1), x.rank())?;
     let eps = cx.af("epsilon", 1e-5) as f64;
     let inner: usize = x.shape()[a..].iter().product();
+    let tail_is = |t: &Tensor| t.dtype() == DType::F32 && t.shape() == &x.shape()[a..];
+    if !rms
+        && x.dtype() == DType::F32
+        && cx.node.outputs.len() == 1
+        && tail_is(cx.t(1)?)
+        && cx.opt(2).is_none_or(tail_is)
+    {
+        let y = fast::layer_norm_f32(x, inner, eps, cx.t(1)?, cx.opt(2))?;
+        return Ok(vec![Value::Tensor(y)]);
+    }
     let xv = x.to_f64_vec()?;
     let (mut y, means, invs) = normalize(&xv, inner, eps, rms);
     let tail = &x.shape()[a..];

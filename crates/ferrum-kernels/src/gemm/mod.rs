@@ -463,6 +463,37 @@ pub fn gemm_with(
         }
         return;
     }
+    // A short, wide-K product with many rows (late CNN layers: 7x7 outputs): the NR-wide
+    // panels would be mostly padding, so compute C^T = B^T A^T (the views swap for free) and
+    // transpose it into C.
+    let nr_of = |isa: Isa| match isa {
+        Isa::Avx512 => 32,
+        Isa::Avx2 => 16,
+        Isa::Scalar => 8,
+    };
+    let util = |x: usize| x as f64 / x.next_multiple_of(nr_of(isa)) as f64;
+    if n < 128 && m >= 2 * n && util(m) > util(n) + 0.1 {
+        let mut t = vec![0f32; n * m];
+        let at = Mat {
+            data: a.data,
+            rs: a.cs,
+            cs: a.rs,
+        };
+        let bt = Mat {
+            data: b.data,
+            rs: b.cs,
+            cs: b.rs,
+        };
+        gemm_with(isa, threads, n, m, k, alpha, bt, at, 0.0, &mut t, m);
+        for i in 0..m {
+            let row = &mut c[i * ldc..][..n];
+            for (j, v) in row.iter_mut().enumerate() {
+                let x = t[j * m + i];
+                *v = if accumulate { *v + x } else { x };
+            }
+        }
+        return;
+    }
     let (mr, nr) = match isa {
         Isa::Avx512 => (avx512_rows(m), 32),
         Isa::Avx2 => (6, 16),
