@@ -115,8 +115,9 @@ fn run_inner(a: RunArgs) -> Result<()> {
         ferrum_graph::exec::set_op_profiling(a.profile);
         let mut ms = Vec::with_capacity(a.repeat);
         for _ in 0..a.repeat {
+            let feed = inputs.clone();
             let t = std::time::Instant::now();
-            let o = session.run(inputs.clone())?;
+            let o = session.run(feed)?;
             ms.push(t.elapsed().as_secs_f64() * 1e3);
             drop(o);
         }
