@@ -31,9 +31,20 @@ pub struct RunArgs {
     /// (created if missing); when --input was given, also NAME.npy for each tensor output.
     #[arg(long)]
     pub outputs: Option<PathBuf>,
-    /// Print nothing but errors.
+    /// Print nothing but errors (and the timing line of --repeat).
     #[arg(long, short = 'q')]
     pub quiet: bool,
+    /// Threads the kernels use (default: every core).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// After the first run (a warm-up, whose outputs are written), run the model N more times on
+    /// the same inputs and print the median, minimum and mean time of those runs (model loading
+    /// and file I/O excluded).
+    #[arg(long, default_value_t = 0)]
+    pub repeat: usize,
+    /// With --repeat: also print the time spent per op type over the timed runs.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 #[derive(ClapArgs, Debug)]
@@ -60,6 +71,7 @@ pub fn run(a: RunArgs) -> Result<()> {
 }
 
 fn run_inner(a: RunArgs) -> Result<()> {
+    crate::common::set_threads(a.threads)?;
     let session = Session::from_file(&a.model)?;
     let model = session.model();
     let g = &model.graph;
@@ -98,7 +110,39 @@ fn run_inner(a: RunArgs) -> Result<()> {
             runtime.len()
         );
     }
-    let outs = session.run(inputs)?;
+    let outs = if a.repeat > 0 {
+        let outs = session.run(inputs.clone())?;
+        ferrum_graph::exec::set_op_profiling(a.profile);
+        let mut ms = Vec::with_capacity(a.repeat);
+        for _ in 0..a.repeat {
+            let feed = inputs.clone();
+            let t = std::time::Instant::now();
+            let o = session.run(feed)?;
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+            drop(o);
+        }
+        println!("{}", timing_line(&ms));
+        if a.profile {
+            let prof = ferrum_graph::exec::op_profile();
+            let total: f64 = prof.iter().map(|p| p.2).sum();
+            println!(
+                "{:<24} {:>6} {:>10} {:>6}",
+                "op", "nodes", "ms/run", "share"
+            );
+            for (op, nodes, s) in prof {
+                println!(
+                    "{op:<24} {:>6} {:>10.3} {:>5.1}%",
+                    nodes / a.repeat,
+                    s * 1e3 / a.repeat as f64,
+                    100.0 * s / total.max(1e-12)
+                );
+            }
+            ferrum_graph::exec::set_op_profiling(false);
+        }
+        outs
+    } else {
+        session.run(inputs)?
+    };
     if let Some(dir) = &a.outputs {
         std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
         for (j, (name, v)) in outs.iter().enumerate() {
@@ -128,6 +172,24 @@ fn run_inner(a: RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `time: median M ms, min M ms, mean M ms over N runs, T threads` for `--repeat`.
+fn timing_line(ms: &[f64]) -> String {
+    let mut v = ms.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    format!(
+        "time: median {median:.3} ms, min {:.3} ms, mean {:.3} ms over {n} runs, {} threads",
+        v[0],
+        v.iter().sum::<f64>() / n as f64,
+        ferrum_kernels::pool::threads()
+    )
 }
 
 /// One line: type, shape and a summary of the values.
@@ -350,8 +412,10 @@ fn inspect_inner(a: InspectArgs) -> Result<()> {
         params += t.len();
         bytes += t.len() * t.dtype().size().max(1);
     };
-    for (_, t) in &g.initializers {
-        count(t);
+    for (_, v) in &g.initializers {
+        if let Value::Tensor(t) = v {
+            count(t);
+        }
     }
     let mut hist: BTreeMap<String, usize> = BTreeMap::new();
     let mut flops: BTreeMap<String, f64> = BTreeMap::new();

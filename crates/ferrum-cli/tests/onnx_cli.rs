@@ -226,3 +226,47 @@ fn inspect_lists_io_ops_parameters_and_flops() {
         assert!(s.contains(part), "{s} lacks {part}");
     }
 }
+
+#[test]
+fn run_repeat_prints_timing_and_profile_and_keeps_outputs() {
+    let d = Dir::new("repeat");
+    let m = write_model(&d);
+    let x = [1.0f32, 2.0, 3.0, -1.0, 0.0, 4.0];
+    let t = Tensor::from_vec(vec![2, 3], x.to_vec()).unwrap();
+    std::fs::write(d.path("in/input_0.pb"), encode(&tensor_to_proto(&t, "x"))).unwrap();
+    let out = ferrum(&[
+        "run",
+        "--quiet",
+        "--model",
+        m.to_str().unwrap(),
+        "--inputs",
+        d.path("in").to_str().unwrap(),
+        "--outputs",
+        d.path("out").to_str().unwrap(),
+        "--threads",
+        "2",
+        "--repeat",
+        "3",
+        "--profile",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("time: median ") && stdout.contains("over 3 runs, 2 threads"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("MatMul") && stdout.contains("Softmax"),
+        "{stdout}"
+    );
+    let y = read_pb(&d.path("out/output_0.pb"));
+    for (a, b) in y.to_f64_vec().unwrap().iter().zip(expected(&x)) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+    let bad = ferrum(&["run", "--model", m.to_str().unwrap(), "--threads", "0"]);
+    assert!(!bad.status.success());
+}

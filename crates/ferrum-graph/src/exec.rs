@@ -1,6 +1,9 @@
 //! The executor: runs a [`Graph`]'s nodes in order, freeing each value after its last reader.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
 
 use crate::error::UnsupportedOp;
 use crate::ir::{Graph, Node, ValueId};
@@ -8,9 +11,11 @@ use crate::ops;
 use crate::tensor::Value;
 use crate::{Error, Result};
 
-/// The values visible while a graph runs: its own, then those of the enclosing graphs.
+/// The values visible while a graph runs: its own (computed values and fed inputs, then its
+/// initializers, read in place), then those of the enclosing graphs.
 pub struct Env<'a> {
     local: HashMap<ValueId, Value>,
+    consts: HashMap<ValueId, &'a Value>,
     parent: Option<&'a Env<'a>>,
 }
 
@@ -18,6 +23,7 @@ impl<'a> Env<'a> {
     pub fn new(parent: Option<&'a Env<'a>>) -> Env<'a> {
         Env {
             local: HashMap::new(),
+            consts: HashMap::new(),
             parent,
         }
     }
@@ -25,7 +31,10 @@ impl<'a> Env<'a> {
     pub fn get(&self, id: ValueId) -> Option<&Value> {
         match self.local.get(&id) {
             Some(v) => Some(v),
-            None => self.parent.and_then(|p| p.get(id)),
+            None => match self.consts.get(&id) {
+                Some(v) => Some(*v),
+                None => self.parent.and_then(|p| p.get(id)),
+            },
         }
     }
 
@@ -34,16 +43,38 @@ impl<'a> Env<'a> {
     }
 }
 
+static PROFILING: AtomicBool = AtomicBool::new(false);
+static PROFILE: Mutex<BTreeMap<String, (usize, f64)>> = Mutex::new(BTreeMap::new());
+
+/// Turns per-op-type timing on or off (off by default; on, every node run is timed) and clears
+/// what was recorded.
+pub fn set_op_profiling(on: bool) {
+    PROFILING.store(on, Ordering::Relaxed);
+    PROFILE.lock().unwrap().clear();
+}
+
+/// Per op type: nodes run and seconds spent, most expensive first (see [`set_op_profiling`]).
+pub fn op_profile() -> Vec<(String, usize, f64)> {
+    let mut v: Vec<(String, usize, f64)> = PROFILE
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, &(n, s))| (k.clone(), n, s))
+        .collect();
+    v.sort_by(|a, b| b.2.total_cmp(&a.2));
+    v
+}
+
 /// Runs `graph` with `inputs` bound to its declared inputs in order (`None`: use the initializer
 /// default), inside `parent` (the enclosing graph's values, for subgraphs). Returns the outputs.
-pub fn run_graph(
-    graph: &Graph,
+pub fn run_graph<'a>(
+    graph: &'a Graph,
     inputs: Vec<Option<Value>>,
-    parent: Option<&Env>,
+    parent: Option<&'a Env<'a>>,
 ) -> Result<Vec<Value>> {
     let mut env = Env::new(parent);
-    for (id, t) in &graph.initializers {
-        env.set(*id, Value::Tensor((**t).clone()));
+    for (id, v) in &graph.initializers {
+        env.consts.insert(*id, v);
     }
     for (id, v) in graph.inputs.iter().zip(inputs) {
         if let Some(v) = v {
@@ -51,7 +82,14 @@ pub fn run_graph(
         }
     }
     for (node, frees) in graph.nodes.iter().zip(&graph.frees) {
+        let start = PROFILING.load(Ordering::Relaxed).then(Instant::now);
         let outs = run_node(node, &env)?;
+        if let Some(t) = start {
+            let mut p = PROFILE.lock().unwrap();
+            let e = p.entry(node.op.clone()).or_default();
+            e.0 += 1;
+            e.1 += t.elapsed().as_secs_f64();
+        }
         for (slot, v) in node.outputs.iter().zip(outs) {
             if let (Some(id), Some(v)) = (slot, v) {
                 env.set(*id, v);

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use crate::ir::{Attr, Dim, Model, Node, ValueId, ValueType};
 use crate::ops::broadcast_shape;
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, Value};
 
 /// Known shapes (and small constant integer values, for Reshape targets) by value.
 pub struct Shapes {
@@ -54,6 +54,7 @@ pub fn static_shapes(m: &Model) -> Shapes {
         }
     }
     for (id, t) in &g.initializers {
+        let Value::Tensor(t) = t else { continue };
         s.shapes.insert(*id, t.shape().to_vec());
         if let Some(c) = const_ints(t) {
             s.consts.insert(*id, c);

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Tensor, Value};
 
 /// Index of a value in [`Model::values`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -89,8 +89,9 @@ pub struct Graph {
     /// Every declared input, including those with an initializer as default.
     pub inputs: Vec<ValueId>,
     pub outputs: Vec<ValueId>,
-    /// Initializers: constants, or defaults for inputs of the same name.
-    pub initializers: Vec<(ValueId, Arc<Tensor>)>,
+    /// Initializers: constants, or defaults for inputs of the same name (always tensors). Held
+    /// as values so that a run reads them in place instead of copying them.
+    pub initializers: Vec<(ValueId, Value)>,
     /// For each node, the values whose last reader it is (freed after it runs).
     pub frees: Vec<Vec<ValueId>>,
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::ir::{Attr, Dim, Graph, Model, Node, ValueId, ValueInfo, ValueType};
 use crate::proto::{self, type_proto, AttributeProto, GraphProto, ModelProto, TensorProto};
-use crate::tensor::{numel, DType, Data, Tensor};
+use crate::tensor::{numel, DType, Data, Tensor, Value};
 use crate::{Error, Result};
 
 use crate::codec::dims_of;
@@ -163,12 +163,12 @@ impl Importer<'_> {
             };
             let tensor = tensor_from_proto(t, self.dir.as_deref())
                 .map_err(|e| bad(format!("initializer '{}': {e}", t.name)))?;
-            g.initializers.push((id, Arc::new(tensor)));
+            g.initializers.push((id, Value::Tensor(tensor)));
         }
         for st in &gp.sparse_initializer {
             let (name, t) = sparse_to_dense(st)?;
             let id = self.define(&mut local, &name, ValueType::Unknown)?;
-            g.initializers.push((id, Arc::new(t)));
+            g.initializers.push((id, Value::Tensor(t)));
         }
         let mut vinfo: HashMap<&str, ValueType> = HashMap::new();
         for vi in gp.value_info.iter().chain(&gp.output) {

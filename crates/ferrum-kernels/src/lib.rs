@@ -3,6 +3,7 @@
 //! Every optimised kernel keeps a plain reference next to it and a randomized test against it.
 //! - [`quant`]: block layouts of every GGML type, dequantization, activation quantizers, dot products.
 //! - [`matmul`]: weight x activations products (quantized weights, on-the-fly activation quantization).
+//! - [`gemm`]: blocked, packed f32 GEMM (AVX-512 / AVX2 microkernels) for the graph runtime.
 //! - [`ops`]: RMSNorm, RoPE, activations, softmax.
 //! - [`attention`]: causal attention over an f16 KV cache.
 //! - [`machine`]: measured ceilings (peak FMA, memory and cache bandwidth).
@@ -10,6 +11,7 @@
 //! - [`pool`]: the thread pool every parallel kernel runs on (`--threads`).
 
 pub mod attention;
+pub mod gemm;
 pub mod machine;
 pub mod matmul;
 pub mod ops;

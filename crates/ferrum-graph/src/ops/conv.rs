@@ -1,6 +1,7 @@
 //! Convolutions (Conv, ConvInteger, ConvTranspose) and pooling (Max, Average, Lp, global).
 //! Reference loops over N-D spatial dims in f64.
 
+use crate::ops::fast;
 use crate::ops::nn::{f64_tensor, minus_zp};
 use crate::ops::shape::strides;
 use crate::ops::{unsupported, Ctx};
@@ -160,6 +161,20 @@ fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
     }
     let k: Vec<usize> = w.shape()[2..].to_vec();
     let g = geom(cx, &x.shape()[2..], &k, false)?;
+    let bias_f32 = cx
+        .opt(2)
+        .is_none_or(|b| b.dtype() == DType::F32 && b.len() == m);
+    if kind == ConvKind::Float && nd == 2 && fast::all_f32(&[x, w]) && bias_f32 {
+        let geom2 = fast::Conv2d {
+            group,
+            k: [k[0], k[1]],
+            s: [g.s[0], g.s[1]],
+            d: [g.d[0], g.d[1]],
+            pad: [g.pad_begin[0], g.pad_begin[1]],
+            out: [g.outs[0], g.outs[1]],
+        };
+        return fast::conv2d(x, w, cx.opt(2), &geom2);
+    }
     let (xv, wv, bias) = match kind {
         // Weight zero points (and scales) are per output channel (dim 0).
         ConvKind::Integer => (
@@ -436,6 +451,20 @@ fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
             .unwrap_or(vec![0; nd])
     };
     let include_pad = cx.ai("count_include_pad", 0) != 0;
+    if kind == Pool::Max && nd == 2 && x.dtype() == DType::F32 && cx.node.outputs.len() < 2 {
+        let g2 = fast::Conv2d {
+            group: 1,
+            k: [g.k[0], g.k[1]],
+            s: [g.s[0], g.s[1]],
+            d: [g.d[0], g.d[1]],
+            pad: [g.pad_begin[0], g.pad_begin[1]],
+            out: [g.outs[0], g.outs[1]],
+        };
+        let v = fast::maxpool2d(x.as_slice::<f32>()?, n * c, (ins[0], ins[1]), &g2);
+        let mut shape = vec![n, c];
+        shape.extend_from_slice(&g.outs);
+        return Ok(vec![Value::Tensor(Tensor::from_vec(shape, v)?)]);
+    }
     let xv = x.to_f64_vec()?;
     let osp: usize = g.outs.iter().product();
     let isp: usize = ins.iter().product();

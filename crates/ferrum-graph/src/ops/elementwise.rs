@@ -359,6 +359,9 @@ fn where_op(cx: &Ctx) -> Result<Tensor> {
     let c = cx.t(0)?;
     let (x, y) = (cx.t(1)?, cx.t(2)?);
     same_type(x, y)?;
+    if x.dtype() == DType::F32 && c.dtype() == DType::Bool {
+        return crate::ops::fast::where_f32(c, x, y);
+    }
     fn go<T: Elem>(c: &Tensor, x: &Tensor, y: &Tensor) -> Result<Tensor> {
         let out = broadcast_shape(&broadcast_shape(c.shape(), x.shape())?, y.shape())?;
         let offs = broadcast_offsets(&[c.shape(), x.shape(), y.shape()], &out);
@@ -834,6 +837,9 @@ fn clip(cx: &Ctx) -> Result<Tensor> {
 
 /// Elementwise ops; `None` when `cx`'s op is not one of them.
 pub fn run(cx: &Ctx) -> Result<Option<Tensor>> {
+    if let Some(t) = crate::ops::fast::elementwise(cx)? {
+        return Ok(Some(t));
+    }
     let op = cx.node.op.as_str();
     let b = |o| binary(cx, o).map(Some);
     let c = |o| -> Result<Option<Tensor>> {

@@ -9,6 +9,7 @@ mod control;
 mod conv;
 mod dsp;
 mod elementwise;
+mod fast;
 mod gather;
 mod grid;
 mod misc;

@@ -2,6 +2,7 @@
 //! Reference loops in f64; the result is rounded once to the output type.
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, cast};
+use crate::ops::fast;
 use crate::ops::shape::strides;
 use crate::ops::{axis, unsupported, Ctx};
 use crate::tensor::{DType, Tensor, Value};
@@ -81,6 +82,9 @@ pub fn matmul_f64(
 
 fn matmul(cx: &Ctx) -> Result<Tensor> {
     let (a, b) = (cx.t(0)?, cx.t(1)?);
+    if fast::all_f32(&[a, b]) {
+        return fast::matmul(a, b);
+    }
     let (shape, v) = matmul_f64(&a.to_f64_vec()?, a.shape(), &b.to_f64_vec()?, b.shape())?;
     f64_tensor(shape, v, a.dtype())
 }
@@ -125,6 +129,18 @@ fn gemm(cx: &Ctx) -> Result<Tensor> {
     };
     if k != k2 {
         kbail!("Gemm inner dims differ: {:?} {:?}", a.shape(), b.shape());
+    }
+    if fast::all_f32(&[a, b]) && cx.opt(2).is_none_or(|c| c.dtype() == DType::F32) {
+        return fast::gemm_op(
+            a,
+            b,
+            cx.opt(2),
+            ta,
+            tb,
+            alpha as f32,
+            beta as f32,
+            (m, n, k),
+        );
     }
     let (av, bv) = (a.to_f64_vec()?, b.to_f64_vec()?);
     let mut out = vec![0f64; m * n];
@@ -234,6 +250,16 @@ fn layer_norm(cx: &Ctx, rms: bool) -> Result<Vec<Value>> {
     let a = axis(cx.ai("axis", -1), x.rank())?;
     let eps = cx.af("epsilon", 1e-5) as f64;
     let inner: usize = x.shape()[a..].iter().product();
+    let tail_is = |t: &Tensor| t.dtype() == DType::F32 && t.shape() == &x.shape()[a..];
+    if !rms
+        && x.dtype() == DType::F32
+        && cx.node.outputs.len() == 1
+        && tail_is(cx.t(1)?)
+        && cx.opt(2).is_none_or(tail_is)
+    {
+        let y = fast::layer_norm_f32(x, inner, eps, cx.t(1)?, cx.opt(2))?;
+        return Ok(vec![Value::Tensor(y)]);
+    }
     let xv = x.to_f64_vec()?;
     let (mut y, means, invs) = normalize(&xv, inner, eps, rms);
     let tail = &x.shape()[a..];

@@ -2,7 +2,7 @@
 
 use crate::ops::shape::strides;
 use crate::ops::{axis, Ctx};
-use crate::tensor::{Num, Tensor, Value};
+use crate::tensor::{DType, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
 #[derive(Clone, Copy, PartialEq)]
@@ -211,6 +211,12 @@ fn softmax(cx: &Ctx, kind: Soft) -> Result<Tensor> {
     let x = cx.t(0)?;
     let legacy = cx.opset() < 13;
     let a = axis(cx.ai("axis", if legacy { 1 } else { -1 }), x.rank())?;
+    if kind == Soft::Softmax && x.dtype() == DType::F32 && (legacy || a + 1 == x.rank()) {
+        // One row per softmax: the last axis, or (legacy) everything from `axis` on.
+        let rows: usize = x.shape()[..a].iter().product();
+        let flat = x.clone().reshape(vec![rows, x.len() / rows.max(1)])?;
+        return crate::ops::fast::softmax_last_f32(&flat)?.reshape(x.shape().to_vec());
+    }
     let (outer, d, inner) = if legacy {
         (
             x.shape()[..a].iter().product::<usize>(),
@@ -242,14 +248,18 @@ fn softmax(cx: &Ctx, kind: Soft) -> Result<Tensor> {
                 }
                 match kind {
                     Soft::Hardmax => out[at(arg)] = T::one(),
-                    _ => {
+                    Soft::Softmax => {
+                        // Each exponential once, summed in order.
+                        buf.iter_mut().for_each(|b| *b = (*b - m).exp());
+                        let s: f64 = buf.iter().sum();
+                        for k in 0..d {
+                            out[at(k)] = T::from_f64(buf[k] / s);
+                        }
+                    }
+                    Soft::LogSoftmax => {
                         let s: f64 = buf.iter().map(|&b| (b - m).exp()).sum();
                         for k in 0..d {
-                            out[at(k)] = T::from_f64(if kind == Soft::Softmax {
-                                (buf[k] - m).exp() / s
-                            } else {
-                                buf[k] - m - s.ln()
-                            });
+                            out[at(k)] = T::from_f64(buf[k] - m - s.ln());
                         }
                     }
                 }

@@ -797,6 +797,9 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
                     .collect::<Result<_>>()?,
                 None => (0..x.rank()).rev().collect(),
             };
+            if x.dtype() == DType::F32 && perm.len() == x.rank() {
+                return one(crate::ops::fast::transpose_f32(x, &perm)?);
+            }
             one(transpose(x, &perm)?)
         }
         "Concat" => {

@@ -1,0 +1,480 @@
+//! The float32 fast paths (GEMM-backed MatMul, Gemm and Conv; elementwise Add/Sub/Mul/Div,
+//! Relu, Sqrt, Erf; MaxPool) against the reference kernels, which run when the same model is
+//! fed float64 values: fresh random shapes and attributes every run.
+//!
+//! Tolerances: products and convolutions |f32 - f64| <= 1e-5 * (sum of |terms|) per output
+//! (f32 accumulation of the products; the per-element sum of absolute terms is bounded here by
+//! the output count times the max); elementwise Add/Sub/Mul/Div/Relu/Sqrt/MaxPool bit-identical
+//! to the reference rounded to f32; Erf within 1 ulp. NaN never passes (`err <= tol`).
+
+use ferrum_graph::proto::build::{attr_int, attr_ints, model, node, value};
+use ferrum_graph::proto::{encode, AttributeProto};
+use ferrum_graph::{Session, Tensor, Value};
+use rand::{Rng, SeedableRng};
+
+type Rng64 = rand::rngs::StdRng;
+
+fn rng() -> Rng64 {
+    let seed: u64 = rand::random();
+    eprintln!("seed {seed}");
+    Rng64::seed_from_u64(seed)
+}
+
+/// Runs a one-node model on `inputs` (all f32 or all f64), returning the first output as f64.
+fn run(
+    op: &str,
+    attrs: Vec<AttributeProto>,
+    inputs: &[(Vec<usize>, Vec<f32>)],
+    f64_inputs: bool,
+    opset: i64,
+) -> (Vec<usize>, Vec<f64>) {
+    let names: Vec<String> = (0..inputs.len()).map(|i| format!("x{i}")).collect();
+    let nr: Vec<&str> = names.iter().map(String::as_str).collect();
+    let elem = if f64_inputs { 11 } else { 1 };
+    let mut mp = model(
+        vec![node(op, &nr, &["y"], attrs)],
+        inputs
+            .iter()
+            .zip(&nr)
+            .map(|((s, _), n)| {
+                value(
+                    n,
+                    elem,
+                    &s.iter().map(|&d| Some(d as i64)).collect::<Vec<_>>(),
+                )
+            })
+            .collect(),
+        vec![value("y", 0, &[])],
+        vec![],
+        opset,
+    );
+    mp.graph.as_mut().unwrap().output[0].r#type = None;
+    let s = Session::from_bytes(&encode(&mp)).unwrap();
+    let feeds = inputs
+        .iter()
+        .zip(&names)
+        .map(|((s, v), n)| {
+            let t = if f64_inputs {
+                Tensor::from_vec(s.clone(), v.iter().map(|&x| x as f64).collect::<Vec<_>>())
+            } else {
+                Tensor::from_vec(s.clone(), v.clone())
+            };
+            (n.clone(), Value::Tensor(t.unwrap()))
+        })
+        .collect();
+    let t = s.run(feeds).unwrap().remove(0).1.into_tensor().unwrap();
+    (t.shape().to_vec(), t.to_f64_vec().unwrap())
+}
+
+/// f32 fast path vs f64 reference: shapes equal, every element within `tol(reference)`.
+fn compare(
+    what: &str,
+    op: &str,
+    attrs: Vec<AttributeProto>,
+    inputs: &[(Vec<usize>, Vec<f32>)],
+    opset: i64,
+    tol: impl Fn(f64) -> f64,
+) {
+    let (s32, v32) = run(op, attrs.clone(), inputs, false, opset);
+    let (s64, v64) = run(op, attrs, inputs, true, opset);
+    assert_eq!(s32, s64, "{what}: shapes");
+    for (i, (a, b)) in v32.iter().zip(&v64).enumerate() {
+        let err = (a - b).abs();
+        assert!(
+            err <= tol(*b),
+            "{what}: element {i}: f32 path {a}, reference {b} (err {err:e})"
+        );
+    }
+}
+
+fn randv(rng: &mut Rng64, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+}
+
+#[test]
+fn conv2d_matches_the_reference() {
+    let mut rng = rng();
+    for case in 0..40 {
+        let n = rng.gen_range(1..3);
+        let group = [1, 1, 2, 3][case % 4];
+        let cg = rng.gen_range(1..5);
+        let c = cg * group;
+        let depthwise = case % 5 == 4;
+        let (c, cg, group, m) = if depthwise {
+            (c, 1, c, c)
+        } else {
+            (c, cg, group, group * rng.gen_range(1..5))
+        };
+        let kh = [1, 3, 5, 7][rng.gen_range(0..4)];
+        let kw = [1, 2, 3][rng.gen_range(0..3)];
+        let d = [1 + (case % 7 == 6) as i64, 1];
+        let ekh = (kh - 1) * d[0] as usize + 1;
+        let (ih, iw) = (rng.gen_range(ekh..ekh + 12), rng.gen_range(kw..kw + 12));
+        let s = [rng.gen_range(1..3), rng.gen_range(1..3)];
+        let pads = [
+            rng.gen_range(0..3),
+            rng.gen_range(0..2),
+            rng.gen_range(0..3),
+            rng.gen_range(0..2),
+        ];
+        let mut inputs = vec![
+            (vec![n, c, ih, iw], randv(&mut rng, n * c * ih * iw)),
+            (vec![m, cg, kh, kw], randv(&mut rng, m * cg * kh * kw)),
+        ];
+        if case % 2 == 0 {
+            inputs.push((vec![m], randv(&mut rng, m)));
+        }
+        let attrs = vec![
+            attr_int("group", group as i64),
+            attr_ints("strides", &s),
+            attr_ints("dilations", &d),
+            attr_ints("pads", &pads),
+        ];
+        let terms = (cg * kh * kw + 1) as f64;
+        compare(
+            &format!(
+                "Conv case {case}: x {:?} w {:?} s {s:?} d {d:?} pads {pads:?} group {group}",
+                inputs[0].0, inputs[1].0
+            ),
+            "Conv",
+            attrs,
+            &inputs,
+            17,
+            |_| 1e-5 * terms,
+        );
+    }
+}
+
+/// A 1x1, stride-1 convolution whose end padding makes the output larger than the input must not
+/// read the input as its own im2col matrix (it did once).
+#[test]
+fn pointwise_conv_with_end_padding() {
+    let mut rng = rng();
+    let inputs = [
+        (vec![1, 2, 5, 8], randv(&mut rng, 80)),
+        (vec![3, 2, 1, 1], randv(&mut rng, 6)),
+    ];
+    compare(
+        "1x1 Conv, pads [0, 0, 2, 1]",
+        "Conv",
+        vec![attr_ints("pads", &[0, 0, 2, 1])],
+        &inputs,
+        17,
+        |_| 1e-5 * 3.0,
+    );
+}
+
+#[test]
+fn matmul_and_gemm_match_the_reference() {
+    let mut rng = rng();
+    let shapes: Vec<(Vec<usize>, Vec<usize>)> = vec![
+        (vec![7], vec![7, 5]),
+        (vec![3, 7], vec![7]),
+        (vec![2, 3, 17, 9], vec![9, 33]),
+        (vec![2, 1, 5, 9], vec![3, 9, 4]),
+        (vec![1, 4, 13, 64], vec![1, 4, 64, 13]),
+        (vec![130, 70], vec![70, 129]),
+    ];
+    for (a, b) in shapes {
+        let k = *a.last().unwrap() as f64;
+        let na: usize = a.iter().product();
+        let nb: usize = b.iter().product();
+        let inputs = [
+            (a.clone(), randv(&mut rng, na)),
+            (b.clone(), randv(&mut rng, nb)),
+        ];
+        compare(
+            &format!("MatMul {a:?} {b:?}"),
+            "MatMul",
+            vec![],
+            &inputs,
+            17,
+            |_| 1e-5 * k,
+        );
+    }
+    for case in 0..12 {
+        let (m, n, k) = (
+            rng.gen_range(1..40),
+            rng.gen_range(1..40),
+            rng.gen_range(1..300),
+        );
+        let (ta, tb) = (case % 2 == 1, case % 4 >= 2);
+        let ash = if ta { vec![k, m] } else { vec![m, k] };
+        let bsh = if tb { vec![n, k] } else { vec![k, n] };
+        let csh = [vec![m, n], vec![n], vec![1], vec![m, 1]][case % 4].clone();
+        let nc: usize = csh.iter().product();
+        let inputs = [
+            (ash, randv(&mut rng, m * k)),
+            (bsh, randv(&mut rng, n * k)),
+            (csh, randv(&mut rng, nc)),
+        ];
+        let mut attrs = vec![attr_int("transA", ta as i64), attr_int("transB", tb as i64)];
+        if case % 3 == 0 {
+            attrs.push(AttributeProto {
+                name: "alpha".into(),
+                f: 0.5,
+                r#type: 1,
+                ..Default::default()
+            });
+            attrs.push(AttributeProto {
+                name: "beta".into(),
+                f: -2.0,
+                r#type: 1,
+                ..Default::default()
+            });
+        }
+        compare(
+            &format!("Gemm case {case} m{m} n{n} k{k} ta{ta} tb{tb}"),
+            "Gemm",
+            attrs,
+            &inputs,
+            13,
+            |_| 1e-5 * (k as f64 + 2.0),
+        );
+    }
+}
+
+#[test]
+fn elementwise_matches_the_reference_exactly() {
+    let mut rng = rng();
+    let pairs: Vec<(Vec<usize>, Vec<usize>)> = vec![
+        (vec![2, 3, 4], vec![2, 3, 4]),
+        (vec![2, 3, 4], vec![4]),
+        (vec![2, 3, 4], vec![3, 1]),
+        (vec![1, 3, 1], vec![2, 1, 5]),
+        (vec![], vec![3, 2]),
+        (vec![5, 1], vec![]),
+        (vec![1, 12, 7, 7], vec![1, 1, 1, 7]),
+        (vec![0, 3], vec![1, 3]),
+    ];
+    for (a, b) in pairs {
+        let na: usize = a.iter().product();
+        let nb: usize = b.iter().product();
+        let mut bv = randv(&mut rng, nb);
+        if nb > 1 {
+            bv[0] = 0.0; // x / 0 and 0 / 0
+        }
+        let inputs = [(a.clone(), randv(&mut rng, na)), (b.clone(), bv)];
+        for op in ["Add", "Sub", "Mul", "Div"] {
+            let (s32, v32) = run(op, vec![], &inputs, false, 17);
+            let (s64, v64) = run(op, vec![], &inputs, true, 17);
+            assert_eq!(s32, s64, "{op} {a:?} {b:?}");
+            for (x, y) in v32.iter().zip(&v64) {
+                let y32 = *y as f32;
+                assert!(
+                    (*x as f32).to_bits() == y32.to_bits() || (x.is_nan() && y.is_nan()),
+                    "{op} {a:?} {b:?}: {x} vs {y32}"
+                );
+            }
+        }
+    }
+    let mut xs = randv(&mut rng, 60000);
+    xs.iter_mut()
+        .enumerate()
+        .for_each(|(i, x)| *x *= [1e-6, 0.01, 0.3, 1.0, 3.0, 6.5][i % 6]);
+    xs.extend([0.0, -0.0, 0.25, -0.25, 6.0, f32::NAN, f32::INFINITY, 1e-30]);
+    let n = xs.len();
+    let inputs = [(vec![n], xs.clone())];
+    let clip_inputs = [
+        (vec![n], xs.clone()),
+        (vec![], vec![-0.5]),
+        (vec![], vec![0.25]),
+    ];
+    for op in ["Relu", "Sqrt", "Erf", "Clip"] {
+        let ins: &[(Vec<usize>, Vec<f32>)] = if op == "Clip" { &clip_inputs } else { &inputs };
+        let (_, v32) = run(op, vec![], ins, false, 17);
+        let (_, v64) = run(op, vec![], ins, true, 17);
+        for (i, (x, y)) in v32.iter().zip(&v64).enumerate() {
+            let (a, b) = (*x as f32, *y as f32);
+            let ulps = (a.to_bits() as i64 - b.to_bits() as i64).abs();
+            // -0 and +0 count as equal (the reference's Erf(-0) is +0).
+            let ok = a == b || if op == "Erf" { ulps <= 1 } else { ulps == 0 };
+            assert!(
+                ok || (a.is_nan() && b.is_nan()),
+                "{op}({}) = {a}, reference {b}",
+                xs[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn maxpool_matches_the_reference_exactly() {
+    let mut rng = rng();
+    for case in 0..20 {
+        let k = [rng.gen_range(1..4), rng.gen_range(1..4)];
+        let (h, w) = (rng.gen_range(k[0]..k[0] + 9), rng.gen_range(k[1]..k[1] + 9));
+        let pads = [
+            rng.gen_range(0..k[0] as i64),
+            rng.gen_range(0..k[1] as i64),
+            rng.gen_range(0..k[0] as i64),
+            rng.gen_range(0..k[1] as i64),
+        ];
+        let s = [rng.gen_range(1..3), rng.gen_range(1..3)];
+        let mut x = randv(&mut rng, 2 * 3 * h * w);
+        if case == 3 {
+            x[5] = f32::NAN;
+        }
+        let attrs = vec![
+            attr_ints("kernel_shape", &[k[0] as i64, k[1] as i64]),
+            attr_ints("strides", &s),
+            attr_ints("pads", &pads),
+            attr_int("ceil_mode", (case % 3 == 0) as i64),
+        ];
+        let inputs = [(vec![2, 3, h, w], x)];
+        let (s32, v32) = run("MaxPool", attrs.clone(), &inputs, false, 12);
+        let (s64, v64) = run("MaxPool", attrs, &inputs, true, 12);
+        assert_eq!(s32, s64);
+        for (a, b) in v32.iter().zip(&v64) {
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "MaxPool case {case}: {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn transpose_softmax_where_match_the_reference_exactly() {
+    let mut rng = rng();
+    let exact = |what: &str, a: &[f64], b: &[f64]| {
+        for (x, y) in a.iter().zip(b) {
+            let (x, y) = (*x as f32, *y as f32);
+            assert!(
+                x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()),
+                "{what}: {x} vs {y}"
+            );
+        }
+    };
+    for (shape, perm) in [
+        (vec![1, 5, 3, 4], vec![0, 2, 1, 3]),
+        (vec![1, 5, 3, 4], vec![0, 2, 3, 1]),
+        (vec![6, 7], vec![1, 0]),
+        (vec![2, 3, 4, 5], vec![3, 1, 0, 2]),
+        (vec![3], vec![0]),
+    ] {
+        let n: usize = shape.iter().product();
+        let inputs = [(shape.clone(), randv(&mut rng, n))];
+        let attrs = vec![attr_ints(
+            "perm",
+            &perm.iter().map(|&p| p as i64).collect::<Vec<_>>(),
+        )];
+        let (s32, v32) = run("Transpose", attrs.clone(), &inputs, false, 17);
+        let (s64, v64) = run("Transpose", attrs, &inputs, true, 17);
+        assert_eq!(s32, s64);
+        exact(&format!("Transpose {shape:?} {perm:?}"), &v32, &v64);
+    }
+    for (shape, axis, opset) in [
+        (vec![2, 3, 17], -1, 17),
+        (vec![4, 1], -1, 13),
+        (vec![2, 3, 5], 1, 11),
+        (vec![2, 3, 5], 2, 11),
+    ] {
+        let n: usize = shape.iter().product();
+        let mut x = randv(&mut rng, n);
+        x.iter_mut().for_each(|v| *v *= 20.0);
+        let inputs = [(shape.clone(), x)];
+        let attrs = vec![attr_int("axis", axis)];
+        let (s32, v32) = run("Softmax", attrs.clone(), &inputs, false, opset);
+        let (s64, v64) = run("Softmax", attrs, &inputs, true, opset);
+        assert_eq!(s32, s64);
+        exact(
+            &format!("Softmax {shape:?} axis {axis} opset {opset}"),
+            &v32,
+            &v64,
+        );
+    }
+}
+
+#[test]
+fn where_matches_the_reference_exactly() {
+    use ferrum_graph::proto::build::value as val;
+    let mut rng = rng();
+    for (cs, xs, ys) in [
+        (vec![1, 1, 1, 6], vec![], vec![1, 3, 5, 6]),
+        (vec![2, 3], vec![2, 3], vec![2, 3]),
+        (vec![3, 1], vec![1, 4], vec![]),
+    ] {
+        let nc: usize = cs.iter().product();
+        let nx: usize = xs.iter().product();
+        let ny: usize = ys.iter().product();
+        let cond: Vec<bool> = (0..nc).map(|_| rng.gen()).collect();
+        let (xv, yv) = (randv(&mut rng, nx), randv(&mut rng, ny));
+        let mut outs = Vec::new();
+        for f64_in in [false, true] {
+            let elem = if f64_in { 11 } else { 1 };
+            let dims = |s: &Vec<usize>| s.iter().map(|&d| Some(d as i64)).collect::<Vec<_>>();
+            let mut mp = model(
+                vec![node("Where", &["c", "x", "y"], &["o"], vec![])],
+                vec![
+                    val("c", 9, &dims(&cs)),
+                    val("x", elem, &dims(&xs)),
+                    val("y", elem, &dims(&ys)),
+                ],
+                vec![val("o", 0, &[])],
+                vec![],
+                17,
+            );
+            mp.graph.as_mut().unwrap().output[0].r#type = None;
+            let s = Session::from_bytes(&encode(&mp)).unwrap();
+            let t = |sh: &Vec<usize>, v: &Vec<f32>| -> Value {
+                if f64_in {
+                    Tensor::from_vec(sh.clone(), v.iter().map(|&a| a as f64).collect::<Vec<_>>())
+                } else {
+                    Tensor::from_vec(sh.clone(), v.clone())
+                }
+                .unwrap()
+                .into()
+            };
+            let feeds = vec![
+                (
+                    "c".to_string(),
+                    Tensor::from_vec(cs.clone(), cond.clone()).unwrap().into(),
+                ),
+                ("x".to_string(), t(&xs, &xv)),
+                ("y".to_string(), t(&ys, &yv)),
+            ];
+            let o = s.run(feeds).unwrap().remove(0).1.into_tensor().unwrap();
+            outs.push((o.shape().to_vec(), o.to_f64_vec().unwrap()));
+        }
+        assert_eq!(outs[0], outs[1], "Where {cs:?} {xs:?} {ys:?}");
+    }
+}
+
+#[test]
+fn layer_norm_matches_the_reference_exactly() {
+    let mut rng = rng();
+    for (shape, axis, bias) in [
+        (vec![2, 5, 16], -1, true),
+        (vec![3, 4, 6], 1, false),
+        (vec![1, 197, 32], 2, true),
+    ] {
+        let n: usize = shape.iter().product();
+        let a = if axis < 0 {
+            shape.len() - 1
+        } else {
+            axis as usize
+        };
+        let tail = shape[a..].to_vec();
+        let nt: usize = tail.iter().product();
+        let mut inputs = vec![
+            (shape.clone(), randv(&mut rng, n)),
+            (tail.clone(), randv(&mut rng, nt)),
+        ];
+        if bias {
+            inputs.push((tail.clone(), randv(&mut rng, nt)));
+        }
+        let attrs = vec![attr_int("axis", axis)];
+        let (s32, v32) = run("LayerNormalization", attrs.clone(), &inputs, false, 17);
+        let (s64, v64) = run("LayerNormalization", attrs, &inputs, true, 17);
+        assert_eq!(s32, s64);
+        for (x, y) in v32.iter().zip(&v64) {
+            let (x, y) = (*x as f32, *y as f32);
+            assert_eq!(
+                x.to_bits(),
+                y.to_bits(),
+                "LayerNorm {shape:?} axis {axis}: {x} vs {y}"
+            );
+        }
+    }
+}

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Differences and latency of `ferrum run` beside ONNX Runtime on the exported models
+(scripts/onnx_models.sh calls this inside its venv).
+
+Usage: onnx_models.py FERRUM CACHE MODELS [--repeat N] [--threads 1,2]
+
+For each model in CACHE/<name>/ (make_onnx_models.py's layout): ferrum's outputs on
+test_data_set_0, compared with ONNX Runtime's (CPU, ORT_ENABLE_ALL) and with PyTorch's (the stored
+output_J.pb): max |diff|, max |diff| / max |reference|, and the worst |diff| / (atol + rtol |ref|)
+(the comparison passes when that is <= 1); then the median latency over N runs after one warm-up
+at each thread count: ferrum from `ferrum run --repeat N --threads T` (model loading and file I/O
+excluded), ONNX Runtime from session.run with intra_op_num_threads = T. Prints a markdown table.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+
+
+def load_pb(path):
+    t = onnx.TensorProto()
+    with open(path, "rb") as f:
+        t.ParseFromString(f.read())
+    return numpy_helper.to_array(t)
+
+
+def diffs(got, ref, rtol, atol):
+    worst_abs = worst_rel = worst_ratio = 0.0
+    for g, r in zip(got, ref):
+        g, r = g.astype(np.float64), r.astype(np.float64)
+        d = np.abs(g - r)
+        if np.isnan(d).any():
+            return float("nan"), float("nan"), float("nan")
+        worst_abs = max(worst_abs, float(d.max()))
+        worst_rel = max(worst_rel, float(d.max() / max(np.abs(r).max(), 1e-30)))
+        worst_ratio = max(worst_ratio, float((d / (atol + rtol * np.abs(r))).max()))
+    return worst_abs, worst_rel, worst_ratio
+
+
+def ferrum_time(ferrum, model, inputs, threads, repeat):
+    out = subprocess.run(
+        [ferrum, "run", "--quiet", "--model", model, "--inputs", inputs,
+         "--threads", str(threads), "--repeat", str(repeat)],
+        check=True, capture_output=True, text=True).stdout
+    m = re.search(r"time: median ([0-9.]+) ms", out)
+    return float(m.group(1))
+
+
+def ort_session(model, threads):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def ort_time(model, feeds, threads, repeat):
+    sess = ort_session(model, threads)
+    sess.run(None, feeds)
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        sess.run(None, feeds)
+        ts.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(ts))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ferrum")
+    ap.add_argument("cache")
+    ap.add_argument("models")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--threads", default="1,2")
+    a = ap.parse_args()
+    threads = [int(t) for t in a.threads.split(",")]
+    info = {}
+    if os.path.exists(os.path.join(a.cache, "models.json")):
+        info = json.load(open(os.path.join(a.cache, "models.json")))
+    rows = []
+    for name in a.models.split(","):
+        d = os.path.join(a.cache, name)
+        model = os.path.join(d, "model.onnx")
+        ds = os.path.join(d, "test_data_set_0")
+        tol = json.load(open(os.path.join(d, "data.json")))
+        rtol, atol = tol.get("rtol", 1e-3), tol.get("atol", 1e-7)
+        m = onnx.load(model, load_external_data=False)
+        inits = {i.name for i in m.graph.initializer}
+        ins = [v.name for v in m.graph.input if v.name not in inits]
+        feeds = {n: load_pb(os.path.join(ds, f"input_{j}.pb")) for j, n in enumerate(ins)}
+        n_out = len(m.graph.output)
+        torch_out = [load_pb(os.path.join(ds, f"output_{j}.pb")) for j in range(n_out)]
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([a.ferrum, "run", "--quiet", "--model", model, "--inputs", ds,
+                            "--outputs", tmp], check=True)
+            ours = [load_pb(os.path.join(tmp, f"output_{j}.pb")) for j in range(n_out)]
+        ort_out = ort_session(model, 2).run(None, feeds)
+        vs_ort = diffs(ours, ort_out, rtol, atol)
+        vs_torch = diffs(ours, torch_out, rtol, atol)
+        ort_vs_torch = diffs(ort_out, torch_out, rtol, atol)
+        passed = vs_torch[2] <= 1.0
+        times = {}
+        for t in threads:
+            times[("ferrum", t)] = ferrum_time(a.ferrum, model, ds, t, a.repeat)
+            times[("ort", t)] = ort_time(model, feeds, t, a.repeat)
+        gflops = info.get(name, {}).get("gflops", float("nan"))
+        rows.append((name, gflops, times, vs_ort, vs_torch, ort_vs_torch, passed, atol))
+        print(f"{name}: done", flush=True)
+    head = "| model | GFLOPs | " + " | ".join(
+        f"ferrum {t}t ms | ORT {t}t ms" for t in threads) + \
+        " | vs ORT max abs / rel | vs torch max abs / rel | worst diff/tol vs torch (ORT's) | atol | pass |"
+    print()
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for name, gflops, times, vo, vt, ot, passed, atol in rows:
+        cells = " | ".join(f"{times[('ferrum', t)]:.1f} | {times[('ort', t)]:.1f}" for t in threads)
+        print(f"| {name} | {gflops:.2f} | {cells} | {vo[0]:.2e} / {vo[1]:.2e} | "
+              f"{vt[0]:.2e} / {vt[1]:.2e} | {vt[2]:.3f} ({ot[2]:.3f}) | {atol:g} | "
+              f"{'pass' if passed else 'FAIL'} |")
+    print(f"\nonnxruntime {ort.__version__}, onnx {onnx.__version__}; medians of {a.repeat} runs "
+          "after one warm-up; rel = max |diff| / max |reference|.")
+
+
+if __name__ == "__main__":
+    main()
