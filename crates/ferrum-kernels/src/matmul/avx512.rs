@@ -616,7 +616,9 @@ fn cell_bytes(dtype: DType) -> usize {
 
 /// Repacks a row-major Q8_0, Q5_0 or Q4_1 matrix (`rows` a multiple of 16) for [`gemv_x16`]:
 /// for each group of 16 rows and each block, a cell holding the 16 rows' d scales (then Q4_1's
-/// 16 m values, or Q5_0's 16 high-bit words), then their quants row after row. One token then
+/// 16 m values, or Q5_0's 16 high-bit words), then their quants: row after row (Q8_0, Q5_0), or
+/// interleaved (Q4_1: 4 lines of 64 bytes, line k holding quant bytes 4k..4k+4 of the 16 rows, so
+/// each nibble half of a line is one 4-element lane of `vec_dot` for all 16 rows). One token then
 /// streams the matrix front to back, and one vector load fetches a field of 16 rows. `None` for
 /// other types or shapes.
 pub fn pack_x16(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
@@ -648,6 +650,16 @@ pub fn pack_x16(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<V
                 if hf > 0 {
                     let at = GROUP * sf + hf * r;
                     cell[at..at + hf].copy_from_slice(&blk[2..2 + hf]);
+                }
+                if dtype == DType::Q4_1 {
+                    // Interleaved: line k holds quant bytes 4k..4k+4 of each row (row r at
+                    // 4r..4r+4), so its low nibbles are elements 4k..4k+4 of the 16 rows and its
+                    // high nibbles elements 16+4k..16+4k+4.
+                    for k in 0..4 {
+                        let at = GROUP * sf + 64 * k + 4 * r;
+                        cell[at..at + 4].copy_from_slice(&blk[4 + 4 * k..8 + 4 * k]);
+                    }
+                    continue;
                 }
                 let at = GROUP * (sf + hf) + qf * r;
                 cell[at..at + qf].copy_from_slice(&blk[bb - qf..bb]);
@@ -764,28 +776,27 @@ unsafe fn gemv_group_x_q8_0<const QB: usize>(w: &[u8], p: &Prepared) -> [f32; GR
     out
 }
 
-/// One group of Q4_1 rows x Q8_1 activations: the 16 rows' Σ m·s run in one vector, lane r
-/// for row r, in the same order as the row kernel's scalar sum.
+/// One group of Q4_1 rows x Q8_1 activations, over the interleaved cells of [`pack_x16`]: per
+/// block, each nibble half of a line is one of `vec_dot`'s 8 lanes (4 consecutive elements) for
+/// all 16 rows, so lane j of every row accumulates in vector `acc[j]` (lane r = row r) by the same
+/// `fma(d_w·d_a, f32(lane), acc)`; the end reduces the 8 vectors in `hsum_float_8`'s order and adds
+/// the rows' Σ m·s, summed in the row kernel's order. Same bits as `vec_dot`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemv_group_q4_1(w: &[u8], p: &Prepared) -> [f32; GROUP] {
     let nb = p.nb;
     let cell_len = GROUP * 20;
     assert!(w.len() >= nb * cell_len && p.quants.len() >= nb * 64 && p.scales.len() >= nb * 4);
-    let m4 = _mm256_set1_epi8(0x0f);
-    // Lanes [row 2pr x4, row 2pr+1 x4, row 2pr x4, row 2pr+1 x4] (the activation layout of
-    // `Prepared` for Q8_1: low halves then high halves).
-    let idx: [__m512i; GROUP / 2] = core::array::from_fn(|pr| {
-        let (a, b) = (2 * pr as i32, 2 * pr as i32 + 1);
-        _mm512_setr_epi32(a, a, a, a, b, b, b, b, a, a, a, a, b, b, b, b)
-    });
-    let mut acc = [_mm512_setzero_ps(); GROUP / 2];
+    let m4 = _mm512_set1_epi8(0x0f);
+    let mut acc = [_mm512_setzero_ps(); 8];
     let mut summs = _mm512_setzero_ps();
     for b in 0..nb {
         // SAFETY: cell b and activation block b are in bounds (asserted above).
         unsafe {
             let cell = w.as_ptr().add(b * cell_len);
             let pf = cell.wrapping_add(8 * cell_len); // a hint: may point past the end
-            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+            for l in (0..cell_len).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(l) as *const i8);
+            }
             let da = *p.scales.get_unchecked(4 * b);
             let sa = *p.scales.get_unchecked(4 * b + 1);
             let d = _mm512_mul_ps(
@@ -797,34 +808,25 @@ unsafe fn gemv_group_q4_1(w: &[u8], p: &Prepared) -> [f32; GROUP] {
                 _mm512_set1_ps(sa),
             );
             summs = _mm512_add_ps(summs, m);
-            let a = _mm512_loadu_si512(p.quants.as_ptr().add(b * 64) as *const _);
-            let qs = cell.add(64);
-            for pr in 0..GROUP / 2 {
-                if pr % 2 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 + 32 * pr) as *const i8);
-                }
-                let x = _mm256_loadu_si256(qs.add(32 * pr) as *const __m256i);
-                let lo = _mm256_and_si256(x, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), m4);
-                let wz = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                let isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz, a);
-                let dp = _mm512_permutexvar_ps(idx[pr], d);
-                acc[pr] = _mm512_fmadd_ps(dp, _mm512_cvtepi32_ps(isum), acc[pr]);
+            // Prepared Q8_1 layout: elements 0..16 at bytes 0..16, 16..32 at bytes 32..48.
+            let a = p.quants.as_ptr().add(b * 64);
+            let av = |off: usize| _mm512_set1_epi32((a.add(off) as *const i32).read_unaligned());
+            for k in 0..4 {
+                let x = _mm512_loadu_si512(cell.add(64 + 64 * k) as *const _);
+                let lo = _mm512_and_si512(x, m4);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), m4);
+                let slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, av(4 * k));
+                let shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, av(32 + 4 * k));
+                acc[k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(slo), acc[k]);
+                acc[k + 4] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(shi), acc[k + 4]);
             }
         }
     }
-    let mut sm = [0f32; 16];
-    // SAFETY: `sm` holds 16 f32; unaligned store.
-    unsafe { _mm512_storeu_ps(sm.as_mut_ptr(), summs) };
+    // hsum_float_8 per row: r = [l4+l0, l5+l1, l6+l2, l7+l3], then (r0+r2)+(r1+r3).
+    let r: [__m512; 4] = core::array::from_fn(|j| _mm512_add_ps(acc[j + 4], acc[j]));
+    let h = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
     let mut out = [0f32; GROUP];
-    for pr in 0..GROUP / 2 {
-        let mut l = [0f32; 16];
-        // SAFETY: `l` holds 16 f32; unaligned store.
-        unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[pr]) };
-        let r0 = [l[0], l[1], l[2], l[3], l[8], l[9], l[10], l[11]];
-        let r1 = [l[4], l[5], l[6], l[7], l[12], l[13], l[14], l[15]];
-        out[2 * pr] = hsum8_order(r0) + sm[2 * pr];
-        out[2 * pr + 1] = hsum8_order(r1) + sm[2 * pr + 1];
-    }
+    // SAFETY: `out` holds 16 f32.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(h, summs)) };
     out
 }
