@@ -321,40 +321,37 @@ fn conv_transpose(cx: &Ctx) -> Result<Tensor> {
     let full: Vec<usize> = (0..nd)
         .map(|i| s[i] * (ins[i] - 1) + opad[i] + (k[i] - 1) * d[i] + 1)
         .collect();
-    let outs: Vec<usize> = if let Some(os) = cx.aints("output_shape") {
-        let os: Vec<usize> = os
-            .iter()
-            .rev()
-            .take(nd)
-            .rev()
-            .map(|&v| v as usize)
-            .collect();
-        for i in 0..nd {
-            let total = full[i].saturating_sub(os[i]);
-            if auto == "SAME_UPPER" {
-                pads[i] = total / 2;
-                pads[i + nd] = total - total / 2;
-            } else {
-                pads[i] = total - total / 2;
-                pads[i + nd] = total / 2;
-            }
-        }
-        os
+    // A given output shape, or SAME_*: the padding is whatever the full output exceeds it by,
+    // split with the odd element at the end (SAME_UPPER) or the start.
+    let given: Option<Vec<usize>> = if let Some(os) = cx.aints("output_shape") {
+        Some(
+            os.iter()
+                .rev()
+                .take(nd)
+                .rev()
+                .map(|&v| v as usize)
+                .collect(),
+        )
     } else if auto == "SAME_UPPER" || auto == "SAME_LOWER" {
-        let os: Vec<usize> = (0..nd).map(|i| ins[i] * s[i]).collect();
-        for i in 0..nd {
-            let total = full[i].saturating_sub(os[i]);
-            if auto == "SAME_UPPER" {
-                pads[i] = total / 2;
-                pads[i + nd] = total - total / 2;
-            } else {
-                pads[i] = total - total / 2;
-                pads[i + nd] = total / 2;
-            }
-        }
-        os
+        Some((0..nd).map(|i| ins[i] * s[i]).collect())
     } else {
-        (0..nd).map(|i| full[i] - pads[i] - pads[i + nd]).collect()
+        None
+    };
+    let outs: Vec<usize> = match given {
+        Some(os) => {
+            for i in 0..nd {
+                let total = full[i].saturating_sub(os[i]);
+                let (lo, hi) = if auto == "SAME_UPPER" {
+                    (total / 2, total - total / 2)
+                } else {
+                    (total - total / 2, total / 2)
+                };
+                pads[i] = lo;
+                pads[i + nd] = hi;
+            }
+            os
+        }
+        None => (0..nd).map(|i| full[i] - pads[i] - pads[i + nd]).collect(),
     };
     let (xv, wv) = (x.to_f64_vec()?, w.to_f64_vec()?);
     let osp: usize = outs.iter().product();

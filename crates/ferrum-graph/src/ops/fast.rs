@@ -9,7 +9,7 @@ use ferrum_kernels::pool;
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, broadcast_to};
 use crate::ops::Ctx;
 use crate::tensor::{DType, Tensor};
-use crate::{kbail, Result};
+use crate::Result;
 
 /// True when every given tensor is float32.
 pub fn all_f32(ts: &[&Tensor]) -> bool {
@@ -18,26 +18,15 @@ pub fn all_f32(ts: &[&Tensor]) -> bool {
 
 /// numpy matmul of two f32 tensors (1-D operands promoted, batch dims broadcast).
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let (ash, bsh) = (a.shape(), b.shape());
-    if ash.is_empty() || bsh.is_empty() {
-        kbail!("MatMul of a scalar");
-    }
-    let mut ash2 = ash.to_vec();
-    let mut bsh2 = bsh.to_vec();
-    if ash.len() == 1 {
-        ash2.insert(0, 1);
-    }
-    if bsh.len() == 1 {
-        bsh2.push(1);
-    }
-    let (m, k) = (ash2[ash2.len() - 2], ash2[ash2.len() - 1]);
-    let (k2, n) = (bsh2[bsh2.len() - 2], bsh2[bsh2.len() - 1]);
-    if k != k2 {
-        kbail!("MatMul of {ash:?} and {bsh:?}: inner dims differ");
-    }
-    let abatch = &ash2[..ash2.len() - 2];
-    let bbatch = &bsh2[..bsh2.len() - 2];
-    let batch = broadcast_shape(abatch, bbatch)?;
+    let super::nn::MatmulDims {
+        m,
+        k,
+        n,
+        abatch,
+        bbatch,
+        batch,
+        out_shape,
+    } = super::nn::MatmulDims::of(a.shape(), b.shape())?;
     let nb: usize = batch.iter().product();
     let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
     let mut out = vec![0f32; nb * m * n];
@@ -56,7 +45,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             n,
         );
     } else {
-        let offs = broadcast_offsets(&[abatch, bbatch], &batch);
+        let offs = broadcast_offsets(&[&abatch, &bbatch], &batch);
         for bi in 0..nb {
             let (ao, bo) = (offs[0][bi] * m * k, offs[1][bi] * k * n);
             gemm(
@@ -72,14 +61,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             );
         }
     }
-    let mut shape = batch;
-    if ash.len() > 1 {
-        shape.push(m);
-    }
-    if bsh.len() > 1 {
-        shape.push(n);
-    }
-    Tensor::from_vec(shape, out)
+    Tensor::from_vec(out_shape, out)
 }
 
 /// Gemm on f32: `alpha * op(A) * op(B) + beta * C` (C broadcast to `m x n`).
@@ -374,6 +356,19 @@ fn map_f32(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
     out
 }
 
+/// Strides of an operand of shape `s` seen from a broadcast output of rank `r` (0 along the
+/// dims it is broadcast over).
+fn strides_from(s: &[usize], r: usize) -> Vec<usize> {
+    let mut v = vec![0; r];
+    let mut acc = 1;
+    for i in (0..s.len()).rev() {
+        let o = r - s.len() + i;
+        v[o] = if s[i] == 1 { 0 } else { acc };
+        acc *= s[i];
+    }
+    v
+}
+
 /// `f(a, b)` with numpy broadcasting: rows of the output's last dim at a time, each operand
 /// either contiguous or repeated along it.
 fn zip_f32(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32) -> Result<Tensor> {
@@ -385,18 +380,7 @@ fn zip_f32(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32) -> Result<Tensor
         return Tensor::from_vec(out, v);
     }
     let r = out.len();
-    let st = |s: &[usize]| -> Vec<usize> {
-        // Strides of `s` seen from `out` (0 along broadcast dims).
-        let mut v = vec![0; r];
-        let mut acc = 1;
-        for i in (0..s.len()).rev() {
-            let o = r - s.len() + i;
-            v[o] = if s[i] == 1 { 0 } else { acc };
-            acc *= s[i];
-        }
-        v
-    };
-    let (sa, sb) = (st(a.shape()), st(b.shape()));
+    let (sa, sb) = (strides_from(a.shape(), r), strides_from(b.shape(), r));
     let last = if r == 0 { 1 } else { out[r - 1] };
     let (la, lb) = if r == 0 {
         (0, 0)
@@ -625,17 +609,7 @@ pub fn where_f32(c: &Tensor, x: &Tensor, y: &Tensor) -> Result<Tensor> {
     );
     let n: usize = out.iter().product();
     let r = out.len();
-    let st = |s: &[usize]| -> Vec<usize> {
-        let mut v = vec![0; r];
-        let mut acc = 1;
-        for i in (0..s.len()).rev() {
-            let o = r - s.len() + i;
-            v[o] = if s[i] == 1 { 0 } else { acc };
-            acc *= s[i];
-        }
-        v
-    };
-    let ss = [st(c.shape()), st(x.shape()), st(y.shape())];
+    let ss = [c.shape(), x.shape(), y.shape()].map(|sh| strides_from(sh, r));
     let last = if r == 0 { 1 } else { out[r - 1] };
     let ls: Vec<usize> = ss
         .iter()

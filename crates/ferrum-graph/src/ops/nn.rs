@@ -12,6 +12,58 @@ pub(super) fn f64_tensor(shape: Vec<usize>, v: Vec<f64>, dt: DType) -> Result<Te
     cast(&Tensor::from_vec(shape, v)?, dt)
 }
 
+/// The shapes of a numpy matmul: `[.., m, k] x [.., k, n]` after promoting 1-D operands, the
+/// operands' batch dims, their broadcast, and the output shape (a promoted dim dropped again).
+pub struct MatmulDims {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub abatch: Vec<usize>,
+    pub bbatch: Vec<usize>,
+    pub batch: Vec<usize>,
+    pub out_shape: Vec<usize>,
+}
+
+impl MatmulDims {
+    pub fn of(ash: &[usize], bsh: &[usize]) -> Result<MatmulDims> {
+        if ash.is_empty() || bsh.is_empty() {
+            kbail!("MatMul of a scalar");
+        }
+        let mut ash2 = ash.to_vec();
+        let mut bsh2 = bsh.to_vec();
+        if ash.len() == 1 {
+            ash2.insert(0, 1);
+        }
+        if bsh.len() == 1 {
+            bsh2.push(1);
+        }
+        let (m, k) = (ash2[ash2.len() - 2], ash2[ash2.len() - 1]);
+        let (k2, n) = (bsh2[bsh2.len() - 2], bsh2[bsh2.len() - 1]);
+        if k != k2 {
+            kbail!("MatMul of {ash:?} and {bsh:?}: inner dims differ");
+        }
+        ash2.truncate(ash2.len() - 2);
+        bsh2.truncate(bsh2.len() - 2);
+        let batch = broadcast_shape(&ash2, &bsh2)?;
+        let mut out_shape = batch.clone();
+        if ash.len() > 1 {
+            out_shape.push(m);
+        }
+        if bsh.len() > 1 {
+            out_shape.push(n);
+        }
+        Ok(MatmulDims {
+            m,
+            k,
+            n,
+            abatch: ash2,
+            bbatch: bsh2,
+            batch,
+            out_shape,
+        })
+    }
+}
+
 /// numpy matmul of f64 data: 1-D operands are promoted and the added dim dropped; batch dims
 /// broadcast.
 pub fn matmul_f64(
@@ -20,26 +72,16 @@ pub fn matmul_f64(
     b: &[f64],
     bsh: &[usize],
 ) -> Result<(Vec<usize>, Vec<f64>)> {
-    if ash.is_empty() || bsh.is_empty() {
-        kbail!("MatMul of a scalar");
-    }
-    let mut ash2 = ash.to_vec();
-    let mut bsh2 = bsh.to_vec();
-    if ash.len() == 1 {
-        ash2.insert(0, 1);
-    }
-    if bsh.len() == 1 {
-        bsh2.push(1);
-    }
-    let (m, k) = (ash2[ash2.len() - 2], ash2[ash2.len() - 1]);
-    let (k2, n) = (bsh2[bsh2.len() - 2], bsh2[bsh2.len() - 1]);
-    if k != k2 {
-        kbail!("MatMul of {ash:?} and {bsh:?}: inner dims differ");
-    }
-    let abatch = &ash2[..ash2.len() - 2];
-    let bbatch = &bsh2[..bsh2.len() - 2];
-    let batch = broadcast_shape(abatch, bbatch)?;
-    let offs = broadcast_offsets(&[abatch, bbatch], &batch);
+    let MatmulDims {
+        m,
+        k,
+        n,
+        abatch,
+        bbatch,
+        batch,
+        out_shape,
+    } = MatmulDims::of(ash, bsh)?;
+    let offs = broadcast_offsets(&[&abatch, &bbatch], &batch);
     let nb = offs[0].len();
     let mut out = vec![0f64; nb * m * n];
     for bi in 0..nb {
@@ -70,14 +112,7 @@ pub fn matmul_f64(
             }
         }
     }
-    let mut shape = batch;
-    if ash.len() > 1 {
-        shape.push(m);
-    }
-    if bsh.len() > 1 {
-        shape.push(n);
-    }
-    Ok((shape, out))
+    Ok((out_shape, out))
 }
 
 fn matmul(cx: &Ctx) -> Result<Tensor> {

@@ -1,5 +1,7 @@
-//! AVX-512 (F, BW, VL, VNNI) tile kernels for Q4_1, Q5_0 and Q8_0 weights: 4 weight rows x up to 4
-//! tokens per call, each weight block unpacked once for all the tokens of the tile.
+//! AVX-512 (F, BW, VL, VNNI) kernels for Q4_1, Q5_0 and Q8_0 weights: prompt tiles (Q4_1: 4
+//! weight rows x up to 4 tokens, each block unpacked once per tile; Q5_0/Q8_0: 8 rows x up to 4
+//! tokens over rows each task unpacks once, [`Unpacked`]) and one-token products over matrices
+//! repacked in groups of 16 rows ([`pack_x16`], [`gemv_x16`]).
 //!
 //! Every output is summed in exactly the float order of the AVX2 `vec_dot` (llama.cpp's order):
 //! per block, the 8 i32 lanes of Σ w·a over 4 consecutive bytes (exact integers, so any way of
@@ -118,35 +120,25 @@ impl Default for Prepared {
     }
 }
 
-/// `out[c][r] = row r · token tok0 + c`, for 4 weight rows (`rows[r]`, each `nb` blocks; they may
-/// repeat) and `C` consecutive tokens starting at `tok0`.
+/// `out[c][r] = row r · token tok0 + c`, for 4 Q4_1 weight rows (`rows[r]`, each `nb` blocks;
+/// they may repeat) and `C` consecutive tokens starting at `tok0`. (Q5_0 and Q8_0 prompts go
+/// through [`tile8_unpacked`].)
 pub fn tile<const C: usize>(
     dtype: DType,
     rows: [&[u8]; 4],
     p: &Prepared,
     tok0: usize,
 ) -> [[f32; 4]; C] {
+    assert_eq!(dtype, DType::Q4_1, "tile: Q4_1 only");
     let nb = p.nb;
-    let bw = match dtype {
-        DType::Q4_1 => 20,
-        DType::Q5_0 => 22,
-        DType::Q8_0 => 34,
-        other => panic!("no AVX-512 tile kernel for {other}"),
-    };
     for r in rows {
-        assert!(r.len() >= nb * bw, "tile: weight row too short");
+        assert!(r.len() >= nb * 20, "tile: weight row too short");
     }
     assert!(p.quants.len() >= (tok0 + C) * nb * 64, "tile: activations");
     assert!(available(), "tile: CPU lacks AVX-512 VNNI");
     // SAFETY: `available()` confirmed AVX-512 F/BW/VL/VNNI (and AVX2/FMA/F16C) at run time, and
-    // the lengths the kernels read were checked above.
-    unsafe {
-        match dtype {
-            DType::Q4_1 => tile_q4_1::<C>(rows, p, tok0),
-            DType::Q5_0 => tile_x_q8_0::<C, 22>(rows, p, tok0),
-            _ => tile_x_q8_0::<C, 34>(rows, p, tok0),
-        }
-    }
+    // the lengths the kernel reads were checked above.
+    unsafe { tile_q4_1::<C>(rows, p, tok0) }
 }
 
 /// Asks the CPU to bring `bytes` into L1 ahead of use (a hint; no effect on results).
@@ -268,168 +260,13 @@ unsafe fn unpack_q5_0_pair(r0: *const u8, r1: *const u8, b: usize) -> __m512i {
     _mm512_add_epi8(z, _mm512_set1_epi8(112))
 }
 
-/// "_0" weights (Q8_0, Q5_0; `BW` bytes per block) x Q8_0 activations.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_x_q8_0<const C: usize, const BW: usize>(
-    rows: [&[u8]; 4],
-    p: &Prepared,
-    tok0: usize,
-) -> [[f32; 4]; C] {
-    let nb = p.nb;
-    let didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    let mut acc = [[_mm512_setzero_ps(); C]; 2];
-    let wp = rows.map(|r| r.as_ptr());
-    for b in 0..nb {
-        for pair in 0..2 {
-            let (r0, r1) = (wp[2 * pair], wp[2 * pair + 1]);
-            // SAFETY: block b of each row is within the row (lengths checked by `tile`).
-            let (wz, dw) = unsafe {
-                let d0 = (r0.add(b * BW) as *const u16).read_unaligned();
-                let d1 = (r1.add(b * BW) as *const u16).read_unaligned();
-                let dw = _mm_cvtph_ps(_mm_setr_epi16(d0 as i16, d1 as i16, 0, 0, 0, 0, 0, 0));
-                // BW is a constant: the branch folds away and the unpack inlines.
-                let wz = if BW == 34 {
-                    unpack_q8_0_pair(r0, r1, b)
-                } else {
-                    unpack_q5_0_pair(r0, r1, b)
-                };
-                (wz, dw)
-            };
-            for c in 0..C {
-                let i = (tok0 + c) * nb + b;
-                // SAFETY: token tok0 + c < t and b < nb, checked by `tile`.
-                let (a, corr, da) = unsafe {
-                    (
-                        _mm512_loadu_si512(p.quants.as_ptr().add(i * 64) as *const _),
-                        _mm512_loadu_si512(p.corr.as_ptr().add(i * 16) as *const _),
-                        _mm_set1_ps(*p.scales.get_unchecked(i)),
-                    )
-                };
-                let isum = _mm512_dpbusd_epi32(corr, wz, a);
-                let d = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(_mm_mul_ps(dw, da)));
-                acc[pair][c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[pair][c]);
-            }
-        }
-    }
-    let mut out = [[0f32; 4]; C];
-    for pair in 0..2 {
-        for c in 0..C {
-            let mut l = [0f32; 16];
-            // SAFETY: `l` holds 16 f32; unaligned store.
-            unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[pair][c]) };
-            out[c][2 * pair] = hsum8_order(l[0..8].try_into().unwrap());
-            out[c][2 * pair + 1] = hsum8_order(l[8..16].try_into().unwrap());
-        }
-    }
-    out
-}
-
-/// Weight rows per call of the tile kernel of `dtype`: 8 for Q5_0 and Q8_0 ([`tile8`]), 4 for
-/// Q4_1 ([`tile`]).
+/// Weight rows per call of the tile kernel of `dtype`: 8 for Q5_0 and Q8_0 ([`tile8_unpacked`]),
+/// 4 for Q4_1 ([`tile`]).
 pub fn tile_rows(dtype: DType) -> usize {
     match dtype {
         DType::Q5_0 | DType::Q8_0 => 8,
         _ => 4,
     }
-}
-
-/// `out[c][r] = row r · token tok0 + c` for 8 Q5_0 or Q8_0 weight rows (`rows[r]`, each `nb`
-/// blocks; they may repeat) and `C` consecutive tokens starting at `tok0`. Each block of the 8
-/// rows is unpacked and its scales broadcast once for the `C` tokens, and each token's activation
-/// block is loaded once for the 8 rows.
-pub fn tile8<const C: usize>(
-    dtype: DType,
-    rows: [&[u8]; 8],
-    p: &Prepared,
-    tok0: usize,
-) -> [[f32; 8]; C] {
-    let nb = p.nb;
-    let bw = match dtype {
-        DType::Q5_0 => 22,
-        DType::Q8_0 => 34,
-        other => panic!("no 8-row AVX-512 tile kernel for {other}"),
-    };
-    for r in rows {
-        assert!(r.len() >= nb * bw, "tile8: weight row too short");
-    }
-    assert!(
-        p.quants.len() >= (tok0 + C) * nb * 64
-            && p.corr.len() >= (tok0 + C) * nb * 16
-            && p.scales.len() >= (tok0 + C) * nb,
-        "tile8: activations"
-    );
-    assert!(available(), "tile8: CPU lacks AVX-512 VNNI");
-    // SAFETY: `available()` confirmed AVX-512 F/BW/VL/VNNI (and AVX2/FMA/F16C) at run time, and
-    // the lengths the kernel reads were checked above.
-    unsafe {
-        match dtype {
-            DType::Q5_0 => tile8_x_q8_0::<C, 22>(rows, p, tok0),
-            _ => tile8_x_q8_0::<C, 34>(rows, p, tok0),
-        }
-    }
-}
-
-/// [`tile8`]'s kernel: four row pairs x `C` tokens of accumulators. Per block, the float
-/// operations of every output are those of [`tile_x_q8_0`] (and of `vec_dot`): one product
-/// `d_w·d_a`, one conversion, one FMA per lane.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile8_x_q8_0<const C: usize, const BW: usize>(
-    rows: [&[u8]; 8],
-    p: &Prepared,
-    tok0: usize,
-) -> [[f32; 8]; C] {
-    let nb = p.nb;
-    let didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    let mut acc = [[_mm512_setzero_ps(); C]; 4];
-    let wp = rows.map(|r| r.as_ptr());
-    for b in 0..nb {
-        let mut wz = [_mm512_setzero_si512(); 4];
-        let mut dw = [_mm512_setzero_ps(); 4];
-        for pair in 0..4 {
-            let (r0, r1) = (wp[2 * pair], wp[2 * pair + 1]);
-            // SAFETY: block b of each row is within the row (lengths checked by `tile8`).
-            unsafe {
-                let d0 = (r0.add(b * BW) as *const u16).read_unaligned();
-                let d1 = (r1.add(b * BW) as *const u16).read_unaligned();
-                let d = _mm_cvtph_ps(_mm_setr_epi16(d0 as i16, d1 as i16, 0, 0, 0, 0, 0, 0));
-                // [d0 x8, d1 x8]
-                dw[pair] = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(d));
-                // BW is a constant: the branch folds away and the unpack inlines.
-                wz[pair] = if BW == 34 {
-                    unpack_q8_0_pair(r0, r1, b)
-                } else {
-                    unpack_q5_0_pair(r0, r1, b)
-                };
-            }
-        }
-        for c in 0..C {
-            let i = (tok0 + c) * nb + b;
-            // SAFETY: token tok0 + c < t and b < nb, checked by `tile8`.
-            let (a, corr, da) = unsafe {
-                (
-                    _mm512_loadu_si512(p.quants.as_ptr().add(i * 64) as *const _),
-                    _mm512_loadu_si512(p.corr.as_ptr().add(i * 16) as *const _),
-                    _mm512_set1_ps(*p.scales.get_unchecked(i)),
-                )
-            };
-            for pair in 0..4 {
-                let isum = _mm512_dpbusd_epi32(corr, wz[pair], a);
-                let d = _mm512_mul_ps(dw[pair], da);
-                acc[pair][c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[pair][c]);
-            }
-        }
-    }
-    let mut out = [[0f32; 8]; C];
-    for pair in 0..4 {
-        for c in 0..C {
-            let mut l = [0f32; 16];
-            // SAFETY: `l` holds 16 f32; unaligned store.
-            unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[pair][c]) };
-            out[c][2 * pair] = hsum8_order(l[0..8].try_into().unwrap());
-            out[c][2 * pair + 1] = hsum8_order(l[8..16].try_into().unwrap());
-        }
-    }
-    out
 }
 
 /// One 64-byte line, 64-byte aligned.
@@ -516,7 +353,8 @@ impl Default for Unpacked {
 }
 
 /// `out[c][r] = row 2·pair0 + r · token tok0 + c` for the 8 unpacked rows of pairs
-/// `pair0..pair0 + 4` and `C` consecutive tokens: the float operations of [`tile8`].
+/// `pair0..pair0 + 4` and `C` consecutive tokens. Per block and output, the float operations
+/// of `vec_dot`: one product `d_w·d_a`, one conversion and one FMA per lane, then `hsum_float_8`.
 pub fn tile8_unpacked<const C: usize>(
     u: &Unpacked,
     pair0: usize,
