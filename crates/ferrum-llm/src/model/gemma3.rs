@@ -50,10 +50,10 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Buf) {
         trace("Kcur", Some(il), &k, nkv * hd);
         trace("Vcur", Some(il), &v, nkv * hd);
         let window = if swa { cfg.sliding_window } else { None };
-        let mut a = s.attend(il, &q, &k, &v, 1.0, window);
+        let a = s.attend(il, &q, &k, &v, 1.0, window);
         trace("kqv_out", Some(il), &a, nh * hd);
-        s.keep_output_rows(il, x, &mut a);
-        let o = l.attn_output.forward(&a, &s.segs);
+        let mut o = l.attn_output.forward(&a, &s.segs);
+        s.keep_output_rows(il, x, &mut o);
         let o = rms_norm(&o, post_attn, eps);
         trace("attn_post_norm", Some(il), &o, e);
         add(x, &o);

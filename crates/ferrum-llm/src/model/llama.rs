@@ -28,10 +28,10 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Buf) {
         trace("Qcur", Some(il), &q, nh * hd);
         trace("Kcur", Some(il), &k, nkv * hd);
         trace("Vcur", Some(il), &v, nkv * hd);
-        let mut a = s.attend(il, &q, &k, &v, kq_scale, None);
+        let a = s.attend(il, &q, &k, &v, kq_scale, None);
         trace("kqv_out", Some(il), &a, nh * hd);
-        s.keep_output_rows(il, x, &mut a);
-        let o = l.attn_output.forward(&a, &s.segs);
+        let mut o = l.attn_output.forward(&a, &s.segs);
+        s.keep_output_rows(il, x, &mut o);
         add(x, &o);
         trace("ffn_inp", Some(il), x, e);
 

@@ -89,25 +89,26 @@ impl Step<'_> {
         self.positions.len()
     }
 
-    /// In the last layer, keeps only the rows of `x` (the residual stream, [T, n_embd]) and `a`
-    /// (the attention output before its projection, [T, n_head * head_dim]) that logits need. As
-    /// in llama.cpp this happens before the output projection, so that projection (and the FFN)
-    /// runs only on the kept rows.
-    pub fn keep_output_rows(&mut self, il: usize, x: &mut Buf, a: &mut Buf) {
+    /// In the last layer, keeps only the rows of `x` (the residual stream, [T, n_embd]) and `o`
+    /// (the attention block's output after its projection, [T, n_embd]) that logits need. As in
+    /// llama.cpp this happens after the output projection, which runs on every row of the call
+    /// (its row count picks the K-quant kernel and so the float order), so only the norms and the
+    /// FFN after it run on the kept rows.
+    pub fn keep_output_rows(&mut self, il: usize, x: &mut Buf, o: &mut Buf) {
         if il + 1 != self.cfg.n_layer {
             return;
         }
-        let (e, qd) = (self.cfg.n_embd, self.cfg.q_dim());
-        let gather = |v: &[f32], cols: usize| -> Buf {
+        let e = self.cfg.n_embd;
+        let gather = |v: &[f32]| -> Buf {
             let n = kept_rows(&self.lens, &self.out_first).count();
-            let mut out = Buf::with_capacity(n * cols);
+            let mut out = Buf::with_capacity(n * e);
             for r in kept_rows(&self.lens, &self.out_first) {
-                out.extend_from_slice(&v[r * cols..(r + 1) * cols]);
+                out.extend_from_slice(&v[r * e..(r + 1) * e]);
             }
             out
         };
-        *x = gather(x, e);
-        *a = gather(a, qd);
+        *x = gather(x);
+        *o = gather(o);
         self.segs.clear();
         for (&len, first) in self.lens.iter().zip(&self.out_first) {
             self.segs.push(len - first.unwrap_or(len));
