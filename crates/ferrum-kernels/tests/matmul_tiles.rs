@@ -251,8 +251,13 @@ fn packed_gemv_equals_vec_dot_bit_for_bit() {
     }
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
-    for &dtype in &[DType::Q8_0, DType::Q5_0, DType::Q4_1] {
-        for &(rows, cols) in &[(16, 32), (48, 576), (160, 640)] {
+    for &dtype in &[DType::Q8_0, DType::Q5_0, DType::Q4_1, DType::Q4_K] {
+        let shapes: &[(usize, usize)] = if dtype == DType::Q4_K {
+            &[(16, 256), (48, 768), (160, 1024)]
+        } else {
+            &[(16, 32), (48, 576), (160, 640)]
+        };
+        for &(rows, cols) in shapes {
             let data = random_weights(dtype, rows, cols, &mut rng);
             assert!(avx512::pack_x16(dtype, &data, rows + 1, cols).is_none());
             let packed = avx512::pack_x16(dtype, &data, rows, cols).unwrap();
@@ -264,7 +269,13 @@ fn packed_gemv_equals_vec_dot_bit_for_bit() {
             quantize_row(at, &x, &mut act);
             let rb = dtype.row_bytes(cols).unwrap();
             for (r, a) in y.iter().enumerate() {
-                let b = vec_dot(dtype, &data[r * rb..(r + 1) * rb], &act, cols);
+                let wr = &data[r * rb..(r + 1) * rb];
+                // Q4_K: the order of llama.cpp's repacked GEMV, which one token gets.
+                let b = if dtype == DType::Q4_K {
+                    ferrum_kernels::quant::vec_dot_q4k_repacked(wr, &act, cols)
+                } else {
+                    vec_dot(dtype, wr, &act, cols)
+                };
                 assert!(
                     a.is_finite() && a.to_bits() == b.to_bits(),
                     "seed {seed}: {dtype} {rows}x{cols} row {r}: packed {a} vs vec_dot {b}"

@@ -58,7 +58,7 @@ pub struct Linear {
     pub n_in: usize,
     pub n_out: usize,
     /// The weight repacked for one-token products, where a kernel for that layout exists
-    /// (Q8_0, Q5_0, Q4_1 in groups of 16 rows on AVX-512 VNNI; see [`Linear::pack_for_decode`]).
+    /// (Q8_0, Q5_0, Q4_1, Q4_K in groups of 16 rows on AVX-512 VNNI; see [`Linear::pack_for_decode`]).
     pub gemv: Option<Bytes>,
 }
 
@@ -73,10 +73,11 @@ impl Linear {
     }
 
     /// Builds [`Linear::gemv`] where it pays: the one-token kernel over 16-row groups reads a
-    /// Q8_0, Q5_0 or Q4_1 matrix front to back with one scale load per 16 rows, well above the
-    /// row kernels' speed (`cargo bench -p ferrum-kernels --bench matmul`). Same bits as the row
-    /// kernel. Costs a second copy of the matrix (the row-major one serves prompts and embedding
-    /// lookups).
+    /// Q8_0, Q5_0, Q4_1 or Q4_K matrix front to back with one scale load per 16 rows, well above
+    /// the row kernels' speed (`cargo bench -p ferrum-kernels --bench matmul`). Same bits as the
+    /// row kernel (Q4_K: as llama.cpp's repacked GEMV, the order one token gets from
+    /// [`matmul::Order::of`] for row counts divisible by 16). Costs a second copy of the matrix
+    /// (the row-major one serves prompts and embedding lookups).
     pub fn pack_for_decode(&mut self) {
         #[cfg(target_arch = "x86_64")]
         if matmul::avx512::available() {
