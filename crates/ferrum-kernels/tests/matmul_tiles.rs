@@ -251,8 +251,14 @@ fn packed_gemv_equals_vec_dot_bit_for_bit() {
     }
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
-    for &dtype in &[DType::Q8_0, DType::Q5_0, DType::Q4_1, DType::Q4_K] {
-        let shapes: &[(usize, usize)] = if dtype == DType::Q4_K {
+    for &dtype in &[
+        DType::Q8_0,
+        DType::Q5_0,
+        DType::Q4_1,
+        DType::Q4_K,
+        DType::Q6_K,
+    ] {
+        let shapes: &[(usize, usize)] = if dtype.block_size() == 256 {
             &[(16, 256), (48, 768), (160, 1024)]
         } else {
             &[(16, 32), (48, 576), (160, 640)]
