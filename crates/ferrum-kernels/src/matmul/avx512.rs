@@ -454,9 +454,10 @@ fn cell_bytes(dtype: DType) -> usize {
 
 /// Repacks a row-major Q8_0, Q5_0 or Q4_1 matrix (`rows` a multiple of 16) for [`gemv_x16`]:
 /// for each group of 16 rows and each block, a cell holding the 16 rows' d scales (then Q4_1's
-/// 16 m values, or Q5_0's 16 high-bit words), then their quants: row after row (Q8_0, Q5_0), or
-/// interleaved (Q4_1: 4 lines of 64 bytes, line k holding quant bytes 4k..4k+4 of the 16 rows, so
-/// each nibble half of a line is one 4-element lane of `vec_dot` for all 16 rows). One token then
+/// 16 m values, or Q5_0's fifth bits as 8 64-bit masks, one per `vec_dot` lane), then their
+/// quants: row after row (Q8_0), or interleaved (Q4_1, Q5_0: 4 lines of 64 bytes, line k holding
+/// quant bytes 4k..4k+4 of the 16 rows, so each nibble half of a line is one 4-element lane of
+/// `vec_dot` for all 16 rows). One token then
 /// streams the matrix front to back, and one vector load fetches a field of 16 rows. Q4_K and
 /// Q6_K have cells of their own ([`Q4K_CELL`], [`Q6K_CELL`]). `None` for other types or shapes.
 pub fn pack_x16(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
@@ -490,17 +491,22 @@ pub fn pack_x16(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<V
                     }
                     _ => cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]),
                 }
-                if hf > 0 {
-                    let at = GROUP * sf + hf * r;
-                    cell[at..at + hf].copy_from_slice(&blk[2..2 + hf]);
+                if dtype == DType::Q5_0 {
+                    // The fifth bits as 8 masks, one per `vec_dot` lane j (elements 4j..4j+4):
+                    // bit 4r + i of mask j is bit 4j + i of row r's qh.
+                    let qh = u32::from_le_bytes(blk[2..6].try_into().unwrap());
+                    for j in 0..8 {
+                        let at = GROUP * sf + 8 * j + r / 2;
+                        cell[at] |= (((qh >> (4 * j)) & 0xf) as u8) << (4 * (r % 2));
+                    }
                 }
-                if dtype == DType::Q4_1 {
+                if matches!(dtype, DType::Q4_1 | DType::Q5_0) {
                     // Interleaved: line k holds quant bytes 4k..4k+4 of each row (row r at
                     // 4r..4r+4), so its low nibbles are elements 4k..4k+4 of the 16 rows and its
                     // high nibbles elements 16+4k..16+4k+4.
                     for k in 0..4 {
-                        let at = GROUP * sf + 64 * k + 4 * r;
-                        cell[at..at + 4].copy_from_slice(&blk[4 + 4 * k..8 + 4 * k]);
+                        let at = GROUP * (sf + hf) + 64 * k + 4 * r;
+                        cell[at..at + 4].copy_from_slice(&blk[bb - 16 + 4 * k..bb - 12 + 4 * k]);
                     }
                     continue;
                 }
@@ -647,8 +653,8 @@ pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32]
                 // prepared blocks of its activation type (K-quants: `act`, nb Q8_K blocks).
                 let out = unsafe {
                     match dtype {
-                        DType::Q8_0 => gemv_group_x_q8_0::<32>(w, p),
-                        DType::Q5_0 => gemv_group_x_q8_0::<16>(w, p),
+                        DType::Q8_0 => gemv_group_q8_0(w, p),
+                        DType::Q5_0 => gemv_group_q5_0(w, p),
                         DType::Q4_K => gemv_group_q4_k(w, act, nb),
                         DType::Q6_K => gemv_group_q6_k(w, act, nb),
                         _ => gemv_group_q4_1(w, p),
@@ -719,16 +725,15 @@ unsafe fn gemv_group_q4_k(w: &[u8], act: &[u8], nb: usize) -> [f32; GROUP] {
     out
 }
 
-/// One group of Q8_0 (`QB` = 32 quant bytes per row) or Q5_0 (`QB` = 16, plus high bits) rows x
-/// Q8_0 activations.
+/// One group of Q8_0 rows x Q8_0 activations: each 64-byte load is a row pair's block (as
+/// unsigned q + 128, with the prepared `-128·Σ a` start values), one VNNI instruction gives the
+/// pair's 2 x 8 `vec_dot` lanes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_x_q8_0<const QB: usize>(w: &[u8], p: &Prepared) -> [f32; GROUP] {
+unsafe fn gemv_group_q8_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
     let nb = p.nb;
-    let hf = if QB == 32 { 0 } else { 4 };
-    let cell_len = GROUP * (2 + hf + QB);
+    let cell_len = GROUP * 34;
     assert!(w.len() >= nb * cell_len && p.quants.len() >= nb * 64 && p.corr.len() >= nb * 16);
     let flip = _mm512_set1_epi8(0x80u8 as i8);
-    let m4 = _mm256_set1_epi8(0x0f);
     let idx: [__m512i; GROUP / 2] = core::array::from_fn(|pr| {
         let (a, b) = (2 * pr as i32, 2 * pr as i32 + 1);
         _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)
@@ -742,22 +747,11 @@ unsafe fn gemv_group_x_q8_0<const QB: usize>(w: &[u8], p: &Prepared) -> [f32; GR
             let d = _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(b)));
             let a = _mm512_loadu_si512(p.quants.as_ptr().add(b * 64) as *const _);
             let corr = _mm512_loadu_si512(p.corr.as_ptr().add(b * 16) as *const _);
-            let qs = cell.add(GROUP * (2 + hf));
+            let qs = cell.add(GROUP * 2);
             for pr in 0..GROUP / 2 {
                 // [row 2pr, row 2pr+1] as unsigned q + 128.
-                let wz = if QB == 32 {
-                    let q = _mm512_loadu_si512(qs.add(64 * pr) as *const _);
-                    _mm512_xor_si512(q, flip)
-                } else {
-                    let x = _mm256_loadu_si256(qs.add(32 * pr) as *const __m256i);
-                    let qh = (cell.add(GROUP * 2 + 8 * pr) as *const u64).read_unaligned();
-                    let lo = _mm256_and_si256(x, m4);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), m4);
-                    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                    let z = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
-                    let z = _mm512_or_si512(z, _mm512_maskz_mov_epi8(qh, _mm512_set1_epi8(0x10)));
-                    _mm512_add_epi8(z, _mm512_set1_epi8(112))
-                };
+                let q = _mm512_loadu_si512(qs.add(64 * pr) as *const _);
+                let wz = _mm512_xor_si512(q, flip);
                 let isum = _mm512_dpbusd_epi32(corr, wz, a);
                 let dp = _mm512_permutexvar_ps(idx[pr], d);
                 acc[pr] = _mm512_fmadd_ps(dp, _mm512_cvtepi32_ps(isum), acc[pr]);
@@ -772,6 +766,52 @@ unsafe fn gemv_group_x_q8_0<const QB: usize>(w: &[u8], p: &Prepared) -> [f32; GR
         out[2 * pr] = hsum8_order(l[0..8].try_into().unwrap());
         out[2 * pr + 1] = hsum8_order(l[8..16].try_into().unwrap());
     }
+    out
+}
+
+/// One group of Q5_0 rows x Q8_0 activations, over the interleaved cells of [`pack_x16`]: per
+/// block, each nibble half of a line plus its lane's fifth-bit mask is one of `vec_dot`'s 8 lanes
+/// (4 consecutive elements) for all 16 rows. The quants go to VNNI unsigned (0..31) with
+/// `-16·Σ a` over the lane's 4 activations as the start value, which gives `vec_dot`'s exact
+/// Σ (q − 16)·a; then `acc[j] = fma(d_w·d_a, f32(lane), acc[j])` and `hsum_float_8`. Same bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemv_group_q5_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
+    let nb = p.nb;
+    let cell_len = GROUP * 22;
+    assert!(w.len() >= nb * cell_len && p.quants.len() >= nb * 64 && p.corr.len() >= nb * 16);
+    let m4 = _mm512_set1_epi8(0x0f);
+    let sixteen = _mm512_set1_epi8(16);
+    let mut acc = [_mm512_setzero_ps(); 8];
+    for b in 0..nb {
+        // SAFETY: cell b and activation block b are in bounds (asserted above).
+        unsafe {
+            let cell = w.as_ptr().add(b * cell_len);
+            let d = _mm512_mul_ps(
+                _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i)),
+                _mm512_set1_ps(*p.scales.get_unchecked(b)),
+            );
+            // Prepared Q8_0 layout: elements 0..32 at bytes 0..32; `corr` lane j is -128·Σ a
+            // over elements 4j..4j+4, so -16·Σ a is a shift (exact: a multiple of 128).
+            let a = p.quants.as_ptr().add(b * 64);
+            let av = |off: usize| _mm512_set1_epi32((a.add(off) as *const i32).read_unaligned());
+            let start = |j: usize| _mm512_set1_epi32(*p.corr.get_unchecked(b * 16 + j) >> 3);
+            let mask = |j: usize| (cell.add(32 + 8 * j) as *const u64).read_unaligned();
+            for k in 0..4 {
+                let x = _mm512_loadu_si512(cell.add(96 + 64 * k) as *const _);
+                let lo = _mm512_and_si512(x, m4);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), m4);
+                let lo = _mm512_mask_add_epi8(lo, mask(k), lo, sixteen);
+                let hi = _mm512_mask_add_epi8(hi, mask(4 + k), hi, sixteen);
+                let slo = _mm512_dpbusd_epi32(start(k), lo, av(4 * k));
+                let shi = _mm512_dpbusd_epi32(start(4 + k), hi, av(16 + 4 * k));
+                acc[k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(slo), acc[k]);
+                acc[k + 4] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(shi), acc[k + 4]);
+            }
+        }
+    }
+    let mut out = [0f32; GROUP];
+    // SAFETY: `out` holds 16 f32.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), hsum8_lanes(&acc)) };
     out
 }
 
