@@ -1,7 +1,8 @@
-//! AVX-512 (F, BW, VL, VNNI) kernels for Q4_1, Q5_0 and Q8_0 weights: prompt tiles (Q4_1: 4
+//! AVX-512 (F, BW, VL, VNNI) kernels: prompt tiles for Q4_1, Q5_0 and Q8_0 weights (Q4_1: 4
 //! weight rows x up to 4 tokens, each block unpacked once per tile; Q5_0/Q8_0: 8 rows x up to 4
-//! tokens over rows each task unpacks once, [`Unpacked`]) and one-token products over matrices
-//! repacked in groups of 16 rows ([`pack_x16`], [`gemv_x16`]).
+//! tokens over rows each task unpacks once, [`Unpacked`]), and one-token products over Q4_1,
+//! Q5_0, Q8_0, Q4_K and Q6_K matrices repacked in groups of 16 rows ([`pack_x16`],
+//! [`gemv_x16`]; the K-quants in their own float orders, documented at their kernels).
 //!
 //! Every output is summed in exactly the float order of the AVX2 `vec_dot` (llama.cpp's order):
 //! per block, the 8 i32 lanes of Σ w·a over 4 consecutive bytes (exact integers, so any way of

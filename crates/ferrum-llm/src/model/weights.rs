@@ -57,8 +57,9 @@ pub struct Linear {
     pub bias: Option<Vec<f32>>,
     pub n_in: usize,
     pub n_out: usize,
-    /// The weight repacked for one-token products, where a kernel for that layout exists
-    /// (Q8_0, Q5_0, Q4_1, Q4_K in groups of 16 rows on AVX-512 VNNI; see [`Linear::pack_for_decode`]).
+    /// The weight repacked for one-token products, where a kernel for that layout exists (Q8_0,
+    /// Q5_0, Q4_1, Q4_K, Q6_K in groups of 16 rows on AVX-512 VNNI; see
+    /// [`Linear::pack_for_decode`]).
     pub gemv: Option<Bytes>,
 }
 
@@ -73,8 +74,8 @@ impl Linear {
     }
 
     /// Builds [`Linear::gemv`] where it pays: the one-token kernel over 16-row groups reads a
-    /// Q8_0, Q5_0, Q4_1 or Q4_K matrix front to back with one scale load per 16 rows, well above
-    /// the row kernels' speed (`cargo bench -p ferrum-kernels --bench matmul`). Same bits as the
+    /// Q8_0, Q5_0, Q4_1, Q4_K or Q6_K matrix front to back, 16 rows per vector, well above the
+    /// row kernels' speed (`cargo bench -p ferrum-kernels --bench matmul`). Same bits as the
     /// row kernel (Q4_K: as llama.cpp's repacked GEMV, the order one token gets from
     /// [`matmul::Order::of`] for row counts divisible by 16). Costs a second copy of the matrix
     /// (the row-major one serves prompts and embedding lookups).
