@@ -527,38 +527,52 @@ pub fn pack_x16(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<V
 /// rows. (2368 bytes against 16 x 144 in the file: 2.8% more.)
 pub const Q4K_CELL: usize = 64 + 256 + 2048;
 
-/// [`pack_x16`] for Q4_K: `rows` a multiple of 16, `cols` of 256.
-fn pack_q4k(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
-    use crate::quant::blocks::{scale_min_k4, Q4_K_QS, Q4_K_SCALES};
+/// Repacks a K-quant matrix (`bb` bytes per super-block, `rows` a multiple of 16, `cols` of 256)
+/// into cells of `cell_len` bytes, one per (16-row group, super-block), in that order;
+/// `fill(cell, r, block)` writes row r's super-block into its cell.
+fn pack_cells_k(
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    bb: usize,
+    cell_len: usize,
+    fill: impl Fn(&mut [u8], usize, &[u8]),
+) -> Option<Vec<u8>> {
     use crate::quant::QK_K;
-    const BB: usize = 144;
     if !rows.is_multiple_of(GROUP)
         || !cols.is_multiple_of(QK_K)
-        || data.len() != rows * cols / QK_K * BB
+        || data.len() != rows * cols / QK_K * bb
     {
         return None;
     }
     let nb = cols / QK_K;
-    let rb = nb * BB;
-    let mut out = vec![0u8; rows / GROUP * nb * Q4K_CELL];
-    for (gb, cell) in out.chunks_exact_mut(Q4K_CELL).enumerate() {
+    let rb = nb * bb;
+    let mut out = vec![0u8; rows / GROUP * nb * cell_len];
+    for (gb, cell) in out.chunks_exact_mut(cell_len).enumerate() {
         let (g, b) = (gb / nb, gb % nb);
         for r in 0..GROUP {
-            let blk = &data[(g * GROUP + r) * rb + b * BB..][..BB];
-            cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
-            cell[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&blk[2..4]);
-            let (sc, m) = scale_min_k4(&blk[Q4_K_SCALES..Q4_K_SCALES + 12]);
-            for j in 0..8 {
-                cell[64 + 16 * j + r] = sc[j];
-                cell[192 + 16 * j + r] = m[j];
-            }
-            for line in 0..32 {
-                let at = 320 + 64 * line + 4 * r;
-                cell[at..at + 4].copy_from_slice(&blk[Q4_K_QS + 4 * line..Q4_K_QS + 4 * line + 4]);
-            }
+            fill(cell, r, &data[(g * GROUP + r) * rb + b * bb..][..bb]);
         }
     }
     Some(out)
+}
+
+/// [`pack_x16`] for Q4_K ([`Q4K_CELL`]).
+fn pack_q4k(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+    use crate::quant::blocks::{scale_min_k4, Q4_K_QS, Q4_K_SCALES};
+    pack_cells_k(data, rows, cols, 144, Q4K_CELL, |cell, r, blk| {
+        cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
+        cell[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&blk[2..4]);
+        let (sc, m) = scale_min_k4(&blk[Q4_K_SCALES..Q4_K_SCALES + 12]);
+        for j in 0..8 {
+            cell[64 + 16 * j + r] = sc[j];
+            cell[192 + 16 * j + r] = m[j];
+        }
+        for line in 0..32 {
+            let at = 320 + 64 * line + 4 * r;
+            cell[at..at + 4].copy_from_slice(&blk[Q4_K_QS + 4 * line..Q4_K_QS + 4 * line + 4]);
+        }
+    })
 }
 
 /// Bytes of one (16-row group, super-block) cell of a packed Q6_K matrix: 48 lines of quants, then
@@ -570,45 +584,29 @@ fn pack_q4k(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
 /// 16 x 210 in the file: 1% more.)
 pub const Q6K_CELL: usize = 48 * 64 + 256 + 32 + 32;
 
-/// [`pack_x16`] for Q6_K: `rows` a multiple of 16, `cols` of 256.
+/// [`pack_x16`] for Q6_K ([`Q6K_CELL`]).
 fn pack_q6k(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
     use crate::quant::blocks::{Q6_K_D, Q6_K_QH, Q6_K_SCALES};
-    use crate::quant::QK_K;
-    const BB: usize = 210;
-    if !rows.is_multiple_of(GROUP)
-        || !cols.is_multiple_of(QK_K)
-        || data.len() != rows * cols / QK_K * BB
-    {
-        return None;
-    }
-    let nb = cols / QK_K;
-    let rb = nb * BB;
-    let mut out = vec![0u8; rows / GROUP * nb * Q6K_CELL];
-    for (gb, cell) in out.chunks_exact_mut(Q6K_CELL).enumerate() {
-        let (g, b) = (gb / nb, gb % nb);
-        for r in 0..GROUP {
-            let blk = &data[(g * GROUP + r) * rb + b * BB..][..BB];
-            for h in 0..2 {
-                for l in 0..8 {
-                    let at = 64 * 3 * (8 * h + l) + 4 * r;
-                    let src = [
-                        64 * h + 4 * l,
-                        64 * h + 32 + 4 * l,
-                        Q6_K_QH + 32 * h + 4 * l,
-                    ];
-                    for (i, &from) in src.iter().enumerate() {
-                        cell[at + 64 * i..at + 64 * i + 4].copy_from_slice(&blk[from..from + 4]);
-                    }
+    pack_cells_k(data, rows, cols, 210, Q6K_CELL, |cell, r, blk| {
+        for h in 0..2 {
+            for l in 0..8 {
+                let at = 64 * 3 * (8 * h + l) + 4 * r;
+                let src = [
+                    64 * h + 4 * l,
+                    64 * h + 32 + 4 * l,
+                    Q6_K_QH + 32 * h + 4 * l,
+                ];
+                for (i, &from) in src.iter().enumerate() {
+                    cell[at + 64 * i..at + 64 * i + 4].copy_from_slice(&blk[from..from + 4]);
                 }
             }
-            for sb in 0..16 {
-                cell[48 * 64 + 16 * sb + r] = blk[Q6_K_SCALES + sb];
-            }
-            cell[48 * 64 + 256 + 2 * r..48 * 64 + 256 + 2 * r + 2]
-                .copy_from_slice(&blk[Q6_K_D..Q6_K_D + 2]);
         }
-    }
-    Some(out)
+        for sb in 0..16 {
+            cell[48 * 64 + 16 * sb + r] = blk[Q6_K_SCALES + sb];
+        }
+        let d = 48 * 64 + 256 + 2 * r;
+        cell[d..d + 2].copy_from_slice(&blk[Q6_K_D..Q6_K_D + 2]);
+    })
 }
 
 /// `y[r] = W[r] · x` for one token over a matrix packed by [`pack_x16`], in the float order of
