@@ -76,6 +76,7 @@ fn main() {
         for (label, nh, nkv, hd, n_q, ctx) in [
             ("prompt", 9, 3, 64, 512, 512),
             ("decode", 9, 3, 64, 1, 2048),
+            ("decode", 9, 3, 64, 1, 64),
             ("prompt", 4, 1, 256, 512, 512),
         ] {
             let k: Vec<f16> = vals(ctx * nkv * hd, 6.0)

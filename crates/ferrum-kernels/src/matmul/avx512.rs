@@ -641,12 +641,20 @@ pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32]
         if !matches!(dtype, DType::Q4_K | DType::Q6_K) {
             p.fill(dtype, act, ab, 1);
         }
-        const GROUPS_PER_TASK: usize = 4;
+        // With several threads, one contiguous run of groups per thread: each thread then
+        // streams its part of the matrix front to back instead of hopping over the other's
+        // tasks, which retrains the hardware prefetcher at every task (Gemma 3's decode at 2
+        // threads: 108 -> 116-144 tok/s). One thread keeps 4-group tasks.
+        let threads = crate::pool::threads();
+        let groups_per_task = match threads {
+            1 => 4,
+            n => (rows / GROUP).div_ceil(n),
+        };
         let group_bytes = nb * cell_len;
         let (p, act) = (&*p, &*act);
-        crate::pool::parallel_chunks_mut(y, GROUP * GROUPS_PER_TASK, |ci, yc| {
+        crate::pool::parallel_chunks_mut(y, GROUP * groups_per_task, |ci, yc| {
             for (gi, yg) in yc.chunks_exact_mut(GROUP).enumerate() {
-                let g = ci * GROUPS_PER_TASK + gi;
+                let g = ci * groups_per_task + gi;
                 let w = &packed[g * group_bytes..(g + 1) * group_bytes];
                 // SAFETY: `available()` was checked; `w` holds nb cells of `dtype` and `p` nb
                 // prepared blocks of its activation type (K-quants: `act`, nb Q8_K blocks).
