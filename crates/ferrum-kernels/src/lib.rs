@@ -9,8 +9,10 @@
 //! - [`machine`]: measured ceilings (peak FMA, memory and cache bandwidth).
 //! - [`profile`]: per-operator timing with FLOPs and bytes (`ferrum profile`).
 //! - [`pool`]: the thread pool every parallel kernel runs on (`--threads`).
+//! - [`cpu`]: the CPU's features and kernel tier, read once (with the environment's overrides).
 
 pub mod attention;
+pub mod cpu;
 pub mod gemm;
 pub mod machine;
 pub mod matmul;

@@ -51,10 +51,10 @@ fn fma_flops_per_iter() -> f64 {
 fn lanes() -> usize {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx512f") {
+        if crate::cpu::features().avx512f {
             return 16;
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if crate::cpu::features().avx2 && crate::cpu::features().fma {
             return 8;
         }
     }
@@ -64,11 +64,11 @@ fn lanes() -> usize {
 fn fma_loop(iters: u64) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx512f") {
+        if crate::cpu::features().avx512f {
             // SAFETY: AVX-512F was detected at run time.
             return unsafe { fma_loop_avx512(iters) };
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if crate::cpu::features().avx2 && crate::cpu::features().fma {
             // SAFETY: AVX2 and FMA were detected at run time.
             return unsafe { fma_loop_avx2(iters) };
         }
@@ -128,7 +128,7 @@ fn fma_loop_avx2(iters: u64) -> f32 {
 /// the load width); else 32 u64 lanes the compiler vectorises.
 fn sum_bytes(x: &[u8]) -> u64 {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
+    if crate::cpu::features().avx512f {
         // SAFETY: AVX-512F was detected at run time.
         return unsafe { sum_bytes_avx512(x) };
     }

@@ -292,6 +292,123 @@ fn packed_gemv_equals_vec_dot_bit_for_bit() {
 }
 
 #[test]
+#[cfg(target_arch = "x86_64")]
+fn packed_layout_round_trips_exactly() {
+    use ferrum_kernels::matmul::{avx512, Layout, PackedMatrix};
+    if !avx512::available() {
+        eprintln!("skipped: this CPU has no AVX-512 VNNI");
+        return;
+    }
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    for &dtype in &PACKED_TYPES {
+        let cols = if dtype.block_size() == 256 { 768 } else { 96 };
+        let rows = 48;
+        // Fully random bytes: the packing is a permutation of bits, whatever they mean.
+        let mut data = vec![0u8; dtype.row_bytes(cols).unwrap() * rows];
+        rng.fill(&mut data[..]);
+        let m = PackedMatrix::new(
+            dtype,
+            rows,
+            cols,
+            ferrum_core::Bytes::from_vec(data.clone()),
+        )
+        .unwrap();
+        assert_eq!(m.layout(), Layout::X16, "{dtype}");
+        assert_eq!(m.to_row_major(), data, "seed {seed}: {dtype} round trip");
+        let mut row = vec![0f32; cols];
+        let mut want = vec![0f32; cols];
+        let rb = dtype.row_bytes(cols).unwrap();
+        for r in [0, 7, 16, 47] {
+            m.get_row(r, &mut row);
+            ferrum_kernels::quant::dequantize_row(dtype, &data[r * rb..(r + 1) * rb], &mut want);
+            let same = row
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "seed {seed}: {dtype} row {r}");
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+const PACKED_TYPES: [DType; 5] = [
+    DType::Q8_0,
+    DType::Q5_0,
+    DType::Q4_1,
+    DType::Q4_K,
+    DType::Q6_K,
+];
+
+/// Every plan of [`PackedMatrix::matmul`] (packed GEMV for decode rows, row kernels over unpacked
+/// groups for prompts, both in one call) gives the bits of the row-major path, which follows
+/// llama.cpp's per-sequence orders: batches of one-token sequences, prompts, and mixes.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn packed_matrix_equals_row_major_bit_for_bit() {
+    use ferrum_kernels::matmul::{avx512, matmul_segments, Layout, PackedMatrix};
+    if !avx512::available() {
+        eprintln!("skipped: this CPU has no AVX-512 VNNI");
+        return;
+    }
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let seg_sets: &[&[usize]] = &[
+        &[1],
+        &[2],
+        &[3],
+        &[1, 1, 1, 1, 1, 1, 1, 1],
+        &[1; 16],
+        &[1; 17],
+        &[5],
+        &[9],
+        &[12, 1, 1, 1],
+        &[1, 20, 1],
+        &[33],
+        &[4, 4],
+        &[70],
+    ];
+    for &dtype in &PACKED_TYPES {
+        let (rows, cols) = if dtype.block_size() == 256 {
+            (48, 512)
+        } else {
+            (48, 96)
+        };
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let w = WeightRef {
+            dtype,
+            rows,
+            cols,
+            data: &data,
+        };
+        let m = PackedMatrix::new(
+            dtype,
+            rows,
+            cols,
+            ferrum_core::Bytes::from_vec(data.clone()),
+        )
+        .unwrap();
+        assert_eq!(m.layout(), Layout::X16);
+        for segs in seg_sets {
+            let t: usize = segs.iter().sum();
+            let x: Vec<f32> = (0..t * cols).map(|_| rng.gen_range(-3.0..3.0)).collect();
+            let mut want = vec![f32::NAN; t * rows];
+            matmul_segments(&w, &x, &mut want, segs);
+            let mut got = vec![f32::NAN; t * rows];
+            m.matmul(&x, &mut got, segs);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    a.is_finite() && a.to_bits() == b.to_bits(),
+                    "seed {seed}: {dtype} segs {segs:?} token {} row {}: packed {a} vs row-major {b}",
+                    i / rows,
+                    i % rows
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn k_quant_prompt_kernels_follow_llama_cpp_orders_bit_for_bit() {
     use ferrum_kernels::matmul::Order;
     use ferrum_kernels::quant::{

@@ -93,7 +93,7 @@ impl Llm {
         let mut weights =
             model::Weights::load(&model::weights::GgufSource(file), &config, progress)?;
         if opts.dequantize {
-            weights = weights.dequantized();
+            weights = weights.dequantized()?;
         }
         let name = file
             .get("general.name")

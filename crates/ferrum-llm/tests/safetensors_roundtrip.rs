@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use ferrum_core::DType;
 use ferrum_gguf::GgufFile;
+use ferrum_kernels::matmul::PackedMatrix;
 use ferrum_llm::hf::safetensors::{self, TensorData};
 use ferrum_llm::hf::{HfConfig, HfSource};
 use ferrum_llm::model::{KvCache, Logits, Model, Weights};
@@ -72,16 +73,16 @@ fn hf_tensors(llm: &Llm) -> (Vec<Tensor>, bool) {
     let cfg = &llm.model.config;
     let w = &llm.model.weights;
     let mut out = Vec::new();
-    let mut matrix = |name: String, t: &ferrum_llm::model::RawTensor, heads: Option<usize>| {
+    let mut matrix = |name: String, t: &PackedMatrix, heads: Option<usize>| {
         assert_eq!(
-            t.dtype,
+            t.dtype(),
             DType::F32,
             "{name}: the GGUF model is loaded dequantized"
         );
-        let shape = vec![t.dims[1], t.dims[0]];
+        let shape = vec![t.rows(), t.cols()];
         let data = match heads {
-            Some(h) => unpermute(&t.data, h, cfg.head_dim),
-            None => t.data.to_vec(),
+            Some(h) => unpermute(t.data(), h, cfg.head_dim),
+            None => t.data().to_vec(),
         };
         out.push((name, shape, data));
     };
@@ -120,7 +121,7 @@ fn hf_tensors(llm: &Llm) -> (Vec<Tensor>, bool) {
             None,
         );
     }
-    let tied = std::ptr::eq(w.output.weight.data.as_ptr(), w.token_embd.data.as_ptr());
+    let tied = w.tied();
     if !tied {
         matrix("lm_head.weight".into(), &w.output.weight, None);
     }
@@ -349,10 +350,7 @@ fn gemma3_weights_match_gguf() {
     let reference = Llm::load(&path, &opts, &mut |_, _| {}).expect("GGUF loads");
     let cfg = &reference.model.config;
     let w = &reference.model.weights;
-    assert!(
-        std::ptr::eq(w.output.weight.data.as_ptr(), w.token_embd.data.as_ptr()),
-        "tied head"
-    );
+    assert!(w.tied(), "tied head");
 
     // HF stores norm weights without Gemma's +1.
     let minus_one =
@@ -387,7 +385,7 @@ fn gemma3_weights_match_gguf() {
     }
     let shapes: Vec<Vec<usize>> = matrices
         .iter()
-        .map(|(_, t)| vec![t.dims[1], t.dims[0]])
+        .map(|(_, t)| vec![t.rows(), t.cols()])
         .collect();
     let norm_shapes: Vec<Vec<usize>> = norms.iter().map(|(_, b)| vec![b.len() / 4]).collect();
     let mut views: Vec<TensorData> = Vec::new();
@@ -396,7 +394,7 @@ fn gemma3_weights_match_gguf() {
             name,
             dtype: DType::F32,
             shape,
-            data: &t.data,
+            data: t.data(),
         });
     }
     for ((name, b), shape) in norms.iter().zip(&norm_shapes) {
@@ -539,9 +537,9 @@ fn sharded_half_precision_folder() {
     let llm =
         Llm::load(&tmp.0, &LoadOptions::default(), &mut |_, _| {}).expect("sharded folder loads");
     let w = &llm.model.weights;
-    assert_eq!(w.token_embd.dtype, DType::BF16);
+    assert_eq!(w.token_embd.dtype(), DType::BF16);
     assert_eq!(
-        (w.output.weight.dtype, w.layers[1].attn_q.weight.dtype),
+        (w.output.weight.dtype(), w.layers[1].attn_q.weight.dtype()),
         (DType::F16, DType::F16)
     );
     assert_eq!(llm.tokenizer.encode("t3 t5", false, false), [3, 5]);
@@ -559,7 +557,10 @@ fn sharded_half_precision_folder() {
     assert!(logits.iter().all(|x| x.is_finite()));
     // F32 copies of the same numbers give the same logits.
     let deq = Llm::load(&tmp.0, &LoadOptions { dequantize: true }, &mut |_, _| {}).unwrap();
-    assert_eq!(deq.model.weights.layers[0].ffn_up.weight.dtype, DType::F32);
+    assert_eq!(
+        deq.model.weights.layers[0].ffn_up.weight.dtype(),
+        DType::F32
+    );
     let l2 = deq
         .model
         .forward(

@@ -136,8 +136,9 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
     Ok(())
 }
 
-/// The KV-cache pool `cfg` asks for, its memory committed up front (so the server's footprint
-/// is set at start). It must hold at least one request of the full context.
+/// The KV-cache pool `cfg` asks for. Its memory is reserved at start and committed as blocks are
+/// first used (the kernel hands out zero pages on first write), so start-up does not pay for
+/// memory the first requests do not need. It must hold at least one request of the full context.
 fn kv_pool(llm: &Llm, cfg: &ServerConfig) -> Result<KvPool> {
     let mcfg = &llm.model.config;
     let bs = cfg.block_size;
@@ -166,8 +167,7 @@ fn kv_pool(llm: &Llm, cfg: &ServerConfig) -> Result<KvPool> {
             want.min(cap).max(min_blocks)
         }
     };
-    let mut pool = KvPool::new(mcfg, n_blocks, bs).context("allocating the KV-cache pool")?;
-    pool.touch();
+    let pool = KvPool::new(mcfg, n_blocks, bs).context("allocating the KV-cache pool")?;
     tracing::info!(
         blocks = n_blocks,
         block_size = bs,

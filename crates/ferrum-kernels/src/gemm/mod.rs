@@ -132,21 +132,13 @@ pub enum Isa {
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
-        let scalar = std::env::var_os("FERRUM_FORCE_SCALAR").is_some();
-        let no512 = std::env::var_os("FERRUM_NO_AVX512").is_some();
-        #[cfg(target_arch = "x86_64")]
-        {
-            if !scalar && !no512 && std::arch::is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if !scalar
-                && std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2;
-            }
+        let f = crate::cpu::features();
+        if cfg!(target_arch = "x86_64") && f.avx512f && f.avx2 && f.fma {
+            return Isa::Avx512;
         }
-        let _ = (scalar, no512);
+        if cfg!(target_arch = "x86_64") && f.avx2 && f.fma {
+            return Isa::Avx2;
+        }
         Isa::Scalar
     })
 }
@@ -154,13 +146,10 @@ pub fn isa() -> Isa {
 /// Every microkernel family this CPU can run (for tests that compare them).
 pub fn available_isas() -> Vec<Isa> {
     let mut v = vec![Isa::Scalar];
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            v.push(Isa::Avx2);
-        }
-        if std::arch::is_x86_feature_detected!("avx512f") {
+    let f = crate::cpu::detected();
+    if cfg!(target_arch = "x86_64") && f.avx2 && f.fma {
+        v.push(Isa::Avx2);
+        if f.avx512f {
             v.push(Isa::Avx512);
         }
     }

@@ -30,15 +30,7 @@ use crate::quant::QK;
 
 /// Whether this CPU runs these kernels (and the scalar override is off).
 pub fn available() -> bool {
-    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OK.get_or_init(|| {
-        crate::quant::isa() == crate::quant::Isa::Avx2
-            && std::env::var_os("FERRUM_NO_AVX512").is_none()
-            && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512vnni")
-    })
+    crate::cpu::tier() == crate::cpu::Tier::Avx512Vnni
 }
 
 /// Weight types with a tile kernel here.
@@ -462,61 +454,82 @@ fn cell_bytes(dtype: DType) -> usize {
 /// streams the matrix front to back, and one vector load fetches a field of 16 rows. Q4_K and
 /// Q6_K have cells of their own ([`Q4K_CELL`], [`Q6K_CELL`]). `None` for other types or shapes.
 pub fn pack_x16(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
-    match dtype {
-        DType::Q4_K => return pack_q4k(data, rows, cols),
-        DType::Q6_K => return pack_q6k(data, rows, cols),
-        _ => {}
-    }
-    let (sf, hf, qf) = cell_fields(dtype)?;
+    let mut out = vec![0u8; packed_len(dtype, rows, cols)?];
+    pack_x16_groups(dtype, data, rows, cols, 0, &mut out).then_some(out)
+}
+
+/// [`pack_x16`] into `out`, for the groups from `g0` on that `out` holds (whole cells of
+/// consecutive groups): the loader packs a matrix in parallel, a run of groups per task, straight
+/// into its final buffer. `false` (nothing written) if the type, shape or sizes do not fit.
+pub fn pack_x16_groups(
+    dtype: DType,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    g0: usize,
+    out: &mut [u8],
+) -> bool {
+    let Some((block, cell_len)) = packed_cell(dtype) else {
+        return false;
+    };
     let bb = dtype.block_bytes();
-    if !rows.is_multiple_of(GROUP)
-        || !cols.is_multiple_of(QK)
-        || data.len() != rows * (cols / QK) * bb
-    {
-        return None;
+    if packed_len(dtype, rows, cols).is_none() || data.len() != rows * (cols / block) * bb {
+        return false;
     }
-    let nb = cols / QK;
+    let nb = cols / block;
     let rb = nb * bb;
-    let cell_len = cell_bytes(dtype);
-    let mut out = vec![0u8; rows / GROUP * nb * cell_len];
-    for g in 0..rows / GROUP {
-        for b in 0..nb {
-            let cell = &mut out[(g * nb + b) * cell_len..][..cell_len];
+    let group_len = nb * cell_len;
+    if !out.len().is_multiple_of(group_len) || g0 + out.len() / group_len > rows / GROUP {
+        return false;
+    }
+    for (gi, group) in out.chunks_exact_mut(group_len).enumerate() {
+        let g = g0 + gi;
+        for (b, cell) in group.chunks_exact_mut(cell_len).enumerate() {
             for r in 0..GROUP {
                 let blk = &data[(g * GROUP + r) * rb + b * bb..][..bb];
-                // Block layouts: Q8_0 d qs[32]; Q5_0 d qh[4] qs[16]; Q4_1 d m qs[16].
                 match dtype {
-                    DType::Q4_1 => {
-                        cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
-                        cell[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2].copy_from_slice(&blk[2..4]);
-                    }
-                    _ => cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]),
+                    DType::Q4_K => fill_cell_q4k(cell, r, blk),
+                    DType::Q6_K => fill_cell_q6k(cell, r, blk),
+                    _ => fill_cell(dtype, cell, r, blk),
                 }
-                if dtype == DType::Q5_0 {
-                    // The fifth bits as 8 masks, one per `vec_dot` lane j (elements 4j..4j+4):
-                    // bit 4r + i of mask j is bit 4j + i of row r's qh.
-                    let qh = u32::from_le_bytes(blk[2..6].try_into().unwrap());
-                    for j in 0..8 {
-                        let at = GROUP * sf + 8 * j + r / 2;
-                        cell[at] |= (((qh >> (4 * j)) & 0xf) as u8) << (4 * (r % 2));
-                    }
-                }
-                if matches!(dtype, DType::Q4_1 | DType::Q5_0) {
-                    // Interleaved: line k holds quant bytes 4k..4k+4 of each row (row r at
-                    // 4r..4r+4), so its low nibbles are elements 4k..4k+4 of the 16 rows and its
-                    // high nibbles elements 16+4k..16+4k+4.
-                    for k in 0..4 {
-                        let at = GROUP * (sf + hf) + 64 * k + 4 * r;
-                        cell[at..at + 4].copy_from_slice(&blk[bb - 16 + 4 * k..bb - 12 + 4 * k]);
-                    }
-                    continue;
-                }
-                let at = GROUP * (sf + hf) + qf * r;
-                cell[at..at + qf].copy_from_slice(&blk[bb - qf..bb]);
             }
         }
     }
-    Some(out)
+    true
+}
+
+/// Writes row r's block `blk` (Q8_0, Q5_0 or Q4_1) into its cell of [`pack_x16`]'s layout.
+fn fill_cell(dtype: DType, cell: &mut [u8], r: usize, blk: &[u8]) {
+    let (sf, hf, qf) = cell_fields(dtype).expect("packed type");
+    let bb = blk.len();
+    // Block layouts: Q8_0 d qs[32]; Q5_0 d qh[4] qs[16]; Q4_1 d m qs[16].
+    cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
+    if dtype == DType::Q4_1 {
+        cell[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2].copy_from_slice(&blk[2..4]);
+    }
+    if dtype == DType::Q5_0 {
+        // The fifth bits as 8 masks, one per `vec_dot` lane j (elements 4j..4j+4): bit 4r + i
+        // of mask j is bit 4j + i of row r's qh.
+        let qh = u32::from_le_bytes(blk[2..6].try_into().unwrap());
+        for j in 0..8 {
+            let at = GROUP * sf + 8 * j + r / 2;
+            let nib = (((qh >> (4 * j)) & 0xf) as u8) << (4 * (r % 2));
+            let keep = 0xf0u8 >> (4 * (r % 2));
+            cell[at] = (cell[at] & keep) | nib;
+        }
+    }
+    if matches!(dtype, DType::Q4_1 | DType::Q5_0) {
+        // Interleaved: line k holds quant bytes 4k..4k+4 of each row (row r at 4r..4r+4), so its
+        // low nibbles are elements 4k..4k+4 of the 16 rows and its high nibbles elements
+        // 16+4k..16+4k+4.
+        for k in 0..4 {
+            let at = GROUP * (sf + hf) + 64 * k + 4 * r;
+            cell[at..at + 4].copy_from_slice(&blk[bb - 16 + 4 * k..bb - 12 + 4 * k]);
+        }
+        return;
+    }
+    let at = GROUP * (sf + hf) + qf * r;
+    cell[at..at + qf].copy_from_slice(&blk[bb - qf..bb]);
 }
 
 /// Bytes of one (16-row group, super-block) cell of a packed Q4_K matrix: the rows' f16 `d` and
@@ -527,52 +540,20 @@ pub fn pack_x16(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<V
 /// rows. (2368 bytes against 16 x 144 in the file: 2.8% more.)
 pub const Q4K_CELL: usize = 64 + 256 + 2048;
 
-/// Repacks a K-quant matrix (`bb` bytes per super-block, `rows` a multiple of 16, `cols` of 256)
-/// into cells of `cell_len` bytes, one per (16-row group, super-block), in that order;
-/// `fill(cell, r, block)` writes row r's super-block into its cell.
-fn pack_cells_k(
-    data: &[u8],
-    rows: usize,
-    cols: usize,
-    bb: usize,
-    cell_len: usize,
-    fill: impl Fn(&mut [u8], usize, &[u8]),
-) -> Option<Vec<u8>> {
-    use crate::quant::QK_K;
-    if !rows.is_multiple_of(GROUP)
-        || !cols.is_multiple_of(QK_K)
-        || data.len() != rows * cols / QK_K * bb
-    {
-        return None;
-    }
-    let nb = cols / QK_K;
-    let rb = nb * bb;
-    let mut out = vec![0u8; rows / GROUP * nb * cell_len];
-    for (gb, cell) in out.chunks_exact_mut(cell_len).enumerate() {
-        let (g, b) = (gb / nb, gb % nb);
-        for r in 0..GROUP {
-            fill(cell, r, &data[(g * GROUP + r) * rb + b * bb..][..bb]);
-        }
-    }
-    Some(out)
-}
-
-/// [`pack_x16`] for Q4_K ([`Q4K_CELL`]).
-fn pack_q4k(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+/// Writes row r's Q4_K super-block `blk` into its [`Q4K_CELL`] cell.
+fn fill_cell_q4k(cell: &mut [u8], r: usize, blk: &[u8]) {
     use crate::quant::blocks::{scale_min_k4, Q4_K_QS, Q4_K_SCALES};
-    pack_cells_k(data, rows, cols, 144, Q4K_CELL, |cell, r, blk| {
-        cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
-        cell[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&blk[2..4]);
-        let (sc, m) = scale_min_k4(&blk[Q4_K_SCALES..Q4_K_SCALES + 12]);
-        for j in 0..8 {
-            cell[64 + 16 * j + r] = sc[j];
-            cell[192 + 16 * j + r] = m[j];
-        }
-        for line in 0..32 {
-            let at = 320 + 64 * line + 4 * r;
-            cell[at..at + 4].copy_from_slice(&blk[Q4_K_QS + 4 * line..Q4_K_QS + 4 * line + 4]);
-        }
-    })
+    cell[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
+    cell[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&blk[2..4]);
+    let (sc, m) = scale_min_k4(&blk[Q4_K_SCALES..Q4_K_SCALES + 12]);
+    for j in 0..8 {
+        cell[64 + 16 * j + r] = sc[j];
+        cell[192 + 16 * j + r] = m[j];
+    }
+    for line in 0..32 {
+        let at = 320 + 64 * line + 4 * r;
+        cell[at..at + 4].copy_from_slice(&blk[Q4_K_QS + 4 * line..Q4_K_QS + 4 * line + 4]);
+    }
 }
 
 /// Bytes of one (16-row group, super-block) cell of a packed Q6_K matrix: 48 lines of quants, then
@@ -584,42 +565,39 @@ fn pack_q4k(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
 /// 16 x 210 in the file: 1% more.)
 pub const Q6K_CELL: usize = 48 * 64 + 256 + 32 + 32;
 
-/// [`pack_x16`] for Q6_K ([`Q6K_CELL`]).
-fn pack_q6k(data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+/// Writes row r's Q6_K super-block `blk` into its [`Q6K_CELL`] cell.
+fn fill_cell_q6k(cell: &mut [u8], r: usize, blk: &[u8]) {
     use crate::quant::blocks::{Q6_K_D, Q6_K_QH, Q6_K_SCALES};
-    pack_cells_k(data, rows, cols, 210, Q6K_CELL, |cell, r, blk| {
-        for h in 0..2 {
-            for l in 0..8 {
-                let at = 64 * 3 * (8 * h + l) + 4 * r;
-                let src = [
-                    64 * h + 4 * l,
-                    64 * h + 32 + 4 * l,
-                    Q6_K_QH + 32 * h + 4 * l,
-                ];
-                for (i, &from) in src.iter().enumerate() {
-                    cell[at + 64 * i..at + 64 * i + 4].copy_from_slice(&blk[from..from + 4]);
-                }
+    for h in 0..2 {
+        for l in 0..8 {
+            let at = 64 * 3 * (8 * h + l) + 4 * r;
+            let src = [
+                64 * h + 4 * l,
+                64 * h + 32 + 4 * l,
+                Q6_K_QH + 32 * h + 4 * l,
+            ];
+            for (i, &from) in src.iter().enumerate() {
+                cell[at + 64 * i..at + 64 * i + 4].copy_from_slice(&blk[from..from + 4]);
             }
         }
-        for sb in 0..16 {
-            cell[48 * 64 + 16 * sb + r] = blk[Q6_K_SCALES + sb];
-        }
-        let d = 48 * 64 + 256 + 2 * r;
-        cell[d..d + 2].copy_from_slice(&blk[Q6_K_D..Q6_K_D + 2]);
-    })
+    }
+    for sb in 0..16 {
+        cell[48 * 64 + 16 * sb + r] = blk[Q6_K_SCALES + sb];
+    }
+    let d = 48 * 64 + 256 + 2 * r;
+    cell[d..d + 2].copy_from_slice(&blk[Q6_K_D..Q6_K_D + 2]);
 }
 
-/// `y[r] = W[r] · x` for one token over a matrix packed by [`pack_x16`], in the float order of
-/// the type's `vec_dot` (Q4_K: of llama.cpp's repacked GEMV, [`crate::quant::vec_dot_q4k_repacked`]),
-/// so the same bits as [`super::matmul`] for one token. Needs [`available`].
+/// `y[tok, r] = W[r] · x[tok]` for the `t` tokens of `x` ([t, cols]; `y` is [t, rows]) over a
+/// matrix packed by [`pack_x16`], each output in the float order of the type's `vec_dot` (Q4_K:
+/// of llama.cpp's repacked GEMV, [`crate::quant::vec_dot_q4k_repacked`]), so the same bits as
+/// [`super::matmul`] gives one token alone. Each thread takes a run of 16-row groups and runs
+/// every token over a group before the next, so a group is read from memory once per call
+/// (from L1 for the tokens after the first). Needs [`available`].
 pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
     assert!(available(), "gemv_x16: CPU lacks AVX-512 VNNI");
-    let (block, cell_len) = match dtype {
-        DType::Q4_K => (crate::quant::QK_K, Q4K_CELL),
-        DType::Q6_K => (crate::quant::QK_K, Q6K_CELL),
-        _ if cell_fields(dtype).is_some() => (QK, cell_bytes(dtype)),
-        _ => panic!("gemv_x16: no packed layout for {dtype}"),
-    };
+    let (block, cell_len) =
+        packed_cell(dtype).unwrap_or_else(|| panic!("gemv_x16: no packed layout for {dtype}"));
     assert!(
         rows.is_multiple_of(GROUP) && cols.is_multiple_of(block),
         "gemv_x16: {dtype} {rows}x{cols}"
@@ -630,47 +608,157 @@ pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32]
         rows / GROUP * nb * cell_len,
         "gemv_x16: packed bytes"
     );
-    assert_eq!(x.len(), cols, "gemv_x16: x");
-    assert_eq!(y.len(), rows, "gemv_x16: y");
+    assert!(x.len().is_multiple_of(cols), "gemv_x16: x");
+    let t = x.len() / cols;
+    assert_eq!(y.len(), t * rows, "gemv_x16: y");
+    if t == 0 {
+        return;
+    }
     let act_type = crate::quant::vec_dot_type(dtype);
     let ab = act_type.row_bytes(cols).expect("whole blocks");
+    let kq = matches!(dtype, DType::Q4_K | DType::Q6_K);
     // The activation buffers are matmul's per-thread scratch: no allocation per token.
     super::with_scratch(|act, p| {
-        act.resize(ab, 0);
-        crate::quant::quantize_row(act_type, x, act);
-        if !matches!(dtype, DType::Q4_K | DType::Q6_K) {
-            p.fill(dtype, act, ab, 1);
+        act.resize(ab * t, 0);
+        for (xr, ar) in x.chunks_exact(cols).zip(act.chunks_exact_mut(ab)) {
+            crate::quant::quantize_row(act_type, xr, ar);
+        }
+        if !kq {
+            p.fill(dtype, act, ab, t);
         }
         // With several threads, one contiguous run of groups per thread: each thread then
         // streams its part of the matrix front to back instead of hopping over the other's
         // tasks, which retrains the hardware prefetcher at every task (Gemma 3's decode at 2
         // threads: 108 -> 116-144 tok/s). One thread keeps 4-group tasks.
-        let threads = crate::pool::threads();
-        let groups_per_task = match threads {
+        let n_groups = rows / GROUP;
+        let groups_per_task = match crate::pool::threads() {
             1 => 4,
-            n => (rows / GROUP).div_ceil(n),
+            n => n_groups.div_ceil(n),
         };
         let group_bytes = nb * cell_len;
         let (p, act) = (&*p, &*act);
-        crate::pool::parallel_chunks_mut(y, GROUP * groups_per_task, |ci, yc| {
-            for (gi, yg) in yc.chunks_exact_mut(GROUP).enumerate() {
-                let g = ci * groups_per_task + gi;
+        let out = super::OutPtr(y.as_mut_ptr());
+        crate::pool::parallel_for(n_groups.div_ceil(groups_per_task), |task| {
+            let g0 = task * groups_per_task;
+            for g in g0..(g0 + groups_per_task).min(n_groups) {
                 let w = &packed[g * group_bytes..(g + 1) * group_bytes];
-                // SAFETY: `available()` was checked; `w` holds nb cells of `dtype` and `p` nb
-                // prepared blocks of its activation type (K-quants: `act`, nb Q8_K blocks).
-                let out = unsafe {
-                    match dtype {
-                        DType::Q8_0 => gemv_group_q8_0(w, p),
-                        DType::Q5_0 => gemv_group_q5_0(w, p),
-                        DType::Q4_K => gemv_group_q4_k(w, act, nb),
-                        DType::Q6_K => gemv_group_q6_k(w, act, nb),
-                        _ => gemv_group_q4_1(w, p),
+                for tok in 0..t {
+                    let a = &act[tok * ab..(tok + 1) * ab];
+                    // SAFETY: `available()` was checked; `w` holds nb cells of `dtype`, `p` t
+                    // tokens of nb prepared blocks of its activation type (K-quants: `a`, nb
+                    // Q8_K blocks).
+                    let v = unsafe {
+                        match dtype {
+                            DType::Q8_0 => gemv_group_q8_0(w, p, tok),
+                            DType::Q5_0 => gemv_group_q5_0(w, p, tok),
+                            DType::Q4_K => gemv_group_q4_k(w, a, nb),
+                            DType::Q6_K => gemv_group_q6_k(w, a, nb),
+                            _ => gemv_group_q4_1(w, p, tok),
+                        }
+                    };
+                    for (i, &val) in v.iter().enumerate() {
+                        // SAFETY: tok < t and g * 16 + i < rows: inside `y` ([t, rows]); only
+                        // this task writes group g's rows.
+                        unsafe { *out.at(tok * rows + g * GROUP + i) = val };
                     }
-                };
-                yg.copy_from_slice(&out);
+                }
             }
         });
     })
+}
+
+/// (elements per block, bytes per (group, block) cell) of a packed type.
+pub fn packed_cell(dtype: DType) -> Option<(usize, usize)> {
+    match dtype {
+        DType::Q4_K => Some((crate::quant::QK_K, Q4K_CELL)),
+        DType::Q6_K => Some((crate::quant::QK_K, Q6K_CELL)),
+        _ if cell_fields(dtype).is_some() => Some((QK, cell_bytes(dtype))),
+        _ => None,
+    }
+}
+
+/// Bytes of a `rows` x `cols` matrix packed by [`pack_x16`], `None` where it has no packed layout.
+pub fn packed_len(dtype: DType, rows: usize, cols: usize) -> Option<usize> {
+    let (block, cell) = packed_cell(dtype)?;
+    (rows.is_multiple_of(GROUP) && cols.is_multiple_of(block) && rows > 0)
+        .then(|| rows / GROUP * (cols / block) * cell)
+}
+
+/// Writes row `r` (0..16) of a packed group (`nb` cells of [`pack_x16`]'s layout) back in the
+/// file's block layout: the exact inverse of the packing, so `out` is the original row's bytes.
+pub fn unpack_row_x16(dtype: DType, group: &[u8], nb: usize, r: usize, out: &mut [u8]) {
+    use crate::quant::blocks::{Q4_K_QS, Q4_K_SCALES, Q6_K_D, Q6_K_QH, Q6_K_SCALES};
+    let (_, cell_len) = packed_cell(dtype).expect("packed type");
+    let bb = dtype.block_bytes();
+    assert!(r < GROUP && group.len() >= nb * cell_len && out.len() == nb * bb);
+    for (b, blk) in out.chunks_exact_mut(bb).enumerate() {
+        let cell = &group[b * cell_len..(b + 1) * cell_len];
+        match dtype {
+            DType::Q4_K => {
+                blk[0..2].copy_from_slice(&cell[2 * r..2 * r + 2]);
+                blk[2..4].copy_from_slice(&cell[32 + 2 * r..32 + 2 * r + 2]);
+                let sc: [u8; 8] = core::array::from_fn(|j| cell[64 + 16 * j + r]);
+                let m: [u8; 8] = core::array::from_fn(|j| cell[192 + 16 * j + r]);
+                // The inverse of `scale_min_k4`: bytes 0..4 hold sc[0..4] and the top bits of
+                // sc[4..8], bytes 4..8 the same for the mins, bytes 8..12 the low nibbles.
+                let q = &mut blk[Q4_K_SCALES..Q4_K_SCALES + 12];
+                for j in 0..4 {
+                    q[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+                    q[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
+                    q[j + 8] = (sc[j + 4] & 15) | ((m[j + 4] & 15) << 4);
+                }
+                for line in 0..32 {
+                    let at = 320 + 64 * line + 4 * r;
+                    blk[Q4_K_QS + 4 * line..Q4_K_QS + 4 * line + 4]
+                        .copy_from_slice(&cell[at..at + 4]);
+                }
+            }
+            DType::Q6_K => {
+                for h in 0..2 {
+                    for l in 0..8 {
+                        let at = 64 * 3 * (8 * h + l) + 4 * r;
+                        let dst = [
+                            64 * h + 4 * l,
+                            64 * h + 32 + 4 * l,
+                            Q6_K_QH + 32 * h + 4 * l,
+                        ];
+                        for (i, &to) in dst.iter().enumerate() {
+                            blk[to..to + 4].copy_from_slice(&cell[at + 64 * i..at + 64 * i + 4]);
+                        }
+                    }
+                }
+                for sb in 0..16 {
+                    blk[Q6_K_SCALES + sb] = cell[48 * 64 + 16 * sb + r];
+                }
+                let d = 48 * 64 + 256 + 2 * r;
+                blk[Q6_K_D..Q6_K_D + 2].copy_from_slice(&cell[d..d + 2]);
+            }
+            _ => {
+                let (sf, hf, qf) = cell_fields(dtype).expect("packed type");
+                blk[0..2].copy_from_slice(&cell[2 * r..2 * r + 2]);
+                if dtype == DType::Q4_1 {
+                    blk[2..4].copy_from_slice(&cell[2 * GROUP + 2 * r..2 * GROUP + 2 * r + 2]);
+                }
+                if dtype == DType::Q5_0 {
+                    let mut qh = 0u32;
+                    for j in 0..8 {
+                        let nib = (cell[GROUP * sf + 8 * j + r / 2] >> (4 * (r % 2))) & 0xf;
+                        qh |= (nib as u32) << (4 * j);
+                    }
+                    blk[2..6].copy_from_slice(&qh.to_le_bytes());
+                }
+                if matches!(dtype, DType::Q4_1 | DType::Q5_0) {
+                    for k in 0..4 {
+                        let at = GROUP * (sf + hf) + 64 * k + 4 * r;
+                        blk[bb - 16 + 4 * k..bb - 12 + 4 * k].copy_from_slice(&cell[at..at + 4]);
+                    }
+                } else {
+                    let at = GROUP * (sf + hf) + qf * r;
+                    blk[bb - qf..bb].copy_from_slice(&cell[at..at + qf]);
+                }
+            }
+        }
+    }
 }
 
 /// One group of Q4_K rows x Q8_K activations (`nb` super-blocks) over [`Q4K_CELL`] cells, in the
@@ -736,10 +824,16 @@ unsafe fn gemv_group_q4_k(w: &[u8], act: &[u8], nb: usize) -> [f32; GROUP] {
 /// unsigned q + 128, with the prepared `-128·Σ a` start values), one VNNI instruction gives the
 /// pair's 2 x 8 `vec_dot` lanes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q8_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
+unsafe fn gemv_group_q8_0(w: &[u8], p: &Prepared, tok: usize) -> [f32; GROUP] {
     let nb = p.nb;
     let cell_len = GROUP * 34;
-    assert!(w.len() >= nb * cell_len && p.quants.len() >= nb * 64 && p.corr.len() >= nb * 16);
+    let t0 = tok * nb;
+    assert!(
+        w.len() >= nb * cell_len
+            && p.quants.len() >= (t0 + nb) * 64
+            && p.corr.len() >= (t0 + nb) * 16
+            && p.scales.len() >= t0 + nb
+    );
     let flip = _mm512_set1_epi8(0x80u8 as i8);
     let idx: [__m512i; GROUP / 2] = core::array::from_fn(|pr| {
         let (a, b) = (2 * pr as i32, 2 * pr as i32 + 1);
@@ -751,9 +845,9 @@ unsafe fn gemv_group_q8_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
         unsafe {
             let cell = w.as_ptr().add(b * cell_len);
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i));
-            let d = _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(b)));
-            let a = _mm512_loadu_si512(p.quants.as_ptr().add(b * 64) as *const _);
-            let corr = _mm512_loadu_si512(p.corr.as_ptr().add(b * 16) as *const _);
+            let d = _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(t0 + b)));
+            let a = _mm512_loadu_si512(p.quants.as_ptr().add((t0 + b) * 64) as *const _);
+            let corr = _mm512_loadu_si512(p.corr.as_ptr().add((t0 + b) * 16) as *const _);
             let qs = cell.add(GROUP * 2);
             for pr in 0..GROUP / 2 {
                 // [row 2pr, row 2pr+1] as unsigned q + 128.
@@ -782,10 +876,16 @@ unsafe fn gemv_group_q8_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
 /// `-16·Σ a` over the lane's 4 activations as the start value, which gives `vec_dot`'s exact
 /// Σ (q − 16)·a; then `acc[j] = fma(d_w·d_a, f32(lane), acc[j])` and `hsum_float_8`. Same bits.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q5_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
+unsafe fn gemv_group_q5_0(w: &[u8], p: &Prepared, tok: usize) -> [f32; GROUP] {
     let nb = p.nb;
     let cell_len = GROUP * 22;
-    assert!(w.len() >= nb * cell_len && p.quants.len() >= nb * 64 && p.corr.len() >= nb * 16);
+    let t0 = tok * nb;
+    assert!(
+        w.len() >= nb * cell_len
+            && p.quants.len() >= (t0 + nb) * 64
+            && p.corr.len() >= (t0 + nb) * 16
+            && p.scales.len() >= t0 + nb
+    );
     let m4 = _mm512_set1_epi8(0x0f);
     let sixteen = _mm512_set1_epi8(16);
     let mut acc = [_mm512_setzero_ps(); 8];
@@ -795,13 +895,13 @@ unsafe fn gemv_group_q5_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
             let cell = w.as_ptr().add(b * cell_len);
             let d = _mm512_mul_ps(
                 _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i)),
-                _mm512_set1_ps(*p.scales.get_unchecked(b)),
+                _mm512_set1_ps(*p.scales.get_unchecked(t0 + b)),
             );
             // Prepared Q8_0 layout: elements 0..32 at bytes 0..32; `corr` lane j is -128·Σ a
             // over elements 4j..4j+4, so -16·Σ a is a shift (exact: a multiple of 128).
-            let a = p.quants.as_ptr().add(b * 64);
+            let a = p.quants.as_ptr().add((t0 + b) * 64);
             let av = |off: usize| _mm512_set1_epi32((a.add(off) as *const i32).read_unaligned());
-            let start = |j: usize| _mm512_set1_epi32(*p.corr.get_unchecked(b * 16 + j) >> 3);
+            let start = |j: usize| _mm512_set1_epi32(*p.corr.get_unchecked((t0 + b) * 16 + j) >> 3);
             let mask = |j: usize| (cell.add(32 + 8 * j) as *const u64).read_unaligned();
             for k in 0..4 {
                 let x = _mm512_loadu_si512(cell.add(96 + 64 * k) as *const _);
@@ -828,10 +928,15 @@ unsafe fn gemv_group_q5_0(w: &[u8], p: &Prepared) -> [f32; GROUP] {
 /// `fma(d_w·d_a, f32(lane), acc)`; the end reduces the 8 vectors in `hsum_float_8`'s order and adds
 /// the rows' Σ m·s, summed in the row kernel's order. Same bits as `vec_dot`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q4_1(w: &[u8], p: &Prepared) -> [f32; GROUP] {
+unsafe fn gemv_group_q4_1(w: &[u8], p: &Prepared, tok: usize) -> [f32; GROUP] {
     let nb = p.nb;
     let cell_len = GROUP * 20;
-    assert!(w.len() >= nb * cell_len && p.quants.len() >= nb * 64 && p.scales.len() >= nb * 4);
+    let t0 = tok * nb;
+    assert!(
+        w.len() >= nb * cell_len
+            && p.quants.len() >= (t0 + nb) * 64
+            && p.scales.len() >= (t0 + nb) * 4
+    );
     let m4 = _mm512_set1_epi8(0x0f);
     let mut acc = [_mm512_setzero_ps(); 8];
     let mut summs = _mm512_setzero_ps();
@@ -839,8 +944,8 @@ unsafe fn gemv_group_q4_1(w: &[u8], p: &Prepared) -> [f32; GROUP] {
         // SAFETY: cell b and activation block b are in bounds (asserted above).
         unsafe {
             let cell = w.as_ptr().add(b * cell_len);
-            let da = *p.scales.get_unchecked(4 * b);
-            let sa = *p.scales.get_unchecked(4 * b + 1);
+            let da = *p.scales.get_unchecked(4 * (t0 + b));
+            let sa = *p.scales.get_unchecked(4 * (t0 + b) + 1);
             let d = _mm512_mul_ps(
                 _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i)),
                 _mm512_set1_ps(da),
@@ -851,7 +956,7 @@ unsafe fn gemv_group_q4_1(w: &[u8], p: &Prepared) -> [f32; GROUP] {
             );
             summs = _mm512_add_ps(summs, m);
             // Prepared Q8_1 layout: elements 0..16 at bytes 0..16, 16..32 at bytes 32..48.
-            let a = p.quants.as_ptr().add(b * 64);
+            let a = p.quants.as_ptr().add((t0 + b) * 64);
             let av = |off: usize| _mm512_set1_epi32((a.add(off) as *const i32).read_unaligned());
             for k in 0..4 {
                 let x = _mm512_loadu_si512(cell.add(64 + 64 * k) as *const _);

@@ -19,7 +19,7 @@ use core::arch::x86_64::*;
 use ferrum_core::DType;
 
 use super::avx512::Line;
-use super::{Order, OutPtr, WeightRef};
+use super::{Order, OutPtr, Src};
 use crate::quant::blocks::{rd_f16, scale_min_k4, unpack_q4k, unpack_q6k};
 use crate::quant::QK_K;
 
@@ -131,13 +131,12 @@ thread_local! {
 }
 
 /// `y[tok, r]` for every token of `act` (`t` rows of Q8_K, `ab` bytes each) and every row of `w`.
-pub fn matmul_k(w: &WeightRef, act: &[u8], ab: usize, t: usize, orders: &[Order], y: &mut [f32]) {
+pub(crate) fn matmul_k(w: &Src, act: &[u8], ab: usize, t: usize, orders: &[Order], y: &mut [f32]) {
     assert!(supports(w.dtype, orders), "matmul_k: {}", w.dtype);
     let (rows, cols) = (w.rows, w.cols);
     let nsb = cols / QK_K;
     assert_eq!(ab, nsb * Q8K_BYTES, "matmul_k: activation row bytes");
     assert!(act.len() >= t * ab && orders.len() == t && y.len() == t * rows);
-    let rb = w.row_bytes();
     let out = OutPtr(y.as_mut_ptr());
     let dtype = w.dtype;
     PREP.with_borrow_mut(|prep| {
@@ -165,10 +164,8 @@ pub fn matmul_k(w: &WeightRef, act: &[u8], ab: usize, t: usize, orders: &[Order]
             let r0 = task * ROWS;
             let n = ROWS.min(rows - r0);
             // A last task of fewer than 16 rows repeats its last row; the extra results are dropped.
-            let rws: [&[u8]; ROWS] =
-                core::array::from_fn(|i| &w.data[(r0 + i.min(n - 1)) * rb..][..rb]);
             ROWS16.with_borrow_mut(|u| {
-                u.fill(dtype, &rws, nsb);
+                w.with_rows16(r0, |rws| u.fill(dtype, rws, nsb));
                 let k = Kernel {
                     dtype,
                     u: &*u,

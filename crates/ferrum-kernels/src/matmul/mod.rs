@@ -20,6 +20,9 @@
 pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod kquant;
+mod matrix;
+
+pub use matrix::{Layout, PackedMatrix};
 
 /// Below this many tokens the K-quant prompt kernels (which unpack each weight row per call) do
 /// not pay for their unpacking.
@@ -45,6 +48,83 @@ impl WeightRef<'_> {
         self.dtype
             .row_bytes(self.cols)
             .expect("weight rows are whole blocks")
+    }
+
+    fn src(&self) -> Src<'_> {
+        Src {
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+            data: self.data,
+            layout: Layout::RowMajor,
+        }
+    }
+}
+
+/// A weight matrix as the kernels read it: row-major, or in a packed layout whose rows the
+/// row-oriented kernels get unpacked, 16 at a time ([`Src::with_rows16`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Src<'a> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+    pub layout: Layout,
+}
+
+/// Rows handed to the row kernels at a time: one packed group.
+const ROWS16: usize = 16;
+
+impl Src<'_> {
+    fn row_bytes(&self) -> usize {
+        self.dtype
+            .row_bytes(self.cols)
+            .expect("weight rows are whole blocks")
+    }
+
+    /// Runs `f` on rows `r0 .. r0 + 16` in the file's block layout (`r0` a multiple of 16; rows
+    /// past the end repeat the last row). Row-major weights are read in place; a packed group is
+    /// unpacked into this thread's scratch first, exactly (same bytes as the file's rows).
+    fn with_rows16<R>(&self, r0: usize, f: impl FnOnce(&[&[u8]; ROWS16]) -> R) -> R {
+        debug_assert!(r0.is_multiple_of(ROWS16) && r0 < self.rows);
+        let rb = self.row_bytes();
+        let last = self.rows - 1;
+        match self.layout {
+            Layout::RowMajor => {
+                let rows: [&[u8]; ROWS16] =
+                    core::array::from_fn(|i| &self.data[(r0 + i).min(last) * rb..][..rb]);
+                f(&rows)
+            }
+            #[cfg(target_arch = "x86_64")]
+            Layout::X16 => {
+                let (block, cell) = avx512::packed_cell(self.dtype).expect("packed type");
+                let nb = self.cols / block;
+                let group = &self.data[r0 / ROWS16 * nb * cell..][..nb * cell];
+                GROUP_ROWS.with_borrow_mut(|buf| {
+                    buf.resize(ROWS16 * rb, 0);
+                    for (i, row) in buf.chunks_exact_mut(rb).enumerate() {
+                        avx512::unpack_row_x16(self.dtype, group, nb, i, row);
+                    }
+                    let rows: [&[u8]; ROWS16] = core::array::from_fn(|i| &buf[i * rb..][..rb]);
+                    f(&rows)
+                })
+            }
+        }
+    }
+
+    /// Row `r` in the file's block layout, written to `out` (`row_bytes` long).
+    fn copy_row(&self, r: usize, out: &mut [u8]) {
+        let rb = self.row_bytes();
+        match self.layout {
+            Layout::RowMajor => out.copy_from_slice(&self.data[r * rb..(r + 1) * rb]),
+            #[cfg(target_arch = "x86_64")]
+            Layout::X16 => {
+                let (block, cell) = avx512::packed_cell(self.dtype).expect("packed type");
+                let nb = self.cols / block;
+                let group = &self.data[r / ROWS16 * nb * cell..][..nb * cell];
+                avx512::unpack_row_x16(self.dtype, group, nb, r % ROWS16, out);
+            }
+        }
     }
 }
 
@@ -81,9 +161,6 @@ impl Order {
     }
 }
 
-/// Rows per parallel task: large enough to amortise scheduling, small enough to balance two cores.
-const ROWS_PER_TASK: usize = 16;
-
 /// `x`: [T, cols] f32; `y`: [T, rows]. The T rows form one sequence (see [`matmul_segments`]).
 pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
     let t = x.len().checked_div(w.cols).unwrap_or(0);
@@ -94,6 +171,16 @@ pub fn matmul(w: &WeightRef, x: &[f32], y: &mut [f32]) {
 /// sequence's rows get the kernel order llama.cpp would use for that sequence alone, so a
 /// sequence's results do not depend on what shares its call (batch invariance).
 pub fn matmul_segments(w: &WeightRef, x: &[f32], y: &mut [f32], segs: &[usize]) {
+    let t = check_shapes(&w.src(), x, y, segs);
+    if t == 0 {
+        return;
+    }
+    let orders = orders_of(w.dtype, w.rows, segs);
+    matmul_rows(&w.src(), x, y, &orders)
+}
+
+/// Checks a product's shapes; returns its token count.
+fn check_shapes(w: &Src, x: &[f32], y: &mut [f32], segs: &[usize]) -> usize {
     let (rows, cols) = (w.rows, w.cols);
     assert!(
         cols > 0 && x.len().is_multiple_of(cols),
@@ -107,12 +194,32 @@ pub fn matmul_segments(w: &WeightRef, x: &[f32], y: &mut [f32], segs: &[usize]) 
         t,
         "matmul: segments do not cover the rows"
     );
-    let rb = w.row_bytes();
-    assert_eq!(w.data.len(), rb * rows, "matmul: weight bytes");
+    t
+}
+
+/// Per token, the order llama.cpp uses for it (inline for up to 16 tokens: a decode step
+/// allocates nothing here).
+fn orders_of(dtype: DType, rows: usize, segs: &[usize]) -> smallvec::SmallVec<[Order; 16]> {
+    segs.iter()
+        .flat_map(|&n| (0..n).map(move |tok| Order::of(dtype, rows, n, tok)))
+        .collect()
+}
+
+/// The row-oriented kernels (prompt tiles, K-quant tiles, one dot per output) over any layout:
+/// token `i` of `x` in order `orders[i]`.
+fn matmul_rows(w: &Src, x: &[f32], y: &mut [f32], orders: &[Order]) {
+    let (rows, cols) = (w.rows, w.cols);
+    let t = orders.len();
     if t == 0 {
-        // No rows (e.g. a last layer whose outputs no logits need).
         return;
     }
+    let rb = w.row_bytes();
+    let stored = match w.layout {
+        Layout::RowMajor => rb * rows,
+        #[cfg(target_arch = "x86_64")]
+        Layout::X16 => avx512::packed_len(w.dtype, rows, cols).expect("packed shape"),
+    };
+    assert_eq!(w.data.len(), stored, "matmul: weight bytes");
     let act_type = quant::vec_dot_type(w.dtype);
     let ab = act_type
         .row_bytes(cols)
@@ -130,17 +237,12 @@ pub fn matmul_segments(w: &WeightRef, x: &[f32], y: &mut [f32], segs: &[usize]) 
             matmul_tiles(w, &sc.prepared, t, y);
             return;
         }
-        // Inline for up to 16 tokens: a decode step allocates nothing here.
-        let orders: smallvec::SmallVec<[Order; 16]> = segs
-            .iter()
-            .flat_map(|&n| (0..n).map(move |tok| Order::of(w.dtype, rows, n, tok)))
-            .collect();
         #[cfg(target_arch = "x86_64")]
-        if t >= KQUANT_MIN_TOKENS && kquant::supports(w.dtype, &orders) {
-            kquant::matmul_k(w, &sc.act, ab, t, &orders, y);
+        if t >= KQUANT_MIN_TOKENS && kquant::supports(w.dtype, orders) {
+            kquant::matmul_k(w, &sc.act, ab, t, orders, y);
             return;
         }
-        matmul_dots(w, &sc.act, ab, &orders, y);
+        matmul_dots(w, &sc.act, ab, orders, y);
     });
 }
 
@@ -158,6 +260,8 @@ struct Scratch {
 }
 
 thread_local! {
+    /// Rows of a packed group unpacked to the file's layout ([`Src::with_rows16`]), per thread.
+    static GROUP_ROWS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// The tile kernels' unpacked weight rows, per worker thread.
     #[cfg(target_arch = "x86_64")]
     static UNPACKED: RefCell<avx512::Unpacked> = const { RefCell::new(avx512::Unpacked::new()) };
@@ -196,16 +300,16 @@ const TILE_TOKEN_BLOCK: usize = 64;
 const PREFETCH_ROWS: usize = 32;
 
 #[cfg(target_arch = "x86_64")]
-fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
+fn matmul_tiles(w: &Src, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
     let rows = w.rows;
     let rb = w.row_bytes();
     let out = OutPtr(y.as_mut_ptr());
     let n_tasks = rows.div_ceil(TILE_ROWS_PER_TASK);
     let tr = avx512::tile_rows(w.dtype);
+    let prefetch = w.layout == Layout::RowMajor;
     pool::parallel_for(n_tasks, |task| {
         let r_begin = task * TILE_ROWS_PER_TASK;
         let r_end = (r_begin + TILE_ROWS_PER_TASK).min(rows);
-        let row = |r: usize| &w.data[r.min(rows - 1) * rb..][..rb];
         let store = |tok: usize, r0: usize, v: &[f32]| {
             for (i, &val) in v.iter().enumerate() {
                 if r0 + i < r_end {
@@ -242,42 +346,48 @@ fn matmul_tiles(w: &WeightRef, p: &avx512::Prepared, t: usize, y: &mut [f32]) {
                 }
             }};
         }
-        if tr == 8 {
-            // Unpack the task's rows once (padded to whole 8-row tiles by repeating the last
-            // row), then run every token over them.
-            let n = (r_end - r_begin).div_ceil(8) * 8;
-            let task_rows: [&[u8]; TILE_ROWS_PER_TASK] = std::array::from_fn(|i| row(r_begin + i));
-            UNPACKED.with_borrow_mut(|u| {
-                u.fill(w.dtype, &task_rows[..n], p.nb);
-                for tb in (0..t).step_by(TILE_TOKEN_BLOCK) {
-                    let te = (tb + TILE_TOKEN_BLOCK).min(t);
-                    for r0 in (r_begin..r_end).step_by(8) {
-                        let pair0 = (r0 - r_begin) / 2;
-                        sweep!(tile8_unpacked(&*u, pair0), tb, te, r0);
+        w.with_rows16(r_begin, |task_rows| {
+            if tr == 8 {
+                // Unpack the task's rows once (padded to whole 8-row tiles by repeating the
+                // last row), then run every token over them.
+                let n = (r_end - r_begin).div_ceil(8) * 8;
+                UNPACKED.with_borrow_mut(|u| {
+                    u.fill(w.dtype, &task_rows[..n], p.nb);
+                    for tb in (0..t).step_by(TILE_TOKEN_BLOCK) {
+                        let te = (tb + TILE_TOKEN_BLOCK).min(t);
+                        for r0 in (r_begin..r_end).step_by(8) {
+                            let pair0 = (r0 - r_begin) / 2;
+                            sweep!(tile8_unpacked(&*u, pair0), tb, te, r0);
+                        }
                     }
-                }
-            });
-            return;
-        }
-        for tb in (0..t).step_by(TILE_TOKEN_BLOCK) {
-            let te = (tb + TILE_TOKEN_BLOCK).min(t);
-            for r0 in (r_begin..r_end).step_by(tr) {
-                if r0 + PREFETCH_ROWS + tr <= rows {
-                    avx512::prefetch(
-                        &w.data[(r0 + PREFETCH_ROWS) * rb..(r0 + PREFETCH_ROWS + tr) * rb],
-                    );
-                }
-                let quad = [row(r0), row(r0 + 1), row(r0 + 2), row(r0 + 3)];
-                sweep!(tile(w.dtype, quad), tb, te, r0);
+                });
+                return;
             }
-        }
+            for tb in (0..t).step_by(TILE_TOKEN_BLOCK) {
+                let te = (tb + TILE_TOKEN_BLOCK).min(t);
+                for r0 in (r_begin..r_end).step_by(tr) {
+                    if prefetch && r0 + PREFETCH_ROWS + tr <= rows {
+                        avx512::prefetch(
+                            &w.data[(r0 + PREFETCH_ROWS) * rb..(r0 + PREFETCH_ROWS + tr) * rb],
+                        );
+                    }
+                    let i = r0 - r_begin;
+                    let quad = [
+                        task_rows[i],
+                        task_rows[i + 1],
+                        task_rows[i + 2],
+                        task_rows[i + 3],
+                    ];
+                    sweep!(tile(w.dtype, quad), tb, te, r0);
+                }
+            }
+        });
     });
 }
 
 /// One dot product per (row, token), in the order [`Order::of`] picks.
-fn matmul_dots(w: &WeightRef, act: &[u8], ab: usize, orders: &[Order], y: &mut [f32]) {
+fn matmul_dots(w: &Src, act: &[u8], ab: usize, orders: &[Order], y: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
-    let rb = w.row_bytes();
     let t = orders.len();
     let dot = |wr: &[u8], ar: &[u8], tok: usize| match orders[tok] {
         Order::Vec => quant::vec_dot(w.dtype, wr, ar, cols),
@@ -290,38 +400,38 @@ fn matmul_dots(w: &WeightRef, act: &[u8], ab: usize, orders: &[Order], y: &mut [
         // Two rows per AVX-512 kernel call, in `vec_dot`'s order (an odd last row is paired
         // with itself).
         let nsb = cols / quant::QK_K;
-        pool::parallel_chunks_mut(y, ROWS_PER_TASK, |ci, yc| {
-            let r0 = ci * ROWS_PER_TASK;
-            let row = |i: usize| &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
-            for i in (0..yc.len()).step_by(2) {
-                let j = (i + 1).min(yc.len() - 1);
-                let v = kquant::q6k_vec_pair(row(i), row(j), act, nsb);
-                yc[i] = v[0];
-                yc[j] = if j == i { v[0] } else { v[1] };
-            }
+        pool::parallel_chunks_mut(y, ROWS16, |ci, yc| {
+            w.with_rows16(ci * ROWS16, |rws| {
+                for i in (0..yc.len()).step_by(2) {
+                    let j = (i + 1).min(yc.len() - 1);
+                    let v = kquant::q6k_vec_pair(rws[i], rws[j], act, nsb);
+                    yc[i] = v[0];
+                    yc[j] = if j == i { v[0] } else { v[1] };
+                }
+            })
         });
         return;
     }
     if t == 1 {
-        pool::parallel_chunks_mut(y, ROWS_PER_TASK, |ci, yc| {
-            let r0 = ci * ROWS_PER_TASK;
-            for (i, yv) in yc.iter_mut().enumerate() {
-                let wr = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
-                *yv = dot(wr, act, 0);
-            }
+        pool::parallel_chunks_mut(y, ROWS16, |ci, yc| {
+            w.with_rows16(ci * ROWS16, |rws| {
+                for (i, yv) in yc.iter_mut().enumerate() {
+                    *yv = dot(rws[i], act, 0);
+                }
+            })
         });
         return;
     }
     // [rows, T] by weight row, then transposed to [T, rows].
     let mut yt = vec![0f32; rows * t];
-    pool::parallel_chunks_mut(&mut yt, ROWS_PER_TASK * t, |ci, yc| {
-        let r0 = ci * ROWS_PER_TASK;
-        for (i, yrow) in yc.chunks_exact_mut(t).enumerate() {
-            let wr = &w.data[(r0 + i) * rb..(r0 + i + 1) * rb];
-            for (tok, yv) in yrow.iter_mut().enumerate() {
-                *yv = dot(wr, &act[tok * ab..(tok + 1) * ab], tok);
+    pool::parallel_chunks_mut(&mut yt, ROWS16 * t, |ci, yc| {
+        w.with_rows16(ci * ROWS16, |rws| {
+            for (i, yrow) in yc.chunks_exact_mut(t).enumerate() {
+                for (tok, yv) in yrow.iter_mut().enumerate() {
+                    *yv = dot(rws[i], &act[tok * ab..(tok + 1) * ab], tok);
+                }
             }
-        }
+        })
     });
     for r in 0..rows {
         for tok in 0..t {

@@ -163,9 +163,7 @@ unsafe fn swiglu_avx512(gate: &mut [f32], up: &[f32]) -> usize {
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "swiglu: lengths differ");
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f")
-        && std::env::var_os("FERRUM_FORCE_SCALAR").is_none()
-    {
+    if crate::cpu::features().avx512f {
         // SAFETY: the CPU reports AVX-512F (and so FMA).
         let done = unsafe { swiglu_avx512(gate, up) };
         for (g, &u) in gate[done..].iter_mut().zip(&up[done..]) {
@@ -174,7 +172,7 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("fma") {
+    if crate::cpu::features().fma {
         // SAFETY: the CPU reports FMA.
         unsafe { swiglu_fma(gate, up) };
         return;
@@ -188,10 +186,7 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
     let table = gelu_table();
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("f16c")
-        && std::env::var_os("FERRUM_FORCE_SCALAR").is_none()
-    {
+    if crate::cpu::features().avx512f && crate::cpu::features().f16c {
         // SAFETY: the CPU reports AVX-512F and F16C; the table has 65537 entries.
         done = unsafe { geglu_avx512(table, gate, up) };
     }

@@ -49,7 +49,7 @@ impl RopeCache {
         assert_eq!(x.len(), n_pos * n_heads * head_dim, "rope: shape differs");
         assert!(self.n_rot <= head_dim, "rope: n_rot exceeds head_dim");
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("fma") {
+        if crate::cpu::features().fma {
             // SAFETY: the CPU reports FMA.
             unsafe { self.apply_fma(x, n_heads, head_dim) };
             return;

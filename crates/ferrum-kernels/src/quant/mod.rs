@@ -46,25 +46,16 @@ pub enum Isa {
     Avx2,
 }
 
-/// The kernel set [`vec_dot`] and [`quantize_row`] use (detected once per process; setting the
-/// environment variable `FERRUM_FORCE_SCALAR` forces [`Isa::Scalar`]).
+/// The kernel set [`vec_dot`] and [`quantize_row`] use (from [`crate::cpu::features`], so
+/// `FERRUM_FORCE_SCALAR` forces [`Isa::Scalar`]).
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(detect)
 }
 
 fn detect() -> Isa {
-    if std::env::var_os("FERRUM_FORCE_SCALAR").is_some() {
-        return Isa::Scalar;
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
-            return Isa::Avx2;
-        }
+    if cfg!(target_arch = "x86_64") && crate::cpu::features().x86_simd() {
+        return Isa::Avx2;
     }
     Isa::Scalar
 }

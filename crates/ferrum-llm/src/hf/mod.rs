@@ -59,7 +59,7 @@ pub fn load(dir: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(usize, usiz
     let source = HfSource::open_dir(dir, &hf)?;
     let mut weights = Weights::load(&source, &config, progress)?;
     if opts.dequantize {
-        weights = weights.dequantized();
+        weights = weights.dequantized()?;
     }
     let chat_template = match tokenizer.chat_template() {
         Some(t) => Some(t.to_string()),

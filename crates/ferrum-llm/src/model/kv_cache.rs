@@ -10,6 +10,7 @@
 use ferrum_core::{Error, Result};
 use ferrum_kernels::attention::PagedKv;
 use half::f16;
+use half::vec::HalfBitsVecExt;
 
 use super::config::Config;
 
@@ -26,7 +27,7 @@ pub struct KvPool {
 
 impl KvPool {
     /// A pool of `n_blocks` blocks of `block_size` positions (a power of two) for `cfg`'s layers.
-    /// Its memory is reserved, not touched: see [`KvPool::touch`].
+    /// Its memory is reserved, not touched: pages are committed as blocks are first written.
     pub fn new(cfg: &Config, n_blocks: usize, block_size: usize) -> Result<Self> {
         if !block_size.is_power_of_two() {
             return Err(Error::msg(format!(
@@ -45,8 +46,14 @@ impl KvPool {
             block_size,
             n_blocks,
             kv_dim,
+            // Zeroed allocations of u16 come from `calloc`: large ones are fresh pages the OS
+            // commits on first write, so the pool holds memory only for the blocks in use.
+            // (`vec![f16::ZERO; n]` would write every element.)
             layers: (0..cfg.n_layer)
-                .map(|_| (vec![f16::ZERO; rows], vec![f16::ZERO; rows]))
+                .map(|_| {
+                    let zeros = || -> Vec<f16> { vec![0u16; rows].reinterpret_into() };
+                    (zeros(), zeros())
+                })
                 .collect(),
         })
     }
@@ -67,22 +74,6 @@ impl KvPool {
     /// Bytes held.
     pub fn n_bytes(&self) -> usize {
         self.n_blocks * self.block_size * self.kv_dim * 2 * self.layers.len() * 2
-    }
-
-    /// Writes to every page of the pool, so its memory is committed now rather than as blocks
-    /// first fill (a server's footprint is then set at start and does not creep under load).
-    pub fn touch(&mut self) {
-        const PAGE: usize = 4096 / std::mem::size_of::<f16>();
-        for (k, v) in &mut self.layers {
-            for buf in [k, v] {
-                for x in buf.iter_mut().step_by(PAGE) {
-                    // A volatile write cannot be elided even though the value is already zero.
-                    let p: *mut f16 = x;
-                    // SAFETY: `p` comes from a live `&mut f16` into `buf`.
-                    unsafe { std::ptr::write_volatile(p, f16::ZERO) };
-                }
-            }
-        }
     }
 
     /// Positions a block table of `n` blocks covers.

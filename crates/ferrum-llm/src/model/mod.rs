@@ -9,7 +9,6 @@ pub mod weights;
 
 use ferrum_core::{Buf, Error, Result};
 use ferrum_kernels::attention::{attention_paged, AttnParams};
-use ferrum_kernels::matmul;
 use ferrum_kernels::ops::{self, RopeCache};
 use ferrum_kernels::profile;
 use smallvec::SmallVec;
@@ -376,11 +375,11 @@ impl Model {
         // x: [T, n_embd], the embedding rows (dequantized exactly).
         let e = cfg.n_embd;
         let mut x = Buf::zeros(t * e);
-        let embd = weights_ref(&self.weights.token_embd, e, cfg.n_vocab);
+        let embd = &self.weights.token_embd;
         profile::record("get_rows", "token_embd", 0.0, (8 * t * e) as f64, || {
             let tokens = seqs().flat_map(|s| s.tokens.iter());
             for (row, &id) in x.chunks_exact_mut(e).zip(tokens) {
-                matmul::get_row(&embd, id as usize, row);
+                embd.get_row(id as usize, row);
             }
         });
 
@@ -401,14 +400,5 @@ impl Model {
             logits
         };
         Ok((logits, step.segs))
-    }
-}
-
-fn weights_ref(t: &RawTensor, cols: usize, rows: usize) -> matmul::WeightRef<'_> {
-    matmul::WeightRef {
-        dtype: t.dtype,
-        rows,
-        cols,
-        data: &t.data,
     }
 }

@@ -5,7 +5,7 @@
 //! the memory map, the safetensors loader translates Hugging Face names and layouts.
 
 use ferrum_core::{Buf, Bytes, DType, Error, Result};
-use ferrum_kernels::matmul::{self, WeightRef};
+use ferrum_kernels::matmul::{Layout, PackedMatrix};
 use ferrum_kernels::profile;
 use ferrum_kernels::quant;
 
@@ -48,62 +48,29 @@ pub trait TensorSource {
     fn tensor(&self, name: &str) -> Result<Option<RawTensor>>;
 }
 
-/// `y = x W^T (+ b)` with W stored row-major [out, in] in any supported type.
+/// `y = x W^T (+ b)` with W ([out, in], any supported type) stored once, in the layout its
+/// kernels want ([`PackedMatrix`]).
 #[derive(Clone, Debug)]
 pub struct Linear {
     /// What the projection is in the model (`attn_q`, `ffn_down`, `output`, ...), for profiles.
     pub kind: &'static str,
-    pub weight: RawTensor,
+    pub weight: PackedMatrix,
     pub bias: Option<Vec<f32>>,
     pub n_in: usize,
     pub n_out: usize,
-    /// The weight repacked for one-token products, where a kernel for that layout exists (Q8_0,
-    /// Q5_0, Q4_1, Q4_K, Q6_K in groups of 16 rows on AVX-512 VNNI; see
-    /// [`Linear::pack_for_decode`]).
-    pub gemv: Option<Bytes>,
 }
 
 impl Linear {
-    pub fn weight_ref(&self) -> WeightRef<'_> {
-        WeightRef {
-            dtype: self.weight.dtype,
-            rows: self.n_out,
-            cols: self.n_in,
-            data: &self.weight.data,
-        }
-    }
-
-    /// Builds [`Linear::gemv`] where it pays: the one-token kernel over 16-row groups reads a
-    /// Q8_0, Q5_0, Q4_1, Q4_K or Q6_K matrix front to back, 16 rows per vector, well above the
-    /// row kernels' speed (`cargo bench -p ferrum-kernels --bench matmul`). Same bits as the
-    /// row kernel (Q4_K: as llama.cpp's repacked GEMV, the order one token gets from
-    /// [`matmul::Order::of`] for row counts divisible by 16). Costs a second copy of the matrix
-    /// (the row-major one serves prompts and embedding lookups).
-    pub fn pack_for_decode(&mut self) {
-        #[cfg(target_arch = "x86_64")]
-        if matmul::avx512::available() {
-            let w = &self.weight;
-            self.gemv = matmul::avx512::pack_x16(w.dtype, &w.data, self.n_out, self.n_in)
-                .and_then(|v| Bytes::pack(&[&v]).ok())
-                .and_then(|mut b| b.pop());
-        }
-    }
-
     /// `x`: [T, n_in] -> [T, n_out]. `segs`: the rows of each sequence stacked in `x` (each
-    /// sequence's rows are computed as if alone in the call; see [`matmul::matmul_segments`]).
+    /// sequence's rows are computed as if alone in the call; see
+    /// [`ferrum_kernels::matmul::matmul_segments`]).
     pub fn forward(&self, x: &[f32], segs: &[usize]) -> Buf {
         let t = x.len() / self.n_in;
         let mut y = Buf::zeros(t * self.n_out);
         let flops = 2.0 * (self.n_in * self.n_out * t) as f64;
-        let bytes = (self.weight.data.len() + 4 * t * (self.n_in + self.n_out)) as f64;
+        let bytes = (self.weight.n_bytes() + 4 * t * (self.n_in + self.n_out)) as f64;
         profile::record("matmul", self.kind, flops, bytes, || {
-            #[cfg(target_arch = "x86_64")]
-            if let (1, Some(p)) = (t, &self.gemv) {
-                let dtype = self.weight.dtype;
-                matmul::avx512::gemv_x16(dtype, p, self.n_out, self.n_in, x, &mut y);
-                return;
-            }
-            matmul::matmul_segments(&self.weight_ref(), x, &mut y, segs)
+            self.weight.matmul(x, &mut y, segs)
         });
         if let Some(b) = &self.bias {
             for row in y.chunks_exact_mut(self.n_out) {
@@ -139,13 +106,28 @@ pub struct LayerWeights {
 
 #[derive(Clone, Debug)]
 pub struct Weights {
-    pub token_embd: RawTensor,
+    /// The embedding table, [n_vocab, n_embd]; the LM head's matrix itself when the file ties
+    /// them (then stored in the head's layout, and lookups unpack a row).
+    pub token_embd: PackedMatrix,
     pub layers: Vec<LayerWeights>,
     pub output_norm: Vec<f32>,
-    /// The LM head; the embedding matrix itself when the file ties them.
+    /// The LM head.
     pub output: Linear,
 }
 
+/// What loading stored, and where ([`Weights::load`]).
+#[derive(Clone, Debug, Default)]
+pub struct LoadReport {
+    /// Bytes of matrices repacked for this CPU's kernels (anonymous memory).
+    pub packed_bytes: usize,
+    /// Bytes of matrices copied as they are into anonymous memory.
+    pub copied_bytes: usize,
+    /// Bytes of matrices read in place from the file map (pages resident as they are read).
+    pub mapped_bytes: usize,
+    /// Seconds spent reading tensors and checking shapes, then packing or copying.
+    pub read_seconds: f64,
+    pub pack_seconds: f64,
+}
 impl LayerWeights {
     /// The layer's seven projections.
     pub fn linears(&self) -> [&Linear; 7] {
@@ -175,21 +157,27 @@ impl LayerWeights {
 }
 
 impl Weights {
-    /// Every distinct tensor of the model (the tied LM head counted once).
-    pub fn tensors(&self) -> Vec<&RawTensor> {
+    /// Whether the LM head is the embedding table.
+    pub fn tied(&self) -> bool {
+        self.output.weight.data().as_ptr() == self.token_embd.data().as_ptr()
+    }
+
+    /// Every distinct matrix of the model (the tied LM head counted once).
+    pub fn matrices(&self) -> Vec<&PackedMatrix> {
         let mut v = vec![&self.token_embd];
         for l in &self.layers {
             v.extend(l.linears().map(|lin| &lin.weight));
         }
-        if self.output.weight.data.as_ptr() != self.token_embd.data.as_ptr() {
+        if !self.tied() {
             v.push(&self.output.weight);
         }
         v
     }
 
-    /// Bytes of the matrices (norm vectors and biases are not counted, as llama-bench does not).
+    /// Bytes of the matrices as stored (norm vectors and biases are not counted, as llama-bench
+    /// does not).
     pub fn n_bytes(&self) -> usize {
-        self.tensors().iter().map(|t| t.data.len()).sum()
+        self.matrices().iter().map(|t| t.n_bytes()).sum()
     }
 
     /// Parameters in the matrices and norms.
@@ -211,7 +199,10 @@ impl Weights {
                     .sum::<usize>()
             })
             .sum();
-        self.tensors().iter().map(|t| t.n_elements()).sum::<usize>()
+        self.matrices()
+            .iter()
+            .map(|t| t.rows() * t.cols())
+            .sum::<usize>()
             + norms
             + self.output_norm.len()
     }
@@ -220,23 +211,31 @@ impl Weights {
     /// contributes one row (unless it is also the LM head, which reads all of it).
     pub fn bytes_per_token(&self) -> usize {
         let embd = &self.token_embd;
-        let tied = self.output.weight.data.as_ptr() == embd.data.as_ptr();
-        let embd_rows = embd.dims.get(1).copied().unwrap_or(1).max(1);
-        let embd_read = if tied {
-            embd.data.len()
+        let embd_read = if self.tied() {
+            embd.n_bytes()
         } else {
-            embd.data.len() / embd_rows
+            embd.n_bytes() / embd.rows().max(1)
         };
-        self.n_bytes() - embd.data.len() + embd_read
+        self.n_bytes() - embd.n_bytes() + embd_read
     }
 
-    /// Loads every tensor the architecture needs, checking each shape against `cfg`.
-    /// `progress(i, total)` is called after each layer.
+    /// Loads every tensor the architecture needs, checking each shape against `cfg`, and stores
+    /// each matrix once ([`Weights::store`]). `progress(i, total)` is called after each layer.
     pub fn load(
         src: &dyn TensorSource,
         cfg: &Config,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Weights> {
+        Ok(Self::load_report(src, cfg, progress)?.0)
+    }
+
+    /// [`Weights::load`], also saying what was stored where and how long each part took.
+    pub fn load_report(
+        src: &dyn TensorSource,
+        cfg: &Config,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<(Weights, LoadReport)> {
+        let started = std::time::Instant::now();
         let get = |name: &str| -> Result<RawTensor> {
             src.tensor(name)?.ok_or_else(|| {
                 Error::msg(format!(
@@ -268,8 +267,8 @@ impl Weights {
                 }
             }
         };
-        let linear = |name: &str, n_in: usize, n_out: usize, bias: bool| -> Result<Linear> {
-            let w = get(&format!("{name}.weight"))?;
+        let matrix = |name: &str, n_in: usize, n_out: usize| -> Result<RawTensor> {
+            let w = get(name)?;
             check(name, &w, &[n_in, n_out])?;
             if w.dtype.row_bytes(n_in).is_none() {
                 return Err(Error::Shape(format!(
@@ -277,25 +276,36 @@ impl Weights {
                     w.dtype
                 )));
             }
+            Ok(w)
+        };
+        // Each matrix as read, with its Linear's fields; stored once at the end.
+        struct Pending {
+            kind: &'static str,
+            raw: RawTensor,
+            bias: Option<Vec<f32>>,
+            n_in: usize,
+            n_out: usize,
+        }
+        let linear = |name: &str, n_in: usize, n_out: usize, bias: bool| -> Result<Pending> {
+            let raw = matrix(&format!("{name}.weight"), n_in, n_out)?;
             let bias = if bias {
                 Some(vector(&format!("{name}.bias"), n_out)?)
             } else {
                 None
             };
-            Ok(Linear {
+            Ok(Pending {
                 kind: linear_kind(name),
-                weight: w,
+                raw,
                 bias,
                 n_in,
                 n_out,
-                gemv: None,
             })
         };
         let (e, q, kv, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
-        let token_embd = get("token_embd.weight")?;
-        check("token_embd.weight", &token_embd, &[e, cfg.n_vocab])?;
+        let token_embd = matrix("token_embd.weight", e, cfg.n_vocab)?;
         let qkv_bias = cfg.arch == Arch::Qwen2;
         let gemma = cfg.arch == Arch::Gemma3;
+        // Per layer: the norms (with placeholder projections) and the seven projections to store.
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for il in 0..cfg.n_layer {
             let p = format!("blk.{il}");
@@ -306,115 +316,250 @@ impl Weights {
                     opt_vector(&format!("{p}.{n}.weight"), len)
                 }
             };
-            layers.push(LayerWeights {
-                attn_norm: vector(&format!("{p}.attn_norm.weight"), e)?,
-                attn_q: linear(&format!("{p}.attn_q"), e, q, qkv_bias)?,
-                attn_k: linear(&format!("{p}.attn_k"), e, kv, qkv_bias)?,
-                attn_v: linear(&format!("{p}.attn_v"), e, kv, qkv_bias)?,
-                attn_output: linear(&format!("{p}.attn_output"), q, e, false)?,
-                attn_q_norm: norm_opt("attn_q_norm", cfg.head_dim)?,
-                attn_k_norm: norm_opt("attn_k_norm", cfg.head_dim)?,
-                post_attention_norm: norm_opt("post_attention_norm", e)?,
-                ffn_norm: vector(&format!("{p}.ffn_norm.weight"), e)?,
-                ffn_gate: linear(&format!("{p}.ffn_gate"), e, ff, false)?,
-                ffn_up: linear(&format!("{p}.ffn_up"), e, ff, false)?,
-                ffn_down: linear(&format!("{p}.ffn_down"), ff, e, false)?,
-                post_ffw_norm: norm_opt("post_ffw_norm", e)?,
-            });
-            progress(il + 1, cfg.n_layer);
+            let lin = [
+                linear(&format!("{p}.attn_q"), e, q, qkv_bias)?,
+                linear(&format!("{p}.attn_k"), e, kv, qkv_bias)?,
+                linear(&format!("{p}.attn_v"), e, kv, qkv_bias)?,
+                linear(&format!("{p}.attn_output"), q, e, false)?,
+                linear(&format!("{p}.ffn_gate"), e, ff, false)?,
+                linear(&format!("{p}.ffn_up"), e, ff, false)?,
+                linear(&format!("{p}.ffn_down"), ff, e, false)?,
+            ];
+            let norms = [
+                Some(vector(&format!("{p}.attn_norm.weight"), e)?),
+                norm_opt("attn_q_norm", cfg.head_dim)?,
+                norm_opt("attn_k_norm", cfg.head_dim)?,
+                norm_opt("post_attention_norm", e)?,
+                Some(vector(&format!("{p}.ffn_norm.weight"), e)?),
+                norm_opt("post_ffw_norm", e)?,
+            ];
+            layers.push((lin, norms));
         }
         let output = match src.tensor("output.weight")? {
-            Some(_) => linear("output", e, cfg.n_vocab, false)?,
+            Some(_) => Some(linear("output", e, cfg.n_vocab, false)?),
+            None => None,
+        };
+        let output_norm = vector("output_norm.weight", e)?;
+        let read_seconds = started.elapsed().as_secs_f64();
+
+        // Store: the embedding table (the LM head too when tied), every projection, the head.
+        let started = std::time::Instant::now();
+        let mut raws: Vec<&RawTensor> = vec![&token_embd];
+        for (lin, _) in &layers {
+            raws.extend(lin.iter().map(|p| &p.raw));
+        }
+        if let Some(o) = &output {
+            raws.push(&o.raw);
+        }
+        let tied = output.is_none();
+        let n_layer = cfg.n_layer;
+        let mut report = LoadReport {
+            read_seconds,
+            ..LoadReport::default()
+        };
+        let mut stored = store_matrices(&raws, tied, &mut report, &mut |i| {
+            // Matrix i done: 1 embedding table, then 7 per layer.
+            if i > 0 && i % 7 == 0 && i / 7 <= n_layer {
+                progress(i / 7, n_layer);
+            }
+        })?
+        .into_iter();
+        report.pack_seconds = started.elapsed().as_secs_f64();
+        drop(raws);
+        tracing::info!(
+            packed_mib = report.packed_bytes >> 20,
+            copied_mib = report.copied_bytes >> 20,
+            mapped_mib = report.mapped_bytes >> 20,
+            read_s = report.read_seconds,
+            pack_s = report.pack_seconds,
+            threads = ferrum_kernels::pool::threads(),
+            tier = %ferrum_kernels::cpu::tier(),
+            "weights stored once"
+        );
+
+        let token_embd_m = stored.next().expect("one per matrix");
+        let mut out_layers = Vec::with_capacity(n_layer);
+        for (lin, norms) in layers {
+            let [attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down] =
+                lin.map(|p| Linear {
+                    kind: p.kind,
+                    weight: stored.next().expect("one per matrix"),
+                    bias: p.bias,
+                    n_in: p.n_in,
+                    n_out: p.n_out,
+                });
+            let [attn_norm, attn_q_norm, attn_k_norm, post_attention_norm, ffn_norm, post_ffw_norm] =
+                norms;
+            let layer = LayerWeights {
+                attn_norm: attn_norm.expect("required"),
+                attn_q,
+                attn_k,
+                attn_v,
+                attn_output,
+                attn_q_norm,
+                attn_k_norm,
+                post_attention_norm,
+                ffn_norm: ffn_norm.expect("required"),
+                ffn_gate,
+                ffn_up,
+                ffn_down,
+                post_ffw_norm,
+            };
+            out_layers.push(layer);
+        }
+        let output = match output {
+            Some(p) => Linear {
+                kind: p.kind,
+                weight: stored.next().expect("one per matrix"),
+                bias: p.bias,
+                n_in: p.n_in,
+                n_out: p.n_out,
+            },
             None => Linear {
                 kind: "output",
-                weight: token_embd.clone(),
+                weight: token_embd_m.clone(),
                 bias: None,
                 n_in: e,
                 n_out: cfg.n_vocab,
-                gemv: None,
             },
         };
-        let mut w = Weights {
-            output_norm: vector("output_norm.weight", e)?,
-            token_embd,
-            layers,
-            output,
-        };
-        w.pack()?;
-        Ok(w)
-    }
-
-    /// Moves every matrix into one anonymous buffer backed by huge pages where the OS allows
-    /// ([`Bytes::pack`]): decoding reads all weights per token, and from a 4 KiB-page file map
-    /// that costs a TLB miss every few rows.
-    pub fn pack(&mut self) -> Result<()> {
-        let tied = self.output.weight.data.as_ptr() == self.token_embd.data.as_ptr();
-        let mut mats: Vec<&mut RawTensor> = vec![&mut self.token_embd];
-        for l in self.layers.iter_mut() {
-            mats.extend(l.linears_mut().map(|lin| &mut lin.weight));
-        }
-        if !tied {
-            mats.push(&mut self.output.weight);
-        }
-        let packed = {
-            let parts: Vec<&[u8]> = mats.iter().map(|t| &t.data[..]).collect();
-            Bytes::pack(&parts)?
-        };
-        for (t, b) in mats.into_iter().zip(packed) {
-            t.data = b;
-        }
-        if tied {
-            self.output.weight.data = self.token_embd.data.clone();
-        }
-        for l in self.layers.iter_mut() {
-            l.linears_mut()
-                .into_iter()
-                .for_each(Linear::pack_for_decode);
-        }
-        self.output.pack_for_decode();
-        Ok(())
-    }
-
-    /// Every matrix re-stored as F32 (the unquantized reference path).
-    pub fn dequantized(&self) -> Weights {
-        let lin = |l: &Linear| Linear {
-            weight: l.weight.dequantized(),
-            gemv: None,
-            ..l.clone()
-        };
-        let token_embd = self.token_embd.dequantized();
-        let tied = std::ptr::eq(
-            self.output.weight.data.as_ptr(),
-            self.token_embd.data.as_ptr(),
-        );
-        Weights {
-            output: if tied {
-                Linear {
-                    weight: token_embd.clone(),
-                    gemv: None,
-                    ..self.output.clone()
-                }
-            } else {
-                lin(&self.output)
+        Ok((
+            Weights {
+                token_embd: token_embd_m,
+                layers: out_layers,
+                output_norm,
+                output,
             },
-            token_embd,
-            output_norm: self.output_norm.clone(),
-            layers: self
-                .layers
-                .iter()
-                .map(|l| LayerWeights {
-                    attn_q: lin(&l.attn_q),
-                    attn_k: lin(&l.attn_k),
-                    attn_v: lin(&l.attn_v),
-                    attn_output: lin(&l.attn_output),
-                    ffn_gate: lin(&l.ffn_gate),
-                    ffn_up: lin(&l.ffn_up),
-                    ffn_down: lin(&l.ffn_down),
+            report,
+        ))
+    }
+
+    /// Every matrix re-stored as F32 row-major (the unquantized reference path).
+    pub fn dequantized(&self) -> Result<Weights> {
+        let f32_of = |m: &PackedMatrix| -> Result<PackedMatrix> {
+            let rb = m.dtype().row_bytes(m.cols()).expect("whole blocks");
+            let raw = m.to_row_major();
+            let mut bytes = Vec::with_capacity(m.rows() * m.cols() * 4);
+            let mut row = vec![0f32; m.cols()];
+            for r in raw.chunks_exact(rb) {
+                quant::dequantize_row(m.dtype(), r, &mut row);
+                bytes.extend(row.iter().flat_map(|x| x.to_le_bytes()));
+            }
+            PackedMatrix::row_major(DType::F32, m.rows(), m.cols(), Bytes::from_vec(bytes))
+        };
+        let lin = |l: &Linear| -> Result<Linear> {
+            Ok(Linear {
+                weight: f32_of(&l.weight)?,
+                ..l.clone()
+            })
+        };
+        let token_embd = f32_of(&self.token_embd)?;
+        let output = if self.tied() {
+            Linear {
+                weight: token_embd.clone(),
+                ..self.output.clone()
+            }
+        } else {
+            lin(&self.output)?
+        };
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerWeights {
+                    attn_q: lin(&l.attn_q)?,
+                    attn_k: lin(&l.attn_k)?,
+                    attn_v: lin(&l.attn_v)?,
+                    attn_output: lin(&l.attn_output)?,
+                    ffn_gate: lin(&l.ffn_gate)?,
+                    ffn_up: lin(&l.ffn_up)?,
+                    ffn_down: lin(&l.ffn_down)?,
                     ..l.clone()
                 })
-                .collect(),
-        }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Weights {
+            output,
+            token_embd,
+            output_norm: self.output_norm.clone(),
+            layers,
+        })
     }
+}
+
+/// Stores each matrix once: those this CPU's kernels want repacked, and the projections (which
+/// decode streams every token), go into one anonymous buffer backed by huge pages where the OS
+/// allows ([`Bytes::build`]: a file map is made of 4 KiB pages, and streaming all weights per
+/// token through them costs a TLB miss every few rows); after each is written, its pages of the
+/// file map are released, so the process holds each weight once. An untied embedding table,
+/// read one row per token, stays in the file map. `raws[0]` is the embedding table; with `tied`
+/// it is also the LM head. `done(i)` is called after matrix i.
+fn store_matrices(
+    raws: &[&RawTensor],
+    tied: bool,
+    report: &mut LoadReport,
+    done: &mut dyn FnMut(usize),
+) -> Result<Vec<PackedMatrix>> {
+    // (rows, cols, layout) of each; `None` layout: kept where it is.
+    let plan: Vec<(usize, usize, Option<Layout>)> = raws
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let (cols, rows) = (t.dims[0], t.dims[1]);
+            let layout = PackedMatrix::plan_layout(t.dtype, rows, cols);
+            let keep = i == 0 && !tied;
+            (rows, cols, (!keep).then_some(layout))
+        })
+        .collect();
+    let to_store: Vec<usize> = (0..raws.len()).filter(|&i| plan[i].2.is_some()).collect();
+    let sizes: Vec<usize> = to_store
+        .iter()
+        .map(|&i| {
+            let (rows, cols, layout) = plan[i];
+            PackedMatrix::stored_len(raws[i].dtype, rows, cols, layout.expect("stored"))
+                .expect("planned layout fits")
+        })
+        .collect();
+    let bufs = Bytes::build(&sizes, |parts| {
+        let mut parts = parts.into_iter();
+        for i in 0..raws.len() {
+            if plan[i].2.is_some() {
+                let (rows, cols, layout) = plan[i];
+                let t = raws[i];
+                let dst = parts.next().expect("one part per stored matrix");
+                PackedMatrix::pack_into(
+                    t.dtype,
+                    rows,
+                    cols,
+                    layout.expect("stored"),
+                    &t.data,
+                    dst,
+                )?;
+                t.data.release();
+            }
+            done(i);
+        }
+        Ok(())
+    })?;
+    let mut bufs = bufs.into_iter();
+    raws.iter()
+        .zip(&plan)
+        .map(|(t, &(rows, cols, layout))| match layout {
+            None => {
+                report.mapped_bytes += t.data.len();
+                PackedMatrix::row_major(t.dtype, rows, cols, t.data.clone())
+            }
+            Some(layout) => {
+                let b = bufs.next().expect("one buffer per stored matrix");
+                if layout == Layout::RowMajor {
+                    report.copied_bytes += b.len();
+                } else {
+                    report.packed_bytes += b.len();
+                }
+                PackedMatrix::from_parts(t.dtype, rows, cols, layout, b)
+            }
+        })
+        .collect()
 }
 
 /// The role of a projection from its GGUF name (`blk.N.attn_q` -> `attn_q`).

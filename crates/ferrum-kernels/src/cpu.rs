@@ -1,0 +1,213 @@
+//! What this CPU can run, read once per process, and the kernel tier that follows from it.
+//!
+//! Every kernel asks here instead of detecting features itself, so one set of switches steps the
+//! whole process down a tier (for tests, and to compare tiers on one machine):
+//!
+//! | variable | effect |
+//! |---|---|
+//! | `FERRUM_FORCE_SCALAR=1` | no SIMD at all: the portable kernels |
+//! | `FERRUM_NO_AVX512=1` | AVX-512 is reported absent (AVX2, with AVX-VNNI where present) |
+//! | `FERRUM_NO_AVX_VNNI=1` | AVX-VNNI (the 256-bit `vpdpbusd`) is reported absent |
+//!
+//! [`Tier`] orders the kernel families from the portable one up; a planner picks a kernel by
+//! (weight type, tier, rows in the call), see [`crate::matmul::PackedMatrix`]. ARM's NEON (and
+//! dot-product, SVE) are detected for the tier table but have no kernels yet.
+
+use std::sync::OnceLock;
+
+/// CPU features the kernels use, after the environment's overrides.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Features {
+    pub avx2: bool,
+    pub fma: bool,
+    pub f16c: bool,
+    pub avx512f: bool,
+    pub avx512bw: bool,
+    pub avx512vl: bool,
+    pub avx512vnni: bool,
+    pub avx512bf16: bool,
+    /// AVX-VNNI: `vpdpbusd` on 256-bit registers without AVX-512 (Alder Lake and later, Zen 5).
+    pub avxvnni: bool,
+    pub neon: bool,
+    pub dotprod: bool,
+    pub sve: bool,
+}
+
+/// A family of kernels, from the portable one up. Each tier's kernels need the features of
+/// every tier below it on the same architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Tier {
+    /// Plain Rust in llama.cpp's generic float order.
+    Portable,
+    /// x86_64 AVX2 + FMA + F16C (llama.cpp's `haswell` build).
+    Avx2,
+    /// AVX2 with AVX-VNNI.
+    Avx2Vnni,
+    /// AVX-512 F/BW/VL with VNNI.
+    Avx512Vnni,
+}
+
+impl Tier {
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Portable => "portable",
+            Tier::Avx2 => "avx2",
+            Tier::Avx2Vnni => "avx2+avx-vnni",
+            Tier::Avx512Vnni => "avx512-vnni",
+        }
+    }
+}
+
+impl std::fmt::Display for Tier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn env_set(name: &str) -> bool {
+    std::env::var_os(name).is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// The hardware's features, without the overrides.
+pub fn detected() -> Features {
+    #[allow(unused_mut)]
+    let mut f = Features::default();
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        f.avx2 = has!("avx2");
+        f.fma = has!("fma");
+        f.f16c = has!("f16c");
+        f.avx512f = has!("avx512f");
+        f.avx512bw = has!("avx512bw");
+        f.avx512vl = has!("avx512vl");
+        f.avx512vnni = has!("avx512vnni");
+        f.avx512bf16 = has!("avx512bf16");
+        f.avxvnni = has!("avxvnni");
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        use std::arch::is_aarch64_feature_detected as has;
+        f.neon = has!("neon");
+        f.dotprod = has!("dotprod");
+        f.sve = has!("sve");
+    }
+    f
+}
+
+/// `f` with the environment's switches applied (see the module text).
+pub fn with_overrides(mut f: Features, scalar: bool, no_avx512: bool, no_vnni: bool) -> Features {
+    if scalar {
+        return Features::default();
+    }
+    if no_avx512 {
+        f.avx512f = false;
+        f.avx512bw = false;
+        f.avx512vl = false;
+        f.avx512vnni = false;
+        f.avx512bf16 = false;
+    }
+    if no_vnni {
+        f.avxvnni = false;
+    }
+    f
+}
+
+/// This process's features: detected once, overrides applied.
+pub fn features() -> &'static Features {
+    static F: OnceLock<Features> = OnceLock::new();
+    F.get_or_init(|| {
+        with_overrides(
+            detected(),
+            env_set("FERRUM_FORCE_SCALAR"),
+            env_set("FERRUM_NO_AVX512"),
+            env_set("FERRUM_NO_AVX_VNNI"),
+        )
+    })
+}
+
+impl Features {
+    /// AVX2, FMA and F16C: the base of every x86 SIMD kernel here.
+    pub fn x86_simd(&self) -> bool {
+        self.avx2 && self.fma && self.f16c
+    }
+
+    /// AVX-512 F/BW/VL on top of [`Features::x86_simd`].
+    pub fn avx512(&self) -> bool {
+        self.x86_simd() && self.avx512f && self.avx512bw && self.avx512vl
+    }
+
+    /// The best tier these features run.
+    pub fn tier(&self) -> Tier {
+        if self.avx512() && self.avx512vnni {
+            Tier::Avx512Vnni
+        } else if self.x86_simd() && self.avxvnni {
+            Tier::Avx2Vnni
+        } else if self.x86_simd() {
+            Tier::Avx2
+        } else {
+            Tier::Portable
+        }
+    }
+
+    /// Every tier these features run, lowest first (for tests that compare them).
+    pub fn tiers(&self) -> Vec<Tier> {
+        let top = self.tier();
+        [Tier::Portable, Tier::Avx2, Tier::Avx2Vnni, Tier::Avx512Vnni]
+            .into_iter()
+            .filter(|&t| {
+                t <= top
+                    && (t != Tier::Avx2Vnni || self.avxvnni)
+                    && (t == Tier::Portable || self.x86_simd())
+            })
+            .collect()
+    }
+}
+
+/// This process's kernel tier.
+pub fn tier() -> Tier {
+    features().tier()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn full() -> Features {
+        Features {
+            avx2: true,
+            fma: true,
+            f16c: true,
+            avx512f: true,
+            avx512bw: true,
+            avx512vl: true,
+            avx512vnni: true,
+            avx512bf16: true,
+            avxvnni: true,
+            ..Features::default()
+        }
+    }
+
+    #[test]
+    fn overrides_step_down_tiers() {
+        assert_eq!(full().tier(), Tier::Avx512Vnni);
+        assert_eq!(
+            with_overrides(full(), false, true, false).tier(),
+            Tier::Avx2Vnni
+        );
+        assert_eq!(with_overrides(full(), false, true, true).tier(), Tier::Avx2);
+        assert_eq!(
+            with_overrides(full(), true, false, false).tier(),
+            Tier::Portable
+        );
+        let no_vnni = Features {
+            avxvnni: false,
+            ..full()
+        };
+        assert_eq!(
+            no_vnni.tiers(),
+            vec![Tier::Portable, Tier::Avx2, Tier::Avx512Vnni]
+        );
+        assert_eq!(Features::default().tiers(), vec![Tier::Portable]);
+    }
+}

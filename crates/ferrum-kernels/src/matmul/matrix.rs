@@ -1,0 +1,328 @@
+//! [`PackedMatrix`]: one home for a weight matrix, in the layout its kernels want, and the
+//! planner that picks a kernel for each product.
+//!
+//! A model holds each weight once. On a tier with a packed layout for the weight's type (AVX-512
+//! VNNI: Q4_1, Q5_0, Q8_0, Q4_K, Q6_K in groups of 16 rows, [`Layout::X16`]) the matrix is stored
+//! only in that layout, and every product reads it:
+//! - tokens whose llama.cpp float order is the one-token kernel's (every token of a decode step,
+//!   whatever the batch) go through the packed GEMV, which reads each 16-row group once for all
+//!   of them ([`avx512::gemv_x16`]);
+//! - prompt tokens go through the row kernels (tiles, K-quant tiles), which get each task's 16
+//!   rows unpacked from the group, exactly, into per-thread scratch;
+//! - an embedding lookup unpacks one row.
+//!
+//! Types and tiers without a packed layout keep the file's row-major bytes (a window of the memory
+//! map: nothing is copied). Every path computes each output in the order llama.cpp would use for
+//! its sequence alone, so results do not depend on the layout, the batch, or the path.
+
+use ferrum_core::{Buf, Bytes, DType, Error, Result};
+
+#[cfg(target_arch = "x86_64")]
+use super::avx512;
+use super::{check_shapes, matmul_rows, orders_of, Order, Src, WeightRef};
+use crate::quant;
+
+/// How a matrix's bytes are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// The file's layout: rows of blocks, one after another.
+    RowMajor,
+    /// Groups of 16 rows, block by block, fields interleaved for AVX-512 ([`avx512::pack_x16`]).
+    #[cfg(target_arch = "x86_64")]
+    X16,
+}
+
+impl Layout {
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::RowMajor => "row-major",
+            #[cfg(target_arch = "x86_64")]
+            Layout::X16 => "x16",
+        }
+    }
+}
+
+/// A weight matrix `rows` x `cols` (GGUF `ne = [cols, rows]`) of `dtype`, stored once in
+/// [`PackedMatrix::layout`]. Cloning shares the bytes.
+#[derive(Clone, Debug)]
+pub struct PackedMatrix {
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    layout: Layout,
+    data: Bytes,
+}
+
+/// Up to this many tokens whose order is the one-token kernel's go through the packed GEMV (one
+/// read of each group from memory, then L1) rather than the prompt tiles, where the prompt
+/// kernels take that order at all (`cargo bench -p ferrum-kernels --bench matmul` prints both).
+pub const GEMV_MAX_TOKENS: usize = 16;
+
+thread_local! {
+    /// One row unpacked from a packed group (embedding lookups).
+    static ROW: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl PackedMatrix {
+    /// The layout this process's kernels want for a `dtype` matrix of this shape.
+    pub fn plan_layout(dtype: DType, rows: usize, cols: usize) -> Layout {
+        #[cfg(target_arch = "x86_64")]
+        if avx512::available() && avx512::packed_len(dtype, rows, cols).is_some() {
+            return Layout::X16;
+        }
+        let _ = (dtype, rows, cols);
+        Layout::RowMajor
+    }
+
+    /// Bytes of the matrix stored in `layout` (`None`: the shape or type does not fit it).
+    pub fn stored_len(dtype: DType, rows: usize, cols: usize, layout: Layout) -> Option<usize> {
+        match layout {
+            Layout::RowMajor => dtype.row_bytes(cols)?.checked_mul(rows),
+            #[cfg(target_arch = "x86_64")]
+            Layout::X16 => avx512::packed_len(dtype, rows, cols),
+        }
+    }
+
+    /// Writes the row-major matrix `src` into `dst` (exactly [`PackedMatrix::stored_len`] bytes)
+    /// in `layout`, splitting the work over the pool's threads.
+    pub fn pack_into(
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        layout: Layout,
+        src: &[u8],
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let want = Self::stored_len(dtype, rows, cols, layout);
+        let row_major = Self::stored_len(dtype, rows, cols, Layout::RowMajor);
+        if want != Some(dst.len()) || row_major != Some(src.len()) {
+            return Err(Error::Shape(format!(
+                "packing a {rows}x{cols} {dtype} matrix ({} bytes) as {}: sizes do not fit",
+                src.len(),
+                layout.name()
+            )));
+        }
+        match layout {
+            Layout::RowMajor => {
+                crate::pool::parallel_chunks_mut(dst, 1 << 20, |ci, chunk| {
+                    chunk.copy_from_slice(&src[ci << 20..][..chunk.len()])
+                });
+            }
+            #[cfg(target_arch = "x86_64")]
+            Layout::X16 => {
+                let group_len = dst.len() / (rows / avx512::GROUP);
+                // About 1 MiB per task, whole groups.
+                let per_task = ((1 << 20) / group_len).max(1);
+                crate::pool::parallel_chunks_mut(dst, per_task * group_len, |ci, chunk| {
+                    let ok = avx512::pack_x16_groups(dtype, src, rows, cols, ci * per_task, chunk);
+                    assert!(ok, "pack_x16_groups: sizes were checked");
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A matrix stored in `layout` already (`data` is [`PackedMatrix::stored_len`] bytes).
+    pub fn from_parts(
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        layout: Layout,
+        data: Bytes,
+    ) -> Result<Self> {
+        match Self::stored_len(dtype, rows, cols, layout) {
+            Some(n) if n == data.len() => Ok(Self {
+                dtype,
+                rows,
+                cols,
+                layout,
+                data,
+            }),
+            _ => Err(Error::Shape(format!(
+                "a {rows}x{cols} {dtype} matrix in the {} layout cannot be {} bytes",
+                layout.name(),
+                data.len()
+            ))),
+        }
+    }
+
+    /// The file's row-major bytes, kept as they are (a window of the memory map stays one).
+    pub fn row_major(dtype: DType, rows: usize, cols: usize, data: Bytes) -> Result<Self> {
+        Self::from_parts(dtype, rows, cols, Layout::RowMajor, data)
+    }
+
+    /// Row-major bytes stored in [`PackedMatrix::plan_layout`], in a buffer of its own (a
+    /// loader with many matrices packs them into one buffer instead: `pack_into`, `from_parts`).
+    pub fn new(dtype: DType, rows: usize, cols: usize, data: Bytes) -> Result<Self> {
+        let layout = Self::plan_layout(dtype, rows, cols);
+        if layout == Layout::RowMajor {
+            return Self::row_major(dtype, rows, cols, data);
+        }
+        let n = Self::stored_len(dtype, rows, cols, layout).expect("planned layout fits");
+        let mut out = vec![0u8; n];
+        Self::pack_into(dtype, rows, cols, layout, &data, &mut out)?;
+        Self::from_parts(dtype, rows, cols, layout, Bytes::from_vec(out))
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+    /// The stored bytes (in [`PackedMatrix::layout`]).
+    pub fn data(&self) -> &Bytes {
+        &self.data
+    }
+    /// Bytes held.
+    pub fn n_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    fn src(&self) -> Src<'_> {
+        Src {
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.data,
+            layout: self.layout,
+        }
+    }
+
+    /// The row-major view, where that is the layout.
+    pub fn as_row_major(&self) -> Option<WeightRef<'_>> {
+        (self.layout == Layout::RowMajor).then(|| WeightRef {
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.data,
+        })
+    }
+
+    /// Row `r` in the file's block layout, into `out` (`dtype.row_bytes(cols)` bytes).
+    pub fn copy_row(&self, r: usize, out: &mut [u8]) {
+        assert!(r < self.rows, "row {r} of a {}-row matrix", self.rows);
+        self.src().copy_row(r, out)
+    }
+
+    /// All rows in the file's layout (for reference paths and re-export).
+    pub fn to_row_major(&self) -> Vec<u8> {
+        let rb = self.dtype.row_bytes(self.cols).expect("whole blocks");
+        let mut out = vec![0u8; rb * self.rows];
+        for (r, row) in out.chunks_exact_mut(rb).enumerate() {
+            self.copy_row(r, row);
+        }
+        out
+    }
+
+    /// Row `r` dequantized exactly (an embedding lookup).
+    pub fn get_row(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows, "row {r} of a {}-row matrix", self.rows);
+        let rb = self.dtype.row_bytes(self.cols).expect("whole blocks");
+        match self.layout {
+            Layout::RowMajor => {
+                quant::dequantize_row(self.dtype, &self.data[r * rb..(r + 1) * rb], out)
+            }
+            #[cfg(target_arch = "x86_64")]
+            Layout::X16 => ROW.with_borrow_mut(|buf| {
+                buf.resize(rb, 0);
+                self.src().copy_row(r, buf);
+                quant::dequantize_row(self.dtype, buf, out)
+            }),
+        }
+    }
+
+    /// `y = x Wᵀ`: `x` is [T, cols], `y` [T, rows], the T rows stacked from sequences of
+    /// `segs[i]` rows each; every sequence's outputs are the bits it gets alone (see
+    /// [`super::matmul_segments`]). The plan: the packed GEMV for tokens in the one-token
+    /// kernel's order, the row kernels for the rest.
+    pub fn matmul(&self, x: &[f32], y: &mut [f32], segs: &[usize]) {
+        let src = self.src();
+        let t = check_shapes(&src, x, y, segs);
+        if t == 0 {
+            return;
+        }
+        let orders = orders_of(self.dtype, self.rows, segs);
+        match self.layout {
+            Layout::RowMajor => matmul_rows(&src, x, y, &orders),
+            #[cfg(target_arch = "x86_64")]
+            Layout::X16 => self.matmul_x16(x, y, &orders),
+        }
+    }
+
+    /// [`PackedMatrix::matmul`] over the 16-row packed layout.
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_x16(&self, x: &[f32], y: &mut [f32], orders: &[Order]) {
+        let (dtype, rows, cols) = (self.dtype, self.rows, self.cols);
+        let t = orders.len();
+        let g = gemv_order(dtype);
+        let n_gemv = orders.iter().filter(|&&o| o == g).count();
+        let rows_take_g = row_kernels_take(dtype, g);
+        if n_gemv == t && (t <= GEMV_MAX_TOKENS || !rows_take_g) {
+            avx512::gemv_x16(dtype, &self.data, rows, cols, x, y);
+            return;
+        }
+        if n_gemv == 0 || rows_take_g {
+            matmul_rows(&self.src(), x, y, orders);
+            return;
+        }
+        // Both kinds, and the row kernels lack the GEMV's order (Q6_K: a prompt's tiled order
+        // beside decode tokens): each part through its own kernel.
+        let pick = |want_g: bool| -> (Buf, smallvec::SmallVec<[Order; 16]>) {
+            let mut xs = Buf::with_capacity(t * cols);
+            let mut os = smallvec::SmallVec::new();
+            for (tok, &o) in orders.iter().enumerate() {
+                if (o == g) == want_g {
+                    xs.extend_from_slice(&x[tok * cols..(tok + 1) * cols]);
+                    os.push(o);
+                }
+            }
+            (xs, os)
+        };
+        let (xg, og) = pick(true);
+        let (xr, or) = pick(false);
+        let mut yg = Buf::zeros(og.len() * rows);
+        let mut yr = Buf::zeros(or.len() * rows);
+        avx512::gemv_x16(dtype, &self.data, rows, cols, &xg, &mut yg);
+        matmul_rows(&self.src(), &xr, &mut yr, &or);
+        let (mut ig, mut ir) = (0, 0);
+        for (tok, &o) in orders.iter().enumerate() {
+            let out = &mut y[tok * rows..(tok + 1) * rows];
+            if o == g {
+                out.copy_from_slice(&yg[ig * rows..(ig + 1) * rows]);
+                ig += 1;
+            } else {
+                out.copy_from_slice(&yr[ir * rows..(ir + 1) * rows]);
+                ir += 1;
+            }
+        }
+    }
+}
+
+/// The float order of the packed one-token kernel for `dtype`.
+#[cfg(target_arch = "x86_64")]
+fn gemv_order(dtype: DType) -> Order {
+    if dtype == DType::Q4_K {
+        Order::Q4kGemv
+    } else {
+        Order::Vec
+    }
+}
+
+/// Whether the row kernels have a fast path for `order` over `dtype` (else only one dot product
+/// per output).
+#[cfg(target_arch = "x86_64")]
+fn row_kernels_take(dtype: DType, order: Order) -> bool {
+    match dtype {
+        DType::Q4_1 | DType::Q5_0 | DType::Q8_0 => true,
+        DType::Q4_K => matches!(order, Order::Q4kGemm | Order::Q4kGemv),
+        DType::Q6_K => order == Order::Q6kTiled,
+        _ => false,
+    }
+}
