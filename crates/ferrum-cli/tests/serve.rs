@@ -319,6 +319,15 @@ fn metrics_priorities_and_the_queue_limit() {
         body.contains("vllm:request_success_total{")
             && body.contains("finished_reason=\"length\"} 3")
     );
+    // Memory: the process's resident set, and the weights (SmolLM2's 92 MiB, stored once).
+    let rss = value("process_resident_memory_bytes ");
+    let weights = value("ferrum:weights_bytes{");
+    assert!((90e6..100e6).contains(&weights), "weights {weights}");
+    assert!(
+        rss > weights && rss < 4.0 * weights,
+        "rss {rss}, weights {weights}"
+    );
+    assert!(value("ferrum:kv_cache_reserved_bytes{") > 0.0);
 
     // Extension fields: checked, not ignored.
     for bad in [

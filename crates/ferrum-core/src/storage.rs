@@ -58,6 +58,22 @@ impl Bytes {
         }
     }
 
+    /// Asks the OS to map this window of a file map in now, in one call, rather than page by
+    /// page as it is first read (a loader about to read every byte of a tensor). A hint: no
+    /// effect on other storage, or where the OS lacks it.
+    pub fn populate(&self) {
+        #[cfg(target_os = "linux")]
+        if let Inner::File(map) = &*self.inner {
+            if !self.range.is_empty() {
+                let _ = map.advise_range(
+                    memmap2::Advice::PopulateRead,
+                    self.range.start,
+                    self.range.len(),
+                );
+            }
+        }
+    }
+
     /// Whether these bytes are a window of a file map.
     pub fn is_file_mapped(&self) -> bool {
         matches!(&*self.inner, Inner::File(_))

@@ -134,6 +134,45 @@ fn main() {
                 }
             }
         }
+        // Batched decode and prompts: T tokens over a model-size matrix (1536 x cols), through
+        // PackedMatrix's plan and through the row-major kernels, GFLOP/s;
+        // `FERRUM_BENCH_GEMM_ONLY=1` skips it.
+        #[cfg(target_arch = "x86_64")]
+        if std::env::var_os("FERRUM_BENCH_GEMM_ONLY").is_none() {
+            use ferrum_kernels::matmul::{Layout, PackedMatrix};
+            let rows = 1536;
+            let w = weights(dtype, rows, cols, &mut rng);
+            let m = PackedMatrix::new(dtype, rows, cols, w.clone()).unwrap();
+            if m.layout() != Layout::RowMajor {
+                let wr = WeightRef {
+                    dtype,
+                    rows,
+                    cols,
+                    data: &w,
+                };
+                for threads in [1, 2] {
+                    pool::set_threads(Some(threads));
+                    for t in [1, 2, 4, 8, 16, 32, 64, 512] {
+                        let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+                        let mut y = vec![0f32; t * rows];
+                        // Up to 16: that many one-token sequences (a decode step); beyond, one
+                        // prompt of t tokens.
+                        let segs = if t <= 16 { vec![1; t] } else { vec![t] };
+                        let flops = 2.0 * (rows * cols * t) as f64;
+                        let reps = if t > 64 { 7 } else { 31 };
+                        let sp = median_secs(reps, || m.matmul(black_box(&x), &mut y, &segs));
+                        let sr = median_secs(reps, || matmul(&wr, black_box(&x), &mut y));
+                        println!(
+                            "| {dtype} packed plan / row-major | {rows}x{cols} x {t} | {threads} | {:.3} / {:.3} | {:.1} / {:.1} GFLOP/s |",
+                            sp * 1e3,
+                            sr * 1e3,
+                            flops / sp / 1e9,
+                            flops / sr / 1e9
+                        );
+                    }
+                }
+            }
+        }
         // GEMM: 1536 x cols weights, 512 tokens.
         let (rows, t) = (1536, 512);
         let w = weights(dtype, rows, cols, &mut rng);

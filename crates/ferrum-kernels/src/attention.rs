@@ -48,7 +48,8 @@ pub fn attention(
     out: &mut [f32],
 ) {
     let table = identity_table(positions);
-    run(p, q, contiguous(k, v, &table), positions, out, true)
+    let kv = contiguous(k, v, &table);
+    run(p, q, &[SeqAttn { kv, positions }], out, true)
 }
 
 /// [`attention`] with the portable kernel only (the same float operations in the same order,
@@ -62,7 +63,8 @@ pub fn attention_portable(
     out: &mut [f32],
 ) {
     let table = identity_table(positions);
-    run(p, q, contiguous(k, v, &table), positions, out, false)
+    let kv = contiguous(k, v, &table);
+    run(p, q, &[SeqAttn { kv, positions }], out, false)
 }
 
 /// [`attention`] over a paged cache: the same float operations in the same order, so the same
@@ -74,7 +76,7 @@ pub fn attention_paged(
     positions: &[usize],
     out: &mut [f32],
 ) {
-    run(p, q, kv, positions, out, true)
+    run(p, q, &[SeqAttn { kv, positions }], out, true)
 }
 
 /// [`attention_paged`] with the portable kernel only.
@@ -85,7 +87,22 @@ pub fn attention_paged_portable(
     positions: &[usize],
     out: &mut [f32],
 ) {
-    run(p, q, kv, positions, out, false)
+    run(p, q, &[SeqAttn { kv, positions }], out, false)
+}
+
+/// One sequence of [`attention_paged_batch`]: its cache and the positions of its query rows.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqAttn<'a> {
+    pub kv: PagedKv<'a>,
+    pub positions: &'a [usize],
+}
+
+/// [`attention_paged`] for several sequences whose query rows are stacked in `q` (and `out`) in
+/// order: one parallel pass over every (sequence, query, head) row, so a decode step of many
+/// sequences splits across threads by sequence and head. Each row is computed exactly as
+/// alone (same bits).
+pub fn attention_paged_batch(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32]) {
+    run(p, q, seqs, out, true)
 }
 
 fn identity_table(positions: &[usize]) -> Vec<u32> {
@@ -102,25 +119,13 @@ fn contiguous<'a>(k: &'a [f16], v: &'a [f16], table: &'a [u32]) -> PagedKv<'a> {
     }
 }
 
-fn run(
-    p: &AttnParams,
-    q: &[f32],
-    kv: PagedKv<'_>,
-    positions: &[usize],
-    out: &mut [f32],
-    simd: bool,
-) {
-    let (hd, nh, nkv) = (p.head_dim, p.n_head, p.n_head_kv);
-    assert!(
-        nh % nkv == 0,
-        "attention: n_head {nh} is not a multiple of n_head_kv {nkv}"
-    );
-    assert_eq!(q.len(), positions.len() * nh * hd, "attention: q shape");
-    assert_eq!(out.len(), q.len(), "attention: out shape");
-    let kv_row = nkv * hd;
+/// Checks that every position `kv` must serve for `positions` lies in its table and cache.
+fn check_cache(kv: &PagedKv<'_>, positions: &[usize], kv_row: usize) {
     let bs = kv.block_size;
     assert!(bs.is_power_of_two(), "attention: block size {bs}");
-    let max_pos = positions.iter().copied().max().unwrap_or(0);
+    let Some(max_pos) = positions.iter().copied().max() else {
+        return;
+    };
     assert!(
         max_pos / bs < kv.table.len(),
         "attention: block table too short"
@@ -140,24 +145,49 @@ fn run(
         }),
         "attention: cache too short"
     );
+}
+
+fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: bool) {
+    let (hd, nh, nkv) = (p.head_dim, p.n_head, p.n_head_kv);
+    assert!(
+        nh % nkv == 0,
+        "attention: n_head {nh} is not a multiple of n_head_kv {nkv}"
+    );
+    let n_rows: usize = seqs.iter().map(|s| s.positions.len()).sum();
+    assert_eq!(q.len(), n_rows * nh * hd, "attention: q shape");
+    assert_eq!(out.len(), q.len(), "attention: out shape");
+    let kv_row = nkv * hd;
+    for s in seqs {
+        check_cache(&s.kv, s.positions, kv_row);
+    }
+    // First query row of each sequence (inline for up to 16 sequences).
+    let mut first: smallvec::SmallVec<[usize; 17]> = smallvec::SmallVec::new();
+    let mut r0 = 0;
+    for s in seqs {
+        first.push(r0);
+        r0 += s.positions.len();
+    }
+    first.push(r0);
     let group = nh / nkv;
 
     let fast = simd && has_avx2_fma_f16c();
     let wide = simd && matches!(hd, 64 | 128 | 256) && has_avx512();
-    let shift = bs.trailing_zeros();
     let job = |idx: usize| {
         let (t, h) = (idx / nh, idx % nh);
-        let pos = positions[t];
+        // The sequence holding query row t: the last whose first row is <= t.
+        let si = first.partition_point(|&f| f <= t) - 1;
+        let s = &seqs[si];
+        let pos = s.positions[t - first[si]];
         let start = match p.window {
             Some(w) => (pos + 1).saturating_sub(w),
             None => 0,
         };
         Row {
             q: &q[idx * hd..(idx + 1) * hd],
-            k: kv.k,
-            v: kv.v,
-            table: kv.table,
-            shift,
+            k: s.kv.k,
+            v: s.kv.v,
+            table: s.kv.table,
+            shift: s.kv.block_size.trailing_zeros(),
             at: (h / group) * hd,
             kv_row,
             keys: start..pos + 1,
@@ -166,36 +196,47 @@ fn run(
     };
     #[cfg(target_arch = "x86_64")]
     if wide {
-        // Rows (query, head) go H at a time through the kernel, whose per-key dependency chains
-        // then overlap; H = 2 keeps a one-token step split over enough tasks.
-        const H: usize = 2;
-        // SAFETY (every call below): `wide` is true only when the CPU reports AVX-512F and
-        // head_dim is 64, 128 or 256, which is 16 * NV for the NV each call names.
-        let one = |r: &Row, o: &mut [f32]| unsafe {
-            match hd {
-                64 => attend_rows_avx512::<1, 4>([r], o),
-                128 => attend_rows_avx512::<1, 8>([r], o),
-                _ => attend_rows_avx512::<1, 16>([r], o),
-            }
+        // A task is one query's heads, G at a time: rows of one query share their keys, so the
+        // kernel runs G rows together and their per-key dependency chains overlap. G is as large
+        // as the registers allow (G x head_dim / 16 accumulators), but small enough that there
+        // are at least two tasks per thread (a one-token step must still split).
+        let g_max = match hd {
+            64 => 4,
+            128 => 2,
+            _ => 1,
         };
-        pool::parallel_chunks_mut(out, H * hd, |ci, o| {
-            // The chunk's rows (a last chunk may hold fewer than H; no heap allocation).
-            let n = o.len() / hd;
-            let all: [Row; H] = core::array::from_fn(|i| job(ci * H + i.min(n - 1)));
-            let rows = &all[..n];
-            let paired = rows.len() == H && rows.iter().all(|r| r.keys == rows[0].keys);
-            if paired && hd <= 128 {
-                let pair: [&Row; H] = [&rows[0], &rows[1]];
-                // SAFETY: as above.
-                unsafe {
-                    match hd {
-                        64 => attend_rows_avx512::<H, 4>(pair, o),
-                        _ => attend_rows_avx512::<H, 8>(pair, o),
+        let n_q = n_rows;
+        let mut g = g_max;
+        while g > 1 && n_q * nh.div_ceil(g) < 2 * pool::threads() {
+            g /= 2;
+        }
+        let per_q = nh.div_ceil(g);
+        let o_ptr = OutRows(out.as_mut_ptr());
+        pool::parallel_for(n_q * per_q, |task| {
+            let (t, gi) = (task / per_q, task % per_q);
+            let h0 = gi * g;
+            let n = g.min(nh - h0);
+            let r0 = t * nh + h0;
+            // SAFETY: rows r0 .. r0 + n of `out` ([n_rows * nh, hd]) belong to this task alone,
+            // and the range lies inside `out` (t < n_q, h0 + n <= nh).
+            let o = unsafe { std::slice::from_raw_parts_mut(o_ptr.at(r0 * hd), n * hd) };
+            let rows: [Row; 4] = core::array::from_fn(|i| job(r0 + i.min(n - 1)));
+            // SAFETY (every call): `wide` is true only when the CPU reports AVX-512F and
+            // head_dim is 64, 128 or 256, which is 16 * NV for the NV each call names; `o` holds
+            // the H rows passed.
+            unsafe {
+                match (hd, n) {
+                    (64, 4) => attend_rows_avx512::<4, 4>(core::array::from_fn(|i| &rows[i]), o),
+                    (64, 3) => attend_rows_avx512::<3, 4>(core::array::from_fn(|i| &rows[i]), o),
+                    (64, 2) => attend_rows_avx512::<2, 4>(core::array::from_fn(|i| &rows[i]), o),
+                    (64, _) => attend_rows_avx512::<1, 4>([&rows[0]], o),
+                    (128, 2) => attend_rows_avx512::<2, 8>(core::array::from_fn(|i| &rows[i]), o),
+                    (128, _) => attend_rows_avx512::<1, 8>([&rows[0]], o),
+                    _ => {
+                        for (r, oc) in rows[..n].iter().zip(o.chunks_exact_mut(hd)) {
+                            attend_rows_avx512::<1, 16>([r], oc);
+                        }
                     }
-                }
-            } else {
-                for (r, oc) in rows.iter().zip(o.chunks_exact_mut(hd)) {
-                    one(r, oc);
                 }
             }
         });
@@ -212,6 +253,20 @@ fn run(
         let _ = (fast, wide);
         attend_row(&job, o);
     });
+}
+
+/// The output of an attention call, shared by tasks that write disjoint rows.
+#[derive(Clone, Copy)]
+struct OutRows(*mut f32);
+// SAFETY: tasks write disjoint rows of one `&mut [f32]` that outlives the parallel call.
+unsafe impl Send for OutRows {}
+// SAFETY: as above.
+unsafe impl Sync for OutRows {}
+impl OutRows {
+    /// Element `i` (the caller keeps it inside the output and writes no row another task writes).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
 }
 
 /// One query row of one head against its KV head's cached rows `keys`.
@@ -281,18 +336,23 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
         // SAFETY: callers pass rows of hd f16 and i < hd / 16.
         _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(row.as_ptr().add(i * 16) as *const __m256i) })
     };
+    // The scratch is borrowed for the scores only: the accumulators live in this frame (not
+    // captured by reference in a closure), so they stay in registers.
     let mut acc = [[_mm512_setzero_ps(); NV]; H];
     let mut m = [f32::NEG_INFINITY; H];
     let mut s = [0f32; H];
-    SCORES.with_borrow_mut(|scores| {
+    let mut scores = SCORES.with_borrow_mut(std::mem::take);
+    {
         scores.clear();
-        if scores.capacity() < H * n_keys {
-            // Room for every row of the cache at once (up to 4 MiB), so a growing context does
+        if scores.capacity() < 2 * H * n_keys {
+            // Room for every row of the cache at once (up to 8 MiB), so a growing context does
             // not reallocate step after step.
             let cache_rows = rows[0].k.len() / rows[0].kv_row.max(1);
-            scores.reserve((H * cache_rows).clamp(H * n_keys, (1 << 20).max(H * n_keys)));
+            let want = 2 * H * n_keys;
+            scores.reserve((8 * cache_rows).clamp(want, (2 << 20).max(want)));
         }
-        scores.resize(H * n_keys, 0.0);
+        // Per row and key: the score (then the weight vs), and the rescale ms.
+        scores.resize(2 * H * n_keys, 0.0);
         // Scores first: they do not depend on the running max and sum, so the Q.K products of
         // many keys overlap; the pass below is then a short dependency chain per key.
         for (hi, r) in rows.iter().enumerate() {
@@ -326,32 +386,60 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
                 scores[hi * n_keys + jj] = dot * r.scale;
             }
         }
-        for (jj, j) in keys.clone().enumerate() {
-            for hi in 0..H {
-                let r = rows[hi];
-                let score = scores[hi * n_keys + jj];
-                let at = r.offset(j);
-                let vrow = &r.v[at..at + hd];
-                let mut ms = 1f32;
-                let mut vs = 1f32;
+        // The online softmax's factors, per row and key, from the scores alone: the running max
+        // m, the rescale ms = e^(m_old - m) where a key raises it (1 elsewhere) and the weight
+        // vs = e^(score - m) (1 where it raises it). The same exp calls as the one-pass
+        // recurrence, but independent of each other, so they overlap; the V pass below is
+        // then one short chain per key.
+        let (vs_all, ms_all) = scores.split_at_mut(H * n_keys);
+        for hi in 0..H {
+            for jj in 0..n_keys {
+                let score = vs_all[hi * n_keys + jj];
                 if score > m[hi] {
-                    ms = (m[hi] - score).exp();
+                    ms_all[hi * n_keys + jj] = (m[hi] - score).exp();
                     m[hi] = score;
-                    let msv = _mm512_set1_ps(ms);
-                    for av in acc[hi].iter_mut() {
+                    vs_all[hi * n_keys + jj] = 1.0;
+                } else {
+                    ms_all[hi * n_keys + jj] = 1.0;
+                    vs_all[hi * n_keys + jj] = (score - m[hi]).exp();
+                }
+            }
+        }
+        // Rows of one call read the same positions of one cache (one query's heads; the
+        // caller groups them so): only the KV head's offset differs.
+        let same_cache = rows
+            .iter()
+            .all(|r| core::ptr::eq(r.v, rows[0].v) && core::ptr::eq(r.table, rows[0].table));
+        assert!(
+            same_cache,
+            "attend_rows_avx512: rows of one call share a cache"
+        );
+        let at: [usize; H] = core::array::from_fn(|hi| rows[hi].at);
+        let v = rows[0].v;
+        for (jj, j) in keys.clone().enumerate() {
+            let row_at = rows[0].offset(j) - rows[0].at;
+            let ms: [f32; H] = core::array::from_fn(|hi| ms_all[hi * n_keys + jj]);
+            let vs: [f32; H] = core::array::from_fn(|hi| vs_all[hi * n_keys + jj]);
+            if ms.iter().any(|&x| x != 1.0) {
+                // acc holds f16 values, so rows whose factor is exactly 1 are unchanged.
+                for (a, &f) in acc.iter_mut().zip(&ms) {
+                    let msv = _mm512_set1_ps(f);
+                    for av in a.iter_mut() {
                         *av = round(_mm512_mul_ps(*av, msv));
                     }
-                } else {
-                    vs = (score - m[hi]).exp();
                 }
-                let vsv = _mm512_set1_ps(vs);
+            }
+            for hi in 0..H {
+                let vrow = &v[row_at + at[hi]..row_at + at[hi] + hd];
+                let vsv = _mm512_set1_ps(vs[hi]);
                 for (i, av) in acc[hi].iter_mut().enumerate() {
                     *av = round(_mm512_fmadd_ps(load_h(vrow, i), vsv, *av));
                 }
-                s[hi] = s[hi].mul_add(ms, vs);
+                s[hi] = s[hi].mul_add(ms[hi], vs[hi]);
             }
         }
-    });
+    }
+    SCORES.with_borrow_mut(|sc| *sc = scores);
     for hi in 0..H {
         let inv = _mm512_set1_ps(1.0 / s[hi]);
         for (i, av) in acc[hi].iter().enumerate() {

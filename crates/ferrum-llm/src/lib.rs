@@ -59,7 +59,13 @@ impl Llm {
                 .unwrap_or(Path::new("."));
             return Self::load_hf(dir, opts, progress);
         }
+        let started = std::time::Instant::now();
         let file = GgufFile::open(path)?;
+        tracing::info!(
+            seconds = started.elapsed().as_secs_f64(),
+            tensors = file.tensors.len(),
+            "GGUF header and metadata parsed"
+        );
         Self::from_gguf(&file, path, opts, progress)
     }
 
@@ -81,8 +87,14 @@ impl Llm {
         opts: &LoadOptions,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Llm> {
+        let started = std::time::Instant::now();
         let config = Config::from_gguf(file)?;
         let tokenizer = Tokenizer::from_gguf(file)?;
+        tracing::info!(
+            seconds = started.elapsed().as_secs_f64(),
+            vocab = tokenizer.vocab_size(),
+            "config and tokenizer read"
+        );
         if tokenizer.vocab_size() != config.n_vocab {
             return Err(Error::msg(format!(
                 "tokenizer has {} tokens but the model's vocabulary is {}",

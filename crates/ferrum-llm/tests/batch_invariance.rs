@@ -174,6 +174,103 @@ fn check(llm: &Llm, name: &str) {
     );
 }
 
+/// Greedy decoding of 8 sequences together (every step one forward pass over all 8, their caches
+/// in one paged pool) gives each sequence the tokens and the logits, bit for bit, of its run
+/// alone, at every step: what `ferrum bench --batch` and the server's decode steps compute.
+#[allow(clippy::needless_range_loop)] // `step` indexes every sequence's record
+fn check_batched_decode(llm: &Llm, name: &str) {
+    let cfg = &llm.model.config;
+    let mut ps = prompts(llm);
+    for extra in ["The quick brown fox", "Water boils at", "In 1492, Columbus"] {
+        ps.push(llm.tokenizer.encode(extra, true, false));
+    }
+    let steps = 16;
+    let ctx = 96;
+    let argmax = |l: &[f32]| -> u32 {
+        l.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32
+    };
+    // Alone: per sequence, the logits of its last prompt position and of every decode step.
+    let mut alone: Vec<Vec<Vec<f32>>> = Vec::new();
+    for p in &ps {
+        let mut cache = KvCache::new(cfg, ctx);
+        let mut l = llm
+            .model
+            .forward(p, 0, &mut cache, Logits::Last)
+            .unwrap()
+            .to_vec();
+        let mut seq = vec![l.clone()];
+        for i in 0..steps {
+            let tok = argmax(&l);
+            l = llm
+                .model
+                .forward(&[tok], p.len() + i, &mut cache, Logits::Last)
+                .unwrap()
+                .to_vec();
+            seq.push(l.clone());
+        }
+        alone.push(seq);
+    }
+    // Together: prompts one by one into a shared pool, then every step all 8 in one pass.
+    let bs = 16;
+    let per_seq = ctx / bs;
+    let n = ps.len();
+    let mut pool = KvPool::new(cfg, n * per_seq, bs).unwrap();
+    let tables: Vec<Vec<u32>> = (0..n)
+        .map(|i| (0..per_seq).map(|j| (i + n * j) as u32).collect())
+        .collect();
+    let mut last: Vec<Vec<f32>> = Vec::new();
+    for (p, table) in ps.iter().zip(&tables) {
+        let seq = SeqInput {
+            tokens: p,
+            start: 0,
+            table,
+            want: Logits::Last,
+        };
+        last.push(llm.model.forward_batch(&mut pool, vec![seq]).unwrap()[0].to_vec());
+    }
+    for step in 0..=steps {
+        for (i, l) in last.iter().enumerate() {
+            assert!(
+                same_bits(l, &alone[i][step]),
+                "{name}: sequence {i} at step {step}: batched logits differ from its run alone"
+            );
+        }
+        if step == steps {
+            break;
+        }
+        let toks: Vec<[u32; 1]> = last.iter().map(|l| [argmax(l)]).collect();
+        let batch: Vec<SeqInput> = (0..n)
+            .map(|i| SeqInput {
+                tokens: &toks[i],
+                start: ps[i].len() + step,
+                table: &tables[i],
+                want: Logits::Last,
+            })
+            .collect();
+        last = llm
+            .model
+            .forward_batch(&mut pool, batch)
+            .unwrap()
+            .iter()
+            .map(|b| b.to_vec())
+            .collect();
+    }
+}
+
+#[test]
+fn smollm2_batched_decode_equals_each_sequence_alone() {
+    check_batched_decode(common::smollm2(), "SmolLM2");
+}
+
+#[test]
+fn gemma3_batched_decode_equals_each_sequence_alone() {
+    check_batched_decode(common::gemma3(), "Gemma 3");
+}
+
 #[test]
 fn smollm2_logits_do_not_depend_on_the_batch() {
     check(common::smollm2(), "SmolLM2");

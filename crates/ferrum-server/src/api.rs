@@ -45,6 +45,8 @@ pub struct AppState {
     /// Positions per KV block, and whether prefix caching is on (for `/metrics`).
     pub block_size: usize,
     pub prefix_caching: bool,
+    /// Weights and KV pool sizes (for `/metrics`).
+    pub memory: crate::MemoryReport,
 }
 
 /// Counts a request in flight for as long as it lives.
@@ -159,6 +161,12 @@ async fn metrics(State(st): State<Arc<AppState>>) -> impl IntoResponse {
         "KV-cache blocks free (including those still caching a prefix).",
         total - used,
     );
+    gauge(
+        &mut o,
+        "ferrum:kv_cache_blocks_committed",
+        "KV-cache blocks written at least once (the pool's memory is committed as blocks are first used).",
+        m.kv_blocks_committed.load(Ordering::Relaxed) as f64,
+    );
     let _ = writeln!(
         o,
         "# HELP vllm:cache_config_info KV-cache configuration.\n# TYPE vllm:cache_config_info gauge\n\
@@ -231,6 +239,28 @@ async fn metrics(State(st): State<Arc<AppState>>) -> impl IntoResponse {
             "{name}_sum{{{label}}} {sum}\n{name}_count{{{label}}} {count}"
         );
     }
+    // Memory: the process's resident set (the standard process-collector name), and what the
+    // weights and the KV pool take.
+    if let Some(rss) = crate::resident_bytes() {
+        let _ = writeln!(
+            o,
+            "# HELP process_resident_memory_bytes Resident memory size in bytes.
+             # TYPE process_resident_memory_bytes gauge
+process_resident_memory_bytes {rss}"
+        );
+    }
+    gauge(
+        &mut o,
+        "ferrum:weights_bytes",
+        "Bytes of the model's weights as stored (each matrix once).",
+        st.memory.weights as f64,
+    );
+    gauge(
+        &mut o,
+        "ferrum:kv_cache_reserved_bytes",
+        "Bytes reserved for the KV-cache pool (committed as blocks are first used).",
+        st.memory.kv_pool as f64,
+    );
     (
         [(
             axum::http::header::CONTENT_TYPE,

@@ -59,6 +59,8 @@ pub struct Metrics {
     /// KV blocks held by requests, and the pool's size.
     pub kv_blocks_used: AtomicUsize,
     pub kv_blocks_total: AtomicUsize,
+    /// Blocks written at least once (their memory is committed).
+    pub kv_blocks_committed: AtomicUsize,
     /// Prompt tokens looked up in the prefix cache, and those found there.
     pub prefix_queries: AtomicU64,
     pub prefix_hits: AtomicU64,
@@ -389,6 +391,8 @@ impl Engine {
         let m = &self.metrics;
         m.kv_blocks_used
             .store(self.blocks.n_used(), Ordering::Relaxed);
+        m.kv_blocks_committed
+            .store(self.blocks.n_committed(), Ordering::Relaxed);
         m.waiting.store(self.waiting.len(), Ordering::Relaxed);
         m.running.store(self.running.len(), Ordering::Release);
     }

@@ -75,6 +75,20 @@ impl FreeQueue {
         self.len += 1;
     }
 
+    fn push_front(&mut self, b: u32) {
+        debug_assert!(!self.queued[b as usize]);
+        self.next[b as usize] = self.head;
+        self.prev[b as usize] = NIL;
+        if self.head == NIL {
+            self.tail = b;
+        } else {
+            self.prev[self.head as usize] = b;
+        }
+        self.head = b;
+        self.queued[b as usize] = true;
+        self.len += 1;
+    }
+
     fn remove(&mut self, b: u32) {
         debug_assert!(self.queued[b as usize]);
         let (p, n) = (self.prev[b as usize], self.next[b as usize]);
@@ -110,6 +124,9 @@ pub struct BlockManager {
     cached: HashMap<BlockHash, u32>,
     free: FreeQueue,
     prefix_caching: bool,
+    /// Whether each block was ever handed out (its memory is then committed), and how many.
+    touched: Vec<bool>,
+    n_touched: usize,
 }
 
 impl BlockManager {
@@ -121,6 +138,8 @@ impl BlockManager {
             cached: HashMap::new(),
             free: FreeQueue::new(n_blocks),
             prefix_caching,
+            touched: vec![false; n_blocks],
+            n_touched: 0,
         }
     }
 
@@ -139,6 +158,11 @@ impl BlockManager {
 
     pub fn n_used(&self) -> usize {
         self.n_blocks() - self.n_free()
+    }
+
+    /// Blocks ever handed out: the pool's memory the OS has committed.
+    pub fn n_committed(&self) -> usize {
+        self.n_touched
     }
 
     pub fn prefix_caching(&self) -> bool {
@@ -191,20 +215,30 @@ impl BlockManager {
                 }
             }
             self.ref_cnt[b as usize] = 1;
+            if !std::mem::replace(&mut self.touched[b as usize], true) {
+                self.n_touched += 1;
+            }
             blocks.push(b);
         }
         true
     }
 
     /// Gives back every block of `blocks`, last first, and empties it. Blocks no other sequence
-    /// holds join the free queue with their cached contents.
+    /// holds join the free queue: at the back with their cached contents (evicted least
+    /// recently freed first), or at the front when they cache nothing, so they are taken again
+    /// before blocks never used (whose memory the OS has not committed yet: the pool's
+    /// footprint then grows only as the prefix cache fills).
     pub fn free(&mut self, blocks: &mut Vec<u32>) {
         for b in blocks.drain(..).rev() {
             let r = &mut self.ref_cnt[b as usize];
             debug_assert!(*r > 0, "block {b} freed twice");
             *r = r.saturating_sub(1);
             if *r == 0 {
-                self.free.push_back(b);
+                if self.hash[b as usize].is_some() {
+                    self.free.push_back(b);
+                } else {
+                    self.free.push_front(b);
+                }
             }
         }
     }
@@ -281,6 +315,24 @@ mod tests {
         assert_eq!(m.lookup(&h).len(), 0, "evicted once its blocks were taken");
         assert!(!m.allocate(&mut d, &[], 12), "only 6 blocks");
         assert_eq!(d.len(), 2, "a failed allocation changes nothing");
+    }
+
+    #[test]
+    fn uncached_blocks_are_reused_before_never_used_ones() {
+        // Never-used blocks cost memory the OS has not committed yet: a block that caches
+        // nothing is taken again first, a cached one only after the never-used ones.
+        let mut m = BlockManager::new(8, 4, true);
+        let mut a = Vec::new();
+        assert!(m.allocate(&mut a, &[], 12));
+        assert_eq!(a, [0, 1, 2]);
+        m.cache_full(a[0], hashes(&[7, 7, 7, 7], 4)[0]);
+        m.free(&mut a);
+        let mut b = Vec::new();
+        assert!(m.allocate(&mut b, &[], 12));
+        assert_eq!(&b[..2], &[1, 2], "the uncached blocks first");
+        assert_eq!(b[2], 3, "then never-used ones, keeping the cached block 0");
+        assert_eq!(m.n_committed(), 4);
+        assert_eq!(m.lookup(&hashes(&[7, 7, 7, 7], 4)), [0]);
     }
 
     #[test]

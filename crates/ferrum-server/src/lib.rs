@@ -78,6 +78,11 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
     let llm = Arc::new(llm);
     let template = llm.chat_template().context("the model's chat template")?;
     let pool = kv_pool(&llm, &cfg)?;
+    let memory = MemoryReport {
+        weights: llm.model.weights.n_bytes(),
+        kv_pool: pool.n_bytes(),
+    };
+    memory.log();
     let (etx, erx) = std::sync::mpsc::channel();
     let metrics = Arc::new(engine::Metrics::default());
     let metrics_for_drain = Arc::clone(&metrics);
@@ -102,6 +107,7 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
         max_in_flight: cfg.engine.max_num_seqs + cfg.max_queue,
         block_size: cfg.block_size,
         prefix_caching: cfg.engine.prefix_caching,
+        memory,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -176,6 +182,40 @@ fn kv_pool(llm: &Llm, cfg: &ServerConfig) -> Result<KvPool> {
         "KV-cache pool"
     );
     Ok(pool)
+}
+
+/// What the server holds in memory: the weights as stored (each once: repacked for this CPU's
+/// kernels, or read in place from the file map), and the KV pool as reserved (committed as
+/// blocks are first used).
+#[derive(Clone, Copy, Debug)]
+pub struct MemoryReport {
+    pub weights: usize,
+    pub kv_pool: usize,
+}
+
+impl MemoryReport {
+    /// Logs the parts at start, with the process's resident set now (no KV block is written
+    /// yet, so the pool is not in it); the rest of the resident set (tokenizer, code, buffers)
+    /// is `other`.
+    fn log(&self) {
+        let rss = resident_bytes().unwrap_or(0);
+        tracing::info!(
+            weights_mib = self.weights >> 20,
+            kv_pool_reserved_mib = self.kv_pool >> 20,
+            rss_mib = rss >> 20,
+            other_mib = rss.saturating_sub(self.weights) >> 20,
+            "memory at start"
+        );
+    }
+}
+
+/// The process's resident set in bytes (Linux: `VmRSS` in /proc/self/status), `None` where
+/// unknown.
+pub fn resident_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// `MemAvailable` from /proc/meminfo, in bytes.

@@ -44,6 +44,12 @@ pub struct Args {
     /// Timed repetitions of each test (after one warm-up run).
     #[arg(short, long, default_value_t = 5)]
     pub repetitions: usize,
+    /// Batched decoding, in the shape of llama.cpp's `llama-batched-bench`: for each B given
+    /// (comma-separated), B sequences each process a prompt of every `-p` length, then decode
+    /// every `-n` tokens together (one forward pass per step for all B); prints prompt and
+    /// decode tokens/s, aggregated over the sequences.
+    #[arg(long, value_delimiter = ',')]
+    pub batch: Vec<usize>,
     /// Print one JSON array (an object per test and thread count) instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -74,6 +80,9 @@ pub fn run(a: Args) -> Result<()> {
         dequantize: false,
     };
     let llm = margs.load()?;
+    if !a.batch.is_empty() {
+        return batched(&a, &llm, &threads);
+    }
     let cfg = &llm.model.config;
     let size = llm.model.weights.n_bytes();
     let params = llm.model.weights.n_params();
@@ -194,6 +203,139 @@ pub fn run(a: Args) -> Result<()> {
         for n in notes {
             println!("{n}");
         }
+    }
+    Ok(())
+}
+
+/// Median of `v` (sorted in place).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// `--batch`: llama-batched-bench's test. For each (threads, prompt length P, generation length
+/// N, batch B): B sequences with P-token prompts (distinct pseudo-random tokens each) are
+/// prefilled in forward passes of up to [`PREFILL_CHUNK`] tokens (several sequences per pass,
+/// as a server's scheduler packs them), then decode N steps of B tokens, each step one forward
+/// pass over all B sequences with their caches in one paged pool. Times are medians over the
+/// repetitions (after a warm-up).
+fn batched(a: &Args, llm: &Llm, threads: &[usize]) -> Result<()> {
+    use ferrum_llm::model::{KvPool, SeqInput};
+    if a.batch.contains(&0) || a.batch.iter().any(|&b| b > 1024) {
+        bail!("--batch sizes must be between 1 and 1024");
+    }
+    let cfg = &llm.model.config;
+    let bs = 16;
+    let mut rows = Vec::new();
+    if !a.json {
+        println!(
+            "|    PP |     TG |    B | threads |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |"
+        );
+        println!(
+            "|-------|--------|------|---------|--------|----------|----------|----------|----------|----------|----------|"
+        );
+    }
+    for &t in threads {
+        ferrum_kernels::pool::set_threads(Some(t));
+        for &pp in &a.n_prompt {
+            for &tg in &a.n_gen {
+                if pp + tg == 0 || pp + tg > 1 << 20 {
+                    bail!("prompt {pp} + generation {tg} tokens is out of range");
+                }
+                for &b in &a.batch {
+                    let per_seq = (pp + tg).div_ceil(bs);
+                    let mut pool = KvPool::new(cfg, b * per_seq, bs)?;
+                    let tables: Vec<Vec<u32>> = (0..b)
+                        .map(|i| (0..per_seq).map(|j| (i * per_seq + j) as u32).collect())
+                        .collect();
+                    // Sequence i's tokens: the bench sequence, shifted by i (distinct prompts).
+                    let all = bench_tokens(llm, pp + tg + b);
+                    let toks: Vec<&[u32]> = (0..b).map(|i| &all[i..i + pp + tg]).collect();
+                    let mut run_once = || -> Result<(f64, f64)> {
+                        let start = Instant::now();
+                        // Prompts: whole sequences' chunks packed into passes of PREFILL_CHUNK.
+                        let mut done = vec![0usize; b];
+                        while done.iter().any(|&d| d < pp) {
+                            let mut budget = PREFILL_CHUNK;
+                            let mut seqs = Vec::new();
+                            for i in 0..b {
+                                if done[i] < pp && budget > 0 {
+                                    let n = (pp - done[i]).min(budget);
+                                    seqs.push(SeqInput {
+                                        tokens: &toks[i][done[i]..done[i] + n],
+                                        start: done[i],
+                                        table: &tables[i],
+                                        want: if done[i] + n == pp {
+                                            Logits::Last
+                                        } else {
+                                            Logits::None
+                                        },
+                                    });
+                                    done[i] += n;
+                                    budget -= n;
+                                }
+                            }
+                            llm.model.forward_batch(&mut pool, seqs)?;
+                        }
+                        let t_pp = start.elapsed().as_secs_f64();
+                        let start = Instant::now();
+                        for step in 0..tg {
+                            let seqs: Vec<SeqInput> = (0..b)
+                                .map(|i| SeqInput {
+                                    tokens: &toks[i][pp + step..pp + step + 1],
+                                    start: pp + step,
+                                    table: &tables[i],
+                                    want: Logits::Last,
+                                })
+                                .collect();
+                            llm.model.forward_batch(&mut pool, seqs)?;
+                        }
+                        Ok((t_pp, start.elapsed().as_secs_f64()))
+                    };
+                    run_once()?;
+                    let runs: Vec<(f64, f64)> = (0..a.repetitions)
+                        .map(|_| run_once())
+                        .collect::<Result<_>>()?;
+                    let t_pp = median(&mut runs.iter().map(|r| r.0).collect::<Vec<_>>());
+                    let t_tg = median(&mut runs.iter().map(|r| r.1).collect::<Vec<_>>());
+                    let (n_pp, n_tg) = ((b * pp) as f64, (b * tg) as f64);
+                    let rate = |n: f64, s: f64| if s > 0.0 { n / s } else { 0.0 };
+                    let (s_pp, s_tg) = (rate(n_pp, t_pp), rate(n_tg, t_tg));
+                    let s_all = rate(n_pp + n_tg, t_pp + t_tg);
+                    if a.json {
+                        rows.push(json!({
+                            "model": llm.name,
+                            "pp": pp,
+                            "tg": tg,
+                            "batch": b,
+                            "threads": t,
+                            "n_kv": b * (pp + tg),
+                            "t_pp": t_pp,
+                            "speed_pp": s_pp,
+                            "t_tg": t_tg,
+                            "speed_tg": s_tg,
+                            "t": t_pp + t_tg,
+                            "speed": s_all,
+                            "repetitions": a.repetitions,
+                        }));
+                    } else {
+                        println!(
+                            "| {pp:5} | {tg:6} | {b:4} | {t:7} | {:6} | {t_pp:8.3} | {s_pp:8.2} | {t_tg:8.3} | {s_tg:8.2} | {:8.3} | {s_all:8.2} |",
+                            b * (pp + tg),
+                            t_pp + t_tg
+                        );
+                    }
+                }
+            }
+        }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! `ferrum profile`: where a prompt and a generation spend their time, per operator.
 //!
-//! Runs `-p N` prompt tokens (in prefill chunks) and then `-n M` single-token decode steps with
-//! operator profiling on, and prints one table per phase: operator, layer class, calls, total ms,
+//! Runs `-p N` prompt tokens (in prefill chunks) and then `-n M` single-token decode steps (of
+//! `--batch B` sequences at once, each step one forward pass) with operator profiling on, and prints one table per phase: operator, layer class, calls, total ms,
 //! share of the phase's wall time, GFLOP/s, GB/s, arithmetic intensity (FLOPs per byte) and the
 //! share reached of the roofline bound at that intensity, min(peak FLOP/s, intensity x memory
 //! bandwidth), with this machine's measured ceilings (`ferrum bench --machine`, measured now if
@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use ferrum_kernels::profile::{self, Event};
 use ferrum_llm::generate::PREFILL_CHUNK;
-use ferrum_llm::model::{KvCache, Logits};
+use ferrum_llm::model::{KvCache, KvPool, Logits, SeqInput};
 use serde_json::json;
 
 use super::machine::{self, Ceilings};
@@ -39,6 +39,11 @@ pub struct Args {
     /// Write a roofline chart (SVG) with the machine's ceilings and one point per operator class.
     #[arg(long)]
     pub roofline: Option<PathBuf>,
+    /// Sequences decoded together (each with its own copy of the prompt, shifted by its index):
+    /// every prompt chunk and every decode step is one forward pass over all of them, as the
+    /// server's batched decode runs them.
+    #[arg(long, default_value_t = 1, value_name = "B")]
+    pub batch: usize,
     /// Also measure what profiling costs: N rounds of the generation phase with profiling on and
     /// off in turn (fresh cache each), printing the medians. Off, each operator call pays one
     /// relaxed atomic load, strictly less than on, so the on-cost bounds the off-cost. 0: skip.
@@ -72,10 +77,34 @@ pub fn run(a: Args) -> Result<()> {
         }
     };
     let cfg = &llm.model.config;
-    // The prompt, then the tokens fed while generating (as `ferrum bench` picks them).
-    let tokens = super::bench::bench_tokens(&llm, a.n_prompt + a.n_gen);
-    let (prompt, gen) = tokens.split_at(a.n_prompt);
-    let mut cache = KvCache::new(cfg, a.n_prompt + a.n_gen + 1);
+    if a.batch == 0 || a.batch > 256 {
+        bail!("--batch must be between 1 and 256");
+    }
+    // The prompt, then the tokens fed while generating (as `ferrum bench` picks them); sequence
+    // i reads them from offset i.
+    let b = a.batch;
+    let all = super::bench::bench_tokens(&llm, a.n_prompt + a.n_gen + b);
+    let toks: Vec<&[u32]> = (0..b).map(|i| &all[i..i + a.n_prompt + a.n_gen]).collect();
+    let tokens = toks[0];
+    let bs = 16;
+    let per_seq = (a.n_prompt + a.n_gen + 1).div_ceil(bs);
+    let mut pool = KvPool::new(cfg, b * per_seq, bs)?;
+    let tables: Vec<Vec<u32>> = (0..b)
+        .map(|i| (0..per_seq).map(|j| (i * per_seq + j) as u32).collect())
+        .collect();
+    // One forward pass over every sequence's tokens `from..to`.
+    let mut step = |from: usize, to: usize| -> Result<()> {
+        let seqs = (0..b)
+            .map(|i| SeqInput {
+                tokens: &toks[i][from..to],
+                start: from,
+                table: &tables[i],
+                want: Logits::Last,
+            })
+            .collect();
+        llm.model.forward_batch(&mut pool, seqs)?;
+        Ok(())
+    };
 
     // Warm-up (page faults, pool start) outside the profile.
     llm.model
@@ -85,9 +114,8 @@ pub fn run(a: Args) -> Result<()> {
     if a.n_prompt > 0 {
         profile::start();
         let t = Instant::now();
-        for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
-            llm.model
-                .forward(chunk, i * PREFILL_CHUNK, &mut cache, Logits::Last)?;
+        for from in (0..a.n_prompt).step_by(PREFILL_CHUNK) {
+            step(from, (from + PREFILL_CHUNK).min(a.n_prompt))?;
         }
         let wall_s = t.elapsed().as_secs_f64();
         phases.push(Phase {
@@ -99,10 +127,9 @@ pub fn run(a: Args) -> Result<()> {
     if a.n_gen > 0 {
         let mut wall_s = 0.0;
         profile::start();
-        for (i, &tok) in gen.iter().enumerate() {
+        for i in 0..a.n_gen {
             let t = Instant::now();
-            llm.model
-                .forward(&[tok], a.n_prompt + i, &mut cache, Logits::Last)?;
+            step(a.n_prompt + i, a.n_prompt + i + 1)?;
             wall_s += t.elapsed().as_secs_f64();
         }
         phases.push(Phase {
@@ -121,9 +148,10 @@ pub fn run(a: Args) -> Result<()> {
         bandwidth(&ceilings, threads)
     );
     for ph in &phases {
-        print_phase(ph, &ceilings, threads, a.n_prompt, a.n_gen);
+        print_phase(ph, &ceilings, threads, b * a.n_prompt, b * a.n_gen);
     }
     if a.overhead > 0 && a.n_gen > 0 {
+        let (prompt, gen) = tokens.split_at(a.n_prompt);
         print_overhead(&llm, prompt, gen, a.overhead)?;
     }
     if let Some(path) = &a.trace {

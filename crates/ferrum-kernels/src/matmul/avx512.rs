@@ -638,34 +638,74 @@ pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32]
         let group_bytes = nb * cell_len;
         let (p, act) = (&*p, &*act);
         let out = super::OutPtr(y.as_mut_ptr());
+        let pairs = matches!(dtype, DType::Q4_1 | DType::Q5_0 | DType::Q8_0);
         crate::pool::parallel_for(n_groups.div_ceil(groups_per_task), |task| {
             let g0 = task * groups_per_task;
-            for g in g0..(g0 + groups_per_task).min(n_groups) {
-                let w = &packed[g * group_bytes..(g + 1) * group_bytes];
-                for tok in 0..t {
-                    let a = &act[tok * ab..(tok + 1) * ab];
-                    // SAFETY: `available()` was checked; `w` holds nb cells of `dtype`, `p` t
-                    // tokens of nb prepared blocks of its activation type (K-quants: `a`, nb
-                    // Q8_K blocks).
-                    let v = unsafe {
-                        match dtype {
-                            DType::Q8_0 => gemv_group_q8_0(w, p, tok),
-                            DType::Q5_0 => gemv_group_q5_0(w, p, tok),
-                            DType::Q4_K => gemv_group_q4_k(w, a, nb),
-                            DType::Q6_K => gemv_group_q6_k(w, a, nb),
-                            _ => gemv_group_q4_1(w, p, tok),
+            let groups = g0..(g0 + groups_per_task).min(n_groups);
+            // Tokens in blocks, so a block's activations stay in L1 while the task's groups
+            // pass over them (a group's weights come from memory for the first block, then
+            // from L2).
+            for tb in (0..t).step_by(GEMV_TOKEN_BLOCK) {
+                let te = (tb + GEMV_TOKEN_BLOCK).min(t);
+                for g in groups.clone() {
+                    let w = &packed[g * group_bytes..(g + 1) * group_bytes];
+                    if te - tb >= PREFETCH_MIN_TOKENS && g + 1 < groups.end {
+                        // Several tokens take long enough on a group that the next one can be
+                        // fetched meanwhile (one token streams faster without: see the module
+                        // notes on prefetching).
+                        prefetch(&packed[(g + 1) * group_bytes..(g + 2) * group_bytes]);
+                    }
+                    let store = |tok: usize, v: &[f32; GROUP]| {
+                        for (i, &val) in v.iter().enumerate() {
+                            // SAFETY: tok < t and g * 16 + i < rows: inside `y` ([t, rows]);
+                            // only this task writes group g's rows.
+                            unsafe { *out.at(tok * rows + g * GROUP + i) = val };
                         }
                     };
-                    for (i, &val) in v.iter().enumerate() {
-                        // SAFETY: tok < t and g * 16 + i < rows: inside `y` ([t, rows]); only
-                        // this task writes group g's rows.
-                        unsafe { *out.at(tok * rows + g * GROUP + i) = val };
+                    let mut tok = tb;
+                    if pairs {
+                        // Two tokens per pass over the group: its weights loaded once for both.
+                        while tok + 2 <= te {
+                            // SAFETY: `available()` was checked; `w` holds nb cells of
+                            // `dtype`, `p` t tokens of nb prepared blocks.
+                            let v = unsafe {
+                                match dtype {
+                                    DType::Q8_0 => gemv_group_q8_0::<2>(w, p, tok),
+                                    DType::Q5_0 => gemv_group_q5_0::<2>(w, p, tok),
+                                    _ => gemv_group_q4_1::<2>(w, p, tok),
+                                }
+                            };
+                            store(tok, &v[0]);
+                            store(tok + 1, &v[1]);
+                            tok += 2;
+                        }
+                    }
+                    for tok in tok..te {
+                        let a = &act[tok * ab..(tok + 1) * ab];
+                        // SAFETY: `available()` was checked; `w` holds nb cells of `dtype`, `p`
+                        // t tokens of nb prepared blocks of its activation type (K-quants: `a`,
+                        // nb Q8_K blocks).
+                        let v = unsafe {
+                            match dtype {
+                                DType::Q8_0 => gemv_group_q8_0::<1>(w, p, tok)[0],
+                                DType::Q5_0 => gemv_group_q5_0::<1>(w, p, tok)[0],
+                                DType::Q4_K => gemv_group_q4_k(w, a, nb),
+                                DType::Q6_K => gemv_group_q6_k(w, a, nb),
+                                _ => gemv_group_q4_1::<1>(w, p, tok)[0],
+                            }
+                        };
+                        store(tok, &v);
                     }
                 }
             }
         });
     })
 }
+
+/// Tokens whose activations [`gemv_x16`] keeps in L1 while a task's groups pass over them.
+const GEMV_TOKEN_BLOCK: usize = 32;
+/// From this many tokens in a block, [`gemv_x16`] prefetches each task's next group.
+const PREFETCH_MIN_TOKENS: usize = 4;
 
 /// (elements per block, bytes per (group, block) cell) of a packed type.
 pub fn packed_cell(dtype: DType) -> Option<(usize, usize)> {
@@ -820,88 +860,107 @@ unsafe fn gemv_group_q4_k(w: &[u8], act: &[u8], nb: usize) -> [f32; GROUP] {
     out
 }
 
-/// One group of Q8_0 rows x Q8_0 activations: each 64-byte load is a row pair's block (as
-/// unsigned q + 128, with the prepared `-128·Σ a` start values), one VNNI instruction gives the
-/// pair's 2 x 8 `vec_dot` lanes.
+/// One group of Q8_0 rows x Q8_0 activations of `N` consecutive tokens from `tok`: each 64-byte
+/// load is a row pair's block (as unsigned q + 128, with the prepared `-128·Σ a` start values),
+/// one VNNI instruction gives the pair's 2 x 8 `vec_dot` lanes for one token. The weights are
+/// loaded once for the N tokens; each token's outputs are the one-token kernel's bits.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q8_0(w: &[u8], p: &Prepared, tok: usize) -> [f32; GROUP] {
+unsafe fn gemv_group_q8_0<const N: usize>(w: &[u8], p: &Prepared, tok: usize) -> [[f32; GROUP]; N] {
     let nb = p.nb;
     let cell_len = GROUP * 34;
     let t0 = tok * nb;
+    let tn = (tok + N) * nb;
     assert!(
         w.len() >= nb * cell_len
-            && p.quants.len() >= (t0 + nb) * 64
-            && p.corr.len() >= (t0 + nb) * 16
-            && p.scales.len() >= t0 + nb
+            && p.quants.len() >= tn * 64
+            && p.corr.len() >= tn * 16
+            && p.scales.len() >= tn
     );
     let flip = _mm512_set1_epi8(0x80u8 as i8);
     let idx: [__m512i; GROUP / 2] = core::array::from_fn(|pr| {
         let (a, b) = (2 * pr as i32, 2 * pr as i32 + 1);
         _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)
     });
-    let mut acc = [_mm512_setzero_ps(); GROUP / 2];
+    let mut acc = [[_mm512_setzero_ps(); GROUP / 2]; N];
     for b in 0..nb {
-        // SAFETY: cell b and activation block b are in bounds (asserted above).
+        // SAFETY: cell b and the N tokens' activation blocks b are in bounds (asserted above).
         unsafe {
             let cell = w.as_ptr().add(b * cell_len);
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i));
-            let d = _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(t0 + b)));
-            let a = _mm512_loadu_si512(p.quants.as_ptr().add((t0 + b) * 64) as *const _);
-            let corr = _mm512_loadu_si512(p.corr.as_ptr().add((t0 + b) * 16) as *const _);
+            let at = |c: usize| t0 + c * nb + b;
+            let d: [__m512; N] = core::array::from_fn(|c| {
+                _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(at(c))))
+            });
+            let a: [__m512i; N] = core::array::from_fn(|c| {
+                _mm512_loadu_si512(p.quants.as_ptr().add(at(c) * 64) as *const _)
+            });
+            let corr: [__m512i; N] = core::array::from_fn(|c| {
+                _mm512_loadu_si512(p.corr.as_ptr().add(at(c) * 16) as *const _)
+            });
             let qs = cell.add(GROUP * 2);
             for pr in 0..GROUP / 2 {
                 // [row 2pr, row 2pr+1] as unsigned q + 128.
                 let q = _mm512_loadu_si512(qs.add(64 * pr) as *const _);
                 let wz = _mm512_xor_si512(q, flip);
-                let isum = _mm512_dpbusd_epi32(corr, wz, a);
-                let dp = _mm512_permutexvar_ps(idx[pr], d);
-                acc[pr] = _mm512_fmadd_ps(dp, _mm512_cvtepi32_ps(isum), acc[pr]);
+                for c in 0..N {
+                    let isum = _mm512_dpbusd_epi32(corr[c], wz, a[c]);
+                    let dp = _mm512_permutexvar_ps(idx[pr], d[c]);
+                    acc[c][pr] = _mm512_fmadd_ps(dp, _mm512_cvtepi32_ps(isum), acc[c][pr]);
+                }
             }
         }
     }
-    let mut out = [0f32; GROUP];
-    for pr in 0..GROUP / 2 {
-        let mut l = [0f32; 16];
-        // SAFETY: `l` holds 16 f32; unaligned store.
-        unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[pr]) };
-        out[2 * pr] = hsum8_order(l[0..8].try_into().unwrap());
-        out[2 * pr + 1] = hsum8_order(l[8..16].try_into().unwrap());
+    let mut out = [[0f32; GROUP]; N];
+    for c in 0..N {
+        for pr in 0..GROUP / 2 {
+            let mut l = [0f32; 16];
+            // SAFETY: `l` holds 16 f32; unaligned store.
+            unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[c][pr]) };
+            out[c][2 * pr] = hsum8_order(l[0..8].try_into().unwrap());
+            out[c][2 * pr + 1] = hsum8_order(l[8..16].try_into().unwrap());
+        }
     }
     out
 }
 
-/// One group of Q5_0 rows x Q8_0 activations, over the interleaved cells of [`pack_x16`]: per
+/// One group of Q5_0 rows x Q8_0 activations of `N` consecutive tokens from `tok` (the weights
+/// loaded and unpacked once for all), over the interleaved cells of [`pack_x16`]: per
 /// block, each nibble half of a line plus its lane's fifth-bit mask is one of `vec_dot`'s 8 lanes
 /// (4 consecutive elements) for all 16 rows. The quants go to VNNI unsigned (0..31) with
 /// `-16·Σ a` over the lane's 4 activations as the start value, which gives `vec_dot`'s exact
 /// Σ (q − 16)·a; then `acc[j] = fma(d_w·d_a, f32(lane), acc[j])` and `hsum_float_8`. Same bits.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q5_0(w: &[u8], p: &Prepared, tok: usize) -> [f32; GROUP] {
+unsafe fn gemv_group_q5_0<const N: usize>(w: &[u8], p: &Prepared, tok: usize) -> [[f32; GROUP]; N] {
     let nb = p.nb;
     let cell_len = GROUP * 22;
     let t0 = tok * nb;
+    let tn = (tok + N) * nb;
     assert!(
         w.len() >= nb * cell_len
-            && p.quants.len() >= (t0 + nb) * 64
-            && p.corr.len() >= (t0 + nb) * 16
-            && p.scales.len() >= t0 + nb
+            && p.quants.len() >= tn * 64
+            && p.corr.len() >= tn * 16
+            && p.scales.len() >= tn
     );
     let m4 = _mm512_set1_epi8(0x0f);
     let sixteen = _mm512_set1_epi8(16);
-    let mut acc = [_mm512_setzero_ps(); 8];
+    let mut acc = [[_mm512_setzero_ps(); 8]; N];
     for b in 0..nb {
-        // SAFETY: cell b and activation block b are in bounds (asserted above).
+        // SAFETY: cell b and the N tokens' activation blocks b are in bounds (asserted above).
         unsafe {
             let cell = w.as_ptr().add(b * cell_len);
-            let d = _mm512_mul_ps(
-                _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i)),
-                _mm512_set1_ps(*p.scales.get_unchecked(t0 + b)),
-            );
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i));
+            let at = |c: usize| t0 + c * nb + b;
+            let d: [__m512; N] = core::array::from_fn(|c| {
+                _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(at(c))))
+            });
             // Prepared Q8_0 layout: elements 0..32 at bytes 0..32; `corr` lane j is -128·Σ a
             // over elements 4j..4j+4, so -16·Σ a is a shift (exact: a multiple of 128).
-            let a = p.quants.as_ptr().add((t0 + b) * 64);
-            let av = |off: usize| _mm512_set1_epi32((a.add(off) as *const i32).read_unaligned());
-            let start = |j: usize| _mm512_set1_epi32(*p.corr.get_unchecked((t0 + b) * 16 + j) >> 3);
+            let av = |c: usize, off: usize| {
+                let a = p.quants.as_ptr().add(at(c) * 64);
+                _mm512_set1_epi32((a.add(off) as *const i32).read_unaligned())
+            };
+            let start =
+                |c: usize, j: usize| _mm512_set1_epi32(*p.corr.get_unchecked(at(c) * 16 + j) >> 3);
             let mask = |j: usize| (cell.add(32 + 8 * j) as *const u64).read_unaligned();
             for k in 0..4 {
                 let x = _mm512_loadu_si512(cell.add(96 + 64 * k) as *const _);
@@ -909,70 +968,78 @@ unsafe fn gemv_group_q5_0(w: &[u8], p: &Prepared, tok: usize) -> [f32; GROUP] {
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), m4);
                 let lo = _mm512_mask_add_epi8(lo, mask(k), lo, sixteen);
                 let hi = _mm512_mask_add_epi8(hi, mask(4 + k), hi, sixteen);
-                let slo = _mm512_dpbusd_epi32(start(k), lo, av(4 * k));
-                let shi = _mm512_dpbusd_epi32(start(4 + k), hi, av(16 + 4 * k));
-                acc[k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(slo), acc[k]);
-                acc[k + 4] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(shi), acc[k + 4]);
+                for c in 0..N {
+                    let slo = _mm512_dpbusd_epi32(start(c, k), lo, av(c, 4 * k));
+                    let shi = _mm512_dpbusd_epi32(start(c, 4 + k), hi, av(c, 16 + 4 * k));
+                    acc[c][k] = _mm512_fmadd_ps(d[c], _mm512_cvtepi32_ps(slo), acc[c][k]);
+                    acc[c][k + 4] = _mm512_fmadd_ps(d[c], _mm512_cvtepi32_ps(shi), acc[c][k + 4]);
+                }
             }
         }
     }
-    let mut out = [0f32; GROUP];
-    // SAFETY: `out` holds 16 f32.
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), hsum8_lanes(&acc)) };
+    let mut out = [[0f32; GROUP]; N];
+    for c in 0..N {
+        // SAFETY: `out[c]` holds 16 f32.
+        unsafe { _mm512_storeu_ps(out[c].as_mut_ptr(), hsum8_lanes(&acc[c])) };
+    }
     out
 }
 
-/// One group of Q4_1 rows x Q8_1 activations, over the interleaved cells of [`pack_x16`]: per
-/// block, each nibble half of a line is one of `vec_dot`'s 8 lanes (4 consecutive elements) for
-/// all 16 rows, so lane j of every row accumulates in vector `acc[j]` (lane r = row r) by the same
-/// `fma(d_w·d_a, f32(lane), acc)`; the end reduces the 8 vectors in `hsum_float_8`'s order and adds
-/// the rows' Σ m·s, summed in the row kernel's order. Same bits as `vec_dot`.
+/// One group of Q4_1 rows x Q8_1 activations of `N` consecutive tokens from `tok`, over the
+/// interleaved cells of [`pack_x16`]: per block, each nibble half of a line is one of
+/// `vec_dot`'s 8 lanes (4 consecutive elements) for all 16 rows, so lane j of every row
+/// accumulates in vector `acc[j]` (lane r = row r) by the same `fma(d_w·d_a, f32(lane), acc)`;
+/// the end reduces the 8 vectors in `hsum_float_8`'s order and adds the rows' Σ m·s, summed in
+/// the row kernel's order. Same bits as `vec_dot` for each token; the weights are loaded and
+/// unpacked once for the N tokens.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q4_1(w: &[u8], p: &Prepared, tok: usize) -> [f32; GROUP] {
+unsafe fn gemv_group_q4_1<const N: usize>(w: &[u8], p: &Prepared, tok: usize) -> [[f32; GROUP]; N] {
     let nb = p.nb;
     let cell_len = GROUP * 20;
     let t0 = tok * nb;
-    assert!(
-        w.len() >= nb * cell_len
-            && p.quants.len() >= (t0 + nb) * 64
-            && p.scales.len() >= (t0 + nb) * 4
-    );
+    let tn = (tok + N) * nb;
+    assert!(w.len() >= nb * cell_len && p.quants.len() >= tn * 64 && p.scales.len() >= tn * 4);
     let m4 = _mm512_set1_epi8(0x0f);
-    let mut acc = [_mm512_setzero_ps(); 8];
-    let mut summs = _mm512_setzero_ps();
+    let mut acc = [[_mm512_setzero_ps(); 8]; N];
+    let mut summs = [_mm512_setzero_ps(); N];
     for b in 0..nb {
-        // SAFETY: cell b and activation block b are in bounds (asserted above).
+        // SAFETY: cell b and the N tokens' activation blocks b are in bounds (asserted above).
         unsafe {
             let cell = w.as_ptr().add(b * cell_len);
-            let da = *p.scales.get_unchecked(4 * (t0 + b));
-            let sa = *p.scales.get_unchecked(4 * (t0 + b) + 1);
-            let d = _mm512_mul_ps(
-                _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i)),
-                _mm512_set1_ps(da),
-            );
-            let m = _mm512_mul_ps(
-                _mm512_cvtph_ps(_mm256_loadu_si256(cell.add(32) as *const __m256i)),
-                _mm512_set1_ps(sa),
-            );
-            summs = _mm512_add_ps(summs, m);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i));
+            let mw = _mm512_cvtph_ps(_mm256_loadu_si256(cell.add(32) as *const __m256i));
+            let at = |c: usize| t0 + c * nb + b;
+            let d: [__m512; N] = core::array::from_fn(|c| {
+                _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(4 * at(c))))
+            });
+            for c in 0..N {
+                let sa = *p.scales.get_unchecked(4 * at(c) + 1);
+                summs[c] = _mm512_add_ps(summs[c], _mm512_mul_ps(mw, _mm512_set1_ps(sa)));
+            }
             // Prepared Q8_1 layout: elements 0..16 at bytes 0..16, 16..32 at bytes 32..48.
-            let a = p.quants.as_ptr().add((t0 + b) * 64);
-            let av = |off: usize| _mm512_set1_epi32((a.add(off) as *const i32).read_unaligned());
+            let av = |c: usize, off: usize| {
+                let a = p.quants.as_ptr().add(at(c) * 64);
+                _mm512_set1_epi32((a.add(off) as *const i32).read_unaligned())
+            };
             for k in 0..4 {
                 let x = _mm512_loadu_si512(cell.add(64 + 64 * k) as *const _);
                 let lo = _mm512_and_si512(x, m4);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), m4);
-                let slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, av(4 * k));
-                let shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, av(32 + 4 * k));
-                acc[k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(slo), acc[k]);
-                acc[k + 4] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(shi), acc[k + 4]);
+                for c in 0..N {
+                    let slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, av(c, 4 * k));
+                    let shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, av(c, 32 + 4 * k));
+                    acc[c][k] = _mm512_fmadd_ps(d[c], _mm512_cvtepi32_ps(slo), acc[c][k]);
+                    acc[c][k + 4] = _mm512_fmadd_ps(d[c], _mm512_cvtepi32_ps(shi), acc[c][k + 4]);
+                }
             }
         }
     }
-    let h = hsum8_lanes(&acc);
-    let mut out = [0f32; GROUP];
-    // SAFETY: `out` holds 16 f32.
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(h, summs)) };
+    let mut out = [[0f32; GROUP]; N];
+    for c in 0..N {
+        let h = hsum8_lanes(&acc[c]);
+        // SAFETY: `out[c]` holds 16 f32.
+        unsafe { _mm512_storeu_ps(out[c].as_mut_ptr(), _mm512_add_ps(h, summs[c])) };
+    }
     out
 }
 

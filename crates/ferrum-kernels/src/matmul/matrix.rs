@@ -264,7 +264,7 @@ impl PackedMatrix {
         let g = gemv_order(dtype);
         let n_gemv = orders.iter().filter(|&&o| o == g).count();
         let rows_take_g = row_kernels_take(dtype, g);
-        if n_gemv == t && (t <= GEMV_MAX_TOKENS || !rows_take_g) {
+        if n_gemv == t && (t <= GEMV_MAX_TOKENS || !rows_take_g || gemv_takes_prompts(dtype)) {
             avx512::gemv_x16(dtype, &self.data, rows, cols, x, y);
             return;
         }
@@ -313,6 +313,15 @@ fn gemv_order(dtype: DType) -> Order {
     } else {
         Order::Vec
     }
+}
+
+/// Whether the packed GEMV, two tokens per pass over a group (weights unpacked once for both),
+/// outruns the prompt tiles at any token count: Q4_1, Q5_0 and Q8_0, whose prompt order is
+/// `vec_dot`'s too (`cargo bench -p ferrum-kernels --bench matmul`: 1536x576 x 512 tokens, 1
+/// thread, Q4_1 ~150 vs ~80 GFLOP/s).
+#[cfg(target_arch = "x86_64")]
+fn gemv_takes_prompts(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_1 | DType::Q5_0 | DType::Q8_0)
 }
 
 /// Whether the row kernels have a fast path for `order` over `dtype` (else only one dot product

@@ -10,6 +10,7 @@
 use ferrum_core::{Error, Result};
 use ferrum_kernels::attention::PagedKv;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use half::vec::HalfBitsVecExt;
 
 use super::config::Config;
@@ -100,12 +101,9 @@ impl KvPool {
         for (t, (kr, vr)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
             let j = start + t;
             let at = (table[j / bs] as usize * bs + j % bs) * d;
-            for (dst, &x) in kc[at..at + d].iter_mut().zip(kr) {
-                *dst = f16::from_f32(x);
-            }
-            for (dst, &x) in vc[at..at + d].iter_mut().zip(vr) {
-                *dst = f16::from_f32(x);
-            }
+            // Round to nearest even, as `f16::from_f32` (F16C where the CPU has it).
+            kc[at..at + d].convert_from_f32_slice(kr);
+            vc[at..at + d].convert_from_f32_slice(vr);
         }
     }
 

@@ -8,7 +8,7 @@ pub mod llama;
 pub mod weights;
 
 use ferrum_core::{Buf, Error, Result};
-use ferrum_kernels::attention::{attention_paged, AttnParams};
+use ferrum_kernels::attention::{attention_paged_batch, AttnParams, SeqAttn};
 use ferrum_kernels::ops::{self, RopeCache};
 use ferrum_kernels::profile;
 use smallvec::SmallVec;
@@ -127,7 +127,7 @@ impl Step<'_> {
         window: Option<usize>,
     ) -> Buf {
         let cfg = self.cfg;
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let kvd = cfg.kv_dim();
         profile::record(
             "kv_store",
             "cache",
@@ -163,18 +163,17 @@ impl Step<'_> {
         let bytes = (4 * cfg.n_head_kv * hd * keys + 8 * q.len()) as f64;
         let class = if window.is_some() { "local" } else { "global" };
         profile::record("attention", class, flops, bytes, || {
+            // Every sequence's rows in one parallel pass (split by sequence, query and head).
+            let mut seqs: PerSeq<SeqAttn> = SmallVec::new();
             let mut r0 = 0;
             for (table, &len) in self.tables.iter().zip(&self.lens) {
-                let rows = r0 * qd..(r0 + len) * qd;
-                attention_paged(
-                    &p,
-                    &q[rows.clone()],
-                    self.pool.layer(il, table),
-                    &self.positions[r0..r0 + len],
-                    &mut out[rows],
-                );
+                seqs.push(SeqAttn {
+                    kv: self.pool.layer(il, table),
+                    positions: &self.positions[r0..r0 + len],
+                });
                 r0 += len;
             }
+            attention_paged_batch(&p, q, &seqs, &mut out);
         });
         out
     }

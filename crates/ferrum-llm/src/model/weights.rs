@@ -527,6 +527,7 @@ fn store_matrices(
                 let (rows, cols, layout) = plan[i];
                 let t = raws[i];
                 let dst = parts.next().expect("one part per stored matrix");
+                t.data.populate();
                 PackedMatrix::pack_into(
                     t.dtype,
                     rows,
