@@ -196,26 +196,31 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
     };
     #[cfg(target_arch = "x86_64")]
     if wide {
-        // A task is one query's heads, G at a time: rows of one query share their keys, so the
-        // kernel runs G rows together and their per-key dependency chains overlap. G is as large
-        // as the registers allow (G x head_dim / 16 accumulators), but small enough that there
-        // are at least two tasks per thread (a one-token step must still split).
+        // A task is one query's heads of one KV head, G at a time: they share their keys and
+        // their K and V rows, so the kernel runs G rows together (each K and V row converted
+        // once, the per-key dependency chains overlapping). G is as large as the registers allow
+        // (G x head_dim / 16 accumulators), but small enough that there are at least two tasks
+        // per thread (a one-token step must still split).
         let g_max = match hd {
             64 => 4,
             128 => 2,
             _ => 1,
         };
+        // Tasks: per query, per KV head, its query heads G at a time (rows of one task share
+        // their K and V rows).
         let n_q = n_rows;
         let mut g = g_max;
-        while g > 1 && n_q * nh.div_ceil(g) < 2 * pool::threads() {
+        let tasks_for = |g: usize| n_q * nkv * group.div_ceil(g);
+        while g > 1 && tasks_for(g) < 2 * pool::threads() {
             g /= 2;
         }
-        let per_q = nh.div_ceil(g);
+        let per_kv = group.div_ceil(g);
         let o_ptr = OutRows(out.as_mut_ptr());
-        pool::parallel_for(n_q * per_q, |task| {
-            let (t, gi) = (task / per_q, task % per_q);
-            let h0 = gi * g;
-            let n = g.min(nh - h0);
+        pool::parallel_for(tasks_for(g), |task| {
+            let (t, rest) = (task / (nkv * per_kv), task % (nkv * per_kv));
+            let (kvh, gi) = (rest / per_kv, rest % per_kv);
+            let h0 = kvh * group + gi * g;
+            let n = g.min((kvh + 1) * group - h0);
             let r0 = t * nh + h0;
             // SAFETY: rows r0 .. r0 + n of `out` ([n_rows * nh, hd]) belong to this task alone,
             // and the range lies inside `out` (t < n_q, h0 + n <= nh).
@@ -355,35 +360,50 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
         scores.resize(2 * H * n_keys, 0.0);
         // Scores first: they do not depend on the running max and sum, so the Q.K products of
         // many keys overlap; the pass below is then a short dependency chain per key.
-        for (hi, r) in rows.iter().enumerate() {
-            let mut q = [_mm512_setzero_ps(); NV];
-            for (i, qv) in q.iter_mut().enumerate() {
-                // SAFETY: i * 16 + 16 <= hd = r.q.len().
-                *qv = round(unsafe { _mm512_loadu_ps(r.q.as_ptr().add(i * 16)) });
+        // Q rounded to f16, per row.
+        let q: [[__m512; NV]; H] = core::array::from_fn(|hi| {
+            core::array::from_fn(|i| {
+                // SAFETY: i * 16 + 16 <= hd = q.len().
+                round(unsafe { _mm512_loadu_ps(rows[hi].q.as_ptr().add(i * 16)) })
+            })
+        });
+        // Q.K as ggml's AVX-512 vec_dot_f16 sums it: 4 accumulators over each 64 elements, then
+        // its reduction. (head_dim is 64, 128 or 256 here: no tail.)
+        let dot = |q: &[__m512; NV], k: &[__m512; NV]| -> f32 {
+            let mut a = [_mm512_setzero_ps(); 4];
+            for i in 0..NV {
+                a[i % 4] = _mm512_fmadd_ps(q[i], k[i], a[i % 4]);
             }
+            let rsum = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+            let t8 = _mm256_add_ps(
+                _mm512_castps512_ps256(rsum),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(rsum))),
+            );
+            let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+            let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4)); // [t0+t2, t1+t3, ..]
+            _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)))
+        };
+        // Rows of one KV head (grouped-query attention) read the same K and V rows: each is
+        // loaded and converted once for all of them.
+        let shared = rows.iter().all(|r| r.at == rows[0].at);
+        if shared {
+            let r0 = rows[0];
             for (jj, j) in keys.clone().enumerate() {
-                let at = r.offset(j);
-                let krow = &r.k[at..at + hd];
-                // Q.K: 4 accumulators over each 64 elements, as ggml's AVX-512 vec_dot_f16.
-                let mut a = [_mm512_setzero_ps(); 4];
-                for i in 0..hd / 64 * 4 {
-                    a[i % 4] = _mm512_fmadd_ps(q[i], load_h(krow, i), a[i % 4]);
+                let at = r0.offset(j);
+                let krow = &r0.k[at..at + hd];
+                let k: [__m512; NV] = core::array::from_fn(|i| load_h(krow, i));
+                for hi in 0..H {
+                    scores[hi * n_keys + jj] = dot(&q[hi], &k) * rows[hi].scale;
                 }
-                let rsum = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
-                let t8 = _mm256_add_ps(
-                    _mm512_castps512_ps256(rsum),
-                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(rsum))),
-                );
-                let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
-                let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4)); // [t0+t2, t1+t3, ..]
-                let dot = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
-                // head_dim % 64 != 0 leaves elements ggml adds in f64: none when hd % 64 == 0.
-                let dot = if hd.is_multiple_of(64) {
-                    dot
-                } else {
-                    tail_f64(dot, r.q, krow, hd / 64 * 64)
-                };
-                scores[hi * n_keys + jj] = dot * r.scale;
+            }
+        } else {
+            for (hi, r) in rows.iter().enumerate() {
+                for (jj, j) in keys.clone().enumerate() {
+                    let at = r.offset(j);
+                    let krow = &r.k[at..at + hd];
+                    let k: [__m512; NV] = core::array::from_fn(|i| load_h(krow, i));
+                    scores[hi * n_keys + jj] = dot(&q[hi], &k) * r.scale;
+                }
             }
         }
         // The online softmax's factors, per row and key, from the scores alone: the running max
@@ -429,13 +449,25 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
                     }
                 }
             }
-            for hi in 0..H {
-                let vrow = &v[row_at + at[hi]..row_at + at[hi] + hd];
-                let vsv = _mm512_set1_ps(vs[hi]);
-                for (i, av) in acc[hi].iter_mut().enumerate() {
-                    *av = round(_mm512_fmadd_ps(load_h(vrow, i), vsv, *av));
+            if shared {
+                let vrow = &v[row_at + at[0]..row_at + at[0] + hd];
+                let vv: [__m512; NV] = core::array::from_fn(|i| load_h(vrow, i));
+                for hi in 0..H {
+                    let vsv = _mm512_set1_ps(vs[hi]);
+                    for (av, &x) in acc[hi].iter_mut().zip(&vv) {
+                        *av = round(_mm512_fmadd_ps(x, vsv, *av));
+                    }
+                    s[hi] = s[hi].mul_add(ms[hi], vs[hi]);
                 }
-                s[hi] = s[hi].mul_add(ms[hi], vs[hi]);
+            } else {
+                for hi in 0..H {
+                    let vrow = &v[row_at + at[hi]..row_at + at[hi] + hd];
+                    let vsv = _mm512_set1_ps(vs[hi]);
+                    for (i, av) in acc[hi].iter_mut().enumerate() {
+                        *av = round(_mm512_fmadd_ps(load_h(vrow, i), vsv, *av));
+                    }
+                    s[hi] = s[hi].mul_add(ms[hi], vs[hi]);
+                }
             }
         }
     }
@@ -449,16 +481,6 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
             unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(off), _mm512_mul_ps(*av, inv)) };
         }
     }
-}
-
-/// Adds the Q.K products of elements `from..` in f64 to `sum`, as ggml does past the last full
-/// 64 (Q rounded to f16 first).
-fn tail_f64(sum: f32, q: &[f32], k: &[f16], from: usize) -> f32 {
-    let mut s = sum as f64;
-    for (x, y) in q[from..].iter().zip(&k[from..]) {
-        s += (f16::from_f32(*x).to_f32() * y.to_f32()) as f64;
-    }
-    s as f32
 }
 
 /// [`attend_row`] compiled with AVX2/FMA/F16C so `mul_add` and the f16 conversions are single

@@ -487,6 +487,55 @@ impl Weights {
     }
 }
 
+/// Rows of a matrix packed at a time (a multiple of every packed layout's group): the file pages
+/// of one chunk are mapped in, packed, then released, so loading holds at most one chunk of a
+/// large matrix twice.
+const STORE_CHUNK_BYTES: usize = 8 << 20;
+
+/// Writes `t` ([rows, cols], row-major) into `dst` in `layout`, a chunk of whole 16-row groups
+/// at a time (each chunk is a matrix of its own in every layout: groups are stored one after
+/// another), mapping each chunk's file pages in before and releasing them after.
+fn store_chunked(
+    t: &RawTensor,
+    rows: usize,
+    cols: usize,
+    layout: Layout,
+    dst: &mut [u8],
+) -> Result<()> {
+    let rb = t.dtype.row_bytes(cols).expect("whole blocks");
+    let chunk_rows = (STORE_CHUNK_BYTES / rb.max(1)).max(16) / 16 * 16;
+    let mut at = 0;
+    for r0 in (0..rows).step_by(chunk_rows) {
+        let n = chunk_rows.min(rows - r0);
+        let src = t.data.slice(r0 * rb, n * rb)?;
+        let len = PackedMatrix::stored_len(t.dtype, n, cols, layout).ok_or_else(|| {
+            Error::Shape(format!(
+                "a {n}x{cols} {} chunk does not fit {}",
+                t.dtype,
+                layout.name()
+            ))
+        })?;
+        let out = dst.get_mut(at..at + len).ok_or_else(|| {
+            Error::Shape(format!(
+                "packing a {rows}x{cols} {} matrix overflows",
+                t.dtype
+            ))
+        })?;
+        src.populate();
+        PackedMatrix::pack_into(t.dtype, n, cols, layout, &src, out)?;
+        src.release();
+        at += len;
+    }
+    if at != dst.len() {
+        return Err(Error::Shape(format!(
+            "packing a {rows}x{cols} {} matrix wrote {at} of {} bytes",
+            t.dtype,
+            dst.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Stores each matrix once: those this CPU's kernels want repacked, and the projections (which
 /// decode streams every token), go into one anonymous buffer backed by huge pages where the OS
 /// allows ([`Bytes::build`]: a file map is made of 4 KiB pages, and streaming all weights per
@@ -527,16 +576,7 @@ fn store_matrices(
                 let (rows, cols, layout) = plan[i];
                 let t = raws[i];
                 let dst = parts.next().expect("one part per stored matrix");
-                t.data.populate();
-                PackedMatrix::pack_into(
-                    t.dtype,
-                    rows,
-                    cols,
-                    layout.expect("stored"),
-                    &t.data,
-                    dst,
-                )?;
-                t.data.release();
+                store_chunked(t, rows, cols, layout.expect("stored"), dst)?;
             }
             done(i);
         }
