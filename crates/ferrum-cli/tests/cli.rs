@@ -414,6 +414,61 @@ fn unsupported_tensor_type_is_a_clean_error() {
     assert_clean_error(&out, &["token_embd.weight", "16"]);
 }
 
+/// A model that asks for RoPE scaling (Llama 3.1's `rope_freqs.weight` factors, or a scaling type
+/// in the metadata) is refused at load, not run with unscaled positions.
+#[test]
+fn rope_scaling_is_refused_until_implemented() {
+    let dir = TempDir::new("rope");
+    let base = || {
+        with_tiny_tokenizer(
+            GgufWriter::new().kv("general.architecture", Value::String("llama".into())),
+        )
+        .kv("llama.block_count", Value::U32(1))
+        .kv("llama.embedding_length", Value::U32(4))
+        .kv("llama.feed_forward_length", Value::U32(8))
+        .kv("llama.attention.head_count", Value::U32(1))
+        .kv("llama.context_length", Value::U32(64))
+        .tensor("token_embd.weight", &[4, 2], DType::F32, vec![0u8; 32])
+    };
+    let freqs = dir.path("freqs.gguf");
+    base()
+        .tensor("rope_freqs.weight", &[2], DType::F32, vec![0u8; 8])
+        .write(&freqs)
+        .expect("write freqs.gguf");
+    let out = ferrum(
+        &[
+            "generate",
+            "-m",
+            freqs.to_str().unwrap(),
+            "-p",
+            "a",
+            "-n",
+            "2",
+        ],
+        QUICK,
+    );
+    assert_clean_error(&out, &["rope_freqs", "not supported"]);
+    let linear = dir.path("linear.gguf");
+    base()
+        .kv("llama.rope.scaling.type", Value::String("linear".into()))
+        .kv("llama.rope.scaling.factor", Value::F32(4.0))
+        .write(&linear)
+        .expect("write linear.gguf");
+    let out = ferrum(
+        &[
+            "generate",
+            "-m",
+            linear.to_str().unwrap(),
+            "-p",
+            "a",
+            "-n",
+            "2",
+        ],
+        QUICK,
+    );
+    assert_clean_error(&out, &["RoPE scaling 'linear'", "not supported"]);
+}
+
 #[test]
 fn prompt_longer_than_the_context_is_a_clean_error() {
     let m = smollm2();

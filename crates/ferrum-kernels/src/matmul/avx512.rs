@@ -649,12 +649,6 @@ pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32]
                 let te = (tb + GEMV_TOKEN_BLOCK).min(t);
                 for g in groups.clone() {
                     let w = &packed[g * group_bytes..(g + 1) * group_bytes];
-                    if te - tb >= PREFETCH_MIN_TOKENS && g + 1 < groups.end {
-                        // Several tokens take long enough on a group that the next one can be
-                        // fetched meanwhile (one token streams faster without: see the module
-                        // notes on prefetching).
-                        prefetch(&packed[(g + 1) * group_bytes..(g + 2) * group_bytes]);
-                    }
                     let store = |tok: usize, v: &[f32; GROUP]| {
                         for (i, &val) in v.iter().enumerate() {
                             // SAFETY: tok < t and g * 16 + i < rows: inside `y` ([t, rows]);
@@ -704,8 +698,6 @@ pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32]
 
 /// Tokens whose activations [`gemv_x16`] keeps in L1 while a task's groups pass over them.
 const GEMV_TOKEN_BLOCK: usize = 32;
-/// From this many tokens in a block, [`gemv_x16`] prefetches each task's next group.
-const PREFETCH_MIN_TOKENS: usize = 4;
 
 /// (elements per block, bytes per (group, block) cell) of a packed type.
 pub fn packed_cell(dtype: DType) -> Option<(usize, usize)> {

@@ -100,9 +100,11 @@ fn model_type_of_architecture(a: &str) -> Option<&'static str> {
     })
 }
 
-/// RoPE scaling: ignored with a warning where it only changes long contexts, an error otherwise.
+/// RoPE scaling: `dynamic` (NTK) leaves positions within the original training length unscaled,
+/// so it runs with a warning; every other kind changes all positions and is refused until it is
+/// implemented (llama3's frequency factors among them: running them unscaled is silently wrong).
 fn check_rope_scaling(c: &Obj) -> Result<()> {
-    let Some(rs) = c.get("rope_scaling") else {
+    let Some(rs) = c.get("rope_scaling").filter(|v| !v.is_null()) else {
         return Ok(());
     };
     let kind = rs
@@ -112,10 +114,10 @@ fn check_rope_scaling(c: &Obj) -> Result<()> {
         .unwrap_or("?");
     match kind {
         "default" => Ok(()),
-        "llama3" | "dynamic" => {
+        "dynamic" => {
             tracing::warn!(
-                "config.json: rope_scaling type '{kind}' is not implemented; RoPE runs unscaled, \
-                 which shifts outputs slightly and degrades contexts beyond the original training length"
+                "config.json: rope_scaling type 'dynamic' is not implemented; RoPE runs unscaled, \
+                 which matches the model up to its original training length only"
             );
             Ok(())
         }
@@ -464,6 +466,13 @@ mod tests {
             r#""rope_scaling": {"type": "linear", "factor": 2}"#,
         );
         assert!(err(&scaled).contains("rope_scaling type 'linear'"));
+        // Llama 3.1's frequency factors change every position: refused, not run unscaled.
+        let llama3 = SMOL.replace(
+            "\"rope_scaling\": null",
+            r#""rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#,
+        );
+        assert!(err(&llama3).contains("rope_scaling type 'llama3'"));
         assert!(
             err(&SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4"))
                 .contains("KV heads")

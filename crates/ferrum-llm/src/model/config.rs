@@ -108,6 +108,26 @@ impl Config {
                     Error::msg("GGUF metadata: no vocab_size and no tokenizer.ggml.tokens")
                 })?,
         };
+        // RoPE scaling changes every position's rotation; until it is implemented, a model that
+        // asks for it is refused rather than run unscaled (silently wrong).
+        let scaling = f
+            .get(&key("rope.scaling.type"))
+            .and_then(|v| v.as_str())
+            .unwrap_or("none");
+        let factor = get_f("rope.scaling.factor").unwrap_or(1.0);
+        if scaling != "none" && factor != 1.0 {
+            return Err(Error::msg(format!(
+                "RoPE scaling '{scaling}' (factor {factor}) is not supported yet; refusing to run \
+                 the model with unscaled positions"
+            )));
+        }
+        if f.tensor("rope_freqs.weight").is_some() {
+            return Err(Error::msg(
+                "the model has per-dimension RoPE frequency factors (rope_freqs.weight: Llama 3.1+ \
+                 or long-context RoPE), which are not supported yet; refusing to run it with \
+                 unscaled positions",
+            ));
+        }
         let (rope_style, default_eps) = match arch {
             Arch::Llama => (RopeStyle::Norm, 1e-5),
             Arch::Qwen2 => (RopeStyle::Neox, 1e-6),
