@@ -1,11 +1,12 @@
 //! Throughput of the quant kernels (no criterion): `cargo bench -p ferrum-kernels --bench quant`.
 //! For each weight type: a matrix of model size times one quantized activation row, SIMD
-//! (`vec_dot`) vs scalar (`vec_dot_ref`), reported as GB/s of weight bytes; plus the activation
-//! quantizers in GB/s of f32 input.
+//! (`vec_dot`) vs the portable x86-order kernels (`vec_dot_lanes`, what CPUs without AVX2 run) vs
+//! the generic-order scalar reference (`vec_dot_ref`), reported as GB/s of weight bytes; plus the
+//! activation quantizers in GB/s of f32 input.
 
 use ferrum_core::{f16, DType};
 use ferrum_kernels::quant::{
-    isa, quantize_row, quantize_row_ref, vec_dot, vec_dot_ref, vec_dot_type,
+    isa, quantize_row, quantize_row_ref, vec_dot, vec_dot_lanes, vec_dot_ref, vec_dot_type,
 };
 use std::hint::black_box;
 use std::time::Instant;
@@ -78,8 +79,8 @@ fn main() {
     let (rows, n) = (1536, 2048);
     println!("kernels: {:?}; matrix {rows} x {n}", isa());
     println!(
-        "{:<6} {:>12} {:>12} {:>8}",
-        "type", "simd GB/s", "scalar GB/s", "speedup"
+        "{:<6} {:>12} {:>12} {:>12} {:>8}",
+        "type", "simd GB/s", "lanes GB/s", "scalar GB/s", "speedup"
     );
     for t in [
         DType::Q4_0,
@@ -107,6 +108,11 @@ fn main() {
                 .map(|r| vec_dot(t, black_box(r), &a, n))
                 .sum()
         });
+        let lanes = time(|| {
+            w.chunks_exact(rb)
+                .map(|r| vec_dot_lanes(t, black_box(r), &a, n))
+                .sum()
+        });
         let scalar = time(|| {
             w.chunks_exact(rb)
                 .map(|r| vec_dot_ref(t, black_box(r), &a, n))
@@ -114,9 +120,10 @@ fn main() {
         });
         let gb = w.len() as f64 / 1e9;
         println!(
-            "{:<6} {:>12.2} {:>12.2} {:>7.1}x",
+            "{:<6} {:>12.2} {:>12.2} {:>12.2} {:>7.1}x",
             t.name(),
             gb / simd,
+            gb / lanes,
             gb / scalar,
             scalar / simd
         );

@@ -37,7 +37,8 @@ pub struct Features {
 /// every tier below it on the same architecture.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Tier {
-    /// Plain Rust in llama.cpp's generic float order.
+    /// Plain Rust. The quantized dot products keep the float order of llama.cpp's x86 AVX2 build
+    /// (`quant::vec_dot_lanes`), so they give the same bits as the x86 tiers.
     Portable,
     /// x86_64 AVX2 + FMA + F16C (llama.cpp's `haswell` build).
     Avx2,

@@ -4,17 +4,20 @@
 //!
 //! * Activation quantization (`from_float` of each weight type's `vec_dot_type`): bit-exact, every
 //!   case (ggml's Q8_1 blocks are 36 bytes, ours 40 with 4 zero padding bytes: compared per field).
-//! * `vec_dot`, when the AVX2 kernels are active: bit-exact for the types whose llama.cpp AVX2
-//!   kernel ours mirrors lane for lane (`BIT_EXACT`); the rest within 4·k·u·Σ|w·x| (k = blocks + 16,
-//!   u = 2^-23), since only the float summation order differs. With the scalar fallback every type
-//!   gets that tolerance.
+//! * `vec_dot`, whichever kernels are active (AVX2, or the portable x86-order kernels on other
+//!   CPUs and with `FERRUM_FORCE_SCALAR=1`), and `vec_dot_lanes` (the portable kernels, on any
+//!   CPU): bit-exact for the types whose llama.cpp AVX2 kernel ours mirrors lane for lane
+//!   (`BIT_EXACT`, every weight type); the rest within 4·k·u·Σ|w·x| (k = blocks + 16,
+//!   u = 2^-23), since only the float summation order differs. `vec_dot_ref` (ggml's generic C
+//!   order) always gets that tolerance.
 
 use ferrum_core::DType;
-use ferrum_kernels::quant::{dequantize_row, vec_dot_ref};
-use ferrum_kernels::quant::{isa, quantize_row, vec_dot, vec_dot_type, Isa};
+use ferrum_kernels::quant::{dequantize_row, vec_dot_lanes, vec_dot_ref};
+use ferrum_kernels::quant::{isa, quantize_row, vec_dot, vec_dot_type};
 use std::path::Path;
 
-/// Weight types whose AVX2 dot product reproduces llama.cpp's AVX2 build bit for bit.
+/// Weight types whose dot product (AVX2 kernels and portable kernels alike) reproduces
+/// llama.cpp's AVX2 build bit for bit.
 const BIT_EXACT: [DType; 13] = [
     DType::F32,
     DType::F16,
@@ -96,24 +99,27 @@ fn activation_quantization_matches_ggml() {
 
 #[test]
 fn dot_products_match_ggml() {
-    let simd = isa() == Isa::Avx2;
     let mut exact = 0;
     for c in load() {
         let at = vec_dot_type(c.dtype);
         let mut act = vec![0u8; at.row_bytes(c.n).unwrap()];
         quantize_row(at, &c.x, &mut act);
         let ours = vec_dot(c.dtype, &c.w, &act, c.n);
+        let lanes = vec_dot_lanes(c.dtype, &c.w, &act, c.n);
         let reference = vec_dot_ref(c.dtype, &c.w, &act, c.n);
-        assert!(ours.is_finite() && c.dot.is_finite());
-        if simd && BIT_EXACT.contains(&c.dtype) {
-            assert_eq!(
-                ours.to_bits(),
-                c.dot.to_bits(),
-                "{} n={}: ours {ours:e} vs ggml {:e}",
-                c.dtype,
-                c.n,
-                c.dot
-            );
+        assert!(ours.is_finite() && lanes.is_finite() && c.dot.is_finite());
+        if BIT_EXACT.contains(&c.dtype) {
+            for (what, v) in [("vec_dot", ours), ("vec_dot_lanes", lanes)] {
+                assert_eq!(
+                    v.to_bits(),
+                    c.dot.to_bits(),
+                    "{} n={}: {what} {v:e} vs ggml {:e} (kernels: {:?})",
+                    c.dtype,
+                    c.n,
+                    c.dot,
+                    isa()
+                );
+            }
             exact += 1;
         }
         let mut wd = vec![0f32; c.n];
@@ -133,7 +139,11 @@ fn dot_products_match_ggml() {
             c.n / 8 + 40
         };
         let tol = 4.0 * k as f64 * f32::EPSILON as f64 * mag;
-        for (what, v) in [("vec_dot", ours), ("vec_dot_ref", reference)] {
+        for (what, v) in [
+            ("vec_dot", ours),
+            ("vec_dot_lanes", lanes),
+            ("vec_dot_ref", reference),
+        ] {
             assert!(
                 (v as f64 - c.dot as f64).abs() <= tol,
                 "{} n={}: {what} {v:e} vs ggml {:e} (tol {tol:e})",
@@ -144,7 +154,7 @@ fn dot_products_match_ggml() {
         }
     }
     eprintln!(
-        "{exact} dot products bit-identical to ggml (kernels: {:?})",
+        "{exact} dot products bit-identical to ggml, by vec_dot and vec_dot_lanes (kernels: {:?})",
         isa()
     );
 }

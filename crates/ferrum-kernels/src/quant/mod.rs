@@ -3,20 +3,30 @@
 //! * [`dequantize_row`]: any [`DType`] to f32, bit-identical to ggml's `dequantize_row_*`.
 //! * [`vec_dot_type`] / [`quantize_row`]: the activation format llama.cpp pairs with a weight type,
 //!   and its quantizer, bit-exact with llama.cpp's x86 build.
-//! * [`vec_dot`]: weight row x quantized activation row with the best kernel for this CPU;
-//!   [`vec_dot_ref`]: the plain scalar reference (ggml's generic C float order).
+//! * [`vec_dot`]: weight row x quantized activation row in the float order of llama.cpp's x86
+//!   AVX2 build, on every CPU: the AVX2 kernels where the CPU has AVX2+FMA+F16C, otherwise
+//!   ([`Isa::Scalar`]: other architectures, older x86, `FERRUM_FORCE_SCALAR=1`) the portable
+//!   kernels of `dot_lanes` ([`vec_dot_lanes`]), which emulate the 8 f32 lanes, FMAs and
+//!   horizontal reductions of the AVX2 kernels in plain Rust and give the same bits.
+//! * [`vec_dot_ref`]: the plain scalar reference in ggml's *generic C* float order (a different
+//!   order: it agrees with [`vec_dot`] within rounding, not bit for bit).
 //!
-//! With the AVX2 kernels active, [`quantize_row`] and [`vec_dot`] reproduce an x86 AVX2 build of
-//! ggml (`libggml-cpu-haswell`) bit for bit for every weight type (checked by
-//! `tests/quant_ggml.rs` on random and real rows). Note llama.cpp may route a matmul elsewhere
-//! (llamafile sgemm, repacked Q4_0/Q4_K rows, AVX-512 builds), which changes the float order.
+//! [`quantize_row`] and [`vec_dot`] so reproduce an x86 AVX2 build of ggml
+//! (`libggml-cpu-haswell`) bit for bit for every weight type, whichever kernels run (checked by
+//! `tests/quant_ggml.rs` on random and real rows, and `tests/quant_lanes.rs` portable vs AVX2).
+//! The llama.cpp prefill and repacked orders ([`vec_dot_q4k_repacked`],
+//! [`vec_dot_q4k_gemm_order`], [`vec_dot_q6k_tiled_order`]) likewise have exact scalar twins, and
+//! [`uses_repacked_q4k`] makes llama.cpp's x86 choice on every CPU. Note llama.cpp may route a
+//! matmul elsewhere (llamafile sgemm, repacked Q4_0 rows, AVX-512 builds), which changes the
+//! float order.
 //!
-//! Q8_1 blocks are 40 bytes here (`DType::Q8_1.block_bytes()`): d, s, qs[32] and 4 zero bytes of
+//! Q8_1 blocks are 40 bytes here (`DType::Q8_1.block_bytes()`): d, s, `qs[32]` and 4 zero bytes of
 //! padding (ggml's own `block_q8_1` is 36 bytes; Q8_1 never appears in files).
 //!
 //! Layout of the module: `blocks` (field offsets, unpacking), `dequant`, `quantize`, `dot`
-//! (scalar), `dot_avx2` / `dot_avx2_k` / `quantize_avx2` (x86_64 AVX2+FMA+F16C kernels, chosen
-//! at run time; other ISAs, e.g. AVX-512 or NEON, slot into [`Isa`] and the dispatch below).
+//! (scalar references, generic order), `dot_lanes` (portable x86 order), `dot_avx2` /
+//! `dot_avx2_k` / `quantize_avx2` (x86_64 AVX2+FMA+F16C kernels, chosen at run time; other ISAs,
+//! e.g. AVX-512 or NEON, slot into [`Isa`] and the dispatch below, and must keep the same bits).
 
 // Index loops mirror the block layouts of ggml-common.h; iterator chains would hide them.
 #![allow(clippy::needless_range_loop)]
@@ -28,6 +38,7 @@ mod dot;
 mod dot_avx2;
 #[cfg(target_arch = "x86_64")]
 mod dot_avx2_k;
+mod dot_lanes;
 mod quantize;
 #[cfg(target_arch = "x86_64")]
 mod quantize_avx2;
@@ -40,7 +51,7 @@ pub use blocks::{QK, QK_K};
 /// Instruction-set level the dispatcher picked for this process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// Plain Rust, no explicit SIMD.
+    /// Plain Rust, no explicit SIMD (the portable kernels; same bits as [`Isa::Avx2`]).
     Scalar,
     /// x86_64 with AVX2, FMA and F16C.
     Avx2,
@@ -158,10 +169,12 @@ fn check_dot(weight: DType, w_row: &[u8], act: &[u8], n: usize) {
 }
 
 /// Dot product of one weight row (type `weight`, `n` elements) with one activation row already
-/// quantized as [`vec_dot_type`]`(weight)`. Uses the best SIMD kernel available at run time
-/// (see [`isa`]), falling back to [`vec_dot_ref`]. Integer partial sums are exact; only the float
-/// accumulation order differs from the scalar reference (the AVX2 order is llama.cpp's).
-/// Activation quants must lie in [-127, 127], as [`quantize_row`] produces them.
+/// quantized as [`vec_dot_type`]`(weight)`, in the float order of llama.cpp's x86 AVX2 build
+/// (`ggml_vec_dot_*` of `arch/x86/quants.c`, `vec.c`): the AVX2 kernels when [`isa`] is
+/// [`Isa::Avx2`], else the portable kernels of [`vec_dot_lanes`], which give the same bits.
+/// Integer partial sums are exact; the float accumulation order differs from [`vec_dot_ref`]'s
+/// (ggml's generic C). Activation quants must lie in [-127, 127], as [`quantize_row`] produces
+/// them.
 ///
 /// # Panics
 /// If `weight` is activation-only (Q8_1, Q8_K) or a length does not match `n`.
@@ -173,14 +186,36 @@ pub fn vec_dot(weight: DType, w_row: &[u8], act: &[u8], n: usize) -> f32 {
             return v;
         }
     }
+    if let Some(v) = dot_lanes::vec_dot(weight, w_row, act, n) {
+        return v;
+    }
     dot::vec_dot_ref(weight, w_row, act)
 }
 
+/// The portable kernels behind [`vec_dot`] on [`Isa::Scalar`], callable on any CPU (for tests and
+/// benchmarks): plain Rust that performs the float operations of the x86 AVX2 kernels in their
+/// order (8 f32 lanes as arrays, [`f32::mul_add`] where they use FMA, their horizontal
+/// reductions) on the same exact integer partial sums, so the result equals the AVX2 [`vec_dot`]
+/// bit for bit, and llama.cpp's x86 AVX2 build. Covers every weight type.
+///
+/// # Panics
+/// As [`vec_dot`].
+pub fn vec_dot_lanes(weight: DType, w_row: &[u8], act: &[u8], n: usize) -> f32 {
+    check_dot(weight, w_row, act, n);
+    match dot_lanes::vec_dot(weight, w_row, act, n) {
+        Some(v) => v,
+        None => dot::vec_dot_ref(weight, w_row, act),
+    }
+}
+
 /// Whether llama.cpp's x86 build would repack this weight matrix (`ggml_repack_get_optimal_repack_type`:
-/// Q4_K with a row count divisible by 8, on an AVX2 CPU) and so run it through
-/// `ggml_gemv_q4_K_8x8_q8_K`, whose float order [`vec_dot_q4k_repacked`] reproduces.
+/// Q4_K with a row count divisible by 8, as on an AVX2 CPU) and so run it through
+/// `ggml_gemv_q4_K_8x8_q8_K` / `ggml_gemm_q4_K_8x8_q8_K`, whose float orders
+/// [`vec_dot_q4k_repacked`] and [`vec_dot_q4k_gemm_order`] reproduce. The same decision on every
+/// CPU (whatever [`isa`] says): those orders have exact scalar twins, so results are the x86
+/// bits everywhere.
 pub fn uses_repacked_q4k(weight: DType, rows: usize) -> bool {
-    weight == DType::Q4_K && rows.is_multiple_of(8) && isa() == Isa::Avx2
+    weight == DType::Q4_K && rows.is_multiple_of(8)
 }
 
 /// Q4_K weight row x Q8_K activation row in the float order of llama.cpp's repacked Q4_K kernel
@@ -261,8 +296,9 @@ pub fn vec_dot_q6k_tiled_order_ref(w_row: &[u8], act: &[u8], n: usize) -> f32 {
 }
 
 /// Plain scalar reference for [`vec_dot`]: the formulas of ggml's generic C
-/// (`ggml_vec_dot_*_generic`), exact integer sums, same float order. F32/F16/BF16 accumulate the
-/// (exact for F16/BF16) f32 products in f64, as ggml's non-SIMD `ggml_vec_dot_f16` does.
+/// (`ggml_vec_dot_*_generic`), exact integer sums, generic C's float order (not the x86 order of
+/// [`vec_dot`], which it matches within rounding). F32/F16/BF16 accumulate the (exact for
+/// F16/BF16) f32 products in f64, as ggml's non-SIMD `ggml_vec_dot_f16` does.
 ///
 /// # Panics
 /// As [`vec_dot`].
