@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs ferrum's whole test suite: fetches the test models (cached in ./models), checks formatting
-# and lints, then builds once and runs every test, the real-model tests included, then drives the
+# and lints, then builds once and runs every test, the real-model tests included (and SmolLM2's
+# llama.cpp reference tests again on the AVX2 and portable kernel tiers), then drives the
 # server with the `openai` Python client, then runs the ONNX conformance suites through `ferrum run`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +9,11 @@ python3 scripts/fetch_models.py
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 cargo test --workspace
+# The other kernel tiers against llama.cpp's reference outputs (SmolLM2): the AVX2 tier (what a
+# CPU without AVX-512 runs), and the portable kernels (every other CPU; the same bits, by design).
+FERRUM_NO_AVX512=1 cargo test -p ferrum-llm --test llamacpp_reference smollm2
+FERRUM_FORCE_SCALAR=1 cargo test -p ferrum-llm --test llamacpp_reference -- \
+    smollm2_teacher_forced smollm2_greedy smollm2_prompt_tokens
 # The server with the official `openai` Python client (installed into a git-ignored venv).
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import openai' 2>/dev/null; then
     python3 -m venv .venv

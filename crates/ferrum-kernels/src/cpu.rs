@@ -96,6 +96,12 @@ pub fn detected() -> Features {
     f
 }
 
+/// [`detected`], read once.
+pub fn hardware() -> &'static Features {
+    static F: OnceLock<Features> = OnceLock::new();
+    F.get_or_init(detected)
+}
+
 /// `f` with the environment's switches applied (see the module text).
 pub fn with_overrides(mut f: Features, scalar: bool, no_avx512: bool, no_vnni: bool) -> Features {
     if scalar {

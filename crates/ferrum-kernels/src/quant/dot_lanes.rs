@@ -19,6 +19,27 @@ use half::slice::HalfFloatSliceExt;
 /// Dot product in the AVX2 kernels' float order, or `None` for a type they do not cover
 /// (activation-only types). Lengths were checked by the caller.
 pub(crate) fn vec_dot(weight: DType, w: &[u8], a: &[u8], n: usize) -> Option<f32> {
+    // `f32::mul_add` is one instruction where the hardware has FMA; a build for plain x86_64
+    // would otherwise call libm's `fmaf` (the same, exactly rounded, result, several times
+    // slower). The code and its results are the same either way, so the hardware's feature is
+    // asked for, not the process's kernel tier (`FERRUM_FORCE_SCALAR` runs this same code).
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::hardware().fma {
+        // SAFETY: the CPU reports FMA, the only feature the function is compiled for.
+        return unsafe { vec_dot_fma(weight, w, a, n) };
+    }
+    vec_dot_any(weight, w, a, n)
+}
+
+/// [`vec_dot_any`] compiled with FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn vec_dot_fma(weight: DType, w: &[u8], a: &[u8], n: usize) -> Option<f32> {
+    vec_dot_any(weight, w, a, n)
+}
+
+#[inline(always)]
+fn vec_dot_any(weight: DType, w: &[u8], a: &[u8], n: usize) -> Option<f32> {
     Some(match weight {
         DType::Q4_0 => dot_x_q8_0(w, a, 18, |b, q| unpack_q4(&b[Q4_0_QS..], 8, q)),
         DType::Q5_0 => dot_x_q8_0(w, a, 22, |b, q| {
@@ -160,6 +181,7 @@ fn dot_x_q8_1(w: &[u8], a: &[u8], bw: usize, unpack: impl Fn(&[u8], &mut [i8; QK
 /// Q4_K / Q5_K: per super-block the min terms go to 4 f32 lanes, `acc_m = fma(−d_x·dmin_w,
 /// f32(lane), acc_m)`, lane j = Σ over sub-blocks 2j, 2j+1 of min·(bsum pair); the scaled sums
 /// to 8 lanes, `acc = fma(d_w·d_x, f32(lanes), acc)`. Result `hsum8(acc) + ((m0+m2) + (m1+m3))`.
+#[inline(always)]
 fn dot_q45k(w: &[u8], a: &[u8], five: bool) -> f32 {
     let bw = if five { 176 } else { 144 };
     let mut acc = [0f32; 8];
@@ -195,6 +217,7 @@ fn dot_q45k(w: &[u8], a: &[u8], five: bool) -> f32 {
 /// lane t comes from groups 2t and 2t+1, not from the elements of lane t; the total is
 /// Σ sc·(q − 32)·y either way, but the lanes are rounded separately).
 /// Per super-block `acc = fma(d_w·d_x, f32(lanes), acc)`; result `hsum8(acc)`.
+#[inline(always)]
 fn dot_q6k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = [0f32; 8];
     let mut q = [0i8; QK_K];
@@ -222,6 +245,7 @@ fn dot_q6k(w: &[u8], a: &[u8]) -> f32 {
 /// Q2_K: per super-block first `acc = fma(−d_x·dmin_w, f32(lanes), acc)` with lane l =
 /// min[2l]·bsums[2l] + min[2l+1]·bsums[2l+1], then `acc = fma(d_x·d_w, f32(lanes), acc)` with
 /// the scaled sums, in the same 8 lanes; result `hsum8(acc)`.
+#[inline(always)]
 fn dot_q2k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = [0f32; 8];
     let mut q = [0i8; QK_K];
@@ -248,6 +272,7 @@ fn dot_q2k(w: &[u8], a: &[u8]) -> f32 {
 
 /// Q3_K: q = low 2 bits − 4·(clear high bit), scale − 32 per 16 elements; per super-block
 /// `acc = fma(d_x·d_w, f32(lanes), acc)`; result `hsum8(acc)`.
+#[inline(always)]
 fn dot_q3k(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = [0f32; 8];
     let mut q = [0i8; QK_K];
@@ -324,6 +349,7 @@ fn fma_step(s: &mut [F32x8; 4], x: &[f32; 32], y: &[f32; 32]) {
 }
 
 /// F16: `s[j] = fma(x, y, s[j])`, [`reduce4`], leftovers added in f64.
+#[inline(always)]
 fn dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
     let np = n & !31;
     let mut s = [[0f32; 8]; 4];
@@ -341,6 +367,7 @@ fn dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
 }
 
 /// F32: `s[j] = fma(x, y, s[j])`, [`reduce4`], leftovers added in f32 (mul then add).
+#[inline(always)]
 fn dot_f32(w: &[u8], a: &[u8], n: usize) -> f32 {
     let np = n & !31;
     let mut s = [[0f32; 8]; 4];
@@ -359,6 +386,7 @@ fn dot_f32(w: &[u8], a: &[u8], n: usize) -> f32 {
 
 /// BF16: products (exact in f32) added without FMA, `c[j] = x·y + c[j]`; then
 /// `(c0+c2) + (c1+c3)` lane by lane and [`hsum8`].
+#[inline(always)]
 fn dot_bf16(w: &[u8], a: &[u8], n: usize) -> f32 {
     let np = n & !31;
     let mut c = [[0f32; 8]; 4];
