@@ -346,7 +346,66 @@ fn metrics_priorities_and_the_queue_limit() {
         "response_format": {"type": "json_object"}}"#;
     let (s, b) = http(&a, "POST", "/v1/completions", ok);
     assert_eq!(s, 200, "{b}");
+    let first_id = json_body(s, &b)["id"].as_str().unwrap().to_string();
     assert_eq!(json_body(s, &b)["usage"]["completion_tokens"], 3);
+
+    // Response ids are unique, not a counter from 0 (which repeats across restarts and replicas).
+    let (s, b) = http(&a, "POST", "/v1/completions", ok);
+    let second_id = json_body(s, &b)["id"].as_str().unwrap().to_string();
+    for id in [&first_id, &second_id] {
+        let hex = id
+            .strip_prefix("cmpl-")
+            .unwrap_or_else(|| panic!("id {id}"));
+        assert!(
+            hex.len() == 24 && hex.chars().all(|c| c.is_ascii_hexdigit()),
+            "id {id}"
+        );
+    }
+    assert_ne!(first_id, second_id);
+
+    // A message role the API does not know is refused, not passed to the template.
+    let (s, b) = http(
+        &a,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}"#,
+    );
+    assert_eq!(s, 400, "{b}");
+    let err = json_body(s, &b);
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("'wizard'"),
+        "{b}"
+    );
+    // `developer` is OpenAI's name for the system role.
+    let (s, b) = http(
+        &a,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "hi"}], "max_tokens": 2}"#,
+    );
+    assert_eq!(s, 200, "{b}");
+
+    // A body over the limit gets the API's JSON error with status 413, and the server goes on.
+    let huge = format!(
+        r#"{{"prompt": "{}", "max_tokens": 1}}"#,
+        "a".repeat(3 << 20)
+    );
+    let (s, b) = http(&a, "POST", "/v1/completions", &huge);
+    assert_eq!(s, 413, "{}", &b[..b.len().min(200)]);
+    let err = json_body(s, &b);
+    assert_eq!(err["error"]["type"], "invalid_request_error", "{b}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("too large"),
+        "{b}"
+    );
+    assert_eq!(http(&a, "GET", "/health", "").0, 200);
 }
 
 #[test]

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -68,6 +69,30 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// 24 hex digits naming a response: unique across requests, restarts and replicas (a hash of
+/// the request's sequence number, the process id, the start time and a per-process random
+/// state), not a counter from 0.
+fn response_id(seq: u64) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static SEED: std::sync::OnceLock<(std::collections::hash_map::RandomState, u128)> =
+        std::sync::OnceLock::new();
+    let (state, started) = SEED.get_or_init(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        (std::collections::hash_map::RandomState::new(), t)
+    });
+    let word = |salt: u64| {
+        let mut h = state.build_hasher();
+        h.write_u64(salt);
+        h.write_u64(seq);
+        h.write_u32(std::process::id());
+        h.write_u128(*started);
+        h.finish()
+    };
+    format!("{:016x}{:08x}", word(1), word(2) as u32)
+}
+
 /// An OpenAI-style error response.
 pub struct ApiError {
     status: StatusCode,
@@ -81,6 +106,24 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             param,
+        }
+    }
+}
+
+/// A body the server could not take (over the size limit: 413; unreadable: 400) as the API's
+/// JSON error rather than axum's plain text.
+impl From<BytesRejection> for ApiError {
+    fn from(r: BytesRejection) -> ApiError {
+        let status = r.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!("request body too large: {}", r.body_text())
+        } else {
+            format!("could not read the request body: {}", r.body_text())
+        };
+        ApiError {
+            status,
+            message,
+            param: None,
         }
     }
 }
@@ -527,8 +570,11 @@ enum Kind {
     Chat,
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
-    let b: CompletionBody = parse(&body)?;
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let b: CompletionBody = parse(&body?)?;
     let prompt = match b.prompt {
         Prompt::Text(t) => st.llm.tokenizer.encode(&t, true, false),
         Prompt::Texts(v) if v.len() == 1 => st.llm.tokenizer.encode(&v[0], true, false),
@@ -545,14 +591,28 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Res
 
 async fn chat_completions(
     State(st): State<Arc<AppState>>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let b: ChatBody = parse(&body)?;
+    let b: ChatBody = parse(&body?)?;
     if b.messages.is_empty() {
         return Err(ApiError::bad("messages is empty", Some("messages")));
     }
     let mut msgs = Vec::with_capacity(b.messages.len());
     for m in b.messages {
+        // OpenAI's roles; `developer` is its newer name for `system`, which is what templates know.
+        let role = match m.role.as_str() {
+            "system" | "user" | "assistant" | "tool" => m.role,
+            "developer" => "system".to_string(),
+            other => {
+                return Err(ApiError::bad(
+                    format!(
+                        "unknown message role '{other}' (expected system, developer, user, \
+                         assistant or tool)"
+                    ),
+                    Some("messages"),
+                ))
+            }
+        };
         let content = match m.content {
             Content::Text(t) => t,
             Content::Parts(parts) => {
@@ -571,7 +631,7 @@ async fn chat_completions(
                 s
             }
         };
-        msgs.push(ChatMessage::new(m.role, content));
+        msgs.push(ChatMessage::new(role, content));
     }
     let prompt = st
         .llm
@@ -736,7 +796,7 @@ async fn run(
         } else {
             "cmpl"
         },
-        st.next_id.fetch_add(1, Ordering::Relaxed)
+        response_id(st.next_id.fetch_add(1, Ordering::Relaxed))
     );
     let created = now();
     let model = st.model_id.clone();
