@@ -13,6 +13,7 @@
 //! (weight type, tier, rows in the call), see [`crate::matmul::PackedMatrix`]. ARM's NEON (and
 //! dot-product, SVE) are detected for the tier table but have no kernels yet.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// CPU features the kernels use, after the environment's overrides.
@@ -49,6 +50,9 @@ pub enum Tier {
 }
 
 impl Tier {
+    /// Every tier, lowest first.
+    pub const ALL: [Tier; 4] = [Tier::Portable, Tier::Avx2, Tier::Avx2Vnni, Tier::Avx512Vnni];
+
     pub fn name(self) -> &'static str {
         match self {
             Tier::Portable => "portable",
@@ -120,8 +124,8 @@ pub fn with_overrides(mut f: Features, scalar: bool, no_avx512: bool, no_vnni: b
     f
 }
 
-/// This process's features: detected once, overrides applied.
-pub fn features() -> &'static Features {
+/// The environment's features: detected once, the `FERRUM_*` switches applied.
+fn base() -> &'static Features {
     static F: OnceLock<Features> = OnceLock::new();
     F.get_or_init(|| {
         with_overrides(
@@ -133,7 +137,46 @@ pub fn features() -> &'static Features {
     })
 }
 
+/// The highest tier kernels may use, set by [`set_tier_cap`] (0: no cap).
+static CAP: AtomicU8 = AtomicU8::new(0);
+
+/// This process's features: detected once, the environment's switches applied, and capped at
+/// [`set_tier_cap`]'s tier when one is set. Every kernel asks here, at every call.
+pub fn features() -> Features {
+    let f = *base();
+    match CAP.load(Ordering::Relaxed) {
+        0 => f,
+        c => f.capped(Tier::ALL[usize::from(c) - 1]),
+    }
+}
+
+/// Caps the kernels of the whole process at `tier` (`None`: no cap), so one process can run every
+/// tier the CPU has in turn (the kernel harness, benchmarks). Only lowers what the CPU and the
+/// environment allow. Set it while no kernel is running: a product that reads the tier twice
+/// must see one value (and weights packed for one tier are read by its kernels only; see
+/// `PackedMatrix::plan_layout`).
+pub fn set_tier_cap(tier: Option<Tier>) {
+    let v = tier.map_or(0, |t| {
+        Tier::ALL.iter().position(|&x| x == t).unwrap() as u8 + 1
+    });
+    CAP.store(v, Ordering::Relaxed);
+}
+
 impl Features {
+    /// These features with everything above `tier` removed.
+    pub fn capped(mut self, tier: Tier) -> Features {
+        if tier < Tier::Avx512Vnni {
+            self = with_overrides(self, false, true, false);
+        }
+        if tier < Tier::Avx2Vnni {
+            self.avxvnni = false;
+        }
+        if tier < Tier::Avx2 {
+            self = Features::default();
+        }
+        self
+    }
+
     /// AVX2, FMA and F16C: the base of every x86 SIMD kernel here.
     pub fn x86_simd(&self) -> bool {
         self.avx2 && self.fma && self.f16c
@@ -160,7 +203,7 @@ impl Features {
     /// Every tier these features run, lowest first (for tests that compare them).
     pub fn tiers(&self) -> Vec<Tier> {
         let top = self.tier();
-        [Tier::Portable, Tier::Avx2, Tier::Avx2Vnni, Tier::Avx512Vnni]
+        Tier::ALL
             .into_iter()
             .filter(|&t| {
                 t <= top
@@ -216,5 +259,9 @@ mod tests {
             vec![Tier::Portable, Tier::Avx2, Tier::Avx512Vnni]
         );
         assert_eq!(Features::default().tiers(), vec![Tier::Portable]);
+        for t in Tier::ALL {
+            assert!(full().capped(t).tier() <= t, "{t}");
+        }
+        assert_eq!(full().capped(Tier::Avx2).tier(), Tier::Avx2);
     }
 }

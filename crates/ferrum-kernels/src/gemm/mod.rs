@@ -22,8 +22,6 @@
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use std::sync::OnceLock;
-
 use crate::pool;
 
 /// Inner-dimension block: one packed B panel (`KC x NR`) stays in L1.
@@ -130,17 +128,14 @@ pub enum Isa {
 
 /// The best microkernel this CPU runs (detected once), unless the environment steps down.
 pub fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        let f = crate::cpu::features();
-        if cfg!(target_arch = "x86_64") && f.avx512f && f.avx2 && f.fma {
-            return Isa::Avx512;
-        }
-        if cfg!(target_arch = "x86_64") && f.avx2 && f.fma {
-            return Isa::Avx2;
-        }
-        Isa::Scalar
-    })
+    let f = crate::cpu::features();
+    if cfg!(target_arch = "x86_64") && f.avx512f && f.avx2 && f.fma {
+        return Isa::Avx512;
+    }
+    if cfg!(target_arch = "x86_64") && f.avx2 && f.fma {
+        return Isa::Avx2;
+    }
+    Isa::Scalar
 }
 
 /// Every microkernel family this CPU can run (for tests that compare them).

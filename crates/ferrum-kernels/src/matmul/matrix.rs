@@ -250,9 +250,11 @@ impl PackedMatrix {
         }
         let orders = orders_of(self.dtype, self.rows, segs);
         match self.layout {
-            Layout::RowMajor => matmul_rows(&src, x, y, &orders),
             #[cfg(target_arch = "x86_64")]
-            Layout::X16 => self.matmul_x16(x, y, &orders),
+            Layout::X16 if avx512::available() => self.matmul_x16(x, y, &orders),
+            // Row-major, or packed while the process runs a lower tier than it was packed for
+            // (`cpu::set_tier_cap`): the row kernels, on rows unpacked from the groups.
+            _ => matmul_rows(&src, x, y, &orders),
         }
     }
 

@@ -44,7 +44,6 @@ mod quantize;
 mod quantize_avx2;
 
 use ferrum_core::DType;
-use std::sync::OnceLock;
 
 pub use blocks::{QK, QK_K};
 
@@ -60,8 +59,7 @@ pub enum Isa {
 /// The kernel set [`vec_dot`] and [`quantize_row`] use (from [`crate::cpu::features`], so
 /// `FERRUM_FORCE_SCALAR` forces [`Isa::Scalar`]).
 pub fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(detect)
+    detect()
 }
 
 fn detect() -> Isa {
