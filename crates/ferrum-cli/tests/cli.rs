@@ -414,10 +414,11 @@ fn unsupported_tensor_type_is_a_clean_error() {
     assert_clean_error(&out, &["token_embd.weight", "16"]);
 }
 
-/// A model that asks for RoPE scaling (Llama 3.1's `rope_freqs.weight` factors, or a scaling type
-/// in the metadata) is refused at load, not run with unscaled positions.
+/// RoPE scaling ferrum does not implement (a scaling type it does not know), or malformed
+/// frequency factors (zero, or the wrong count), are refused at load, not run with wrong angles.
+/// (Llama 3.1 factors, linear and YaRN scaling run: tests/tiny_models.rs in ferrum-llm.)
 #[test]
-fn rope_scaling_is_refused_until_implemented() {
+fn unsupported_or_malformed_rope_scaling_is_refused() {
     let dir = TempDir::new("rope");
     let base = || {
         with_tiny_tokenizer(
@@ -430,43 +431,32 @@ fn rope_scaling_is_refused_until_implemented() {
         .kv("llama.context_length", Value::U32(64))
         .tensor("token_embd.weight", &[4, 2], DType::F32, vec![0u8; 32])
     };
-    let freqs = dir.path("freqs.gguf");
-    base()
-        .tensor("rope_freqs.weight", &[2], DType::F32, vec![0u8; 8])
-        .write(&freqs)
-        .expect("write freqs.gguf");
-    let out = ferrum(
-        &[
-            "generate",
-            "-m",
-            freqs.to_str().unwrap(),
-            "-p",
-            "a",
-            "-n",
-            "2",
-        ],
-        QUICK,
+    let run = |name: &str, w: GgufWriter, want: &[&str]| {
+        let p = dir.path(name);
+        w.write(&p).expect("write gguf");
+        let out = ferrum(
+            &["generate", "-m", p.to_str().unwrap(), "-p", "a", "-n", "2"],
+            QUICK,
+        );
+        assert_clean_error(&out, want);
+    };
+    run(
+        "zero.gguf",
+        base().tensor("rope_freqs.weight", &[2], DType::F32, vec![0u8; 8]),
+        &["frequency factors"],
     );
-    assert_clean_error(&out, &["rope_freqs", "not supported"]);
-    let linear = dir.path("linear.gguf");
-    base()
-        .kv("llama.rope.scaling.type", Value::String("linear".into()))
-        .kv("llama.rope.scaling.factor", Value::F32(4.0))
-        .write(&linear)
-        .expect("write linear.gguf");
-    let out = ferrum(
-        &[
-            "generate",
-            "-m",
-            linear.to_str().unwrap(),
-            "-p",
-            "a",
-            "-n",
-            "2",
-        ],
-        QUICK,
+    run(
+        "count.gguf",
+        base().tensor("rope_freqs.weight", &[3], DType::F32, vec![0u8; 12]),
+        &["rope_freqs.weight", "expected F32 [2]"],
     );
-    assert_clean_error(&out, &["RoPE scaling 'linear'", "not supported"]);
+    run(
+        "longrope.gguf",
+        base()
+            .kv("llama.rope.scaling.type", Value::String("longrope".into()))
+            .kv("llama.rope.scaling.factor", Value::F32(4.0)),
+        &["RoPE scaling 'longrope'"],
+    );
 }
 
 #[test]

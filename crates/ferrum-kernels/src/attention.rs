@@ -20,6 +20,18 @@ pub struct AttnParams {
     pub scale: f32,
     /// Sliding window: a query at position p sees keys p-window+1 ..= p. `None`: all earlier keys.
     pub window: Option<usize>,
+    /// Logit soft-capping (Gemma 2): each score s = scale q.k becomes cap * tanh(s / cap), computed
+    /// as llama.cpp's flash attention does, cap * tanh(q.k (scale / cap)).
+    pub softcap: Option<f32>,
+}
+
+/// A score after soft-capping: `x` is q.k times the row's scale (already divided by the cap).
+#[inline(always)]
+fn capped(x: f32, softcap: Option<f32>) -> f32 {
+    match softcap {
+        Some(c) => c * x.tanh(),
+        None => x,
+    }
 }
 
 /// One layer's KV cache as the kernels read it, paged: rows of `n_head_kv * head_dim` f16 values
@@ -191,7 +203,8 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             at: (h / group) * hd,
             kv_row,
             keys: start..pos + 1,
-            scale: p.scale,
+            scale: p.softcap.map_or(p.scale, |c| p.scale / c),
+            softcap: p.softcap,
         }
     };
     #[cfg(target_arch = "x86_64")]
@@ -286,7 +299,9 @@ struct Row<'a> {
     at: usize,
     kv_row: usize,
     keys: std::ops::Range<usize>,
+    /// Multiplies q.k (the cap's division folded in, see [`AttnParams::softcap`]).
     scale: f32,
+    softcap: Option<f32>,
 }
 
 impl Row<'_> {
@@ -393,7 +408,8 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
                 let krow = &r0.k[at..at + hd];
                 let k: [__m512; NV] = core::array::from_fn(|i| load_h(krow, i));
                 for hi in 0..H {
-                    scores[hi * n_keys + jj] = dot(&q[hi], &k) * rows[hi].scale;
+                    scores[hi * n_keys + jj] =
+                        capped(dot(&q[hi], &k) * rows[hi].scale, rows[hi].softcap);
                 }
             }
         } else {
@@ -402,7 +418,7 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
                     let at = r.offset(j);
                     let krow = &r.k[at..at + hd];
                     let k: [__m512; NV] = core::array::from_fn(|i| load_h(krow, i));
-                    scores[hi * n_keys + jj] = dot(&q[hi], &k) * r.scale;
+                    scores[hi * n_keys + jj] = capped(dot(&q[hi], &k) * r.scale, r.softcap);
                 }
             }
         }
@@ -509,7 +525,7 @@ fn attend_row(r: &Row, o: &mut [f32]) {
     for j in r.keys.clone() {
         let at = r.offset(j);
         r.k[at..at + hd].convert_to_f32_slice(&mut row);
-        let score = dot_f16_order(&qf, &row) * r.scale;
+        let score = capped(dot_f16_order(&qf, &row) * r.scale, r.softcap);
         let mut ms = 1f32;
         let mut vs = 1f32;
         if score > m {
@@ -592,11 +608,16 @@ pub fn attention_ref(
             let scores: Vec<f64> = (start..=pos)
                 .map(|j| {
                     let kr = &k[j * kv_row + kvh * hd..][..hd];
-                    qh.iter()
+                    let s = qh
+                        .iter()
                         .zip(kr)
                         .map(|(&a, b)| a as f64 * b.to_f64())
                         .sum::<f64>()
-                        * p.scale as f64
+                        * p.scale as f64;
+                    match p.softcap {
+                        Some(c) => c as f64 * (s / c as f64).tanh(),
+                        None => s,
+                    }
                 })
                 .collect();
             let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -622,7 +643,13 @@ mod tests {
     fn online_softmax_matches_reference() {
         let seed: u64 = rand::random();
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        for (nh, nkv, hd, window) in [(4, 2, 16, None), (4, 1, 32, Some(5)), (3, 3, 8, None)] {
+        for (nh, nkv, hd, window, softcap) in [
+            (4, 2, 16, None, None),
+            (4, 1, 32, Some(5), None),
+            (3, 3, 8, None, None),
+            (4, 2, 64, None, Some(1.5)),
+            (2, 1, 16, Some(3), Some(0.8)),
+        ] {
             let ctx = 20;
             let positions: Vec<usize> = (12..20).collect();
             let k: Vec<f16> = (0..ctx * nkv * hd)
@@ -640,6 +667,7 @@ mod tests {
                 head_dim: hd,
                 scale: 1.0 / (hd as f32).sqrt(),
                 window,
+                softcap,
             };
             let mut a = vec![0.0; q.len()];
             let mut b = vec![0.0; q.len()];

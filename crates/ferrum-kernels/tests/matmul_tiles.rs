@@ -153,6 +153,7 @@ fn batched_attention_equals_each_sequence_alone() {
             head_dim: hd,
             scale: 0.125,
             window: None,
+            softcap: None,
         };
         let qs: Vec<Vec<f32>> = positions
             .iter()
@@ -218,6 +219,7 @@ fn attention_is_batch_invariant_and_close_to_f64() {
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
             window,
+            softcap: None,
         };
         let mut all = vec![f32::NAN; q.len()];
         attention(&p, &q, &k, &v, &positions, &mut all);

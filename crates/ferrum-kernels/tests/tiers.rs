@@ -243,6 +243,7 @@ fn every_tier_matches_the_reference_on_every_type_and_shape() {
                 head_dim: hd,
                 scale: 1.0 / (hd as f32).sqrt(),
                 window: None,
+                softcap: None,
             };
             let mut a = vec![f32::NAN; q.len()];
             let mut b = vec![f32::NAN; q.len()];

@@ -134,7 +134,7 @@ impl Llm {
         };
         let source = match &self.chat_template {
             Some(t) => t.as_str(),
-            None if self.model.config.arch == model::Arch::Gemma3 => GEMMA_TEMPLATE,
+            None if self.model.config.arch.is_gemma() => GEMMA_TEMPLATE,
             None => CHATML_TEMPLATE,
         };
         ferrum_tokenizer::ChatTemplate::new(source, &piece(tok.bos()), &piece(tok.eos()))

@@ -111,13 +111,13 @@ fn hf_tensors(llm: &Llm) -> (Vec<Tensor>, bool) {
         );
         matrix(
             format!("{p}.mlp.gate_proj.weight"),
-            &l.ffn_gate.weight,
+            &l.mlp().gate.weight,
             None,
         );
-        matrix(format!("{p}.mlp.up_proj.weight"), &l.ffn_up.weight, None);
+        matrix(format!("{p}.mlp.up_proj.weight"), &l.mlp().up.weight, None);
         matrix(
             format!("{p}.mlp.down_proj.weight"),
-            &l.ffn_down.weight,
+            &l.mlp().down.weight,
             None,
         );
     }
@@ -365,9 +365,9 @@ fn gemma3_weights_match_gguf() {
             ("self_attn.k_proj", &l.attn_k),
             ("self_attn.v_proj", &l.attn_v),
             ("self_attn.o_proj", &l.attn_output),
-            ("mlp.gate_proj", &l.ffn_gate),
-            ("mlp.up_proj", &l.ffn_up),
-            ("mlp.down_proj", &l.ffn_down),
+            ("mlp.gate_proj", &l.mlp().gate),
+            ("mlp.up_proj", &l.mlp().up),
+            ("mlp.down_proj", &l.mlp().down),
         ] {
             matrices.push((format!("{p}.{n}.weight"), &lin.weight));
         }
@@ -558,7 +558,7 @@ fn sharded_half_precision_folder() {
     // F32 copies of the same numbers give the same logits.
     let deq = Llm::load(&tmp.0, &LoadOptions { dequantize: true }, &mut |_, _| {}).unwrap();
     assert_eq!(
-        deq.model.weights.layers[0].ffn_up.weight.dtype(),
+        deq.model.weights.layers[0].mlp().up.weight.dtype(),
         DType::F32
     );
     let l2 = deq

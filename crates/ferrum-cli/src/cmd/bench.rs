@@ -101,7 +101,10 @@ pub fn run(a: Args) -> Result<()> {
     }
 
     let ceilings = super::machine::load_cached();
-    let bytes_per_token = llm.model.weights.bytes_per_token();
+    let bytes_per_token = llm
+        .model
+        .weights
+        .bytes_per_token(llm.model.config.moe.map_or(0, |m| m.n_expert_used));
     // Decode bound: weight bytes per token over the measured read bandwidth at this thread count.
     let bound = |t: usize| -> Option<f64> {
         let c = ceilings.as_ref()?;

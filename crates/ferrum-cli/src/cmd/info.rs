@@ -59,9 +59,53 @@ pub fn run(a: Args) -> Result<()> {
                 c.rms_eps, c.n_ctx_train
             );
             if let Some(w) = c.sliding_window {
+                if c.swa_pattern > 1 {
+                    println!(
+                        "  sliding window {w} (one layer in {} global, local rope base {})",
+                        c.swa_pattern, c.rope_base_swa
+                    );
+                } else {
+                    println!("  sliding window {w} on every layer");
+                }
+            }
+            if c.attn_softcap.is_some() || c.final_softcap.is_some() {
+                let show = |v: Option<f32>| v.map_or("none".to_string(), |c| c.to_string());
                 println!(
-                    "  sliding window {w} (every {}th layer global, local rope base {})",
-                    c.swa_pattern, c.rope_base_swa
+                    "  logit soft-capping: attention {}, final {}",
+                    show(c.attn_softcap),
+                    show(c.final_softcap)
+                );
+            }
+            let rs = &c.rope_scaling;
+            if !rs.is_identity() {
+                let mut parts = Vec::new();
+                if rs.freq_scale != 1.0 {
+                    parts.push(format!("factor {} (linear)", 1.0 / rs.freq_scale));
+                }
+                if let Some(y) = &rs.yarn {
+                    parts.push(format!(
+                        "YaRN over original context {} (beta fast {}, slow {}, attn factor {})",
+                        y.n_ctx_orig, y.beta_fast, y.beta_slow, y.attn_factor
+                    ));
+                }
+                if let Some(ff) = &rs.freq_factors {
+                    let (lo, hi) = ff
+                        .iter()
+                        .fold((f32::MAX, f32::MIN), |(a, b), &f| (a.min(f), b.max(f)));
+                    parts.push(format!(
+                        "{} per-pair frequency factors in [{lo}, {hi}]",
+                        ff.len()
+                    ));
+                }
+                println!("  rope scaling: {}", parts.join(", "));
+            }
+            if let Some(m) = &c.moe {
+                println!(
+                    "  experts {} ({} per token, expert feed-forward {}, weights {})",
+                    m.n_expert,
+                    m.n_expert_used,
+                    m.n_ff_exp,
+                    if m.norm { "renormalised" } else { "as routed" }
                 );
             }
         }

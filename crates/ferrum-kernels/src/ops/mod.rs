@@ -7,7 +7,7 @@ mod rope;
 
 pub use activation::{geglu, geglu_portable, gelu_tanh, silu, swiglu, swiglu_portable};
 pub use norm::{rms_norm, rms_norm_inplace};
-pub use rope::{RopeCache, RopeStyle};
+pub use rope::{RopeCache, RopeScaling, RopeStyle, Yarn};
 
 /// `x[i] += y[i]`.
 pub fn add_inplace(x: &mut [f32], y: &[f32]) {

@@ -7,10 +7,10 @@
 //! YaRN RoPE scaling, ...) are errors naming the key rather than silently different outputs.
 
 use ferrum_core::{Error, Result};
-use ferrum_kernels::ops::RopeStyle;
+use ferrum_kernels::ops::{RopeScaling, RopeStyle, Yarn};
 use serde_json::{json, Map, Value};
 
-use crate::model::config::{Arch, Config};
+use crate::model::config::{Arch, Config, MoeConfig};
 
 /// What `config.json` says: the [`Config`] plus the facts the weight loader needs.
 #[derive(Clone, Debug)]
@@ -35,9 +35,9 @@ fn unsupported(msg: impl std::fmt::Display) -> Error {
 /// Typed access to one JSON object with `config.json`-flavoured errors.
 struct Obj<'a>(&'a Map<String, Value>);
 
-impl Obj<'_> {
+impl<'a> Obj<'a> {
     /// The value of `key`, treating JSON `null` as absent.
-    fn get(&self, key: &str) -> Option<&Value> {
+    fn get(&self, key: &str) -> Option<&'a Value> {
         self.0.get(key).filter(|v| !v.is_null())
     }
 
@@ -94,32 +94,185 @@ fn model_type_of_architecture(a: &str) -> Option<&'static str> {
         "LlamaForCausalLM" => "llama",
         "MistralForCausalLM" => "mistral",
         "Qwen2ForCausalLM" => "qwen2",
+        "Qwen3ForCausalLM" => "qwen3",
+        "Qwen3MoeForCausalLM" => "qwen3_moe",
+        "MixtralForCausalLM" => "mixtral",
         "Gemma3ForCausalLM" => "gemma3_text",
+        "Gemma2ForCausalLM" => "gemma2",
+        "Phi3ForCausalLM" => "phi3",
         "Gemma3ForConditionalGeneration" => "gemma3",
         _ => return None,
     })
 }
 
-/// RoPE scaling: `dynamic` (NTK) leaves positions within the original training length unscaled,
-/// so it runs with a warning; every other kind changes all positions and is refused until it is
-/// implemented (llama3's frequency factors among them: running them unscaled is silently wrong).
-fn check_rope_scaling(c: &Obj) -> Result<()> {
-    let Some(rs) = c.get("rope_scaling").filter(|v| !v.is_null()) else {
-        return Ok(());
+/// Where a config keeps its RoPE settings: transformers 4 writes `rope_theta` (and Gemma 3's
+/// `rope_local_base_freq`) at the top and scaling in `rope_scaling`; transformers 5 writes one
+/// `rope_parameters` object holding `rope_theta`, `rope_type` and the scaling fields, or (Gemma 3)
+/// one such object per layer type (`full_attention`, `sliding_attention`).
+struct RopeParams<'a> {
+    theta: Option<f64>,
+    local_theta: Option<f64>,
+    /// The object with `rope_type`/`type` and the scaling fields, if any.
+    scaling: Option<&'a Map<String, Value>>,
+}
+
+impl<'a> RopeParams<'a> {
+    fn read(c: &Obj<'a>) -> Result<RopeParams<'a>> {
+        let obj = |v: &'a Value, what: &str| {
+            v.as_object()
+                .ok_or_else(|| bad(format!("{what} must be an object")))
+        };
+        let theta_of =
+            |m: &Map<String, Value>| -> Result<Option<f64>> { Obj(m).opt_f64("rope_theta") };
+        let mut p = RopeParams {
+            theta: c.opt_f64("rope_theta")?,
+            local_theta: c.opt_f64("rope_local_base_freq")?,
+            scaling: match c.get("rope_scaling") {
+                Some(v) => Some(obj(v, "rope_scaling")?),
+                None => None,
+            },
+        };
+        if let Some(rp) = c.get("rope_parameters") {
+            let rp = obj(rp, "rope_parameters")?;
+            let (global, local) = match rp.get("full_attention") {
+                Some(g) => (
+                    obj(g, "rope_parameters.full_attention")?,
+                    match rp.get("sliding_attention") {
+                        Some(l) => Some(obj(l, "rope_parameters.sliding_attention")?),
+                        None => None,
+                    },
+                ),
+                None => (rp, None),
+            };
+            p.theta = p.theta.or(theta_of(global)?);
+            if let Some(l) = local {
+                p.local_theta = p.local_theta.or(theta_of(l)?);
+                let lo = Obj(l);
+                let lt = lo.opt_str("rope_type")?.unwrap_or("default");
+                if lt != "default" {
+                    return Err(unsupported(format!(
+                        "rope_type '{lt}' on sliding-window layers"
+                    )));
+                }
+            }
+            if p.scaling.is_none() {
+                p.scaling = Some(global);
+            }
+        }
+        Ok(p)
+    }
+}
+
+/// RoPE context extension from `rope_scaling` (`rope_type` or the older `type`), computed as
+/// Hugging Face's `modeling_rope_utils` and llama.cpp's converter do: `linear` (angles / factor),
+/// `llama3` (per-pair frequency factors from the wavelength bands, in f32 as the converter writes
+/// `rope_freqs.weight`) and `yarn` (ramp between interpolation and extrapolation, attention factor
+/// 0.1 ln(factor) + 1 unless given). `dynamic` (NTK) leaves positions within the original training
+/// length unscaled, so it runs with a warning; any other kind is refused rather than run unscaled.
+fn hf_rope_scaling(
+    rope: &RopeParams,
+    n_rot: usize,
+    base: f32,
+    max_pos: Option<usize>,
+) -> Result<RopeScaling> {
+    let Some(rs) = rope.scaling else {
+        return Ok(RopeScaling::default());
     };
-    let kind = rs
-        .get("rope_type")
-        .or_else(|| rs.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("?");
+    let rs = Obj(rs);
+    let kind = match rs.opt_str("rope_type")? {
+        Some(k) => k,
+        None => rs.opt_str("type")?.unwrap_or("default"),
+    };
+    let factor = || -> Result<f32> {
+        let f = rs
+            .opt_f64("factor")?
+            .ok_or_else(|| bad(format!("rope_scaling '{kind}' without a factor")))?;
+        if !(f.is_finite() && f > 0.0) {
+            return Err(bad(format!("rope_scaling factor {f}")));
+        }
+        Ok(f as f32)
+    };
+    let orig = |default: Option<usize>| -> Result<usize> {
+        rs.opt_usize("original_max_position_embeddings")?
+            .or(default)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                bad(format!(
+                    "rope_scaling '{kind}' needs original_max_position_embeddings"
+                ))
+            })
+    };
     match kind {
-        "default" => Ok(()),
+        "default" => Ok(RopeScaling::default()),
         "dynamic" => {
             tracing::warn!(
                 "config.json: rope_scaling type 'dynamic' is not implemented; RoPE runs unscaled, \
                  which matches the model up to its original training length only"
             );
-            Ok(())
+            Ok(RopeScaling::default())
+        }
+        "linear" => Ok(RopeScaling {
+            freq_scale: 1.0 / factor()?,
+            ..RopeScaling::default()
+        }),
+        "llama3" => {
+            let factor = factor()?;
+            let low = rs.opt_f64("low_freq_factor")?.unwrap_or(1.0) as f32;
+            let high = rs.opt_f64("high_freq_factor")?.unwrap_or(4.0) as f32;
+            let old_ctx = orig(Some(8192))? as f32;
+            if high <= low {
+                return Err(bad(
+                    "rope_scaling: high_freq_factor must exceed low_freq_factor",
+                ));
+            }
+            let (low_wavelen, high_wavelen) = (old_ctx / low, old_ctx / high);
+            let factors = (0..n_rot / 2)
+                .map(|i| {
+                    let freq = 1.0 / base.powf((2 * i) as f32 / n_rot as f32);
+                    let wavelen = 2.0 * std::f32::consts::PI / freq;
+                    if wavelen < high_wavelen {
+                        1.0
+                    } else if wavelen > low_wavelen {
+                        factor
+                    } else {
+                        let smooth = (old_ctx / wavelen - low) / (high - low);
+                        1.0 / ((1.0 - smooth) / factor + smooth)
+                    }
+                })
+                .collect();
+            Ok(RopeScaling {
+                freq_factors: Some(factors),
+                ..RopeScaling::default()
+            })
+        }
+        "yarn" => {
+            let factor = factor()?;
+            for key in ["mscale", "mscale_all_dim"] {
+                if rs.get(key).is_some() {
+                    return Err(unsupported(format!("rope_scaling yarn with {key}")));
+                }
+            }
+            if rs.opt_bool("truncate")? == Some(false) {
+                return Err(unsupported("rope_scaling yarn with truncate = false"));
+            }
+            // HF scales cos/sin by attention_factor, default 0.1 ln(factor) + 1, which is what
+            // ggml's YaRN multiplies attn_factor by.
+            let default_m = 0.1 * factor.ln() + 1.0;
+            let attn_factor = match rs.opt_f64("attention_factor")? {
+                Some(a) => a as f32 / default_m,
+                None => 1.0,
+            };
+            Ok(RopeScaling {
+                freq_scale: 1.0 / factor,
+                freq_factors: None,
+                yarn: Some(Yarn {
+                    ext_factor: 1.0,
+                    attn_factor,
+                    n_ctx_orig: orig(max_pos)?,
+                    beta_fast: rs.opt_f64("beta_fast")?.unwrap_or(32.0) as f32,
+                    beta_slow: rs.opt_f64("beta_slow")?.unwrap_or(1.0) as f32,
+                }),
+            })
         }
         other => Err(unsupported(format!("rope_scaling type '{other}'"))),
     }
@@ -144,12 +297,17 @@ impl HfConfig {
                 .to_string(),
         };
         let arch = match model_type.as_str() {
-            "llama" | "mistral" => Arch::Llama,
+            "llama" | "mistral" | "mixtral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            "qwen3_moe" => Arch::Qwen3Moe,
             "gemma3" | "gemma3_text" => Arch::Gemma3,
+            "gemma2" => Arch::Gemma2,
+            "phi3" => Arch::Phi3,
             other => {
                 return Err(Error::Unsupported(format!(
-                    "Hugging Face model_type '{other}' (supported: llama, mistral, qwen2, gemma3, gemma3_text)"
+                    "Hugging Face model_type '{other}' (supported: llama, mistral, mixtral, qwen2, \
+                     qwen3, qwen3_moe, phi3, gemma2, gemma3, gemma3_text)"
                 )))
             }
         };
@@ -161,7 +319,7 @@ impl HfConfig {
             ("gemma3", Some(tc)) => Obj(tc),
             _ => Obj(root),
         };
-        let gemma = arch == Arch::Gemma3;
+        let gemma = arch.is_gemma();
 
         let n_embd = c.usize("hidden_size")?;
         let n_head = c.usize("num_attention_heads")?;
@@ -180,6 +338,7 @@ impl HfConfig {
         };
         let vocab = match (c.opt_usize("vocab_size")?, gemma) {
             (Some(v), _) => v,
+            (None, true) if arch == Arch::Gemma2 => 256_000,
             (None, true) => 262_208,
             (None, false) => return Err(bad("missing vocab_size")),
         };
@@ -206,38 +365,99 @@ impl HfConfig {
         if c.opt_bool("mlp_bias")?.unwrap_or(false) {
             return Err(unsupported("mlp_bias = true"));
         }
-        check_rope_scaling(&c)?;
-
-        let (sliding_window, swa_pattern, rope_base_swa) = if gemma {
-            for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
-                if c.get(key).is_some() {
-                    return Err(unsupported(format!(
-                        "{key} (Gemma 3 without soft-capping only)"
-                    )));
+        let rope = RopeParams::read(&c)?;
+        let rope_base = rope.theta.unwrap_or(if arch == Arch::Gemma3 {
+            1_000_000.0
+        } else {
+            10_000.0
+        }) as f32;
+        let max_pos = c.opt_usize("max_position_embeddings")?;
+        let rope_scaling = hf_rope_scaling(&rope, n_rot, rope_base, max_pos)?;
+        let moe = match model_type.as_str() {
+            "qwen3_moe" => {
+                if c.opt_usize("decoder_sparse_step")?.unwrap_or(1) != 1 {
+                    return Err(unsupported("decoder_sparse_step other than 1"));
                 }
+                if c.get("mlp_only_layers")
+                    .and_then(Value::as_array)
+                    .is_some_and(|a| !a.is_empty())
+                {
+                    return Err(unsupported(
+                        "mlp_only_layers (dense layers in a qwen3_moe model)",
+                    ));
+                }
+                Some(MoeConfig {
+                    // transformers 5 writes num_local_experts, the published checkpoints
+                    // num_experts.
+                    n_expert: match c.opt_usize("num_experts")? {
+                        Some(n) => n,
+                        None => c.usize("num_local_experts")?,
+                    },
+                    n_expert_used: c.usize("num_experts_per_tok")?,
+                    n_ff_exp: c.usize("moe_intermediate_size")?,
+                    norm: c.opt_bool("norm_topk_prob")?.unwrap_or(false),
+                })
             }
+            "mixtral" => Some(MoeConfig {
+                n_expert: c.usize("num_local_experts")?,
+                n_expert_used: c.usize("num_experts_per_tok")?,
+                n_ff_exp: c.usize("intermediate_size")?,
+                norm: true,
+            }),
+            _ => None,
+        };
+
+        let softcap = |key: &str| -> Result<Option<f32>> {
+            match c.opt_f64(key)? {
+                None | Some(0.0) => Ok(None),
+                Some(v) if v.is_finite() && v > 0.0 => Ok(Some(v as f32)),
+                Some(v) => Err(bad(format!("{key} must be positive, found {v}"))),
+            }
+        };
+        let (attn_softcap, final_softcap) = if gemma {
+            (
+                softcap("attn_logit_softcapping")?,
+                softcap("final_logit_softcapping")?,
+            )
+        } else {
+            (None, None)
+        };
+        let mut attn_scale = 1.0 / (head_dim as f32).sqrt();
+        let (sliding_window, swa_pattern, rope_base_swa) = if gemma {
             if c.opt_bool("use_bidirectional_attention")?.unwrap_or(false) {
                 return Err(unsupported("use_bidirectional_attention = true"));
             }
             let qpas = c
                 .opt_f64("query_pre_attn_scalar")?
                 .unwrap_or(head_dim as f64);
-            if qpas != head_dim as f64 {
-                return Err(unsupported(format!(
-                    "query_pre_attn_scalar {qpas} differs from head_dim {head_dim}"
-                )));
+            if !(qpas.is_finite() && qpas > 0.0) {
+                return Err(bad(format!("query_pre_attn_scalar {qpas}")));
             }
+            attn_scale = 1.0 / (qpas as f32).sqrt();
             let n_layer = c.usize("num_hidden_layers")?;
-            let pattern = gemma_swa_pattern(&c, n_layer)?;
+            let default_pattern = if arch == Arch::Gemma2 { 2 } else { 6 };
+            let pattern = gemma_swa_pattern(&c, n_layer, default_pattern)?;
             let window = c.opt_usize("sliding_window")?.unwrap_or(4096);
-            let base = c.opt_f64("rope_local_base_freq")?.unwrap_or(10_000.0) as f32;
+            let base = if arch == Arch::Gemma3 {
+                rope.local_theta.unwrap_or(10_000.0) as f32
+            } else {
+                rope_base
+            };
             (Some(window), pattern, base)
         } else {
-            if arch == Arch::Qwen2 && c.opt_bool("use_sliding_window")?.unwrap_or(false) {
-                return Err(unsupported("use_sliding_window = true for qwen2"));
+            if c.opt_bool("use_sliding_window")?.unwrap_or(false) {
+                return Err(unsupported(format!(
+                    "use_sliding_window = true for {model_type}"
+                )));
             }
-            // Mistral's sliding_window is ignored, as llama.cpp does for the llama architecture.
-            (None, 1, 10_000.0)
+            // Mistral v0.1's window holds on every layer (transformers applies it; later Mistral
+            // and Llama configs set it null). Qwen's sliding_window is inert without
+            // use_sliding_window.
+            let window = match model_type.as_str() {
+                "mistral" | "mixtral" | "phi3" => c.opt_usize("sliding_window")?.filter(|&w| w > 0),
+                _ => None,
+            };
+            (window, 1, rope_base)
         };
 
         let config = Config {
@@ -255,16 +475,17 @@ impl HfConfig {
             } else {
                 RopeStyle::Neox
             },
-            rope_base: c.opt_f64("rope_theta")?.unwrap_or(if gemma {
-                1_000_000.0
-            } else {
-                10_000.0
-            }) as f32,
+            rope_base,
+            rope_scaling,
             rope_base_swa,
             rms_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
-            n_ctx_train: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            n_ctx_train: max_pos.unwrap_or(4096),
             sliding_window,
             swa_pattern,
+            moe,
+            attn_scale,
+            attn_softcap,
+            final_softcap,
         };
         config.validate()?;
         let tie_word_embeddings = match c.opt_bool("tie_word_embeddings")? {
@@ -283,9 +504,10 @@ impl HfConfig {
     }
 }
 
-/// Gemma 3's local/global layer pattern: from `layer_types` (it must be periodic with the global
-/// layer last), else `sliding_window_pattern` / `_sliding_window_pattern`, else 6.
-fn gemma_swa_pattern(c: &Obj, n_layer: usize) -> Result<usize> {
+/// Gemma's local/global layer pattern: from `layer_types` (it must be periodic with the global
+/// layer last), else `sliding_window_pattern` / `_sliding_window_pattern`, else `default` (6 for
+/// Gemma 3, 2 for Gemma 2).
+fn gemma_swa_pattern(c: &Obj, n_layer: usize, default: usize) -> Result<usize> {
     if let Some(types) = c.get("layer_types") {
         let types = types
             .as_array()
@@ -318,7 +540,7 @@ fn gemma_swa_pattern(c: &Obj, n_layer: usize) -> Result<usize> {
         Some(p) => Some(p),
         None => c.opt_usize("_sliding_window_pattern")?,
     };
-    Ok(p.unwrap_or(6).max(1))
+    Ok(p.unwrap_or(default).max(1))
 }
 
 impl Config {
@@ -333,6 +555,14 @@ impl Config {
             Arch::Llama => ("llama", "LlamaForCausalLM"),
             Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
             Arch::Gemma3 => ("gemma3_text", "Gemma3ForCausalLM"),
+            Arch::Gemma2 => ("gemma2", "Gemma2ForCausalLM"),
+            Arch::Phi3 => ("phi3", "Phi3ForCausalLM"),
+            Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+            Arch::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
+        };
+        let (model_type, architecture) = match (self.arch, self.moe) {
+            (Arch::Llama, Some(_)) => ("mixtral", "MixtralForCausalLM"),
+            _ => (model_type, architecture),
         };
         let mut v = json!({
             "architectures": [architecture],
@@ -358,12 +588,21 @@ impl Config {
             );
         }
         match self.arch {
-            Arch::Llama | Arch::Qwen2 => {
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 => {
                 m.insert("hidden_act".into(), json!("silu"));
             }
-            Arch::Gemma3 => {
+            Arch::Gemma2 | Arch::Gemma3 => {
                 m.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
-                m.insert("query_pre_attn_scalar".into(), json!(self.head_dim));
+                m.insert(
+                    "query_pre_attn_scalar".into(),
+                    json!((1.0 / (self.attn_scale as f64 * self.attn_scale as f64)).round()),
+                );
+                if let Some(c) = self.attn_softcap {
+                    m.insert("attn_logit_softcapping".into(), json!(c as f64));
+                }
+                if let Some(c) = self.final_softcap {
+                    m.insert("final_logit_softcapping".into(), json!(c as f64));
+                }
                 m.insert(
                     "rope_local_base_freq".into(),
                     json!(self.rope_base_swa as f64),
@@ -371,6 +610,16 @@ impl Config {
                 m.insert("sliding_window".into(), json!(self.sliding_window));
                 m.insert("sliding_window_pattern".into(), json!(self.swa_pattern));
             }
+        }
+        if let Some(moe) = &self.moe {
+            if self.arch == Arch::Qwen3Moe {
+                m.insert("num_experts".into(), json!(moe.n_expert));
+                m.insert("moe_intermediate_size".into(), json!(moe.n_ff_exp));
+                m.insert("norm_topk_prob".into(), json!(moe.norm));
+            } else {
+                m.insert("num_local_experts".into(), json!(moe.n_expert));
+            }
+            m.insert("num_experts_per_tok".into(), json!(moe.n_expert_used));
         }
         v
     }
@@ -461,18 +710,31 @@ mod tests {
         assert!(err(&SMOL.replace("\"hidden_size\": 576,", "")).contains("missing hidden_size"));
         assert!(err(&SMOL.replace("576", "\"576\"")).contains("hidden_size must be"));
         assert!(err(&SMOL.replace("\"silu\"", "\"gelu\"")).contains("hidden_act 'gelu'"));
-        let scaled = SMOL.replace(
-            "\"rope_scaling\": null",
-            r#""rope_scaling": {"type": "linear", "factor": 2}"#,
-        );
-        assert!(err(&scaled).contains("rope_scaling type 'linear'"));
-        // Llama 3.1's frequency factors change every position: refused, not run unscaled.
-        let llama3 = SMOL.replace(
-            "\"rope_scaling\": null",
-            r#""rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        let with =
+            |rs: &str| SMOL.replace("\"rope_scaling\": null", &format!("\"rope_scaling\": {rs}"));
+        // Scalings that are implemented load; the rest are refused, not run unscaled.
+        let linear = Config::from_hf(&with(r#"{"type": "linear", "factor": 2}"#)).unwrap();
+        assert_eq!(linear.rope_scaling.freq_scale, 0.5);
+        let llama3 = Config::from_hf(&with(
+            r#"{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#,
-        );
-        assert!(err(&llama3).contains("rope_scaling type 'llama3'"));
+        ))
+        .unwrap();
+        let ff = llama3.rope_scaling.freq_factors.expect("llama3 factors");
+        assert_eq!((ff.len(), ff[0], ff[31]), (32, 1.0, 8.0));
+        let yarn = Config::from_hf(&with(
+            r#"{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}"#,
+        ))
+        .unwrap();
+        assert_eq!(yarn.rope_scaling.freq_scale, 0.25);
+        assert_eq!(yarn.rope_scaling.yarn.unwrap().n_ctx_orig, 32768);
+        assert!(err(&with(r#"{"rope_type": "longrope", "factor": 4.0}"#))
+            .contains("rope_scaling type 'longrope'"));
+        assert!(err(&with(
+            r#"{"rope_type": "yarn", "factor": 4.0, "mscale": 0.7}"#
+        ))
+        .contains("mscale"));
+        assert!(err(&with(r#"{"rope_type": "linear"}"#)).contains("without a factor"));
         assert!(
             err(&SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4"))
                 .contains("KV heads")

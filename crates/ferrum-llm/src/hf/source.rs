@@ -33,8 +33,10 @@ pub fn hf_tensor_name(arch: Arch, gguf: &str) -> Option<String> {
     let (layer, rest) = rest.split_once('.')?;
     layer.parse::<usize>().ok()?;
     let (part, suffix) = rest.rsplit_once('.')?;
-    let gemma = arch == Arch::Gemma3;
+    let gemma = arch.is_gemma();
     let hf = match part {
+        "attn_qkv" => "self_attn.qkv_proj",
+        "ffn_up" if arch == Arch::Phi3 => "mlp.gate_up_proj",
         "attn_q" => "self_attn.q_proj",
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
@@ -44,14 +46,40 @@ pub fn hf_tensor_name(arch: Arch, gguf: &str) -> Option<String> {
         "ffn_norm" => "post_attention_layernorm",
         "post_attention_norm" if gemma => "post_attention_layernorm",
         "post_ffw_norm" if gemma => "post_feedforward_layernorm",
-        "attn_q_norm" if gemma => "self_attn.q_norm",
-        "attn_k_norm" if gemma => "self_attn.k_norm",
+        "attn_q_norm" if arch.has_qk_norm() => "self_attn.q_norm",
+        "attn_k_norm" if arch.has_qk_norm() => "self_attn.k_norm",
+        "ffn_gate_inp" if arch == Arch::Qwen3Moe => "mlp.gate",
+        "ffn_gate_inp" if arch == Arch::Llama => "block_sparse_moe.gate",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// The HF names (without any multimodal prefix) of the experts a GGUF expert tensor stacks
+/// (`blk.N.ffn_gate_exps.weight` -> `model.layers.N.mlp.experts.E.gate_proj.weight`, E in
+/// 0..n_expert), in the per-expert layout checkpoints are published in.
+pub fn hf_expert_names(arch: Arch, gguf: &str, n_expert: usize) -> Option<Vec<String>> {
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    layer.parse::<usize>().ok()?;
+    let (part, suffix) = rest.rsplit_once('.')?;
+    let (block, proj) = match (arch, part) {
+        (Arch::Qwen3Moe, "ffn_gate_exps") => ("mlp", "gate_proj"),
+        (Arch::Qwen3Moe, "ffn_up_exps") => ("mlp", "up_proj"),
+        (Arch::Qwen3Moe, "ffn_down_exps") => ("mlp", "down_proj"),
+        (Arch::Llama, "ffn_gate_exps") => ("block_sparse_moe", "w1"),
+        (Arch::Llama, "ffn_up_exps") => ("block_sparse_moe", "w3"),
+        (Arch::Llama, "ffn_down_exps") => ("block_sparse_moe", "w2"),
+        _ => return None,
+    };
+    Some(
+        (0..n_expert)
+            .map(|e| format!("model.layers.{layer}.{block}.experts.{e}.{proj}.{suffix}"))
+            .collect(),
+    )
 }
 
 /// Reorders the rows of a Q or K projection (`n_head` heads of `head_dim` rows, `row_bytes` each)
@@ -80,6 +108,8 @@ pub struct HfSource {
     n_head_kv: usize,
     head_dim: usize,
     tied: bool,
+    /// Experts per mixture-of-experts layer (0: none).
+    n_expert: usize,
     /// Prefix of the language model's `model.*` tensors (`model.`, `language_model.model.`, ...).
     body: String,
     /// Where the LM head lives (`lm_head.weight` or `language_model.lm_head.weight`).
@@ -193,6 +223,7 @@ impl HfSource {
             n_head_kv: c.n_head_kv,
             head_dim: c.head_dim,
             tied: cfg.tie_word_embeddings,
+            n_expert: c.moe.map_or(0, |m| m.n_expert),
             body,
             lm_head,
         })
@@ -222,11 +253,77 @@ impl HfSource {
     }
 }
 
+impl HfSource {
+    /// The experts of a GGUF expert tensor, each a 2-d HF tensor, stacked into one
+    /// [n_in, n_out, n_expert] tensor (a copy).
+    fn stacked_experts(&self, name: &str, names: &[String]) -> Result<Option<RawTensor>> {
+        let mut data = Vec::new();
+        let mut first: Option<(DType, Vec<usize>)> = None;
+        for n in names {
+            let full = match n.strip_prefix("model.") {
+                Some(rest) => format!("{}{rest}", self.body),
+                None => n.clone(),
+            };
+            let Some(t) = self.plain(&full, name)? else {
+                return Err(Error::msg(format!(
+                    "safetensors weights have no tensor '{full}' (an expert of GGUF {name}; \
+                     checkpoints with fused expert tensors are not supported)"
+                )));
+            };
+            match &first {
+                None => first = Some((t.dtype, t.dims.clone())),
+                Some((dt, dims)) if *dt == t.dtype && *dims == t.dims => {}
+                Some((dt, dims)) => {
+                    return Err(Error::Shape(format!(
+                        "expert '{full}' is {} {:?}, its first sibling {dt} {dims:?}",
+                        t.dtype, t.dims
+                    )))
+                }
+            }
+            data.extend_from_slice(&t.data);
+        }
+        let Some((dtype, mut dims)) = first else {
+            return Ok(None);
+        };
+        dims.push(names.len());
+        Ok(Some(RawTensor {
+            dtype,
+            dims,
+            data: Bytes::from_vec(data),
+        }))
+    }
+
+    /// The HF tensor `hf` (serving GGUF `name`) with no layout change; None if absent.
+    fn plain(&self, hf: &str, name: &str) -> Result<Option<RawTensor>> {
+        let Some((file, e)) = self.entry(hf) else {
+            return Ok(None);
+        };
+        let dtype = e.ferrum_dtype().ok_or_else(|| {
+            Error::Unsupported(format!(
+                "tensor '{hf}' (GGUF {name}) in {} has dtype {} (only F32, F16 and BF16 weights load)",
+                file.path().display(),
+                e.dtype
+            ))
+        })?;
+        Ok(Some(RawTensor {
+            dtype,
+            dims: e.shape.iter().rev().copied().collect(),
+            data: file.data(e)?,
+        }))
+    }
+}
+
 impl TensorSource for HfSource {
     fn tensor(&self, name: &str) -> Result<Option<RawTensor>> {
+        if let Some(names) = hf_expert_names(self.arch, name, self.n_expert) {
+            return self.stacked_experts(name, &names);
+        }
         let Some(hf) = self.hf_name(name) else {
             return Ok(None);
         };
+        if name.ends_with("ffn_gate_inp.weight") && self.entry(&hf).is_none() {
+            return Ok(None); // a dense layer
+        }
         if name == "output.weight" && self.tied {
             return Ok(None); // HF ties the head to the embedding even when lm_head is saved
         }
@@ -251,7 +348,7 @@ impl TensorSource for HfSource {
         let mut dims: Vec<usize> = e.shape.iter().rev().copied().collect();
         let mut data = file.data(e)?;
         let is_norm = name.ends_with("norm.weight");
-        if self.arch == Arch::Gemma3 && is_norm {
+        if self.arch.is_gemma() && is_norm {
             let mut v = vec![0f32; e.shape.iter().product()];
             quant::dequantize_row(dtype, &data, &mut v);
             let bytes: Vec<u8> = v.iter().flat_map(|w| (1.0 + w).to_le_bytes()).collect();

@@ -2,7 +2,7 @@
 
 use ferrum_core::{Error, Result};
 use ferrum_gguf::GgufFile;
-use ferrum_kernels::ops::RopeStyle;
+use ferrum_kernels::ops::{RopeScaling, RopeStyle, Yarn};
 
 /// The architectures ferrum runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -13,7 +13,21 @@ pub enum Arch {
     Qwen2,
     /// Gemma 3: embedding scaling, Q/K norms, post-norms, GeGLU, interleaved sliding-window layers.
     Gemma3,
+    /// Gemma 2: Gemma 3 without Q/K norms, with attention and final logit soft-capping and every
+    /// other layer local.
+    Gemma2,
+    /// Qwen3: Llama with per-head RMSNorm of Q and K before RoPE, NeoX RoPE, no biases.
+    Qwen3,
+    /// Qwen3-MoE: Qwen3 whose feed-forward blocks are mixtures of experts.
+    Qwen3Moe,
+    /// Phi-3: Llama with Q/K/V fused in one matrix and gate/up in another, NeoX RoPE.
+    Phi3,
 }
+
+/// Every architecture ferrum runs, by its GGUF name.
+pub const ARCHITECTURES: [&str; 7] = [
+    "llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3",
+];
 
 impl Arch {
     pub fn from_name(name: &str) -> Result<Arch> {
@@ -21,8 +35,13 @@ impl Arch {
             "llama" => Ok(Arch::Llama),
             "qwen2" => Ok(Arch::Qwen2),
             "gemma3" => Ok(Arch::Gemma3),
+            "gemma2" => Ok(Arch::Gemma2),
+            "phi3" => Ok(Arch::Phi3),
+            "qwen3" => Ok(Arch::Qwen3),
+            "qwen3moe" => Ok(Arch::Qwen3Moe),
             other => Err(Error::Unsupported(format!(
-                "architecture '{other}' (supported: llama, qwen2, gemma3)"
+                "architecture '{other}' (supported: {})",
+                ARCHITECTURES.join(", ")
             ))),
         }
     }
@@ -32,8 +51,35 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Gemma3 => "gemma3",
+            Arch::Gemma2 => "gemma2",
+            Arch::Phi3 => "phi3",
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
+
+    /// Gemma 2 and 3: embedding scaling, post-norms, GeGLU, norm weights stored as 1 + w.
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Arch::Gemma2 | Arch::Gemma3)
+    }
+
+    /// Whether Q and K get a per-head RMSNorm before RoPE.
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe)
+    }
+}
+
+/// A mixture-of-experts feed-forward block (Shazeer et al. 2017; Mixtral, Qwen3-MoE): a router
+/// scores every expert per token, the `n_expert_used` best run, and their outputs are summed
+/// weighted by the router's softmax probabilities (renormalised over the chosen ones if `norm`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeConfig {
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    /// Hidden size of one expert.
+    pub n_ff_exp: usize,
+    /// Whether the chosen experts' weights are renormalised to sum to 1.
+    pub norm: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -50,6 +96,8 @@ pub struct Config {
     pub n_rot: usize,
     pub rope_style: RopeStyle,
     pub rope_base: f32,
+    /// Context extension of RoPE (linear, YaRN, per-pair frequency factors); identity if none.
+    pub rope_scaling: RopeScaling,
     /// RoPE base of sliding-window layers (Gemma 3: 10 000).
     pub rope_base_swa: f32,
     pub rms_eps: f32,
@@ -57,7 +105,16 @@ pub struct Config {
     /// Sliding-window size of local layers, if the model has them.
     pub sliding_window: Option<usize>,
     /// Every `swa_pattern`-th layer (il % pattern == pattern-1) is global; the rest are local.
+    /// 1: every layer is local (Mistral-style sliding window).
     pub swa_pattern: usize,
+    /// The mixture of experts, for models whose feed-forward blocks are one.
+    pub moe: Option<MoeConfig>,
+    /// Multiplies q.k: 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar).
+    pub attn_scale: f32,
+    /// Gemma 2: attention scores become cap * tanh(score / cap).
+    pub attn_softcap: Option<f32>,
+    /// Gemma 2: logits become cap * tanh(logit / cap).
+    pub final_softcap: Option<f32>,
 }
 
 impl Config {
@@ -72,8 +129,7 @@ impl Config {
     /// Whether layer `il` attends through the sliding window.
     pub fn is_swa_layer(&self, il: usize) -> bool {
         self.sliding_window.is_some()
-            && self.swa_pattern > 1
-            && il % self.swa_pattern < self.swa_pattern - 1
+            && (self.swa_pattern <= 1 || il % self.swa_pattern < self.swa_pattern - 1)
     }
 
     pub fn from_gguf(f: &GgufFile) -> Result<Config> {
@@ -108,52 +164,82 @@ impl Config {
                     Error::msg("GGUF metadata: no vocab_size and no tokenizer.ggml.tokens")
                 })?,
         };
-        // RoPE scaling changes every position's rotation; until it is implemented, a model that
-        // asks for it is refused rather than run unscaled (silently wrong).
-        let scaling = f
-            .get(&key("rope.scaling.type"))
-            .and_then(|v| v.as_str())
-            .unwrap_or("none");
-        let factor = get_f("rope.scaling.factor").unwrap_or(1.0);
-        if scaling != "none" && factor != 1.0 {
-            return Err(Error::msg(format!(
-                "RoPE scaling '{scaling}' (factor {factor}) is not supported yet; refusing to run \
-                 the model with unscaled positions"
-            )));
-        }
-        if f.tensor("rope_freqs.weight").is_some() {
-            return Err(Error::msg(
-                "the model has per-dimension RoPE frequency factors (rope_freqs.weight: Llama 3.1+ \
-                 or long-context RoPE), which are not supported yet; refusing to run it with \
-                 unscaled positions",
-            ));
-        }
+        let rope_scaling = gguf_rope_scaling(f, arch_name, n_rot)?;
         let (rope_style, default_eps) = match arch {
             Arch::Llama => (RopeStyle::Norm, 1e-5),
             Arch::Qwen2 => (RopeStyle::Neox, 1e-6),
-            Arch::Gemma3 => (RopeStyle::Neox, 1e-6),
+            Arch::Gemma2 | Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe => (RopeStyle::Neox, 1e-6),
+            Arch::Phi3 => (RopeStyle::Neox, 1e-5),
         };
+        let n_layer = need_u("block_count")?;
+        // Queries are scaled by 1/sqrt(head_dim), except that llama.cpp scales Gemma 2 27B's (46
+        // layers) by 1/sqrt(n_embd / n_head), its query_pre_attn_scalar.
+        let attn_scale = if arch == Arch::Gemma2 && n_layer == 46 {
+            1.0 / ((n_embd / n_head) as f32).sqrt()
+        } else {
+            1.0 / (head_dim as f32).sqrt()
+        };
+        let moe = match get_u("expert_count").unwrap_or(0) {
+            0 => None,
+            n_expert => Some(MoeConfig {
+                n_expert,
+                n_expert_used: need_u("expert_used_count")?,
+                n_ff_exp: match get_u("expert_feed_forward_length") {
+                    Some(n) => n,
+                    None => need_u("feed_forward_length")?,
+                },
+                // llama.cpp renormalises the chosen experts' weights for llama (Mixtral) and
+                // qwen3moe alike.
+                norm: true,
+            }),
+        };
+        if arch == Arch::Qwen3Moe && moe.is_none() {
+            return Err(Error::msg(
+                "GGUF metadata: qwen3moe without qwen3moe.expert_count",
+            ));
+        }
+        // Gemma's local layers; Llama-architecture files (Mistral) that name a window attend
+        // through it on every layer. (Qwen files may carry an inert one: ignored, as llama.cpp.)
         let sliding_window = match arch {
-            Arch::Gemma3 => get_u("attention.sliding_window"),
+            Arch::Gemma2 | Arch::Gemma3 | Arch::Llama | Arch::Phi3 => {
+                get_u("attention.sliding_window").filter(|&w| w > 0)
+            }
             _ => None,
         };
         let cfg = Config {
             arch,
             n_vocab,
             n_embd,
-            n_layer: need_u("block_count")?,
-            n_ff: need_u("feed_forward_length")?,
+            n_layer,
+            n_ff: match (get_u("feed_forward_length"), &moe) {
+                (Some(n), _) => n,
+                (None, Some(m)) => m.n_ff_exp,
+                (None, None) => need_u("feed_forward_length")?,
+            },
             n_head,
             n_head_kv,
             head_dim,
             n_rot,
             rope_style,
             rope_base: get_f("rope.freq_base").unwrap_or(10000.0),
-            rope_base_swa: 10000.0,
+            rope_scaling,
+            rope_base_swa: if arch == Arch::Gemma3 {
+                get_f("rope.freq_base_swa").unwrap_or(10000.0)
+            } else {
+                get_f("rope.freq_base").unwrap_or(10000.0)
+            },
             rms_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(default_eps),
             n_ctx_train: get_u("context_length").unwrap_or(4096),
             sliding_window,
-            swa_pattern: if arch == Arch::Gemma3 { 6 } else { 1 },
+            swa_pattern: match arch {
+                Arch::Gemma3 => 6,
+                Arch::Gemma2 => 2,
+                _ => 1,
+            },
+            attn_scale,
+            attn_softcap: get_f("attn_logit_softcapping").filter(|&c| c != 0.0),
+            final_softcap: get_f("final_logit_softcapping").filter(|&c| c != 0.0),
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -177,9 +263,105 @@ impl Config {
         if self.arch == Arch::Llama && self.n_rot != self.head_dim {
             return bad("llama requires rope.dimension_count == head dim".into());
         }
+        if let Some(m) = &self.moe {
+            if m.n_expert_used == 0 || m.n_expert_used > m.n_expert || m.n_ff_exp == 0 {
+                return bad(format!(
+                    "{} of {} experts per token with expert size {}",
+                    m.n_expert_used, m.n_expert, m.n_ff_exp
+                ));
+            }
+        }
+        if let Some(ff) = &self.rope_scaling.freq_factors {
+            if ff.len() != self.n_rot / 2 || ff.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+                return bad(format!(
+                    "{} RoPE frequency factors for {} rotated dims (need n_rot/2 positive ones)",
+                    ff.len(),
+                    self.n_rot
+                ));
+            }
+        }
+        let fs = self.rope_scaling.freq_scale;
+        if !(fs.is_finite() && fs > 0.0) {
+            return bad(format!("RoPE frequency scale {fs}"));
+        }
         if self.n_layer == 0 || self.n_ff == 0 || self.n_vocab == 0 || self.head_dim == 0 {
             return bad("zero layers, feed-forward size, vocabulary or head dim".into());
         }
         Ok(())
     }
+}
+
+/// RoPE context extension from GGUF metadata, read as llama.cpp reads it: `rope.scaling.type`
+/// (`none`, `linear`, `yarn`), the factor from `rope.scale_linear` or `rope.scaling.factor`
+/// (freq_scale = 1/factor), YaRN's `rope.scaling.original_context_length`, `attn_factor` and
+/// `yarn_beta_fast`/`yarn_beta_slow` (32 and 1 by default), and per-pair frequency factors from
+/// the `rope_freqs.weight` tensor (Llama 3.1+).
+fn gguf_rope_scaling(f: &GgufFile, arch: &str, n_rot: usize) -> Result<RopeScaling> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let get_f = |k: &str| -> Option<f32> { f.get(&key(k)).and_then(|v| v.as_f32()) };
+    let kind = f
+        .get(&key("rope.scaling.type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("none");
+    let factor = get_f("rope.scale_linear")
+        .or_else(|| get_f("rope.scaling.factor"))
+        .unwrap_or(0.0);
+    let freq_scale = if factor == 0.0 { 1.0 } else { 1.0 / factor };
+    let mut scaling = RopeScaling {
+        freq_scale,
+        ..RopeScaling::default()
+    };
+    match kind {
+        "none" | "linear" => {}
+        "yarn" => {
+            let n_ctx_orig = f
+                .get(&key("rope.scaling.original_context_length"))
+                .and_then(|v| v.as_u64())
+                .or_else(|| f.get(&key("context_length")).and_then(|v| v.as_u64()))
+                .unwrap_or(0) as usize;
+            if n_ctx_orig == 0 {
+                return Err(Error::msg(
+                    "GGUF metadata: YaRN RoPE scaling without an original context length",
+                ));
+            }
+            scaling.yarn = Some(Yarn {
+                ext_factor: get_f("rope.scaling.yarn_ext_factor").unwrap_or(1.0),
+                attn_factor: get_f("rope.scaling.attn_factor").unwrap_or(1.0),
+                n_ctx_orig,
+                beta_fast: get_f("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
+                beta_slow: get_f("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
+            });
+        }
+        other => {
+            return Err(Error::Unsupported(format!(
+                "RoPE scaling '{other}' (supported: none, linear, yarn, and rope_freqs factors)"
+            )))
+        }
+    }
+    if f.tensor("rope_factors_long.weight").is_some()
+        || f.tensor("rope_factors_short.weight").is_some()
+    {
+        return Err(Error::Unsupported(
+            "LongRoPE (rope_factors_long/short.weight: Phi-3.5, Phi-4-mini) is not implemented \
+             yet; refusing to run the model with unscaled positions"
+                .into(),
+        ));
+    }
+    if let Some(t) = f.tensor("rope_freqs.weight") {
+        if t.dtype != ferrum_core::DType::F32 || t.dims != [(n_rot / 2) as u64] {
+            return Err(Error::msg(format!(
+                "rope_freqs.weight is {} {:?}, expected F32 [{}]",
+                t.dtype,
+                t.dims,
+                n_rot / 2
+            )));
+        }
+        let bytes = f.tensor_data(t);
+        let factors: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        scaling.freq_factors = Some(factors);
+    }
+    Ok(scaling)
 }

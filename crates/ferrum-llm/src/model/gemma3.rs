@@ -1,13 +1,16 @@
-//! Gemma 3 (Gemma Team 2025, "Gemma 3 Technical Report"). References: Hugging Face
-//! `modeling_gemma3.py`, llama.cpp `src/models/gemma3.cpp`.
+//! Gemma 3 (Gemma Team 2025, "Gemma 3 Technical Report") and Gemma 2 (Gemma Team 2024, "Gemma 2:
+//! Improving Open Language Models at a Practical Size"). References: Hugging Face
+//! `modeling_gemma3.py` / `modeling_gemma2.py`, llama.cpp `src/models/gemma3.cpp` / `gemma2.cpp`.
 //!
 //! x = embed(t) * sqrt(n_embd). Per layer (norm weights in GGUF already include Gemma's +1):
 //!   h = RMSNorm(x) * attn_norm
-//!   q, k, v = h Wq, h Wk, h Wv;  q = RMSNorm_head(q) * q_norm;  k = RMSNorm_head(k) * k_norm
-//!   RoPE(q), RoPE(k)   (base 10 000 on sliding-window layers, rope.freq_base on global ones)
-//!   q = q / sqrt(d_head)
+//!   q, k, v = h Wq, h Wk, h Wv
+//!   (Gemma 3) q = RMSNorm_head(q) * q_norm;  k = RMSNorm_head(k) * k_norm
+//!   RoPE(q), RoPE(k)   (Gemma 3: base 10 000 on sliding-window layers, rope.freq_base on global ones)
+//!   q = q / sqrt(query_pre_attn_scalar)     (d_head, except Gemma 2 27B)
 //!   x = x + RMSNorm(Attention(q, k, v) Wo) * post_attention_norm
-//!       (local layers: each query sees the last `sliding_window` positions; every 6th layer is global)
+//!       (Gemma 2: scores soft-capped, s -> cap tanh(s / cap); local layers: each query sees the
+//!       last `sliding_window` positions; every 6th layer (Gemma 3) or every 2nd (Gemma 2) is global)
 //!   h = RMSNorm(x) * ffn_norm
 //!   x = x + RMSNorm((GELU_tanh(h Wg) * (h Wu)) Wd) * post_ffw_norm
 
@@ -21,24 +24,21 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Buf) {
     let e = cfg.n_embd;
     scale(x, (e as f32).sqrt());
     trace("inp_scaled", None, x, e);
-    let q_scale = 1.0 / (hd as f32).sqrt();
+    let q_scale = cfg.attn_scale;
     for (il, l) in w.layers.iter().enumerate() {
         let swa = cfg.is_swa_layer(il);
-        let (Some(q_norm), Some(k_norm), Some(post_attn), Some(post_ffw)) = (
-            &l.attn_q_norm,
-            &l.attn_k_norm,
-            &l.post_attention_norm,
-            &l.post_ffw_norm,
-        ) else {
-            unreachable!("Weights::load requires Gemma 3's norms");
+        let (Some(post_attn), Some(post_ffw)) = (&l.post_attention_norm, &l.post_ffw_norm) else {
+            unreachable!("Weights::load requires Gemma's post-norms");
         };
         let h = rms_norm(x, &l.attn_norm, eps);
         trace("attn_norm", Some(il), &h, e);
         let mut q = l.attn_q.forward(&h, &s.segs); // [T, n_head * head_dim]
         let mut k = l.attn_k.forward(&h, &s.segs); // [T, n_head_kv * head_dim]
         let v = l.attn_v.forward(&h, &s.segs); // [T, n_head_kv * head_dim]
-        rms_norm_inplace(&mut q, q_norm, eps); // per head: rows of head_dim
-        rms_norm_inplace(&mut k, k_norm, eps);
+        if let (Some(q_norm), Some(k_norm)) = (&l.attn_q_norm, &l.attn_k_norm) {
+            rms_norm_inplace(&mut q, q_norm, eps); // per head: rows of head_dim
+            rms_norm_inplace(&mut k, k_norm, eps);
+        }
         let r = match (&s.rope_swa, swa) {
             (Some(r), true) => r,
             _ => &s.rope,
@@ -61,10 +61,11 @@ pub fn forward(w: &Weights, s: &mut Step, x: &mut Buf) {
 
         let h = rms_norm(x, &l.ffn_norm, eps);
         trace("ffn_norm", Some(il), &h, e);
-        let mut g = l.ffn_gate.forward(&h, &s.segs); // [T, n_ff]
-        geglu(&mut g, &l.ffn_up.forward(&h, &s.segs));
+        let mlp = l.mlp();
+        let mut g = mlp.gate.forward(&h, &s.segs); // [T, n_ff]
+        geglu(&mut g, &mlp.up.forward(&h, &s.segs));
         trace("ffn_geglu", Some(il), &g, cfg.n_ff);
-        let f = rms_norm(&l.ffn_down.forward(&g, &s.segs), post_ffw, eps);
+        let f = rms_norm(&mlp.down.forward(&g, &s.segs), post_ffw, eps);
         trace("ffn_post_norm", Some(il), &f, e);
         add(x, &f);
         trace("l_out", Some(il), x, e);

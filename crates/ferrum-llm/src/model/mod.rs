@@ -1,10 +1,13 @@
-//! Decoder-only transformers. One file per architecture ([`llama`], [`gemma3`]) holds its block as
-//! the paper writes it; the pieces they share (projections, RoPE, cached attention) live here.
+//! Decoder-only transformers. One file per family holds its block as the paper writes it:
+//! [`llama`] (Llama 1-3 with RoPE scaling, Mistral with its sliding window, Mixtral, Qwen2, Qwen3,
+//! Qwen3-MoE, Phi-3) and [`gemma3`] (Gemma 2 and 3); [`moe`] is the mixture-of-experts block they
+//! share. The pieces every family uses (projections, RoPE, cached attention) live here.
 
 pub mod config;
 pub mod gemma3;
 pub mod kv_cache;
 pub mod llama;
+pub mod moe;
 pub mod weights;
 
 use ferrum_core::{Buf, Error, Result};
@@ -13,9 +16,9 @@ use ferrum_kernels::ops::{self, RopeCache};
 use ferrum_kernels::profile;
 use smallvec::SmallVec;
 
-pub use config::{Arch, Config};
+pub use config::{Arch, Config, MoeConfig};
 pub use kv_cache::{KvCache, KvPool};
-pub use weights::{Linear, RawTensor, TensorSource, Weights};
+pub use weights::{Ffn, Linear, Mlp, Moe, RawTensor, TensorSource, Weights};
 
 /// Which positions of a forward pass need logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,6 +153,7 @@ impl Step<'_> {
             head_dim: cfg.head_dim,
             scale,
             window,
+            softcap: cfg.attn_softcap,
         };
         let mut out = Buf::zeros(q.len());
         // Keys each query reads, for the FLOP and byte counts.
@@ -263,6 +267,22 @@ pub fn geglu(g: &mut [f32], u: &[f32]) {
     profile::record("geglu", "ffn_act", 10.0 * n, 12.0 * n, || ops::geglu(g, u))
 }
 
+/// The SwiGLU feed-forward block of `h` ([T, n_embd]): dense, `down(SiLU(gate h) * up h)`, or a
+/// mixture of such experts.
+pub fn feed_forward_swiglu(ffn: &Ffn, cfg: &Config, h: &[f32], segs: &[usize]) -> Buf {
+    match ffn {
+        Ffn::Dense(m) => {
+            let mut g = m.gate.forward(h, segs); // [T, n_ff]
+            swiglu(&mut g, &m.up.forward(h, segs));
+            m.down.forward(&g, segs)
+        }
+        Ffn::Moe(moe) => {
+            let mc = cfg.moe.expect("a mixture of experts has its config");
+            moe::forward(moe, &mc, h, cfg.n_embd, segs)
+        }
+    }
+}
+
 impl Model {
     pub fn new(config: Config, weights: Weights) -> Self {
         Self { config, weights }
@@ -344,9 +364,17 @@ impl Model {
         let positions: PerRow<usize> = seqs()
             .flat_map(|s| s.start..s.start + s.tokens.len())
             .collect();
-        let rope = RopeCache::new(&positions, cfg.n_rot, cfg.rope_base, cfg.rope_style);
-        let rope_swa = (cfg.sliding_window.is_some() && cfg.rope_base_swa != cfg.rope_base)
-            .then(|| RopeCache::new(&positions, cfg.n_rot, cfg.rope_base_swa, cfg.rope_style));
+        let rope = RopeCache::scaled(
+            &positions,
+            cfg.n_rot,
+            cfg.rope_base,
+            cfg.rope_style,
+            &cfg.rope_scaling,
+        );
+        // Sliding-window layers rotate unscaled, with their own base (as llama.cpp's Gemma 3).
+        let rope_swa = (cfg.sliding_window.is_some()
+            && (cfg.rope_base_swa != cfg.rope_base || !cfg.rope_scaling.is_identity()))
+        .then(|| RopeCache::new(&positions, cfg.n_rot, cfg.rope_base_swa, cfg.rope_style));
         let lens: PerSeq<usize> = seqs().map(|s| s.tokens.len()).collect();
         let out_first: PerSeq<Option<usize>> = seqs()
             .map(|s| {
@@ -383,8 +411,10 @@ impl Model {
         });
 
         match cfg.arch {
-            Arch::Llama | Arch::Qwen2 => llama::forward(&self.weights, &mut step, &mut x),
-            Arch::Gemma3 => gemma3::forward(&self.weights, &mut step, &mut x),
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 => {
+                llama::forward(&self.weights, &mut step, &mut x)
+            }
+            Arch::Gemma2 | Arch::Gemma3 => gemma3::forward(&self.weights, &mut step, &mut x),
         }
 
         // The last layer kept only the rows that need logits, `step.segs` of them per sequence.
@@ -394,7 +424,14 @@ impl Model {
         } else {
             let h = rms_norm(&x, &self.weights.output_norm, cfg.rms_eps);
             trace("result_norm", None, &h, e);
-            let logits = self.weights.output.forward(&h, &step.segs);
+            let mut logits = self.weights.output.forward(&h, &step.segs);
+            if let Some(c) = cfg.final_softcap {
+                // As llama.cpp: scale by 1/cap, tanh, scale by cap.
+                let inv = 1.0 / c;
+                for x in logits.iter_mut() {
+                    *x = (*x * inv).tanh() * c;
+                }
+            }
             trace("result_output", None, &logits, cfg.n_vocab);
             logits
         };

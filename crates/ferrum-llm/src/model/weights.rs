@@ -83,6 +83,29 @@ impl Linear {
     }
 }
 
+/// A gated feed-forward block's three projections (SwiGLU or GeGLU): `down(act(gate x) * up x)`.
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+/// A mixture of experts ([`super::config::MoeConfig`]): the router, `[n_embd] -> [n_expert]`, and
+/// each expert's projections, stored one matrix per expert.
+#[derive(Clone, Debug)]
+pub struct Moe {
+    pub router: Linear,
+    pub experts: Vec<Mlp>,
+}
+
+/// A layer's feed-forward block.
+#[derive(Clone, Debug)]
+pub enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
 /// Per-layer weights; the optional ones belong to some architectures only.
 #[derive(Clone, Debug)]
 pub struct LayerWeights {
@@ -91,17 +114,25 @@ pub struct LayerWeights {
     pub attn_k: Linear,
     pub attn_v: Linear,
     pub attn_output: Linear,
-    /// Gemma 3: per-head RMSNorm weights of Q and K.
+    /// Gemma 3, Qwen3: per-head RMSNorm weights of Q and K.
     pub attn_q_norm: Option<Vec<f32>>,
     pub attn_k_norm: Option<Vec<f32>>,
     /// Gemma 3: norm of the attention output before the residual add.
     pub post_attention_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
-    pub ffn_gate: Linear,
-    pub ffn_up: Linear,
-    pub ffn_down: Linear,
+    pub ffn: Ffn,
     /// Gemma 3: norm of the FFN output before the residual add.
     pub post_ffw_norm: Option<Vec<f32>>,
+}
+
+impl LayerWeights {
+    /// The dense feed-forward block (the architectures without experts always have one).
+    pub fn mlp(&self) -> &Mlp {
+        match &self.ffn {
+            Ffn::Dense(m) => m,
+            Ffn::Moe(_) => unreachable!("Weights::load gives this architecture dense blocks"),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -129,30 +160,40 @@ pub struct LoadReport {
     pub pack_seconds: f64,
 }
 impl LayerWeights {
-    /// The layer's seven projections.
-    pub fn linears(&self) -> [&Linear; 7] {
-        [
-            &self.attn_q,
-            &self.attn_k,
-            &self.attn_v,
-            &self.attn_output,
-            &self.ffn_gate,
-            &self.ffn_up,
-            &self.ffn_down,
-        ]
+    /// Every projection of the layer: attention, then the feed-forward block's (a mixture's
+    /// router, then each expert's gate, up and down).
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut v = vec![&self.attn_q, &self.attn_k, &self.attn_v, &self.attn_output];
+        match &self.ffn {
+            Ffn::Dense(m) => v.extend([&m.gate, &m.up, &m.down]),
+            Ffn::Moe(moe) => {
+                v.push(&moe.router);
+                for m in &moe.experts {
+                    v.extend([&m.gate, &m.up, &m.down]);
+                }
+            }
+        }
+        v
     }
 
-    /// [`LayerWeights::linears`], mutably.
-    pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
-        [
+    /// [`LayerWeights::linears`], mutably and in the same order.
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut v = vec![
             &mut self.attn_q,
             &mut self.attn_k,
             &mut self.attn_v,
             &mut self.attn_output,
-            &mut self.ffn_gate,
-            &mut self.ffn_up,
-            &mut self.ffn_down,
-        ]
+        ];
+        match &mut self.ffn {
+            Ffn::Dense(m) => v.extend([&mut m.gate, &mut m.up, &mut m.down]),
+            Ffn::Moe(moe) => {
+                v.push(&mut moe.router);
+                for m in &mut moe.experts {
+                    v.extend([&mut m.gate, &mut m.up, &mut m.down]);
+                }
+            }
+        }
+        v
     }
 }
 
@@ -166,7 +207,7 @@ impl Weights {
     pub fn matrices(&self) -> Vec<&PackedMatrix> {
         let mut v = vec![&self.token_embd];
         for l in &self.layers {
-            v.extend(l.linears().map(|lin| &lin.weight));
+            v.extend(l.linears().into_iter().map(|lin| &lin.weight));
         }
         if !self.tied() {
             v.push(&self.output.weight);
@@ -209,14 +250,33 @@ impl Weights {
 
     /// Weight bytes one decode step reads: every matrix, except that the embedding table
     /// contributes one row (unless it is also the LM head, which reads all of it).
-    pub fn bytes_per_token(&self) -> usize {
+    /// A mixture of experts contributes its router and `n_used` of its experts (on average over
+    /// the experts: the ones a token picks vary).
+    pub fn bytes_per_token(&self, n_expert_used: usize) -> usize {
         let embd = &self.token_embd;
         let embd_read = if self.tied() {
             embd.n_bytes()
         } else {
             embd.n_bytes() / embd.rows().max(1)
         };
-        self.n_bytes() - embd.n_bytes() + embd_read
+        let unread_experts: usize = self
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                Ffn::Dense(_) => 0,
+                Ffn::Moe(moe) => {
+                    let all: usize = moe
+                        .experts
+                        .iter()
+                        .flat_map(|m| [&m.gate, &m.up, &m.down])
+                        .map(|lin| lin.weight.n_bytes())
+                        .sum();
+                    let n = moe.experts.len().max(1);
+                    all - all * n_expert_used.min(n) / n
+                }
+            })
+            .sum();
+        self.n_bytes() - embd.n_bytes() + embd_read - unread_experts
     }
 
     /// Loads every tensor the architecture needs, checking each shape against `cfg`, and stores
@@ -301,39 +361,140 @@ impl Weights {
                 n_out,
             })
         };
+        // A 3-d tensor of experts, [n_in, n_out, n_expert], as one matrix per expert (zero-copy
+        // windows of its bytes).
+        let experts = |name: &str, n_in: usize, n_out: usize, n: usize| -> Result<Vec<Pending>> {
+            let w = get(&format!("{name}.weight"))?;
+            check(name, &w, &[n_in, n_out, n])?;
+            let rb = w.dtype.row_bytes(n_in).ok_or_else(|| {
+                Error::Shape(format!(
+                    "tensor '{name}': row of {n_in} is not whole {} blocks",
+                    w.dtype
+                ))
+            })?;
+            let kind = linear_kind(name);
+            (0..n)
+                .map(|i| {
+                    Ok(Pending {
+                        kind,
+                        raw: RawTensor {
+                            dtype: w.dtype,
+                            dims: vec![n_in, n_out],
+                            data: w.data.slice(i * rb * n_out, rb * n_out)?,
+                        },
+                        bias: None,
+                        n_in,
+                        n_out,
+                    })
+                })
+                .collect()
+        };
+        enum FfnPlan {
+            Dense([Pending; 3]),
+            Moe(Pending, Vec<[Pending; 3]>),
+        }
         let (e, q, kv, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
         let token_embd = matrix("token_embd.weight", e, cfg.n_vocab)?;
         let qkv_bias = cfg.arch == Arch::Qwen2;
-        let gemma = cfg.arch == Arch::Gemma3;
-        // Per layer: the norms (with placeholder projections) and the seven projections to store.
+        let gemma = cfg.arch.is_gemma();
+        let qk_norm = cfg.arch.has_qk_norm();
+        let fused = cfg.arch == Arch::Phi3;
+        // A matrix whose rows stack several projections, as one Pending per part.
+        fn split_rows<const N: usize>(
+            p: Pending,
+            parts: [(&'static str, usize); N],
+        ) -> Result<[Pending; N]> {
+            let rb = p.raw.dtype.row_bytes(p.n_in).expect("checked by matrix()");
+            let mut r0 = 0;
+            let mut out = Vec::with_capacity(N);
+            for (kind, rows) in parts {
+                out.push(Pending {
+                    kind,
+                    raw: RawTensor {
+                        dtype: p.raw.dtype,
+                        dims: vec![p.n_in, rows],
+                        data: p.raw.data.slice(r0 * rb, rows * rb)?,
+                    },
+                    bias: None,
+                    n_in: p.n_in,
+                    n_out: rows,
+                });
+                r0 += rows;
+            }
+            Ok(out.try_into().unwrap_or_else(|_| unreachable!("N parts")))
+        }
+        // Per layer: the attention projections, the feed-forward block's and the norms.
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for il in 0..cfg.n_layer {
             let p = format!("blk.{il}");
-            let norm_opt = |n: &str, len: usize| -> Result<Option<Vec<f32>>> {
-                if gemma {
+            let norm = |n: &str, len: usize, required: bool| -> Result<Option<Vec<f32>>> {
+                if required {
                     vector(&format!("{p}.{n}.weight"), len).map(Some)
                 } else {
                     opt_vector(&format!("{p}.{n}.weight"), len)
                 }
             };
-            let lin = [
-                linear(&format!("{p}.attn_q"), e, q, qkv_bias)?,
-                linear(&format!("{p}.attn_k"), e, kv, qkv_bias)?,
-                linear(&format!("{p}.attn_v"), e, kv, qkv_bias)?,
-                linear(&format!("{p}.attn_output"), q, e, false)?,
-                linear(&format!("{p}.ffn_gate"), e, ff, false)?,
-                linear(&format!("{p}.ffn_up"), e, ff, false)?,
-                linear(&format!("{p}.ffn_down"), ff, e, false)?,
-            ];
+            let attn = if fused {
+                // Phi-3: Q, K and V stacked in one matrix, split by rows (zero-copy).
+                let [aq, ak, av] = split_rows(
+                    linear(&format!("{p}.attn_qkv"), e, q + 2 * kv, false)?,
+                    [("attn_q", q), ("attn_k", kv), ("attn_v", kv)],
+                )?;
+                [
+                    aq,
+                    ak,
+                    av,
+                    linear(&format!("{p}.attn_output"), q, e, false)?,
+                ]
+            } else {
+                [
+                    linear(&format!("{p}.attn_q"), e, q, qkv_bias)?,
+                    linear(&format!("{p}.attn_k"), e, kv, qkv_bias)?,
+                    linear(&format!("{p}.attn_v"), e, kv, qkv_bias)?,
+                    linear(&format!("{p}.attn_output"), q, e, false)?,
+                ]
+            };
+            let router = format!("{p}.ffn_gate_inp.weight");
+            let ffn = match cfg.moe {
+                Some(m) if src.tensor(&router)?.is_some() => {
+                    let (n, f) = (m.n_expert, m.n_ff_exp);
+                    let gate = experts(&format!("{p}.ffn_gate_exps"), e, f, n)?;
+                    let up = experts(&format!("{p}.ffn_up_exps"), e, f, n)?;
+                    let down = experts(&format!("{p}.ffn_down_exps"), f, e, n)?;
+                    let per_expert = gate
+                        .into_iter()
+                        .zip(up)
+                        .zip(down)
+                        .map(|((g, u), d)| [g, u, d])
+                        .collect();
+                    FfnPlan::Moe(
+                        linear(&format!("{p}.ffn_gate_inp"), e, n, false)?,
+                        per_expert,
+                    )
+                }
+                _ if fused => {
+                    // Phi-3: gate and up stacked in `ffn_up`, gate first.
+                    let [g, u] = split_rows(
+                        linear(&format!("{p}.ffn_up"), e, 2 * ff, false)?,
+                        [("ffn_gate", ff), ("ffn_up", ff)],
+                    )?;
+                    FfnPlan::Dense([g, u, linear(&format!("{p}.ffn_down"), ff, e, false)?])
+                }
+                _ => FfnPlan::Dense([
+                    linear(&format!("{p}.ffn_gate"), e, ff, false)?,
+                    linear(&format!("{p}.ffn_up"), e, ff, false)?,
+                    linear(&format!("{p}.ffn_down"), ff, e, false)?,
+                ]),
+            };
             let norms = [
-                Some(vector(&format!("{p}.attn_norm.weight"), e)?),
-                norm_opt("attn_q_norm", cfg.head_dim)?,
-                norm_opt("attn_k_norm", cfg.head_dim)?,
-                norm_opt("post_attention_norm", e)?,
-                Some(vector(&format!("{p}.ffn_norm.weight"), e)?),
-                norm_opt("post_ffw_norm", e)?,
+                norm("attn_norm", e, true)?,
+                norm("attn_q_norm", cfg.head_dim, qk_norm)?,
+                norm("attn_k_norm", cfg.head_dim, qk_norm)?,
+                norm("post_attention_norm", e, gemma)?,
+                norm("ffn_norm", e, true)?,
+                norm("post_ffw_norm", e, gemma)?,
             ];
-            layers.push((lin, norms));
+            layers.push((attn, ffn, norms));
         }
         let output = match src.tensor("output.weight")? {
             Some(_) => Some(linear("output", e, cfg.n_vocab, false)?),
@@ -345,8 +506,18 @@ impl Weights {
         // Store: the embedding table (the LM head too when tied), every projection, the head.
         let started = std::time::Instant::now();
         let mut raws: Vec<&RawTensor> = vec![&token_embd];
-        for (lin, _) in &layers {
-            raws.extend(lin.iter().map(|p| &p.raw));
+        // Index of each layer's last matrix in `raws`, for the progress callback.
+        let mut layer_last = Vec::with_capacity(cfg.n_layer);
+        for (attn, ffn, _) in &layers {
+            raws.extend(attn.iter().map(|p| &p.raw));
+            match ffn {
+                FfnPlan::Dense(m) => raws.extend(m.iter().map(|p| &p.raw)),
+                FfnPlan::Moe(router, experts) => {
+                    raws.push(&router.raw);
+                    raws.extend(experts.iter().flatten().map(|p| &p.raw));
+                }
+            }
+            layer_last.push(raws.len() - 1);
         }
         if let Some(o) = &output {
             raws.push(&o.raw);
@@ -358,9 +529,8 @@ impl Weights {
             ..LoadReport::default()
         };
         let mut stored = store_matrices(&raws, tied, &mut report, &mut |i| {
-            // Matrix i done: 1 embedding table, then 7 per layer.
-            if i > 0 && i % 7 == 0 && i / 7 <= n_layer {
-                progress(i / 7, n_layer);
+            if let Ok(il) = layer_last.binary_search(&i) {
+                progress(il + 1, n_layer);
             }
         })?
         .into_iter();
@@ -378,19 +548,40 @@ impl Weights {
         );
 
         let token_embd_m = stored.next().expect("one per matrix");
+        let mut finish = |p: Pending| Linear {
+            kind: p.kind,
+            weight: stored.next().expect("one per matrix"),
+            bias: p.bias,
+            n_in: p.n_in,
+            n_out: p.n_out,
+        };
         let mut out_layers = Vec::with_capacity(n_layer);
-        for (lin, norms) in layers {
-            let [attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down] =
-                lin.map(|p| Linear {
-                    kind: p.kind,
-                    weight: stored.next().expect("one per matrix"),
-                    bias: p.bias,
-                    n_in: p.n_in,
-                    n_out: p.n_out,
-                });
+        for (attn, ffn, norms) in layers {
+            let [attn_q, attn_k, attn_v, attn_output] = attn.map(&mut finish);
+            let mut mlp = |[g, u, d]: [Pending; 3]| Mlp {
+                gate: finish(g),
+                up: finish(u),
+                down: finish(d),
+            };
+            let ffn = match ffn {
+                FfnPlan::Dense(m) => Ffn::Dense(mlp(m)),
+                FfnPlan::Moe(router, experts) => {
+                    let router = finish(router);
+                    // Re-borrow: `mlp` holds `finish` mutably.
+                    let mut mlp = |[g, u, d]: [Pending; 3]| Mlp {
+                        gate: finish(g),
+                        up: finish(u),
+                        down: finish(d),
+                    };
+                    Ffn::Moe(Moe {
+                        router,
+                        experts: experts.into_iter().map(&mut mlp).collect(),
+                    })
+                }
+            };
             let [attn_norm, attn_q_norm, attn_k_norm, post_attention_norm, ffn_norm, post_ffw_norm] =
                 norms;
-            let layer = LayerWeights {
+            out_layers.push(LayerWeights {
                 attn_norm: attn_norm.expect("required"),
                 attn_q,
                 attn_k,
@@ -400,21 +591,12 @@ impl Weights {
                 attn_k_norm,
                 post_attention_norm,
                 ffn_norm: ffn_norm.expect("required"),
-                ffn_gate,
-                ffn_up,
-                ffn_down,
+                ffn,
                 post_ffw_norm,
-            };
-            out_layers.push(layer);
+            });
         }
         let output = match output {
-            Some(p) => Linear {
-                kind: p.kind,
-                weight: stored.next().expect("one per matrix"),
-                bias: p.bias,
-                n_in: p.n_in,
-                n_out: p.n_out,
-            },
+            Some(p) => finish(p),
             None => Linear {
                 kind: "output",
                 weight: token_embd_m.clone(),
@@ -466,16 +648,11 @@ impl Weights {
             .layers
             .iter()
             .map(|l| {
-                Ok(LayerWeights {
-                    attn_q: lin(&l.attn_q)?,
-                    attn_k: lin(&l.attn_k)?,
-                    attn_v: lin(&l.attn_v)?,
-                    attn_output: lin(&l.attn_output)?,
-                    ffn_gate: lin(&l.ffn_gate)?,
-                    ffn_up: lin(&l.ffn_up)?,
-                    ffn_down: lin(&l.ffn_down)?,
-                    ..l.clone()
-                })
+                let mut l = l.clone();
+                for m in l.linears_mut() {
+                    *m = lin(m)?;
+                }
+                Ok(l)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Weights {
@@ -605,7 +782,7 @@ fn store_matrices(
 
 /// The role of a projection from its GGUF name (`blk.N.attn_q` -> `attn_q`).
 fn linear_kind(name: &str) -> &'static str {
-    const KINDS: [&str; 8] = [
+    const KINDS: [&str; 12] = [
         "attn_q",
         "attn_k",
         "attn_v",
@@ -613,6 +790,10 @@ fn linear_kind(name: &str) -> &'static str {
         "ffn_gate",
         "ffn_up",
         "ffn_down",
+        "ffn_gate_inp",
+        "ffn_gate_exps",
+        "ffn_up_exps",
+        "ffn_down_exps",
         "output",
     ];
     let last = name.rsplit('.').next().unwrap_or(name);
