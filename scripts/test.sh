@@ -2,7 +2,7 @@
 # Runs ferrum's whole test suite: fetches the test models (cached in ./models), checks formatting
 # and lints, then builds once and runs every test, the real-model tests included (and SmolLM2's
 # llama.cpp reference tests again on the AVX2 and portable kernel tiers), then drives the
-# server with the `openai` Python client, then runs the ONNX conformance suites through `ferrum run`.
+# server with the `openai` Python client (plain and tool-calling requests), then runs the ONNX conformance suites through `ferrum run`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 scripts/fetch_models.py
@@ -20,5 +20,7 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import openai' 2>/dev/nul
     .venv/bin/pip install --quiet --disable-pip-version-check 'openai>=1.40'
 fi
 .venv/bin/python scripts/openai_client_test.py target/debug/ferrum
+# Tool calling (Qwen2.5-Coder-0.5B-Instruct, whose template teaches <tool_call>) with the same client.
+.venv/bin/python scripts/tool_calls_test.py target/debug/ferrum
 # ONNX conformance of `ferrum run` against the committed baseline (fails if any suite's pass count drops).
 ./scripts/onnx_conformance.sh target/debug/ferrum

@@ -149,13 +149,19 @@ impl Llm {
         messages: &[ferrum_tokenizer::ChatMessage],
     ) -> Result<Vec<u32>> {
         let rendered = template.render(messages, true)?;
+        Ok(self.encode_rendered_chat(&rendered))
+    }
+
+    /// Tokens of a rendered chat: special tokens in the text are parsed, and BOS is added unless
+    /// the template wrote it.
+    pub fn encode_rendered_chat(&self, rendered: &str) -> Vec<u32> {
         let bos = self
             .tokenizer
             .bos()
             .map(|i| String::from_utf8_lossy(&self.tokenizer.token_bytes(i, true)).into_owned())
             .unwrap_or_default();
         let add_special = bos.is_empty() || !rendered.starts_with(&bos);
-        Ok(self.tokenizer.encode(&rendered, add_special, true))
+        self.tokenizer.encode(rendered, add_special, true)
     }
 }
 

@@ -14,6 +14,7 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::tool_calls;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -23,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use ferrum_llm::{FinishReason, Llm, SamplingParams};
-use ferrum_tokenizer::{ChatMessage, ChatTemplate};
+use ferrum_tokenizer::ChatTemplate;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -91,6 +92,13 @@ fn response_id(seq: u64) -> String {
         h.finish()
     };
     format!("{:016x}{:08x}", word(1), word(2) as u32)
+}
+
+/// A tool call's id: `call_` and 24 hex digits, unique as response ids are (a process-wide
+/// counter through the same keyed hash, on a range of its own).
+fn call_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(1 << 63);
+    format!("call_{}", response_id(NEXT.fetch_add(1, Ordering::Relaxed)))
 }
 
 /// An OpenAI-style error response.
@@ -408,14 +416,118 @@ struct Part {
 #[derive(Deserialize)]
 struct Message {
     role: String,
-    content: Content,
+    /// Null or absent for an assistant turn that only calls tools.
+    #[serde(default)]
+    content: Option<Content>,
+    #[serde(default)]
+    tool_calls: Option<Vec<Value>>,
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
 }
 
 #[derive(Deserialize)]
 struct ChatBody {
     messages: Vec<Message>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    parallel_tool_calls: Option<bool>,
+    #[serde(default)]
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(flatten)]
     common: Common,
+}
+
+/// How a chat request's output is read for tool calls.
+struct ToolCtx {
+    format: tool_calls::Format,
+    /// Text the prompt put at the start of the model's reply (the opening of a forced call).
+    prefix: String,
+    /// `parallel_tool_calls`: false keeps only the first call.
+    parallel: bool,
+    /// A named `tool_choice`: only a call of this function is kept (one, as OpenAI's).
+    only: Option<String>,
+}
+
+/// A function name as OpenAI accepts it: 1-64 of a-z, A-Z, 0-9, '_', '-' (and '.', which
+/// some clients use).
+fn valid_function_name(n: &str) -> bool {
+    (1..=64).contains(&n.len())
+        && n.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}
+
+/// Checks `tools` (each `{type: "function", function: {name, description?, parameters?}}` with
+/// an object schema) and returns the function names.
+fn check_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
+    let bad = |m: String| ApiError::bad(m, Some("tools"));
+    let mut names = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad(format!("tools[{i}].type must be \"function\"")));
+        }
+        let f = t
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| bad(format!("tools[{i}].function must be an object")))?;
+        let name = f.get("name").and_then(Value::as_str).unwrap_or("");
+        if !valid_function_name(name) {
+            return Err(bad(format!(
+                "tools[{i}].function.name must be 1-64 letters, digits, '_', '-' or '.', found {name:?}"
+            )));
+        }
+        match f.get("parameters") {
+            None | Some(Value::Object(_)) => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "tools[{i}].function.parameters must be a JSON Schema object, found {other}"
+                )))
+            }
+        }
+        if names.iter().any(|n| n == name) {
+            return Err(bad(format!("two tools are named '{name}'")));
+        }
+        names.push(name.to_string());
+    }
+    Ok(names)
+}
+
+/// An assistant message's `tool_calls` as templates read them (Hugging Face's convention):
+/// `{id, type, function: {name, arguments}}` with `arguments` parsed from its JSON text into an
+/// object where it parses.
+fn template_tool_calls(calls: &[Value], at: usize) -> Result<Value, ApiError> {
+    let bad = |m: String| ApiError::bad(m, Some("messages"));
+    let mut out = Vec::with_capacity(calls.len());
+    for (j, c) in calls.iter().enumerate() {
+        let f = c
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| {
+                bad(format!(
+                    "messages[{at}].tool_calls[{j}].function must be an object"
+                ))
+            })?;
+        let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
+            bad(format!(
+                "messages[{at}].tool_calls[{j}].function.name must be a string"
+            ))
+        })?;
+        let arguments = match f.get("arguments") {
+            None | Some(Value::Null) => json!({}),
+            Some(Value::String(a)) => serde_json::from_str(a).unwrap_or_else(|_| json!(a)),
+            Some(a) => a.clone(),
+        };
+        out.push(json!({
+            "id": c.get("id").cloned().unwrap_or(Value::Null),
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }));
+    }
+    Ok(Value::Array(out))
 }
 
 fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
@@ -586,7 +698,7 @@ async fn completions(
         }
         Prompt::Ids(ids) => ids,
     };
-    run(st, &b.common, prompt, 16, Kind::Completion).await
+    run(st, &b.common, prompt, 16, Kind::Completion, None).await
 }
 
 async fn chat_completions(
@@ -598,7 +710,7 @@ async fn chat_completions(
         return Err(ApiError::bad("messages is empty", Some("messages")));
     }
     let mut msgs = Vec::with_capacity(b.messages.len());
-    for m in b.messages {
+    for (at, m) in b.messages.into_iter().enumerate() {
         // OpenAI's roles; `developer` is its newer name for `system`, which is what templates know.
         let role = match m.role.as_str() {
             "system" | "user" | "assistant" | "tool" => m.role,
@@ -614,8 +726,8 @@ async fn chat_completions(
             }
         };
         let content = match m.content {
-            Content::Text(t) => t,
-            Content::Parts(parts) => {
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
                 let mut s = String::new();
                 for p in parts {
                     match (p.kind.as_str(), p.text) {
@@ -630,15 +742,122 @@ async fn chat_completions(
                 }
                 s
             }
+            // An assistant turn may carry only tool calls; templates get "" (they test it).
+            None if role == "assistant" => String::new(),
+            None => {
+                return Err(ApiError::bad(
+                    format!("messages[{at}] ({role}) has no content"),
+                    Some("messages"),
+                ))
+            }
         };
-        msgs.push(ChatMessage::new(role, content));
+        let mut msg = json!({"role": role, "content": content});
+        if let Some(calls) = &m.tool_calls {
+            if role != "assistant" {
+                return Err(ApiError::bad(
+                    format!("messages[{at}]: only assistant messages carry tool_calls"),
+                    Some("messages"),
+                ));
+            }
+            msg["tool_calls"] = template_tool_calls(calls, at)?;
+        }
+        if role == "tool" && m.tool_call_id.is_none() {
+            return Err(ApiError::bad(
+                format!("messages[{at}] (tool) needs the tool_call_id it answers"),
+                Some("messages"),
+            ));
+        }
+        if let Some(id) = m.tool_call_id {
+            msg["tool_call_id"] = json!(id);
+        }
+        if let Some(n) = m.name {
+            msg["name"] = json!(n);
+        }
+        msgs.push(msg);
     }
-    let prompt = st
-        .llm
-        .encode_chat(&st.template, &msgs)
+
+    // Tools, and what the request asks of them.
+    let tools = b.tools.unwrap_or_default();
+    let names = check_tools(&tools)?;
+    let choice_err = |m: String| ApiError::bad(m, Some("tool_choice"));
+    // None: no tools offered; Some(None): the model may call one; Some(Some(x)): it must call
+    // (x: "" for any, else the named function).
+    let choice: Option<Option<String>> = match &b.tool_choice {
+        None | Some(Value::Null) => (!tools.is_empty()).then_some(None),
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => None,
+            "auto" => (!tools.is_empty()).then_some(None),
+            "required" => Some(Some(String::new())),
+            other => {
+                return Err(choice_err(format!(
+                    "tool_choice '{other}' (expected none, auto, required or a function)"
+                )))
+            }
+        },
+        Some(v) => {
+            let name = v
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| {
+                    choice_err(
+                        "tool_choice must be none, auto, required or \
+                         {\"type\": \"function\", \"function\": {\"name\": ...}}"
+                            .into(),
+                    )
+                })?;
+            if !names.iter().any(|n| n == name) {
+                return Err(choice_err(format!(
+                    "tool_choice names '{name}', which is not among the tools"
+                )));
+            }
+            Some(Some(name.to_string()))
+        }
+    };
+    if matches!(choice, Some(Some(_))) && tools.is_empty() {
+        return Err(choice_err(
+            "tool_choice requires a call but no tools are given".into(),
+        ));
+    }
+    let tool_ctx = choice.as_ref().map(|forced| {
+        let format = tool_calls::Format::of_template(st.template.source());
+        // Without a grammar (not yet), a required or named call is made as strong as the
+        // prompt can make it: for the <tool_call> format the reply is opened for the model.
+        // ("required" with a single tool is that tool.)
+        let forced = match forced {
+            Some(n) if n.is_empty() && names.len() == 1 => Some(&names[0]),
+            other => other.as_ref(),
+        };
+        let prefix = match (format, forced) {
+            (tool_calls::Format::Hermes, Some(n)) if n.is_empty() => {
+                "<tool_call>\n{\"name\": \"".to_string()
+            }
+            (tool_calls::Format::Hermes, Some(n)) => {
+                format!("<tool_call>\n{{\"name\": {}, \"arguments\": ", json!(n))
+            }
+            _ => String::new(),
+        };
+        let only = forced.filter(|n| !n.is_empty()).cloned();
+        ToolCtx {
+            format,
+            prefix,
+            parallel: b.parallel_tool_calls.unwrap_or(true) && only.is_none(),
+            only,
+        }
+    });
+    let offered = tool_ctx.is_some().then_some(Value::Array(tools));
+    let kwargs = b.chat_template_kwargs.unwrap_or_default();
+    let mut rendered = st
+        .template
+        .render_json(&Value::Array(msgs), offered.as_ref(), &kwargs, true)
         .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
+    if let Some(t) = &tool_ctx {
+        rendered.push_str(&t.prefix);
+    }
+    let prompt = st.llm.encode_rendered_chat(&rendered);
     let default_max = st.ctx_size;
-    run(st, &b.common, prompt, default_max, Kind::Chat).await
+    run(st, &b.common, prompt, default_max, Kind::Chat, tool_ctx).await
 }
 
 /// Largest `n` (choices per request) and `logprobs` / `top_logprobs` accepted.
@@ -732,6 +951,7 @@ async fn run(
     prompt: Vec<u32>,
     default_max: usize,
     kind: Kind,
+    tools: Option<ToolCtx>,
 ) -> Result<Response, ApiError> {
     let (prompt, max_tokens, sampling, stop) = build(&st, c, prompt, default_max)?;
     let logprobs = parse_logprobs(c, kind)?;
@@ -846,13 +1066,33 @@ async fn run(
                     Some(_) => logprobs_json(kind, &lps[i], 0),
                     None => Value::Null,
                 };
-                let finish = finishes[i].map(finish_str);
-                match kind {
-                    Kind::Completion => json!({"index": i, "text": texts[i], "logprobs": lp,
+                let mut finish = finishes[i].map(finish_str);
+                match (kind, &tools) {
+                    (Kind::Completion, _) => json!({"index": i, "text": texts[i], "logprobs": lp,
                         "finish_reason": finish}),
-                    Kind::Chat => json!({"index": i,
+                    (Kind::Chat, None) => json!({"index": i,
                         "message": {"role": "assistant", "content": texts[i]},
                         "logprobs": lp, "finish_reason": finish}),
+                    (Kind::Chat, Some(t)) => {
+                        let (content, mut calls) =
+                            tool_calls::parse(t.format, &t.prefix, &texts[i]);
+                        if let Some(only) = &t.only {
+                            calls.retain(|c| &c.name == only);
+                        }
+                        if !t.parallel {
+                            calls.truncate(1);
+                        }
+                        let mut message = json!({"role": "assistant", "content": content});
+                        if calls.is_empty() {
+                            message["content"] = json!(texts[i]);
+                        } else {
+                            message["tool_calls"] =
+                                calls.iter().map(|c| c.to_json(&call_id())).collect();
+                            finish = Some("tool_calls");
+                        }
+                        json!({"index": i, "message": message, "logprobs": lp,
+                            "finish_reason": finish})
+                    }
                 }
             })
             .collect();
@@ -904,6 +1144,39 @@ async fn run(
             }
         }
         let mut offsets = vec![0usize; n];
+        // Per choice: the tool-call parser and how many calls it has sent.
+        let mut parsers: Vec<Option<tool_calls::Parser>> = (0..n)
+            .map(|_| {
+                tools
+                    .as_ref()
+                    .map(|t| tool_calls::Parser::continuing(t.format, &t.prefix))
+            })
+            .collect();
+        let parallel = tools.as_ref().is_none_or(|t| t.parallel);
+        let only = tools.as_ref().and_then(|t| t.only.clone());
+        let mut n_calls = vec![0usize; n];
+        // Content and tool-call deltas of choice i for parsed pieces.
+        let pieces_to_deltas =
+            |i: usize, pieces: Vec<tool_calls::Piece>, n_calls: &mut Vec<usize>| -> Vec<Value> {
+                let mut deltas = Vec::new();
+                for p in pieces {
+                    match p {
+                        tool_calls::Piece::Text(t) => deltas.push(json!({"content": t})),
+                        tool_calls::Piece::Call(c) => {
+                            if (!parallel && n_calls[i] > 0)
+                                || only.as_ref().is_some_and(|n| &c.name != n)
+                            {
+                                continue;
+                            }
+                            let mut call = c.to_json(&call_id());
+                            call["index"] = json!(n_calls[i]);
+                            n_calls[i] += 1;
+                            deltas.push(json!({"tool_calls": [call]}));
+                        }
+                    }
+                }
+                deltas
+            };
         let (mut left, mut completion_tokens, mut cached_tokens) = (n, 0, 0);
         while let Some((i, ev)) = rx.recv().await {
             let out = match ev {
@@ -920,11 +1193,24 @@ async fn run(
                         }
                         None => Value::Null,
                     };
-                    let delta = match kind {
-                        Kind::Completion => json!(text),
-                        Kind::Chat => json!({"content": text}),
-                    };
-                    vec![send(chunk(i, delta, lp, None))]
+                    match (kind, parsers[i].as_mut()) {
+                        (Kind::Completion, _) => vec![send(chunk(i, json!(text), lp, None))],
+                        (Kind::Chat, None) => {
+                            vec![send(chunk(i, json!({"content": text}), lp, None))]
+                        }
+                        (Kind::Chat, Some(p)) => {
+                            let pieces = p.push(&text);
+                            let mut deltas = pieces_to_deltas(i, pieces, &mut n_calls);
+                            if deltas.is_empty() && !lp.is_null() {
+                                deltas.push(json!({"content": ""}));
+                            }
+                            let mut lp = Some(lp);
+                            deltas
+                                .into_iter()
+                                .map(|d| send(chunk(i, d, lp.take().unwrap_or(Value::Null), None)))
+                                .collect()
+                        }
+                    }
                 }
                 Event::Done {
                     finish,
@@ -935,11 +1221,22 @@ async fn run(
                     completion_tokens += ct;
                     cached_tokens = cached_tokens.max(cached);
                     left -= 1;
+                    let mut v = Vec::new();
+                    let mut finish = finish_str(finish);
+                    if let Some(p) = parsers[i].as_mut() {
+                        let rest = p.finish();
+                        for d in pieces_to_deltas(i, rest, &mut n_calls) {
+                            v.push(send(chunk(i, d, Value::Null, None)));
+                        }
+                        if n_calls[i] > 0 {
+                            finish = "tool_calls";
+                        }
+                    }
                     let delta = match kind {
                         Kind::Completion => json!(""),
                         Kind::Chat => json!({}),
                     };
-                    let mut v = vec![send(chunk(i, delta, Value::Null, Some(finish_str(finish))))];
+                    v.push(send(chunk(i, delta, Value::Null, Some(finish))));
                     if left == 0 {
                         if include_usage {
                             v.push(send(json!({"id": id, "object": object, "created": created,

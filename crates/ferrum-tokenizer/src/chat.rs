@@ -37,6 +37,7 @@ impl ChatMessage {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -78,9 +79,45 @@ impl ChatTemplate {
             .map_err(template_error)?;
         Ok(ChatTemplate {
             env,
+            source: source.to_owned(),
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
         })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Renders messages given as JSON objects, as Hugging Face's `apply_chat_template` takes
+    /// them (`role`, `content`, and where present `tool_calls`, `tool_call_id`, `name`), with
+    /// `tools` (the request's list of tool definitions, None: the template sees no `tools`) and
+    /// `extra` variables (`chat_template_kwargs`, e.g. `enable_thinking`; they cannot replace
+    /// the variables above).
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        extra: &serde_json::Map<String, serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let tmpl = self.env.get_template(NAME).map_err(template_error)?;
+        let mut ctx = extra.clone();
+        ctx.insert("messages".into(), messages.clone());
+        if let Some(t) = tools {
+            ctx.insert("tools".into(), t.clone());
+        } else {
+            ctx.remove("tools");
+        }
+        ctx.insert(
+            "add_generation_prompt".into(),
+            serde_json::Value::Bool(add_generation_prompt),
+        );
+        ctx.insert("bos_token".into(), self.bos_token.clone().into());
+        ctx.insert("eos_token".into(), self.eos_token.clone().into());
+        tmpl.render(Value::from_serialize(&ctx))
+            .map_err(template_error)
     }
 
     /// Renders `messages`; with `add_generation_prompt` the template appends the opening of
