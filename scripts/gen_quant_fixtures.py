@@ -13,7 +13,8 @@ Run (from the repository root):
 Writes into crates/ferrum-kernels/tests/fixtures/quant/:
 
 * `<TYPE>_random.qfix` for every type `gguf.quants.dequantize` supports among ferrum's types
-  (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): a few blocks of
+  (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS):
+  a few blocks of
   seeded random bytes whose f16 scale fields (d, m, dmin) are overwritten with finite random values
   of sensible magnitude and random sign, so every bit pattern of the quant fields occurs.
   F16/BF16 values are random bit patterns with NaN/Inf patterns replaced (subnormals kept).
@@ -33,6 +34,8 @@ Optional, when the environment variable GGML_CPU_LIB names an x86 AVX2 build of 
   `.qdot` format: b"QDOT", u32 case count, then per case u32 ggml weight type, u32 n,
   u32 weight bytes, u32 activation bytes, the weight bytes, n f32 activations, ggml's activation
   bytes (note: ggml's Q8_1 block is 36 bytes), f32 ggml dot.
+  With `--iq4-dots` only `ggml_dots_iq4.qdot` is written: the IQ4_NL/IQ4_XS cases (their x86
+  kernels have an AVX2 branch only, so a native AVX-512 build of ggml gives the same order).
 
 `.qfix` format (all little-endian): b"QFIX", u32 ggml type id, u32 n_elements, u32 n_bytes,
 n_bytes raw block bytes, then n_elements f32 expected values.
@@ -72,7 +75,11 @@ LAYOUT = {
     T.Q4_K: (256, 144, [0, 2]),
     T.Q5_K: (256, 176, [0, 2]),
     T.Q6_K: (256, 210, [208]),
+    T.IQ4_NL: (32, 18, [0]),
+    T.IQ4_XS: (256, 136, [0]),
 }
+# Types whose ggml dots live in ggml_dots_iq4.qdot (made with --iq4-dots).
+IQ_TYPES = (T.IQ4_NL, T.IQ4_XS)
 
 
 def random_f16_scale(rng):
@@ -177,7 +184,7 @@ def real_fixtures(rng, lines):
     return total
 
 
-def ggml_dots(lib_path, rng):
+def ggml_dots(lib_path, rng, types=None, name="ggml_dots", real=True):
     """Dot products and activation quantization by ggml itself (see the module docstring)."""
     import ctypes
 
@@ -203,12 +210,14 @@ def ggml_dots(lib_path, rng):
     act_sizes = {T.F32: (1, 4), T.F16: (1, 2), T.BF16: (1, 2), T.Q8_0: (32, 34),
                  T.Q8_1: (32, 36), T.Q8_K: (256, 292)}
     cases = []
-    for qtype in LAYOUT:
+    for qtype in types or [t for t in LAYOUT if t not in IQ_TYPES]:
         per, nbytes, scale_offs = LAYOUT[qtype]
         tr = cpu.ggml_get_type_traits_cpu(int(qtype)).contents
         at = T(tr.vec_dot_type)
         aper, abytes = act_sizes[at]
         lengths = [256, 512, 1024] if per == 256 else [32, 96, 544]
+        if qtype in IQ_TYPES:
+            lengths += [768, 2048] if per == 256 else [64, 1024]
         if per == 1:
             lengths = [37, 256, 544]
         for n in lengths:
@@ -238,7 +247,7 @@ def ggml_dots(lib_path, rng):
             vec_dot_t(tr.vec_dot)(n, ctypes.byref(out), 0, w.ctypes.data, 0, act.ctypes.data, 0, 1)
             cases.append((int(qtype), n, w, x, act, out.value))
     # One real row per (model, quantized weight type), with a random activation row.
-    for rel in MODELS.values():
+    for rel in MODELS.values() if real else []:
         mpath = os.path.join(ROOT, rel)
         if not os.path.exists(mpath):
             continue
@@ -260,7 +269,7 @@ def ggml_dots(lib_path, rng):
             out = ctypes.c_float(0.0)
             vec_dot_t(tr.vec_dot)(n, ctypes.byref(out), 0, w.ctypes.data, 0, act.ctypes.data, 0, 1)
             cases.append((int(qtype), n, w, x, act, out.value))
-    path = os.path.join(OUT, "ggml_dots.qdot")
+    path = os.path.join(OUT, name + ".qdot")
     with open(path, "wb") as f:
         f.write(b"QDOT")
         f.write(struct.pack("<I", len(cases)))
@@ -270,8 +279,10 @@ def ggml_dots(lib_path, rng):
             f.write(x.astype("<f4").tobytes())
             f.write(act.tobytes())
             f.write(struct.pack("<f", dot))
-    with open(os.path.join(OUT, "ggml_dots.txt"), "w") as f:
-        f.write(f"source: {os.path.basename(lib_path)} (ggml CPU backend, x86 AVX2 build)\n")
+    with open(os.path.join(OUT, name + ".txt"), "w") as f:
+        kind = "x86 AVX2 build" if name == "ggml_dots" else \
+            "x86 build; the IQ4 kernels have an AVX2 branch only"
+        f.write(f"source: {os.path.basename(lib_path)} (ggml CPU backend, {kind})\n")
         meta = os.path.join(os.path.dirname(lib_path), "_nlcBuildMetadata.json")
         if os.path.exists(meta):
             f.write("build metadata: " + open(meta).read().strip() + "\n")
@@ -281,6 +292,14 @@ def ggml_dots(lib_path, rng):
 
 def main():
     os.makedirs(OUT, exist_ok=True)
+    if "--iq4-dots" in sys.argv:
+        # Only ggml's IQ4_NL / IQ4_XS dots, into ggml_dots_iq4.qdot. Their x86 kernels have an
+        # AVX2 branch only, so any x86 build with AVX2 (a native one too) gives their order.
+        lib = os.environ["GGML_CPU_LIB"]
+        size = ggml_dots(lib, np.random.default_rng(78), types=list(IQ_TYPES),
+                         name="ggml_dots_iq4", real=False)
+        print(f"wrote {size} bytes to {OUT}/ggml_dots_iq4.qdot")
+        return
     for f in os.listdir(OUT):
         if f.endswith(".qfix") or f == "real_tensors.txt":
             os.remove(os.path.join(OUT, f))

@@ -205,6 +205,8 @@ def build(name, spec, out: Path, tok_dir: Path, llamacpp: Path, seed: int):
             if p.dim() >= 2:
                 fan_in = p.shape[-1]
                 std = 0.6 if "embed" in pname else 1.0 / fan_in ** 0.5
+                if "lm_head" in pname:
+                    std *= 3.5  # an untied head: logits of std ~3.5, as the tied models
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif "norm" in pname:
                 base = 0.0 if name.startswith("gemma") else 1.0
@@ -278,6 +280,37 @@ def convert(src: Path, dst: Path, llamacpp: Path):
         raise RuntimeError(f"convert {src.name}: {r.stderr[-3000:]}")
 
 
+# Quantized models are checked against llama.cpp (not PyTorch): a wider llama (rows of 256 and
+# 512, so the 256-element K-quant and IQ4_XS blocks apply) quantized by llama-quantize, with
+# llama-server's greedy continuations and top-5 probabilities as the reference.
+QUANT_TYPES = ["Q8_0", "Q4_K_M", "IQ4_XS", "IQ4_NL"]
+
+
+def build_quantized(out: Path, tok_dir: Path, llamacpp: Path, seed: int, bindir: Path):
+    import tempfile
+    spec = ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, intermediate_size=512, max_position_embeddings=512,
+        # Untied: with a tied head this wide, the input embedding dominates the logits and the
+        # model only repeats its last token.
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        rope_theta=10000.0))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        # The F32 model and its PyTorch reference stay in the scratch folder.
+        shutil.copytree(tok_dir, tmp / "tokenizer")
+        build("llama256", spec, tmp, tmp / "tokenizer", llamacpp, seed)
+        for qt in QUANT_TYPES:
+            dst = out / f"llama256.{qt.lower()}.gguf"
+            subprocess.run([str(bindir / "llama-quantize"), str(tmp / "llama256.f32.gguf"),
+                            str(dst), qt], check=True, capture_output=True)
+            ref = out / f"llama256.{qt.lower()}.llamacpp.json"
+            subprocess.run([sys.executable, str(Path(__file__).parent.parent / "llamacpp" /
+                                                "make_reference.py"),
+                            str(bindir / "llama-server"), str(dst), str(ref)], check=True)
+            log(f"{dst.name}: {dst.stat().st_size} bytes, reference {ref.name}")
+
+
 def main():
     here = Path(__file__).resolve().parent
     root = here.parent.parent
@@ -293,9 +326,16 @@ def main():
     ap.add_argument("--smollm2", type=Path, default=root / "models/SmolLM2-135M-Instruct.Q4_1.gguf",
                     help="SmolLM2 GGUF whose tokenizer is cut down")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the random weights")
+    ap.add_argument("--quantized", type=Path, metavar="BIN_DIR",
+                    help="also build the quantized llama256 models and their llama.cpp "
+                         "references with llama-quantize and llama-server from BIN_DIR")
     args = ap.parse_args()
     tok_dir = args.out / "tokenizer"
     build_tokenizer(args.smollm2, tok_dir, args.llamacpp / "gguf-py")
+    if args.quantized:
+        build_quantized(args.out, tok_dir, args.llamacpp, args.seed, args.quantized)
+        if not args.only:
+            return
     archs = architectures()
     for name in args.only or list(archs):
         build(name, archs[name], args.out, tok_dir, args.llamacpp, args.seed)

@@ -22,10 +22,14 @@ pub enum DType {
     Q6_K,
     /// Activation-only: f32 scale, 256 int8 and 16 partial sums, partner of the K-quants.
     Q8_K,
+    /// 32 weights: f16 scale and 4-bit indices into a fixed non-linear table (`kvalues_iq4nl`).
+    IQ4_NL,
+    /// 256 weights: IQ4_NL's table with a 6-bit scale per 32 (an f16 super-scale).
+    IQ4_XS,
 }
 
 impl DType {
-    pub const ALL: [DType; 15] = [
+    pub const ALL: [DType; 17] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -41,6 +45,8 @@ impl DType {
         DType::Q5_K,
         DType::Q6_K,
         DType::Q8_K,
+        DType::IQ4_NL,
+        DType::IQ4_XS,
     ];
 
     /// GGML's `ggml_type` id.
@@ -60,6 +66,8 @@ impl DType {
             DType::Q5_K => 13,
             DType::Q6_K => 14,
             DType::Q8_K => 15,
+            DType::IQ4_NL => 20,
+            DType::IQ4_XS => 23,
             DType::BF16 => 30,
         }
     }
@@ -109,6 +117,8 @@ impl DType {
             DType::Q5_K => "Q5_K",
             DType::Q6_K => "Q6_K",
             DType::Q8_K => "Q8_K",
+            DType::IQ4_NL => "IQ4_NL",
+            DType::IQ4_XS => "IQ4_XS",
         }
     }
 
@@ -116,10 +126,20 @@ impl DType {
     pub const fn block_size(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => 32,
-            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => {
-                256
-            }
+            DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q8_0
+            | DType::Q8_1
+            | DType::IQ4_NL => 32,
+            DType::Q2_K
+            | DType::Q3_K
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::Q8_K
+            | DType::IQ4_XS => 256,
         }
     }
 
@@ -140,6 +160,8 @@ impl DType {
             DType::Q5_K => 176,
             DType::Q6_K => 210,
             DType::Q8_K => 292,
+            DType::IQ4_NL => 18,
+            DType::IQ4_XS => 136,
         }
     }
 
@@ -178,6 +200,9 @@ mod tests {
             assert_eq!(DType::from_ggml_id(d.ggml_id()), Some(d));
         }
         assert_eq!(DType::from_ggml_id(16), None);
+        assert_eq!(DType::from_ggml_id(23), Some(DType::IQ4_XS));
+        assert!((DType::IQ4_XS.bits_per_weight() - 4.25).abs() < 1e-12);
+        assert!((DType::IQ4_NL.bits_per_weight() - 4.5).abs() < 1e-12);
         assert_eq!(DType::Q4_K.row_bytes(512), Some(288));
         assert_eq!(DType::Q4_K.row_bytes(100), None);
         assert!((DType::Q4_K.bits_per_weight() - 4.5).abs() < 1e-12);

@@ -80,7 +80,7 @@ fn dequantize_matches_gguf_python_bit_exactly() {
     // Every type gguf-py can dequantize, and real blocks of the types the models use.
     for t in [
         "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-        "Q5_K", "Q6_K",
+        "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     ] {
         assert!(seen.contains(t), "no fixture for {t}");
     }

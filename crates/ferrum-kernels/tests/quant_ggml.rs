@@ -1,6 +1,7 @@
 //! Against ggml itself: fixtures written by scripts/gen_quant_fixtures.py with GGML_CPU_LIB set,
 //! which called an x86 AVX2 ("haswell") build of ggml's CPU backend through ctypes (see
-//! tests/fixtures/quant/ggml_dots.txt for the exact build).
+//! tests/fixtures/quant/ggml_dots.txt for the exact build); IQ4_NL / IQ4_XS cases come from
+//! `ggml_dots_iq4.qdot` (a native x86 build: those kernels have an AVX2 branch only).
 //!
 //! * Activation quantization (`from_float` of each weight type's `vec_dot_type`): bit-exact, every
 //!   case (ggml's Q8_1 blocks are 36 bytes, ours 40 with 4 zero padding bytes: compared per field).
@@ -18,7 +19,7 @@ use std::path::Path;
 
 /// Weight types whose dot product (AVX2 kernels and portable kernels alike) reproduces
 /// llama.cpp's AVX2 build bit for bit.
-const BIT_EXACT: [DType; 13] = [
+const BIT_EXACT: [DType; 15] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -32,6 +33,8 @@ const BIT_EXACT: [DType; 13] = [
     DType::Q4_K,
     DType::Q5_K,
     DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
 ];
 
 struct Case {
@@ -44,8 +47,16 @@ struct Case {
 }
 
 fn load() -> Vec<Case> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant/ggml_dots.qdot");
-    let b = std::fs::read(path).expect("ggml_dots.qdot");
+    let mut cases = load_file("ggml_dots.qdot");
+    cases.extend(load_file("ggml_dots_iq4.qdot"));
+    cases
+}
+
+fn load_file(name: &str) -> Vec<Case> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/quant")
+        .join(name);
+    let b = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     assert_eq!(&b[0..4], b"QDOT");
     let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
     let count = u32_at(4);

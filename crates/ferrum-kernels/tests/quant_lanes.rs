@@ -20,7 +20,7 @@ use ferrum_kernels::quant::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const WEIGHTS: [DType; 13] = [
+const WEIGHTS: [DType; 15] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -34,6 +34,8 @@ const WEIGHTS: [DType; 13] = [
     DType::Q4_K,
     DType::Q5_K,
     DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
 ];
 
 fn seed() -> u64 {
@@ -46,7 +48,7 @@ fn seed() -> u64 {
 /// f16 scale fields (d, then m/dmin where present) of each block type.
 fn scale_fields(t: DType) -> &'static [usize] {
     match t {
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::IQ4_NL | DType::IQ4_XS => &[0],
         DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
         DType::Q2_K => &[80, 82],
         DType::Q3_K => &[108],

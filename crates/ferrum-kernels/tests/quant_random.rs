@@ -19,7 +19,7 @@ use ferrum_kernels::quant::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const WEIGHTS: [DType; 13] = [
+const WEIGHTS: [DType; 15] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -33,6 +33,8 @@ const WEIGHTS: [DType; 13] = [
     DType::Q4_K,
     DType::Q5_K,
     DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
 ];
 
 fn seed() -> u64 {
@@ -45,7 +47,7 @@ fn seed() -> u64 {
 /// f16 scale fields (d, then m/dmin where present) of each block type.
 fn scale_fields(t: DType) -> &'static [usize] {
     match t {
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::IQ4_NL | DType::IQ4_XS => &[0],
         DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
         DType::Q2_K => &[80, 82],
         DType::Q3_K => &[108],
@@ -476,6 +478,8 @@ fn vec_dot_types() {
         (Q4_K, Q8_K),
         (Q5_K, Q8_K),
         (Q6_K, Q8_K),
+        (IQ4_NL, Q8_0),
+        (IQ4_XS, Q8_K),
     ];
     for (w, a) in pairs {
         assert_eq!(vec_dot_type(w), a, "{w}");

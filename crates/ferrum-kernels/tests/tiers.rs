@@ -79,7 +79,9 @@ fn random_quant_row(dtype: DType, row: &mut [u8], rng: &mut StdRng) {
         let d = rng.gen_range(0.0005f32..0.01);
         let m = rng.gen_range(-0.05f32..0.05);
         match dtype {
-            DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => put(blk, 0, d),
+            DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::IQ4_NL | DType::IQ4_XS => {
+                put(blk, 0, d)
+            }
             DType::Q4_1 | DType::Q5_1 => {
                 put(blk, 0, d);
                 put(blk, 2, m);

@@ -265,3 +265,59 @@ fn smollm2_perplexity() {
 fn gemma3_perplexity() {
     check_perplexity(common::gemma3(), 19.7848);
 }
+
+/// A tiny random-weight llama (rows of 256 and 512) quantized by llama-quantize, against
+/// llama-server on the same file (tests/models/tiny/llama256.*, made by
+/// `scripts/tiny_models/make.py --quantized`): prompt ids, teacher-forced probabilities and
+/// greedy tokens under the same rules as the real models.
+fn tiny_quantized(kind: &str) {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/models/tiny");
+    let model = dir.join(format!("llama256.{kind}.gguf"));
+    let llm = Llm::load(&model, &ferrum_llm::LoadOptions::default(), &mut |_, _| {})
+        .unwrap_or_else(|e| panic!("{}: {e}", model.display()));
+    let text = std::fs::read_to_string(dir.join(format!("llama256.{kind}.llamacpp.json")))
+        .expect("reference");
+    let mut reference: Value = serde_json::from_str(&text).expect("reference parses");
+    // llama-server folds the probabilities of a token that ends inside a UTF-8 character into
+    // the next entry (this random model emits byte tokens), so `top_probs` can fall out of step
+    // with `tokens`: each continuation is compared up to that point.
+    let mut kept = 0;
+    for c in reference["completions"]
+        .as_array_mut()
+        .expect("completions")
+    {
+        let tokens = ids(&c["tokens"]);
+        let probs = c["top_probs"].as_array().expect("top_probs");
+        let aligned = tokens
+            .iter()
+            .zip(probs)
+            .take_while(|(&t, p)| p["id"].as_u64() == Some(t as u64))
+            .count();
+        c["tokens"] = tokens[..aligned].iter().map(|&t| Value::from(t)).collect();
+        kept += aligned;
+    }
+    assert!(kept >= 200, "only {kept} reference positions in step");
+    check_prompt_tokens(&llm, &reference);
+    check_teacher_forced(&llm, &reference);
+    check_greedy(&llm, &reference);
+}
+
+#[test]
+fn tiny_q8_0() {
+    tiny_quantized("q8_0");
+}
+
+#[test]
+fn tiny_q4_k_m() {
+    tiny_quantized("q4_k_m");
+}
+
+#[test]
+fn tiny_iq4_xs() {
+    tiny_quantized("iq4_xs");
+}
+
+#[test]
+fn tiny_iq4_nl() {
+    tiny_quantized("iq4_nl");
+}

@@ -59,6 +59,40 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
 // ---------------------------------------------------------------------------------------------
 // Field offsets (bytes from the start of a block).
 
+/// The 16 values an IQ4_NL / IQ4_XS index selects (ggml's `kvalues_iq4nl`).
+pub const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+/// IQ4_NL: f16 d, then 16 bytes of index pairs (low nibbles: elements 0..16, high: 16..32).
+pub const IQ4_NL_QS: usize = 2;
+/// IQ4_XS: f16 d, u16 scales_h (2 high bits per 32), u8 scales_l[4] (4 low bits per 32),
+/// then 128 bytes of index pairs, 16 per 32 elements as in IQ4_NL.
+pub const IQ4_XS_SCALES_H: usize = 2;
+pub const IQ4_XS_SCALES_L: usize = 4;
+pub const IQ4_XS_QS: usize = 8;
+
+/// The 32 table values of one IQ4_NL-style group of 16 index bytes, in element order.
+#[inline(always)]
+pub fn unpack_iq4(qs: &[u8], q: &mut [i8]) {
+    for j in 0..16 {
+        q[j] = KVALUES_IQ4NL[(qs[j] & 0xf) as usize];
+        q[j + 16] = KVALUES_IQ4NL[(qs[j] >> 4) as usize];
+    }
+}
+
+/// The 8 signed 6-bit scales (ls - 32) of an IQ4_XS super-block, one per 32 elements.
+#[inline(always)]
+pub fn iq4xs_scales(b: &[u8]) -> [i32; 8] {
+    let h = u16::from_le_bytes([b[IQ4_XS_SCALES_H], b[IQ4_XS_SCALES_H + 1]]) as i32;
+    let mut out = [0i32; 8];
+    for (ib, o) in out.iter_mut().enumerate() {
+        let lo = (b[IQ4_XS_SCALES_L + ib / 2] as i32 >> (4 * (ib % 2))) & 0xf;
+        let hi = (h >> (2 * ib)) & 3;
+        *o = (lo | (hi << 4)) - 32;
+    }
+    out
+}
+
 /// Q4_0: d @0, qs[16] @2.
 pub const Q4_0_QS: usize = 2;
 /// Q4_1: d @0, m @2, qs[16] @4.

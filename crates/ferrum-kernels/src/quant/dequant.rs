@@ -38,6 +38,30 @@ pub(crate) fn dequantize(dtype: DType, src: &[u8], dst: &mut [f32]) {
             unpack_q5(rd_u32(b, Q5_1_QH), &b[Q5_1_QS..], 0, q);
             (rd_f16(b, 0), Some(rd_f16(b, 2)))
         }),
+        DType::IQ4_NL => {
+            let mut q = [0i8; QK];
+            for (b, y) in blocks(dtype, src, dst) {
+                unpack_iq4(&b[IQ4_NL_QS..], &mut q);
+                let d = rd_f16(b, 0);
+                for (o, &v) in y.iter_mut().zip(&q) {
+                    *o = d * v as f32;
+                }
+            }
+        }
+        DType::IQ4_XS => {
+            let mut q = [0i8; QK];
+            for (b, y) in blocks(dtype, src, dst) {
+                let d = rd_f16(b, 0);
+                let sc = iq4xs_scales(b);
+                for ib in 0..8 {
+                    unpack_iq4(&b[IQ4_XS_QS + 16 * ib..], &mut q);
+                    let dl = d * sc[ib] as f32;
+                    for (o, &v) in y[32 * ib..32 * ib + 32].iter_mut().zip(&q) {
+                        *o = dl * v as f32;
+                    }
+                }
+            }
+        }
         DType::Q8_0 | DType::Q8_1 => {
             let qs_off = if dtype == DType::Q8_0 {
                 Q8_0_QS

@@ -37,10 +37,40 @@ pub(crate) fn vec_dot_ref(weight: DType, w: &[u8], a: &[u8]) -> f32 {
         DType::Q2_K => dot_q2k(w, a),
         DType::Q3_K | DType::Q6_K => dot_q3k_q6k(weight, w, a),
         DType::Q4_K | DType::Q5_K => dot_q4k_q5k(weight, w, a),
+        DType::IQ4_NL => dot_iq4nl(w, a),
+        DType::IQ4_XS => dot_iq4xs(w, a),
         DType::Q8_1 | DType::Q8_K => {
             panic!("vec_dot: {weight} is an activation-only type, not a weight type")
         }
     }
+}
+
+/// IQ4_NL x Q8_0: Σ (d_x d_w)·Σqq per block (`ggml_vec_dot_iq4_nl_q8_0_generic`).
+fn dot_iq4nl(w: &[u8], a: &[u8]) -> f32 {
+    let mut sumf = 0f32;
+    let mut q = [0i8; QK];
+    for (bx, by) in w.chunks_exact(18).zip(a.chunks_exact(34)) {
+        let d = rd_f16(by, 0) * rd_f16(bx, 0);
+        unpack_iq4(&bx[IQ4_NL_QS..], &mut q);
+        sumf += d * isum(&q, &by[Q8_0_QS..]) as f32;
+    }
+    sumf
+}
+
+/// IQ4_XS x Q8_K: per 32 elements (d_w d_x)(ls - 32)·Σqq (`ggml_vec_dot_iq4_xs_q8_K_generic`).
+fn dot_iq4xs(w: &[u8], a: &[u8]) -> f32 {
+    let mut sumf = 0f32;
+    let mut q = [0i8; QK];
+    for (bx, by) in w.chunks_exact(136).zip(a.chunks_exact(292)) {
+        let d4d8 = rd_f16(bx, 0) * rd_f32(by, 0);
+        let sc = iq4xs_scales(bx);
+        for ib in 0..8 {
+            unpack_iq4(&bx[IQ4_XS_QS + 16 * ib..], &mut q);
+            let dl = d4d8 * sc[ib] as f32;
+            sumf += dl * isum(&q, &by[Q8_K_QS + 32 * ib..]) as f32;
+        }
+    }
+    sumf
 }
 
 /// Unpacks the 32 centred (Q4_0/Q5_0/Q8_0) or unsigned (Q4_1/Q5_1) weight values of one block.

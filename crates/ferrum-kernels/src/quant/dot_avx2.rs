@@ -31,6 +31,8 @@ pub(crate) fn vec_dot(weight: DType, w: &[u8], a: &[u8], n: usize) -> Option<f32
             DType::Q4_K => dot_avx2_k::dot_q4k(w, a),
             DType::Q5_K => dot_avx2_k::dot_q5k(w, a),
             DType::Q6_K => dot_avx2_k::dot_q6k(w, a),
+            DType::IQ4_NL => dot_iq4nl(w, a),
+            DType::IQ4_XS => dot_iq4xs(w, a),
             DType::F16 => dot_f16(w, a, n),
             DType::F32 => dot_f32(w, a, n),
             DType::BF16 => dot_bf16(w, a, n),
@@ -204,6 +206,75 @@ fn dot_q5_0(w: &[u8], a: &[u8]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_q8_0(w: &[u8], a: &[u8]) -> f32 {
     dot_x_q8_0(w, a, 34, |bx| ld256(&bx[Q8_0_QS..]))
+}
+
+// IQ4_NL x Q8_0 and IQ4_XS x Q8_K (llama.cpp's AVX2 `ggml_vec_dot_iq4_nl_q8_0` /
+// `ggml_vec_dot_iq4_xs_q8_K`): the 4-bit indices become table values by a byte shuffle.
+
+/// 16 bytes of IQ4 index pairs -> the 32 table values (low nibbles, then high nibbles).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4_values32(table: __m128i, qs: &[u8]) -> __m256i {
+    let x = ld128(qs);
+    let m = _mm_set1_epi8(0x0f);
+    let lo = _mm_shuffle_epi8(table, _mm_and_si128(x, m));
+    let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(x), m));
+    _mm256_set_m128i(hi, lo)
+}
+
+/// The IQ4 table as a vector.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4_table() -> __m128i {
+    ld128(&KVALUES_IQ4NL.map(|v| v as u8))
+}
+
+/// Blocks in pairs into two accumulators (even, odd), `hsum8(acc1 + acc2)`, then a last unpaired
+/// block as a scalar multiply-add.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_iq4nl(w: &[u8], a: &[u8]) -> f32 {
+    let table = iq4_table();
+    let nb = w.len() / 18;
+    let block = |ib: usize| {
+        let (bx, by) = (&w[18 * ib..18 * ib + 18], &a[34 * ib..34 * ib + 34]);
+        let p = sum_i8_pairs(iq4_values32(table, &bx[IQ4_NL_QS..]), ld256(&by[Q8_0_QS..]));
+        (h2f(by, 0) * h2f(bx, 0), p)
+    };
+    let (mut acc1, mut acc2) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut ib = 0;
+    while ib + 1 < nb {
+        let (d, p) = block(ib);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc1);
+        let (d, p) = block(ib + 1);
+        acc2 = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc2);
+        ib += 2;
+    }
+    let mut sumf = hsum8(_mm256_add_ps(acc1, acc2));
+    if ib < nb {
+        let (d, p) = block(ib);
+        sumf += d * hsum_i32x8(p) as f32;
+    }
+    sumf
+}
+
+/// Per super-block the eight groups' lanes, each times its scale, summed exactly; one FMA of
+/// `d_w·d_x` per super-block; `hsum8`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_iq4xs(w: &[u8], a: &[u8]) -> f32 {
+    let table = iq4_table();
+    let mut acc = _mm256_setzero_ps();
+    for (bx, by) in w.chunks_exact(136).zip(a.chunks_exact(292)) {
+        let sc = iq4xs_scales(bx);
+        let mut sumi = _mm256_setzero_si256();
+        for (ib, &ls) in sc.iter().enumerate() {
+            let v = iq4_values32(table, &bx[IQ4_XS_QS + 16 * ib..]);
+            let p = sum_i8_pairs(v, ld256(&by[Q8_K_QS + 32 * ib..]));
+            sumi = _mm256_add_epi32(sumi, _mm256_mullo_epi32(p, _mm256_set1_epi32(ls)));
+        }
+        let d = _mm256_set1_ps(h2f(bx, 0) * rd_f32(by, 0));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+    }
+    hsum8(acc)
 }
 
 // "_1" weights x Q8_1: acc += (d_w·d_x) · Σ qw·qx, plus Σ m_w·s_x kept in a scalar.

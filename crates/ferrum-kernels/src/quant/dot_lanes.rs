@@ -59,6 +59,8 @@ fn vec_dot_any(weight: DType, w: &[u8], a: &[u8], n: usize) -> Option<f32> {
         DType::Q4_K => dot_q45k(w, a, false),
         DType::Q5_K => dot_q45k(w, a, true),
         DType::Q6_K => dot_q6k(w, a),
+        DType::IQ4_NL => dot_iq4nl(w, a),
+        DType::IQ4_XS => dot_iq4xs(w, a),
         DType::F16 => dot_f16(w, a, n),
         DType::F32 => dot_f32(w, a, n),
         DType::BF16 => dot_bf16(w, a, n),
@@ -173,6 +175,68 @@ fn dot_x_q8_1(w: &[u8], a: &[u8], bw: usize, unpack: impl Fn(&[u8], &mut [i8; QK
         fma_lanes(&mut acc, d, &dot32_lanes(&q, y));
     }
     hsum8(&acc) + summs
+}
+
+// ---------------------------------------------------------------------------------------------
+// IQ4_NL x Q8_0 and IQ4_XS x Q8_K (llama.cpp's `ggml_vec_dot_iq4_nl_q8_0` /
+// `ggml_vec_dot_iq4_xs_q8_K`, AVX2 branch).
+
+/// IQ4_NL: blocks in pairs, the even block into `acc1` and the odd into `acc2`, each
+/// `fma(d_x·d_w, f32(lanes), acc)`; `hsum8(acc1 + acc2)`; a last unpaired block is added as a
+/// scalar, `sum + d·f32(Σqq)` (multiply, then add: ggml's build does not contract it).
+#[inline(always)]
+fn dot_iq4nl(w: &[u8], a: &[u8]) -> f32 {
+    let (mut acc1, mut acc2) = ([0f32; 8], [0f32; 8]);
+    let mut q = [0i8; QK];
+    let nb = w.len() / 18;
+    let block = |ib: usize, q: &mut [i8; QK]| {
+        let (bx, by) = (&w[18 * ib..18 * ib + 18], &a[34 * ib..34 * ib + 34]);
+        unpack_iq4(&bx[IQ4_NL_QS..], q);
+        let y: &[u8; QK] = by[Q8_0_QS..Q8_0_QS + QK].try_into().unwrap();
+        (rd_f16(by, 0) * rd_f16(bx, 0), dot32_lanes(q, y))
+    };
+    let mut ib = 0;
+    while ib + 1 < nb {
+        let (d, s) = block(ib, &mut q);
+        fma_lanes(&mut acc1, d, &s);
+        let (d, s) = block(ib + 1, &mut q);
+        fma_lanes(&mut acc2, d, &s);
+        ib += 2;
+    }
+    let mut sum = [0f32; 8];
+    for l in 0..8 {
+        sum[l] = acc1[l] + acc2[l];
+    }
+    let mut sumf = hsum8(&sum);
+    if ib < nb {
+        let (d, s) = block(ib, &mut q);
+        sumf += d * s.iter().sum::<i32>() as f32;
+    }
+    sumf
+}
+
+/// IQ4_XS: per super-block the lanes of all eight 32-element groups, each scaled by its
+/// `ls - 32`, summed exactly; `acc = fma(d_w·d_x, f32(lanes), acc)`; result `hsum8(acc)`.
+#[inline(always)]
+fn dot_iq4xs(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut q = [0i8; QK];
+    for (bx, by) in w.chunks_exact(136).zip(a.chunks_exact(292)) {
+        let sc = iq4xs_scales(bx);
+        let mut lanes = [0i32; 8];
+        for ib in 0..8 {
+            unpack_iq4(&bx[IQ4_XS_QS + 16 * ib..], &mut q);
+            let y: &[u8; QK] = by[Q8_K_QS + 32 * ib..Q8_K_QS + 32 * ib + QK]
+                .try_into()
+                .unwrap();
+            let s = dot32_lanes(&q, y);
+            for t in 0..8 {
+                lanes[t] += sc[ib] * s[t];
+            }
+        }
+        fma_lanes(&mut acc, rd_f16(bx, 0) * rd_f32(by, 0), &lanes);
+    }
+    hsum8(&acc)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -97,18 +97,23 @@ pub fn dequantize_row(dtype: DType, src: &[u8], dst: &mut [f32]) {
 }
 
 /// The activation format llama.cpp pairs with a weight type (`type_traits_cpu[..].vec_dot_type`):
-/// F32->F32, F16->F16, BF16->BF16, Q4_0|Q5_0|Q8_0->Q8_0, Q4_1|Q5_1->Q8_1, Q2_K..Q6_K->Q8_K.
+/// F32->F32, F16->F16, BF16->BF16, Q4_0|Q5_0|Q8_0|IQ4_NL->Q8_0, Q4_1|Q5_1->Q8_1,
+/// Q2_K..Q6_K|IQ4_XS->Q8_K.
 /// Activation-only types map to themselves.
 pub fn vec_dot_type(weight: DType) -> DType {
     match weight {
         DType::F32 => DType::F32,
         DType::F16 => DType::F16,
         DType::BF16 => DType::BF16,
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => DType::Q8_0,
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::IQ4_NL => DType::Q8_0,
         DType::Q4_1 | DType::Q5_1 | DType::Q8_1 => DType::Q8_1,
-        DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => {
-            DType::Q8_K
-        }
+        DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::Q8_K
+        | DType::IQ4_XS => DType::Q8_K,
     }
 }
 
