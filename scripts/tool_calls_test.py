@@ -8,7 +8,9 @@ Checks: a named tool_choice and `required` give a call whose arguments parse as 
 schema's required keys (streaming and not, no markup in the streamed content); a full round
 trip (call, then an assistant message with `content: null` and `tool_calls`, then the `role:
 tool` result) is accepted and answered; `tool_choice: "none"` gives content and no calls;
-`parallel_tool_calls: false` gives at most one call; bad tools and tool_choice get 400s.
+`parallel_tool_calls: false` gives at most one call; bad tools and tool_choice get 400s; and
+the Responses API (`client.responses.create`): text, streamed events, function calls streamed
+and not, a function_call_output round trip, bad inputs.
 
 Usage: scripts/tool_calls_test.py [path/to/ferrum]   (default: target/debug/ferrum)
 """
@@ -63,6 +65,58 @@ def streamed(client, **kw):
             c["arguments"] += (t.function.arguments or "") if t.function else ""
         finish = ch.choices[0].finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
+
+
+def responses_api(client):
+    """The Responses API (stateless) with the same client: text, streaming events, tools."""
+    kw = dict(model="default", max_output_tokens=32, temperature=0)
+    r = client.responses.create(input="Name three colours.", instructions="Answer briefly.", **kw)
+    check(r.status in ("completed", "incomplete") and r.output_text and r.id.startswith("resp_")
+          and r.usage.input_tokens > 0 and r.usage.output_tokens > 0,
+          f"responses: text reply {r.output_text!r}")
+    kinds, text, final = [], "", None
+    for ev in client.responses.create(input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "Say hello."}]}], stream=True, **kw):
+        kinds.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            text += ev.delta
+        if ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    check(kinds[0] == "response.created" and kinds[-1] in ("response.completed",
+                                                           "response.incomplete")
+          and "response.output_text.delta" in kinds and final is not None
+          and final.output_text == text and text,
+          f"responses: streamed events end in the full response ({len(kinds)} events)")
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+              "parameters": WEATHER["function"]["parameters"]}]
+    r = client.responses.create(input="What is the weather in Paris?", tools=tools,
+                                tool_choice="required", **kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    check(len(calls) == 1 and calls[0].name == "get_weather"
+          and "city" in json.loads(calls[0].arguments) and calls[0].call_id,
+          f"responses: function_call item {[(c.name, c.arguments) for c in calls]}")
+    r = client.responses.create(input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+         "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id,
+         "output": "18C and cloudy"}], tools=tools, tool_choice="none", **kw)
+    check(r.output_text, "responses: round trip with function_call_output answered")
+    got = []
+    for ev in client.responses.create(input="What is the weather in Paris?", tools=tools,
+                                      tool_choice={"type": "function", "name": "get_weather"},
+                                      stream=True, **kw):
+        if ev.type == "response.output_item.done" and ev.item.type == "function_call":
+            got.append(ev.item.name)
+    check(got == ["get_weather"], f"responses: streamed function_call {got}")
+    for what, bad in [("empty input", dict(input=[])),
+                      ("previous_response_id", dict(input="x", previous_response_id="resp_1")),
+                      ("a non-function tool", dict(input="x", tools=[{"type": "web_search"}]))]:
+        try:
+            client.responses.create(model="default", max_output_tokens=4, **bad)
+            check(False, f"responses: {what} is refused")
+        except BadRequestError as e:
+            check(e.status_code == 400, f"responses: {what}: 400")
 
 
 def main():
@@ -141,6 +195,7 @@ def main():
             except BadRequestError as e:
                 check(e.status_code == 400 and e.body and "message" in e.body,
                       f"{what}: 400 ({e.body.get('message', '')[:80]})")
+        responses_api(client)
         r = client.chat.completions.create(messages=ASK, max_tokens=4, model="default")
         check(r.choices[0].message.content is not None, "server still serving")
     finally:

@@ -52,7 +52,7 @@ pub struct AppState {
 }
 
 /// Counts a request in flight for as long as it lives.
-struct InFlight(Arc<AppState>);
+pub(crate) struct InFlight(Arc<AppState>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
@@ -67,13 +67,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(crate::responses::responses))
         .with_state(state)
 }
 
 /// 24 hex digits naming a response: unique across requests, restarts and replicas (a hash of
 /// the request's sequence number, the process id, the start time and a per-process random
 /// state), not a counter from 0.
-fn response_id(seq: u64) -> String {
+pub(crate) fn response_id(seq: u64) -> String {
     use std::hash::{BuildHasher, Hasher};
     static SEED: std::sync::OnceLock<(std::collections::hash_map::RandomState, u128)> =
         std::sync::OnceLock::new();
@@ -96,7 +97,7 @@ fn response_id(seq: u64) -> String {
 
 /// A tool call's id: `call_` and 24 hex digits, unique as response ids are (a process-wide
 /// counter through the same keyed hash, on a range of its own).
-fn call_id() -> String {
+pub(crate) fn call_id() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(1 << 63);
     format!("call_{}", response_id(NEXT.fetch_add(1, Ordering::Relaxed)))
 }
@@ -109,7 +110,15 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+    pub(crate) fn internal(message: String) -> ApiError {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message,
+            param: None,
+        }
+    }
+
+    pub(crate) fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
@@ -321,7 +330,7 @@ process_resident_memory_bytes {rss}"
     )
 }
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -350,7 +359,7 @@ struct StreamOptions {
 
 /// The fields both endpoints share (unknown fields are ignored, as OpenAI's API does).
 #[derive(Deserialize)]
-struct Common {
+pub(crate) struct Common {
     #[serde(default)]
     max_tokens: Option<u64>,
     #[serde(default)]
@@ -443,14 +452,14 @@ struct ChatBody {
 }
 
 /// How a chat request's output is read for tool calls.
-struct ToolCtx {
-    format: tool_calls::Format,
+pub(crate) struct ToolCtx {
+    pub(crate) format: tool_calls::Format,
     /// Text the prompt put at the start of the model's reply (the opening of a forced call).
-    prefix: String,
+    pub(crate) prefix: String,
     /// `parallel_tool_calls`: false keeps only the first call.
-    parallel: bool,
+    pub(crate) parallel: bool,
     /// A named `tool_choice`: only a call of this function is kept (one, as OpenAI's).
-    only: Option<String>,
+    pub(crate) only: Option<String>,
 }
 
 /// A function name as OpenAI accepts it: 1-64 of a-z, A-Z, 0-9, '_', '-' (and '.', which
@@ -463,7 +472,7 @@ fn valid_function_name(n: &str) -> bool {
 
 /// Checks `tools` (each `{type: "function", function: {name, description?, parameters?}}` with
 /// an object schema) and returns the function names.
-fn check_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
+pub(crate) fn check_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
     let bad = |m: String| ApiError::bad(m, Some("tools"));
     let mut names = Vec::with_capacity(tools.len());
     for (i, t) in tools.iter().enumerate() {
@@ -530,7 +539,7 @@ fn template_tool_calls(calls: &[Value], at: usize) -> Result<Value, ApiError> {
     Ok(Value::Array(out))
 }
 
-fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
+pub(crate) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("invalid request body: {e}"), None))
 }
@@ -778,11 +787,35 @@ async fn chat_completions(
 
     // Tools, and what the request asks of them.
     let tools = b.tools.unwrap_or_default();
-    let names = check_tools(&tools)?;
+    let tool_ctx = tool_context(&st, &tools, b.tool_choice.as_ref(), b.parallel_tool_calls)?;
+    let offered = tool_ctx.is_some().then_some(Value::Array(tools));
+    let kwargs = b.chat_template_kwargs.unwrap_or_default();
+    let mut rendered = st
+        .template
+        .render_json(&Value::Array(msgs), offered.as_ref(), &kwargs, true)
+        .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
+    if let Some(t) = &tool_ctx {
+        rendered.push_str(&t.prefix);
+    }
+    let prompt = st.llm.encode_rendered_chat(&rendered);
+    let default_max = st.ctx_size;
+    run(st, &b.common, prompt, default_max, Kind::Chat, tool_ctx).await
+}
+
+/// How a request's tools are offered and its output read: from `tools` (chat format, checked),
+/// `tool_choice` (chat format: none, auto, required, `{"type": "function", "function": {"name"}}`)
+/// and `parallel_tool_calls`. None: no tools offered.
+pub(crate) fn tool_context(
+    st: &AppState,
+    tools: &[Value],
+    choice: Option<&Value>,
+    parallel: Option<bool>,
+) -> Result<Option<ToolCtx>, ApiError> {
+    let names = check_tools(tools)?;
     let choice_err = |m: String| ApiError::bad(m, Some("tool_choice"));
     // None: no tools offered; Some(None): the model may call one; Some(Some(x)): it must call
     // (x: "" for any, else the named function).
-    let choice: Option<Option<String>> = match &b.tool_choice {
+    let choice: Option<Option<String>> = match choice {
         None | Some(Value::Null) => (!tools.is_empty()).then_some(None),
         Some(Value::String(s)) => match s.as_str() {
             "none" => None,
@@ -820,7 +853,7 @@ async fn chat_completions(
             "tool_choice requires a call but no tools are given".into(),
         ));
     }
-    let tool_ctx = choice.as_ref().map(|forced| {
+    Ok(choice.as_ref().map(|forced| {
         let format = tool_calls::Format::of_template(st.template.source());
         // Without a grammar (not yet), a required or named call is made as strong as the
         // prompt can make it: for the <tool_call> format the reply is opened for the model.
@@ -842,22 +875,10 @@ async fn chat_completions(
         ToolCtx {
             format,
             prefix,
-            parallel: b.parallel_tool_calls.unwrap_or(true) && only.is_none(),
+            parallel: parallel.unwrap_or(true) && only.is_none(),
             only,
         }
-    });
-    let offered = tool_ctx.is_some().then_some(Value::Array(tools));
-    let kwargs = b.chat_template_kwargs.unwrap_or_default();
-    let mut rendered = st
-        .template
-        .render_json(&Value::Array(msgs), offered.as_ref(), &kwargs, true)
-        .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
-    if let Some(t) = &tool_ctx {
-        rendered.push_str(&t.prefix);
-    }
-    let prompt = st.llm.encode_rendered_chat(&rendered);
-    let default_max = st.ctx_size;
-    run(st, &b.common, prompt, default_max, Kind::Chat, tool_ctx).await
+    }))
 }
 
 /// Largest `n` (choices per request) and `logprobs` / `top_logprobs` accepted.
@@ -945,26 +966,25 @@ fn logprobs_json(kind: Kind, lps: &[TokenLogprobs], mut offset: usize) -> Value 
     }
 }
 
-async fn run(
-    st: Arc<AppState>,
+/// An accepted request: its engine events (choice index, event), the admission slot it holds
+/// until dropped, and its prompt's length.
+pub(crate) struct Submitted {
+    pub rx: mpsc::UnboundedReceiver<(usize, Event)>,
+    pub guard: InFlight,
+    pub prompt_tokens: usize,
+}
+
+/// Checks a request's shared fields, takes an admission slot and sends its `n` choices to the
+/// engine. `Ok(Err(response))`: the server is at capacity (429, to be returned as is).
+pub(crate) fn submit(
+    st: &Arc<AppState>,
     c: &Common,
     prompt: Vec<u32>,
     default_max: usize,
-    kind: Kind,
-    tools: Option<ToolCtx>,
-) -> Result<Response, ApiError> {
-    let (prompt, max_tokens, sampling, stop) = build(&st, c, prompt, default_max)?;
-    let logprobs = parse_logprobs(c, kind)?;
-    let n = match c.n {
-        None => 1,
-        Some(n) if (1..=MAX_N).contains(&n) => n as usize,
-        Some(_) => {
-            return Err(ApiError::bad(
-                format!("n must be from 1 to {MAX_N}"),
-                Some("n"),
-            ))
-        }
-    };
+    n: usize,
+    logprobs: Option<usize>,
+) -> Result<Result<Submitted, Response>, ApiError> {
+    let (prompt, max_tokens, sampling, stop) = build(st, c, prompt, default_max)?;
     let min_tokens = c.min_tokens.unwrap_or(0) as usize;
     if min_tokens > max_tokens {
         return Err(ApiError::bad(
@@ -977,16 +997,16 @@ async fn run(
         st.in_flight.fetch_sub(1, Ordering::SeqCst);
         let body = json!({"error": {"message": "the server is at capacity; retry shortly",
             "type": "rate_limit_error", "param": null, "code": null}});
-        return Ok((
+        return Ok(Err((
             StatusCode::TOO_MANY_REQUESTS,
             [(axum::http::header::RETRY_AFTER, "1")],
             Json(body),
         )
-            .into_response());
+            .into_response()));
     }
-    let guard = InFlight(Arc::clone(&st));
+    let guard = InFlight(Arc::clone(st));
     // One engine request per choice, all answering on one channel; choice i samples with seed + i.
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::unbounded_channel();
     for choice in 0..n {
         let mut sampling = sampling.clone();
         sampling.seed = sampling.seed.wrapping_add(choice as u64);
@@ -1008,7 +1028,40 @@ async fn run(
             param: None,
         })?;
     }
-    drop(tx);
+    Ok(Ok(Submitted {
+        rx,
+        guard,
+        prompt_tokens: prompt.len(),
+    }))
+}
+
+async fn run(
+    st: Arc<AppState>,
+    c: &Common,
+    prompt: Vec<u32>,
+    default_max: usize,
+    kind: Kind,
+    tools: Option<ToolCtx>,
+) -> Result<Response, ApiError> {
+    let logprobs = parse_logprobs(c, kind)?;
+    let n = match c.n {
+        None => 1,
+        Some(n) if (1..=MAX_N).contains(&n) => n as usize,
+        Some(_) => {
+            return Err(ApiError::bad(
+                format!("n must be from 1 to {MAX_N}"),
+                Some("n"),
+            ))
+        }
+    };
+    let Submitted {
+        mut rx,
+        guard,
+        prompt_tokens,
+    } = match submit(&st, c, prompt, default_max, n, logprobs)? {
+        Ok(s) => s,
+        Err(busy) => return Ok(busy),
+    };
     let id = format!(
         "{}-{}",
         if kind == Kind::Chat {
@@ -1020,7 +1073,6 @@ async fn run(
     );
     let created = now();
     let model = st.model_id.clone();
-    let prompt_tokens = prompt.len();
 
     if !c.stream {
         let _guard = guard;

@@ -20,6 +20,7 @@
 pub mod api;
 pub mod engine;
 pub mod kv_blocks;
+pub mod responses;
 pub mod tool_calls;
 
 use std::net::SocketAddr;
