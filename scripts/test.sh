@@ -14,10 +14,11 @@ cargo test --workspace
 FERRUM_NO_AVX512=1 cargo test -p ferrum-llm --test llamacpp_reference smollm2
 FERRUM_FORCE_SCALAR=1 cargo test -p ferrum-llm --test llamacpp_reference -- \
     smollm2_teacher_forced smollm2_greedy smollm2_prompt_tokens
-# The server with the official `openai` Python client (installed into a git-ignored venv).
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import openai' 2>/dev/null; then
+# The server with the official `openai` and `anthropic` Python clients (installed into a
+# git-ignored venv).
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import openai, anthropic' 2>/dev/null; then
     python3 -m venv .venv
-    .venv/bin/pip install --quiet --disable-pip-version-check 'openai>=1.40'
+    .venv/bin/pip install --quiet --disable-pip-version-check 'openai>=1.40' 'anthropic>=0.40'
 fi
 .venv/bin/python scripts/openai_client_test.py target/debug/ferrum
 # Tool calling (Qwen2.5-Coder-0.5B-Instruct, whose template teaches <tool_call>) with the same client.

@@ -10,7 +10,9 @@ trip (call, then an assistant message with `content: null` and `tool_calls`, the
 tool` result) is accepted and answered; `tool_choice: "none"` gives content and no calls;
 `parallel_tool_calls: false` gives at most one call; bad tools and tool_choice get 400s; and
 the Responses API (`client.responses.create`): text, streamed events, function calls streamed
-and not, a function_call_output round trip, bad inputs.
+and not, a function_call_output round trip, bad inputs; and Anthropic's Messages API with the
+`anthropic` client: text, streaming, tool_use forced and streamed, a tool_result round trip,
+count_tokens, errors in Anthropic's shape.
 
 Usage: scripts/tool_calls_test.py [path/to/ferrum]   (default: target/debug/ferrum)
 """
@@ -119,6 +121,61 @@ def responses_api(client):
             check(e.status_code == 400, f"responses: {what}: 400")
 
 
+def anthropic_api(addr):
+    """Anthropic's Messages API with the official `anthropic` client: text, streaming, tool_use
+    (forced and streamed), a tool_result round trip, count_tokens, Anthropic-style 400s."""
+    import anthropic
+    c = anthropic.Anthropic(base_url=f"http://{addr}", api_key="unused", max_retries=0)
+    greedy = {"extra_body": {"temperature": 0}}
+    r = c.messages.create(model="default", max_tokens=32, system="Answer briefly.",
+                          messages=[{"role": "user", "content": "Name three colours."}], **greedy)
+    check(r.type == "message" and r.content[0].type == "text" and r.content[0].text
+          and r.stop_reason in ("end_turn", "max_tokens") and r.usage.input_tokens > 0,
+          f"anthropic: text reply {r.content[0].text!r}")
+    with c.messages.stream(model="default", max_tokens=24,
+                           messages=[{"role": "user", "content": "Say hello."}], **greedy) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    check(text and final.content[0].text == text, "anthropic: streamed text equals the message")
+    tools = [{"name": "get_weather", "description": "Weather in a city",
+              "input_schema": WEATHER["function"]["parameters"]}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = c.messages.create(model="default", max_tokens=48, tools=tools,
+                          tool_choice={"type": "any"}, messages=ask, **greedy)
+    uses = [b for b in r.content if b.type == "tool_use"]
+    check(r.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
+          and "city" in uses[0].input and uses[0].id,
+          f"anthropic: tool_choice any gives tool_use {[(u.name, u.input) for u in uses]}")
+    r = c.messages.create(model="default", max_tokens=32, tools=tools, messages=ask + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id,
+                                           "name": "get_weather", "input": uses[0].input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                      "content": "18C, cloudy"},
+                                     {"type": "text", "text": "Summarise it."}]}], **greedy)
+    check(r.content and r.content[0].type == "text" and r.content[0].text,
+          f"anthropic: tool_result round trip answered: {r.content[0].text!r}")
+    with c.messages.stream(model="default", max_tokens=48, tools=tools,
+                           tool_choice={"type": "tool", "name": "get_weather"},
+                           messages=[{"role": "user", "content": "Weather in Rome?"}],
+                           **greedy) as s:
+        final = s.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    check(final.stop_reason == "tool_use" and len(uses) == 1 and "city" in uses[0].input,
+          "anthropic: streamed tool_use")
+    n = c.messages.count_tokens(model="default", messages=ask)
+    check(n.input_tokens > 5, f"anthropic: count_tokens {n.input_tokens}")
+    for what, kw in [("empty messages", dict(messages=[])),
+                     ("tool_choice naming an unknown tool",
+                      dict(messages=ask, tools=tools, tool_choice={"type": "tool", "name": "x"}))]:
+        try:
+            c.messages.create(model="default", max_tokens=4, **kw)
+            check(False, f"anthropic: {what} is refused")
+        except anthropic.BadRequestError as e:
+            check(e.status_code == 400 and e.body.get("type") == "error"
+                  and e.body["error"]["type"] == "invalid_request_error",
+                  f"anthropic: {what}: 400 in Anthropic's error shape")
+
+
 def main():
     proc, addr = base.start_server()
     try:
@@ -196,6 +253,7 @@ def main():
                 check(e.status_code == 400 and e.body and "message" in e.body,
                       f"{what}: 400 ({e.body.get('message', '')[:80]})")
         responses_api(client)
+        anthropic_api(addr)
         r = client.chat.completions.create(messages=ASK, max_tokens=4, model="default")
         check(r.choices[0].message.content is not None, "server still serving")
     finally:

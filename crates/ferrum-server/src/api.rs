@@ -68,6 +68,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(crate::responses::responses))
+        .route("/v1/messages", post(crate::anthropic::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::anthropic::count_tokens),
+        )
         .with_state(state)
 }
 
@@ -142,6 +147,20 @@ impl From<BytesRejection> for ApiError {
             message,
             param: None,
         }
+    }
+}
+
+impl ApiError {
+    /// The error as Anthropic's API writes it: `{"type": "error", "error": {"type", "message"}}`.
+    pub(crate) fn into_anthropic(self) -> Response {
+        let kind = match self.status {
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+            s if s.is_client_error() => "invalid_request_error",
+            _ => "api_error",
+        };
+        let body = json!({"type": "error", "error": {"type": kind, "message": self.message}});
+        (self.status, Json(body)).into_response()
     }
 }
 

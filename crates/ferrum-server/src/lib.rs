@@ -17,6 +17,7 @@
 //! # }
 //! ```
 
+pub mod anthropic;
 pub mod api;
 pub mod engine;
 pub mod kv_blocks;
