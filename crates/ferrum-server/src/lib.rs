@@ -2,7 +2,11 @@
 //!
 //! - [`engine`]: the scheduler and model runner, a synchronous state machine on its own thread
 //!   (continuous batching over `Model::forward_batch`).
-//! - [`api`]: the HTTP layer (axum on tokio), talking to the engine through channels.
+//! - [`api`]: the HTTP layer (axum on tokio), talking to the engine through channels: the
+//!   OpenAI completions and chat endpoints, health, models, metrics.
+//! - [`responses`]: OpenAI's Responses API; [`anthropic`]: Anthropic's Messages API; both render
+//!   through the chat template and submit like the chat endpoint.
+//! - [`tool_calls`]: tool calls parsed out of model output, whole or streaming.
 //!
 //! ```no_run
 //! # fn main() -> anyhow::Result<()> {
