@@ -12,7 +12,7 @@ tool` result) is accepted and answered; `tool_choice: "none"` gives content and 
 the Responses API (`client.responses.create`): text, streamed events, function calls streamed
 and not, a function_call_output round trip, bad inputs; and Anthropic's Messages API with the
 `anthropic` client: text, streaming, tool_use forced and streamed, a tool_result round trip,
-count_tokens, errors in Anthropic's shape.
+count_tokens, errors in Anthropic's shape; `/tokenize` and `/detokenize`.
 
 Usage: scripts/tool_calls_test.py [path/to/ferrum]   (default: target/debug/ferrum)
 """
@@ -176,6 +176,30 @@ def anthropic_api(addr):
                   f"anthropic: {what}: 400 in Anthropic's error shape")
 
 
+def tokenize_api(addr):
+    """vLLM's /tokenize and /detokenize, with plain HTTP."""
+    import urllib.error
+    import urllib.request
+
+    def post(path, body):
+        req = urllib.request.Request(f"http://{addr}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    code, t = post("/tokenize", {"prompt": "Hello world"})
+    check(code == 200 and t["count"] == len(t["tokens"]) > 0, f"/tokenize prompt: {t}")
+    code, d = post("/detokenize", {"tokens": t["tokens"]})
+    check(code == 200 and d["prompt"] == "Hello world", "/detokenize round trip")
+    code, c = post("/tokenize", {"messages": ASK})
+    check(code == 200 and c["count"] > t["count"], "/tokenize messages through the template")
+    code, e = post("/detokenize", {"tokens": [10 ** 9]})
+    check(code == 400 and "error" in e, "/detokenize of an id outside the vocabulary: 400")
+
+
 def main():
     proc, addr = base.start_server()
     try:
@@ -254,6 +278,7 @@ def main():
                       f"{what}: 400 ({e.body.get('message', '')[:80]})")
         responses_api(client)
         anthropic_api(addr)
+        tokenize_api(addr)
         r = client.chat.completions.create(messages=ASK, max_tokens=4, model="default")
         check(r.choices[0].message.content is not None, "server still serving")
     finally:

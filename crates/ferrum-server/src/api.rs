@@ -14,7 +14,7 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::tool_calls;
+use crate::{reasoning, tool_calls};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -73,6 +73,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/messages/count_tokens",
             post(crate::anthropic::count_tokens),
         )
+        .route("/tokenize", post(crate::tokenize::tokenize))
+        .route("/detokenize", post(crate::tokenize::detokenize))
         .with_state(state)
 }
 
@@ -726,7 +728,7 @@ async fn completions(
         }
         Prompt::Ids(ids) => ids,
     };
-    run(st, &b.common, prompt, 16, Kind::Completion, None).await
+    run(st, &b.common, prompt, 16, Kind::Completion, None, None).await
 }
 
 async fn chat_completions(
@@ -816,9 +818,22 @@ async fn chat_completions(
     if let Some(t) = &tool_ctx {
         rendered.push_str(&t.prefix);
     }
+    // Thinking templates: the reasoning goes to reasoning_content (Some(true): the prompt
+    // already opened it).
+    let think = reasoning::template_thinks(st.template.source())
+        .then(|| reasoning::prompt_opens(&rendered));
     let prompt = st.llm.encode_rendered_chat(&rendered);
     let default_max = st.ctx_size;
-    run(st, &b.common, prompt, default_max, Kind::Chat, tool_ctx).await
+    run(
+        st,
+        &b.common,
+        prompt,
+        default_max,
+        Kind::Chat,
+        tool_ctx,
+        think,
+    )
+    .await
 }
 
 /// How a request's tools are offered and its output read: from `tools` (chat format, checked),
@@ -898,6 +913,52 @@ pub(crate) fn tool_context(
             only,
         }
     }))
+}
+
+/// One choice of a streamed chat reply, read as it comes: the reasoning split off (thinking
+/// templates), then the answer parsed for tool calls (when tools are offered).
+struct ChatReader {
+    think: Option<reasoning::Splitter>,
+    tools: Option<tool_calls::Parser>,
+}
+
+/// What a [`ChatReader`] gives out.
+enum ReadOut {
+    Reasoning(String),
+    Piece(tool_calls::Piece),
+}
+
+impl ChatReader {
+    fn route(&mut self, parts: Vec<reasoning::Part>) -> Vec<ReadOut> {
+        let mut out = Vec::new();
+        for (is_reasoning, t) in parts {
+            if is_reasoning {
+                out.push(ReadOut::Reasoning(t));
+            } else if let Some(p) = self.tools.as_mut() {
+                out.extend(p.push(&t).into_iter().map(ReadOut::Piece));
+            } else {
+                out.push(ReadOut::Piece(tool_calls::Piece::Text(t)));
+            }
+        }
+        out
+    }
+
+    fn push(&mut self, text: &str) -> Vec<ReadOut> {
+        let parts = match self.think.as_mut() {
+            Some(s) => s.push(text),
+            None => vec![(false, text.to_string())],
+        };
+        self.route(parts)
+    }
+
+    fn finish(&mut self) -> Vec<ReadOut> {
+        let parts = self.think.as_mut().map(|s| s.finish()).unwrap_or_default();
+        let mut out = self.route(parts);
+        if let Some(p) = self.tools.as_mut() {
+            out.extend(p.finish().into_iter().map(ReadOut::Piece));
+        }
+        out
+    }
 }
 
 /// Largest `n` (choices per request) and `logprobs` / `top_logprobs` accepted.
@@ -1061,6 +1122,7 @@ async fn run(
     default_max: usize,
     kind: Kind,
     tools: Option<ToolCtx>,
+    think: Option<bool>,
 ) -> Result<Response, ApiError> {
     let logprobs = parse_logprobs(c, kind)?;
     let n = match c.n {
@@ -1141,22 +1203,29 @@ async fn run(
                 match (kind, &tools) {
                     (Kind::Completion, _) => json!({"index": i, "text": texts[i], "logprobs": lp,
                         "finish_reason": finish}),
-                    (Kind::Chat, None) => json!({"index": i,
-                        "message": {"role": "assistant", "content": texts[i]},
-                        "logprobs": lp, "finish_reason": finish}),
-                    (Kind::Chat, Some(t)) => {
-                        let (content, mut calls) =
-                            tool_calls::parse(t.format, &t.prefix, &texts[i]);
+                    (Kind::Chat, _) => {
+                        // Reasoning split off first (thinking templates), then tool calls.
+                        let (reasoning, answer) = match think {
+                            Some(inside) => reasoning::split(inside, &texts[i]),
+                            None => (None, texts[i].clone()),
+                        };
+                        let mut message = json!({"role": "assistant", "content": answer});
+                        if let Some(r) = reasoning {
+                            message["reasoning_content"] = json!(r);
+                        }
+                        let Some(t) = &tools else {
+                            return json!({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": finish});
+                        };
+                        let (content, mut calls) = tool_calls::parse(t.format, &t.prefix, &answer);
                         if let Some(only) = &t.only {
                             calls.retain(|c| &c.name == only);
                         }
                         if !t.parallel {
                             calls.truncate(1);
                         }
-                        let mut message = json!({"role": "assistant", "content": content});
-                        if calls.is_empty() {
-                            message["content"] = json!(texts[i]);
-                        } else {
+                        if !calls.is_empty() {
+                            message["content"] = json!(content);
                             message["tool_calls"] =
                                 calls.iter().map(|c| c.to_json(&call_id())).collect();
                             finish = Some("tool_calls");
@@ -1216,11 +1285,14 @@ async fn run(
         }
         let mut offsets = vec![0usize; n];
         // Per choice: the tool-call parser and how many calls it has sent.
-        let mut parsers: Vec<Option<tool_calls::Parser>> = (0..n)
+        let mut parsers: Vec<Option<ChatReader>> = (0..n)
             .map(|_| {
-                tools
-                    .as_ref()
-                    .map(|t| tool_calls::Parser::continuing(t.format, &t.prefix))
+                (kind == Kind::Chat && (tools.is_some() || think.is_some())).then(|| ChatReader {
+                    think: think.map(reasoning::Splitter::new),
+                    tools: tools
+                        .as_ref()
+                        .map(|t| tool_calls::Parser::continuing(t.format, &t.prefix)),
+                })
             })
             .collect();
         let parallel = tools.as_ref().is_none_or(|t| t.parallel);
@@ -1228,12 +1300,15 @@ async fn run(
         let mut n_calls = vec![0usize; n];
         // Content and tool-call deltas of choice i for parsed pieces.
         let pieces_to_deltas =
-            |i: usize, pieces: Vec<tool_calls::Piece>, n_calls: &mut Vec<usize>| -> Vec<Value> {
+            |i: usize, pieces: Vec<ReadOut>, n_calls: &mut Vec<usize>| -> Vec<Value> {
                 let mut deltas = Vec::new();
                 for p in pieces {
                     match p {
-                        tool_calls::Piece::Text(t) => deltas.push(json!({"content": t})),
-                        tool_calls::Piece::Call(c) => {
+                        ReadOut::Reasoning(t) => deltas.push(json!({"reasoning_content": t})),
+                        ReadOut::Piece(tool_calls::Piece::Text(t)) => {
+                            deltas.push(json!({"content": t}))
+                        }
+                        ReadOut::Piece(tool_calls::Piece::Call(c)) => {
                             if (!parallel && n_calls[i] > 0)
                                 || only.as_ref().is_some_and(|n| &c.name != n)
                             {

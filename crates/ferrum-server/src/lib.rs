@@ -7,6 +7,7 @@
 //! - [`responses`]: OpenAI's Responses API; [`anthropic`]: Anthropic's Messages API; both render
 //!   through the chat template and submit like the chat endpoint.
 //! - [`tool_calls`]: tool calls parsed out of model output, whole or streaming.
+//! - [`tokenize`]: `/tokenize` and `/detokenize`; [`reasoning`]: `<think>` reasoning split from answers.
 //!
 //! ```no_run
 //! # fn main() -> anyhow::Result<()> {
@@ -25,7 +26,9 @@ pub mod anthropic;
 pub mod api;
 pub mod engine;
 pub mod kv_blocks;
+pub mod reasoning;
 pub mod responses;
+pub mod tokenize;
 pub mod tool_calls;
 
 use std::net::SocketAddr;
