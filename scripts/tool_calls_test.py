@@ -5,10 +5,13 @@ Run by scripts/test.sh after `cargo test` (which builds the binary); exits non-z
 failed check.
 
 Checks: a named tool_choice and `required` give a call whose arguments parse as JSON with the
-schema's required keys (streaming and not, no markup in the streamed content); a full round
-trip (call, then an assistant message with `content: null` and `tool_calls`, then the `role:
-tool` result) is accepted and answered; `tool_choice: "none"` gives content and no calls;
-`parallel_tool_calls: false` gives at most one call; bad tools and tool_choice get 400s; and
+schema's required keys (streaming and not: the streamed arguments equal the plain reply's, each
+streamed call opens with its id, type and name, no markup in the streamed content); with `auto`
+the streamed and plain replies agree; a full round trip (call, then an assistant message with
+`content: null` and `tool_calls`, then the `role: tool` result) reaches the template as Hugging
+Face renders it (seen through /tokenize) and is answered with text; `tool_choice: "none"` gives
+content and no calls; `parallel_tool_calls: false` gives at most one call; text content parts
+and `chat_template_kwargs` are taken; bad tools, tool_choice and messages get 400s; and
 the Responses API (`client.responses.create`): text, streamed events, function calls streamed
 and not, a function_call_output round trip, bad inputs; and Anthropic's Messages API with the
 `anthropic` client: text, streaming, tool_use forced and streamed, a tool_result round trip,
@@ -54,6 +57,9 @@ def args_ok(call, name, required):
 
 
 def streamed(client, **kw):
+    """A streamed chat reply: its content, calls and finish reason. Each call must arrive as
+    OpenAI sends one: a first delta with its id, type, name and empty arguments, then deltas with
+    argument text only."""
     content, calls, finish = "", {}, None
     for ch in client.chat.completions.create(stream=True, **kw):
         if not ch.choices:
@@ -61,7 +67,14 @@ def streamed(client, **kw):
         d = ch.choices[0].delta
         content += d.content or ""
         for t in d.tool_calls or []:
+            first = t.index not in calls
             c = calls.setdefault(t.index, {"id": None, "name": "", "arguments": ""})
+            if first:
+                check(t.id and t.type == "function" and t.function.name
+                      and t.function.arguments == "", "streamed call opens with id, type, name")
+            else:
+                check(t.id is None and t.function.name is None,
+                      "streamed call continues with arguments only")
             c["id"] = t.id or c["id"]
             c["name"] += (t.function.name or "") if t.function else ""
             c["arguments"] += (t.function.arguments or "") if t.function else ""
@@ -176,19 +189,31 @@ def anthropic_api(addr):
                   f"anthropic: {what}: 400 in Anthropic's error shape")
 
 
-def tokenize_api(addr):
-    """vLLM's /tokenize and /detokenize, with plain HTTP."""
+def post_json(addr, path, body):
     import urllib.error
     import urllib.request
+    req = urllib.request.Request(f"http://{addr}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
 
+
+def tokenize_text(addr, body):
+    """The prompt the chat endpoint would give the model for `body` (through /tokenize, then
+    /detokenize, which leaves out control tokens such as <|im_start|>)."""
+    code, t = post_json(addr, "/tokenize", body)
+    check(code == 200, f"/tokenize {code}")
+    code, d = post_json(addr, "/detokenize", {"tokens": t["tokens"]})
+    return d["prompt"]
+
+
+def tokenize_api(addr):
+    """vLLM's /tokenize and /detokenize, with plain HTTP."""
     def post(path, body):
-        req = urllib.request.Request(f"http://{addr}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req) as r:
-                return r.status, json.load(r)
-        except urllib.error.HTTPError as e:
-            return e.code, json.load(e)
+        return post_json(addr, path, body)
 
     code, t = post("/tokenize", {"prompt": "Hello world"})
     check(code == 200 and t["count"] == len(t["tokens"]) > 0, f"/tokenize prompt: {t}")
@@ -215,6 +240,7 @@ def main():
               f"named tool_choice gives a get_weather call with valid arguments: {m.tool_calls}")
         check(m.tool_calls[0].id.startswith("call_") and m.tool_calls[0].type == "function",
               "tool call id and type")
+        named_args = m.tool_calls[0].function.arguments
 
         r = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice="required",
                                            **common)
@@ -229,6 +255,18 @@ def main():
               f"streamed named call: {calls}")
         check("<tool_call>" not in content and "get_weather" not in content,
               f"no tool markup in streamed content: {content!r}")
+        check(calls[0]["arguments"] == named_args, "streamed arguments equal the plain reply's")
+
+        # auto: the model chooses; streamed and plain replies agree (greedy), markup never in
+        # the streamed content.
+        r = client.chat.completions.create(messages=ASK, tools=[WEATHER, TIME], **common)
+        m = r.choices[0].message
+        content, calls, finish = streamed(client, messages=ASK, tools=[WEATHER, TIME], **common)
+        plain = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        check(finish == r.choices[0].finish_reason and content == (m.content or "")
+              and [(c["name"], c["arguments"]) for c in calls] == plain
+              and "<tool_call>" not in content,
+              f"auto, streamed and not, agree: {finish} {plain} {content!r}")
 
         r = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice="none",
                                            **common)
@@ -241,10 +279,14 @@ def main():
         check(len(r.choices[0].message.tool_calls or []) == 1,
               "parallel_tool_calls false: one call")
 
-        # Round trip: the call, its result, the answer.
+        # Round trip: the call, its result, the answer. The assistant turn goes back as every
+        # client sends it (content null, tool_calls with arguments as a JSON string), the result
+        # as a tool message; the template must show the call with its arguments (as an object,
+        # in the client's key order) and the result.
         r = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice="required",
                                            **common)
         tc = r.choices[0].message.tool_calls[0]
+        args = json.loads(tc.function.arguments)
         history = ASK + [
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": tc.id, "type": "function",
@@ -252,10 +294,24 @@ def main():
             {"role": "tool", "tool_call_id": tc.id,
              "content": json.dumps({"temperature": 18, "unit": "celsius", "sky": "cloudy"})},
         ]
-        r = client.chat.completions.create(messages=history, tools=[WEATHER], tool_choice="none",
-                                           **common)
-        check(r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length"),
-              f"round trip answered: {r.choices[0].message.content!r}")
+        prompt = tokenize_text(addr, {"messages": history, "tools": [WEATHER]})
+        shown = '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>' % (
+            json.dumps(args))
+        check(shown in prompt and "<tool_response>\n{\"temperature\": 18" in prompt
+              and '{"type": "function", "function": {"name": "get_weather"' in prompt,
+              "the history's call, its result and the tools reach the template as HF renders them")
+        for choice in ("auto", "none"):
+            r = client.chat.completions.create(messages=history, tools=[WEATHER],
+                                               tool_choice=choice, **common)
+            m = r.choices[0].message
+            check(m.content and not m.tool_calls and r.choices[0].finish_reason in ("stop", "length"),
+                  f"round trip ({choice}) answered with text: {m.content!r}")
+
+        # Content as a list of text parts, and chat_template_kwargs, are taken.
+        r = client.chat.completions.create(
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}],
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **common)
+        check(r.choices[0].message.content, "content parts and chat_template_kwargs")
 
         bad = [
             ("tool_choice naming an unknown function",
@@ -267,6 +323,10 @@ def main():
             ("an unknown tool_choice", dict(tools=[WEATHER], tool_choice="sometimes")),
             ("a tool message without tool_call_id",
              dict(messages=ASK + [{"role": "tool", "content": "18C"}])),
+            ("a tool of another type", dict(tools=[{"type": "web_search"}])),
+            ("an unknown message role", dict(messages=[{"role": "robot", "content": "hi"}])),
+            ("an image part", dict(messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])),
         ]
         for what, kw in bad:
             kw = {"messages": ASK, **kw}

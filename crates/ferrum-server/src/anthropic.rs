@@ -27,10 +27,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::api::{
-    call_id, parse, response_id, submit, tool_context, ApiError, AppState, Common, Submitted,
-    ToolCtx,
-};
+use crate::api::{call_id, parse, response_id, submit, ApiError, AppState, Common, Submitted};
+use crate::chat_request::{tool_context, ToolCtx};
 use crate::engine::Event;
 use crate::tool_calls::{self, Piece, ToolCall};
 
@@ -245,7 +243,7 @@ fn chat_tools(b: &Body) -> Result<ChatTools, ApiError> {
 fn prepare(st: &AppState, b: &Body) -> Result<(Vec<u32>, Option<ToolCtx>), ApiError> {
     let msgs = chat_messages(b)?;
     let (tools, choice, parallel) = chat_tools(b)?;
-    let ctx = tool_context(st, &tools, choice.as_ref(), parallel)?;
+    let ctx = tool_context(st.template.source(), &tools, choice.as_ref(), parallel)?;
     let offered = ctx.is_some().then_some(Value::Array(tools));
     let mut rendered = st
         .template

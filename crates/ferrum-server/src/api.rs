@@ -14,6 +14,7 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::chat_request::{self, call_deltas, Message, ToolCtx, ToolsIn};
 use crate::{reasoning, tool_calls};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -26,6 +27,7 @@ use axum::{Json, Router};
 use ferrum_llm::{FinishReason, Llm, SamplingParams};
 use ferrum_tokenizer::ChatTemplate;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -110,9 +112,10 @@ pub(crate) fn call_id() -> String {
 }
 
 /// An OpenAI-style error response.
+#[derive(Debug)]
 pub struct ApiError {
-    status: StatusCode,
-    message: String,
+    pub(crate) status: StatusCode,
+    pub(crate) message: String,
     param: Option<&'static str>,
 }
 
@@ -429,39 +432,11 @@ struct CompletionBody {
 }
 
 #[derive(Deserialize)]
-#[serde(untagged)]
-enum Content {
-    Text(String),
-    Parts(Vec<Part>),
-}
-
-#[derive(Deserialize)]
-struct Part {
-    #[serde(rename = "type")]
-    kind: String,
-    #[serde(default)]
-    text: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Message {
-    role: String,
-    /// Null or absent for an assistant turn that only calls tools.
-    #[serde(default)]
-    content: Option<Content>,
-    #[serde(default)]
-    tool_calls: Option<Vec<Value>>,
-    #[serde(default)]
-    tool_call_id: Option<String>,
-    #[serde(default)]
-    name: Option<String>,
-}
-
-#[derive(Deserialize)]
 struct ChatBody {
     messages: Vec<Message>,
+    /// As the client wrote it: the template sees its keys in the client's order.
     #[serde(default)]
-    tools: Option<Vec<Value>>,
+    tools: Option<Box<RawValue>>,
     #[serde(default)]
     tool_choice: Option<Value>,
     #[serde(default)]
@@ -470,94 +445,6 @@ struct ChatBody {
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(flatten)]
     common: Common,
-}
-
-/// How a chat request's output is read for tool calls.
-pub(crate) struct ToolCtx {
-    pub(crate) format: tool_calls::Format,
-    /// Text the prompt put at the start of the model's reply (the opening of a forced call).
-    pub(crate) prefix: String,
-    /// `parallel_tool_calls`: false keeps only the first call.
-    pub(crate) parallel: bool,
-    /// A named `tool_choice`: only a call of this function is kept (one, as OpenAI's).
-    pub(crate) only: Option<String>,
-}
-
-/// A function name as OpenAI accepts it: 1-64 of a-z, A-Z, 0-9, '_', '-' (and '.', which
-/// some clients use).
-fn valid_function_name(n: &str) -> bool {
-    (1..=64).contains(&n.len())
-        && n.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
-}
-
-/// Checks `tools` (each `{type: "function", function: {name, description?, parameters?}}` with
-/// an object schema) and returns the function names.
-pub(crate) fn check_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
-    let bad = |m: String| ApiError::bad(m, Some("tools"));
-    let mut names = Vec::with_capacity(tools.len());
-    for (i, t) in tools.iter().enumerate() {
-        if t.get("type").and_then(Value::as_str) != Some("function") {
-            return Err(bad(format!("tools[{i}].type must be \"function\"")));
-        }
-        let f = t
-            .get("function")
-            .and_then(Value::as_object)
-            .ok_or_else(|| bad(format!("tools[{i}].function must be an object")))?;
-        let name = f.get("name").and_then(Value::as_str).unwrap_or("");
-        if !valid_function_name(name) {
-            return Err(bad(format!(
-                "tools[{i}].function.name must be 1-64 letters, digits, '_', '-' or '.', found {name:?}"
-            )));
-        }
-        match f.get("parameters") {
-            None | Some(Value::Object(_)) => {}
-            Some(other) => {
-                return Err(bad(format!(
-                    "tools[{i}].function.parameters must be a JSON Schema object, found {other}"
-                )))
-            }
-        }
-        if names.iter().any(|n| n == name) {
-            return Err(bad(format!("two tools are named '{name}'")));
-        }
-        names.push(name.to_string());
-    }
-    Ok(names)
-}
-
-/// An assistant message's `tool_calls` as templates read them (Hugging Face's convention):
-/// `{id, type, function: {name, arguments}}` with `arguments` parsed from its JSON text into an
-/// object where it parses.
-fn template_tool_calls(calls: &[Value], at: usize) -> Result<Value, ApiError> {
-    let bad = |m: String| ApiError::bad(m, Some("messages"));
-    let mut out = Vec::with_capacity(calls.len());
-    for (j, c) in calls.iter().enumerate() {
-        let f = c
-            .get("function")
-            .and_then(Value::as_object)
-            .ok_or_else(|| {
-                bad(format!(
-                    "messages[{at}].tool_calls[{j}].function must be an object"
-                ))
-            })?;
-        let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
-            bad(format!(
-                "messages[{at}].tool_calls[{j}].function.name must be a string"
-            ))
-        })?;
-        let arguments = match f.get("arguments") {
-            None | Some(Value::Null) => json!({}),
-            Some(Value::String(a)) => serde_json::from_str(a).unwrap_or_else(|_| json!(a)),
-            Some(a) => a.clone(),
-        };
-        out.push(json!({
-            "id": c.get("id").cloned().unwrap_or(Value::Null),
-            "type": "function",
-            "function": {"name": name, "arguments": arguments},
-        }));
-    }
-    Ok(Value::Array(out))
 }
 
 pub(crate) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
@@ -736,88 +623,13 @@ async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let b: ChatBody = parse(&body?)?;
-    if b.messages.is_empty() {
-        return Err(ApiError::bad("messages is empty", Some("messages")));
-    }
-    let mut msgs = Vec::with_capacity(b.messages.len());
-    for (at, m) in b.messages.into_iter().enumerate() {
-        // OpenAI's roles; `developer` is its newer name for `system`, which is what templates know.
-        let role = match m.role.as_str() {
-            "system" | "user" | "assistant" | "tool" => m.role,
-            "developer" => "system".to_string(),
-            other => {
-                return Err(ApiError::bad(
-                    format!(
-                        "unknown message role '{other}' (expected system, developer, user, \
-                         assistant or tool)"
-                    ),
-                    Some("messages"),
-                ))
-            }
-        };
-        let content = match m.content {
-            Some(Content::Text(t)) => t,
-            Some(Content::Parts(parts)) => {
-                let mut s = String::new();
-                for p in parts {
-                    match (p.kind.as_str(), p.text) {
-                        ("text", Some(t)) => s.push_str(&t),
-                        (k, _) => {
-                            return Err(ApiError::bad(
-                                format!("content parts of type '{k}' are not supported"),
-                                Some("messages"),
-                            ))
-                        }
-                    }
-                }
-                s
-            }
-            // An assistant turn may carry only tool calls; templates get "" (they test it).
-            None if role == "assistant" => String::new(),
-            None => {
-                return Err(ApiError::bad(
-                    format!("messages[{at}] ({role}) has no content"),
-                    Some("messages"),
-                ))
-            }
-        };
-        let mut msg = json!({"role": role, "content": content});
-        if let Some(calls) = &m.tool_calls {
-            if role != "assistant" {
-                return Err(ApiError::bad(
-                    format!("messages[{at}]: only assistant messages carry tool_calls"),
-                    Some("messages"),
-                ));
-            }
-            msg["tool_calls"] = template_tool_calls(calls, at)?;
-        }
-        if role == "tool" && m.tool_call_id.is_none() {
-            return Err(ApiError::bad(
-                format!("messages[{at}] (tool) needs the tool_call_id it answers"),
-                Some("messages"),
-            ));
-        }
-        if let Some(id) = m.tool_call_id {
-            msg["tool_call_id"] = json!(id);
-        }
-        if let Some(n) = m.name {
-            msg["name"] = json!(n);
-        }
-        msgs.push(msg);
-    }
-
-    // Tools, and what the request asks of them.
-    let tools = b.tools.unwrap_or_default();
-    let tool_ctx = tool_context(&st, &tools, b.tool_choice.as_ref(), b.parallel_tool_calls)?;
-    let offered = tool_ctx.is_some().then_some(Value::Array(tools));
-    let kwargs = b.chat_template_kwargs.unwrap_or_default();
-    let mut rendered = st
-        .template
-        .render_json(&Value::Array(msgs), offered.as_ref(), &kwargs, true)
-        .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
-    if let Some(t) = &tool_ctx {
-        rendered.push_str(&t.prefix);
-    }
+    let parts = ToolsIn {
+        tools: b.tools.as_deref(),
+        choice: b.tool_choice.as_ref(),
+        parallel: b.parallel_tool_calls,
+        kwargs: b.chat_template_kwargs.as_ref(),
+    };
+    let (rendered, tool_ctx) = chat_request::render(&st.template, b.messages, parts, true)?;
     // Thinking templates: the reasoning goes to reasoning_content (Some(true): the prompt
     // already opened it).
     let think = reasoning::template_thinks(st.template.source())
@@ -836,96 +648,17 @@ async fn chat_completions(
     .await
 }
 
-/// How a request's tools are offered and its output read: from `tools` (chat format, checked),
-/// `tool_choice` (chat format: none, auto, required, `{"type": "function", "function": {"name"}}`)
-/// and `parallel_tool_calls`. None: no tools offered.
-pub(crate) fn tool_context(
-    st: &AppState,
-    tools: &[Value],
-    choice: Option<&Value>,
-    parallel: Option<bool>,
-) -> Result<Option<ToolCtx>, ApiError> {
-    let names = check_tools(tools)?;
-    let choice_err = |m: String| ApiError::bad(m, Some("tool_choice"));
-    // None: no tools offered; Some(None): the model may call one; Some(Some(x)): it must call
-    // (x: "" for any, else the named function).
-    let choice: Option<Option<String>> = match choice {
-        None | Some(Value::Null) => (!tools.is_empty()).then_some(None),
-        Some(Value::String(s)) => match s.as_str() {
-            "none" => None,
-            "auto" => (!tools.is_empty()).then_some(None),
-            "required" => Some(Some(String::new())),
-            other => {
-                return Err(choice_err(format!(
-                    "tool_choice '{other}' (expected none, auto, required or a function)"
-                )))
-            }
-        },
-        Some(v) => {
-            let name = v
-                .get("function")
-                .and_then(|f| f.get("name"))
-                .and_then(Value::as_str)
-                .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
-                .ok_or_else(|| {
-                    choice_err(
-                        "tool_choice must be none, auto, required or \
-                         {\"type\": \"function\", \"function\": {\"name\": ...}}"
-                            .into(),
-                    )
-                })?;
-            if !names.iter().any(|n| n == name) {
-                return Err(choice_err(format!(
-                    "tool_choice names '{name}', which is not among the tools"
-                )));
-            }
-            Some(Some(name.to_string()))
-        }
-    };
-    if matches!(choice, Some(Some(_))) && tools.is_empty() {
-        return Err(choice_err(
-            "tool_choice requires a call but no tools are given".into(),
-        ));
-    }
-    Ok(choice.as_ref().map(|forced| {
-        let format = tool_calls::Format::of_template(st.template.source());
-        // Without a grammar (not yet), a required or named call is made as strong as the
-        // prompt can make it: for the <tool_call> format the reply is opened for the model.
-        // ("required" with a single tool is that tool.)
-        let forced = match forced {
-            Some(n) if n.is_empty() && names.len() == 1 => Some(&names[0]),
-            other => other.as_ref(),
-        };
-        let prefix = match (format, forced) {
-            (tool_calls::Format::Hermes, Some(n)) if n.is_empty() => {
-                "<tool_call>\n{\"name\": \"".to_string()
-            }
-            (tool_calls::Format::Hermes, Some(n)) => {
-                format!("<tool_call>\n{{\"name\": {}, \"arguments\": ", json!(n))
-            }
-            _ => String::new(),
-        };
-        let only = forced.filter(|n| !n.is_empty()).cloned();
-        ToolCtx {
-            format,
-            prefix,
-            parallel: parallel.unwrap_or(true) && only.is_none(),
-            only,
-        }
-    }))
-}
-
 /// One choice of a streamed chat reply, read as it comes: the reasoning split off (thinking
 /// templates), then the answer parsed for tool calls (when tools are offered).
 struct ChatReader {
     think: Option<reasoning::Splitter>,
-    tools: Option<tool_calls::Parser>,
+    tools: Option<tool_calls::Stream>,
 }
 
 /// What a [`ChatReader`] gives out.
 enum ReadOut {
     Reasoning(String),
-    Piece(tool_calls::Piece),
+    Answer(tool_calls::Out),
 }
 
 impl ChatReader {
@@ -935,9 +668,9 @@ impl ChatReader {
             if is_reasoning {
                 out.push(ReadOut::Reasoning(t));
             } else if let Some(p) = self.tools.as_mut() {
-                out.extend(p.push(&t).into_iter().map(ReadOut::Piece));
+                out.extend(p.push(&t).into_iter().map(ReadOut::Answer));
             } else {
-                out.push(ReadOut::Piece(tool_calls::Piece::Text(t)));
+                out.push(ReadOut::Answer(tool_calls::Out::Text(t)));
             }
         }
         out
@@ -955,9 +688,14 @@ impl ChatReader {
         let parts = self.think.as_mut().map(|s| s.finish()).unwrap_or_default();
         let mut out = self.route(parts);
         if let Some(p) = self.tools.as_mut() {
-            out.extend(p.finish().into_iter().map(ReadOut::Piece));
+            out.extend(p.finish().into_iter().map(ReadOut::Answer));
         }
         out
+    }
+
+    /// Calls given out so far.
+    fn calls(&self) -> usize {
+        self.tools.as_ref().map_or(0, tool_calls::Stream::calls)
     }
 }
 
@@ -1217,15 +955,10 @@ async fn run(
                             return json!({"index": i, "message": message, "logprobs": lp,
                                 "finish_reason": finish});
                         };
-                        let (content, mut calls) = tool_calls::parse(t.format, &t.prefix, &answer);
-                        if let Some(only) = &t.only {
-                            calls.retain(|c| &c.name == only);
-                        }
-                        if !t.parallel {
-                            calls.truncate(1);
-                        }
+                        let (content, calls) =
+                            tool_calls::parse_reply(t.format, &t.prefix, &t.keep(), &answer);
+                        message["content"] = json!(content);
                         if !calls.is_empty() {
-                            message["content"] = json!(content);
                             message["tool_calls"] =
                                 calls.iter().map(|c| c.to_json(&call_id())).collect();
                             finish = Some("tool_calls");
@@ -1284,45 +1017,32 @@ async fn run(
             }
         }
         let mut offsets = vec![0usize; n];
-        // Per choice: the tool-call parser and how many calls it has sent.
+        // Per choice: the reasoning splitter and the tool-call parser.
         let mut parsers: Vec<Option<ChatReader>> = (0..n)
             .map(|_| {
                 (kind == Kind::Chat && (tools.is_some() || think.is_some())).then(|| ChatReader {
                     think: think.map(reasoning::Splitter::new),
                     tools: tools
                         .as_ref()
-                        .map(|t| tool_calls::Parser::continuing(t.format, &t.prefix)),
+                        .map(|t| tool_calls::Stream::new(t.format, &t.prefix, t.keep())),
                 })
             })
             .collect();
-        let parallel = tools.as_ref().is_none_or(|t| t.parallel);
-        let only = tools.as_ref().and_then(|t| t.only.clone());
-        let mut n_calls = vec![0usize; n];
-        // Content and tool-call deltas of choice i for parsed pieces.
-        let pieces_to_deltas =
-            |i: usize, pieces: Vec<ReadOut>, n_calls: &mut Vec<usize>| -> Vec<Value> {
-                let mut deltas = Vec::new();
-                for p in pieces {
-                    match p {
-                        ReadOut::Reasoning(t) => deltas.push(json!({"reasoning_content": t})),
-                        ReadOut::Piece(tool_calls::Piece::Text(t)) => {
-                            deltas.push(json!({"content": t}))
-                        }
-                        ReadOut::Piece(tool_calls::Piece::Call(c)) => {
-                            if (!parallel && n_calls[i] > 0)
-                                || only.as_ref().is_some_and(|n| &c.name != n)
-                            {
-                                continue;
-                            }
-                            let mut call = c.to_json(&call_id());
-                            call["index"] = json!(n_calls[i]);
-                            n_calls[i] += 1;
-                            deltas.push(json!({"tool_calls": [call]}));
-                        }
+        // Reasoning, content and tool-call deltas for what a reader gave out. A call goes out
+        // once it is complete (as OpenAI sends one: id, type and name first, then arguments).
+        let deltas_of = |pieces: Vec<ReadOut>| -> Vec<Value> {
+            let mut deltas = Vec::new();
+            for p in pieces {
+                match p {
+                    ReadOut::Reasoning(t) => deltas.push(json!({"reasoning_content": t})),
+                    ReadOut::Answer(tool_calls::Out::Text(t)) => deltas.push(json!({"content": t})),
+                    ReadOut::Answer(tool_calls::Out::Call(index, c)) => {
+                        deltas.extend(call_deltas(index, &call_id(), &c.name, &c.arguments))
                     }
                 }
-                deltas
-            };
+            }
+            deltas
+        };
         let (mut left, mut completion_tokens, mut cached_tokens) = (n, 0, 0);
         while let Some((i, ev)) = rx.recv().await {
             let out = match ev {
@@ -1345,8 +1065,7 @@ async fn run(
                             vec![send(chunk(i, json!({"content": text}), lp, None))]
                         }
                         (Kind::Chat, Some(p)) => {
-                            let pieces = p.push(&text);
-                            let mut deltas = pieces_to_deltas(i, pieces, &mut n_calls);
+                            let mut deltas = deltas_of(p.push(&text));
                             if deltas.is_empty() && !lp.is_null() {
                                 deltas.push(json!({"content": ""}));
                             }
@@ -1370,11 +1089,10 @@ async fn run(
                     let mut v = Vec::new();
                     let mut finish = finish_str(finish);
                     if let Some(p) = parsers[i].as_mut() {
-                        let rest = p.finish();
-                        for d in pieces_to_deltas(i, rest, &mut n_calls) {
+                        for d in deltas_of(p.finish()) {
                             v.push(send(chunk(i, d, Value::Null, None)));
                         }
-                        if n_calls[i] > 0 {
+                        if p.calls() > 0 {
                             finish = "tool_calls";
                         }
                     }

@@ -6,7 +6,8 @@
 //!   OpenAI completions and chat endpoints, health, models, metrics.
 //! - [`responses`]: OpenAI's Responses API; [`anthropic`]: Anthropic's Messages API; both render
 //!   through the chat template and submit like the chat endpoint.
-//! - [`tool_calls`]: tool calls parsed out of model output, whole or streaming.
+//! - [`tool_calls`]: tool calls parsed out of model output, whole or streaming; `chat_request`:
+//!   chat messages and tools as the chat template reads them (validated), `tool_choice`.
 //! - [`tokenize`]: `/tokenize` and `/detokenize`; [`reasoning`]: `<think>` reasoning split from answers.
 //!
 //! ```no_run
@@ -24,6 +25,7 @@
 
 pub mod anthropic;
 pub mod api;
+pub(crate) mod chat_request;
 pub mod engine;
 pub mod kv_blocks;
 pub mod reasoning;

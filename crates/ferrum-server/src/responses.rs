@@ -24,10 +24,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::api::{
-    call_id, now, parse, response_id, submit, tool_context, ApiError, AppState, Common, Submitted,
-    ToolCtx,
-};
+use crate::api::{call_id, now, parse, response_id, submit, ApiError, AppState, Common, Submitted};
+use crate::chat_request::{tool_context, ToolCtx};
 use crate::engine::Event;
 use crate::tool_calls::{self, Piece};
 
@@ -230,7 +228,12 @@ pub async fn responses(
     }
     let msgs = messages(&b)?;
     let (tools, choice) = chat_tools(&b)?;
-    let ctx = tool_context(&st, &tools, choice.as_ref(), b.parallel_tool_calls)?;
+    let ctx = tool_context(
+        st.template.source(),
+        &tools,
+        choice.as_ref(),
+        b.parallel_tool_calls,
+    )?;
     let offered = ctx.is_some().then_some(Value::Array(tools));
     let mut rendered = st
         .template

@@ -2,7 +2,9 @@
 //! can count and inspect tokens as the server sees them.
 //!
 //! - `/tokenize` `{"prompt": text, "add_special_tokens": true}` or `{"messages": [...],
-//!   "add_generation_prompt": true}` (rendered by the chat template, as the chat endpoint does)
+//!   "add_generation_prompt": true}` (with the chat endpoint's `tools`, `tool_choice`,
+//!   `parallel_tool_calls` and `chat_template_kwargs`; rendered by the chat template exactly as
+//!   the chat endpoint does, a forced call's opening included, and refused as it refuses)
 //!   -> `{"tokens": [...], "count": n, "max_model_len": ctx}`.
 //! - `/detokenize` `{"tokens": [...]}` -> `{"prompt": text}`; an id outside the vocabulary is 400.
 
@@ -14,9 +16,11 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::api::{parse, ApiError, AppState};
+use crate::chat_request::{self, Message, ToolsIn};
 
 fn yes() -> bool {
     true
@@ -27,7 +31,15 @@ struct TokenizeBody {
     #[serde(default)]
     prompt: Option<String>,
     #[serde(default)]
-    messages: Option<Vec<Value>>,
+    messages: Option<Vec<Message>>,
+    #[serde(default)]
+    tools: Option<Box<RawValue>>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    parallel_tool_calls: Option<bool>,
+    #[serde(default)]
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(default = "yes")]
     add_special_tokens: bool,
     #[serde(default = "yes")]
@@ -39,30 +51,6 @@ struct DetokenizeBody {
     tokens: Vec<u64>,
 }
 
-/// A message's text: a string, or `text` parts.
-fn message_text(m: &Value, at: usize) -> Result<String, ApiError> {
-    match m.get("content") {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .map(
-                |p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => Ok(t.clone()),
-                    _ => Err(ApiError::bad(
-                        format!("messages[{at}]: only text content parts are supported"),
-                        Some("messages"),
-                    )),
-                },
-            )
-            .collect(),
-        Some(other) => Err(ApiError::bad(
-            format!("messages[{at}].content must be text, found {other}"),
-            Some("messages"),
-        )),
-    }
-}
-
 pub async fn tokenize(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
@@ -71,22 +59,14 @@ pub async fn tokenize(
     let tokens = match (b.prompt, b.messages) {
         (Some(p), None) => st.llm.tokenizer.encode(&p, b.add_special_tokens, false),
         (None, Some(msgs)) => {
-            let mut chat = Vec::with_capacity(msgs.len());
-            for (at, m) in msgs.iter().enumerate() {
-                let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-                    ApiError::bad(format!("messages[{at}] has no role"), Some("messages"))
-                })?;
-                chat.push(json!({"role": role, "content": message_text(m, at)?}));
-            }
-            let rendered = st
-                .template
-                .render_json(
-                    &Value::Array(chat),
-                    None,
-                    &Default::default(),
-                    b.add_generation_prompt,
-                )
-                .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
+            let parts = ToolsIn {
+                tools: b.tools.as_deref(),
+                choice: b.tool_choice.as_ref(),
+                parallel: b.parallel_tool_calls,
+                kwargs: b.chat_template_kwargs.as_ref(),
+            };
+            let (rendered, _) =
+                chat_request::render(&st.template, msgs, parts, b.add_generation_prompt)?;
             st.llm.encode_rendered_chat(&rendered)
         }
         _ => {

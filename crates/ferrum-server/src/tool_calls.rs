@@ -5,13 +5,27 @@
 //!   {...}}\n</tool_call>`, any number of them, text allowed around them. Small models often drop
 //!   the tags and answer with the bare JSON object: a reply that is only a call object is a call.
 //! - [`Format::Mistral`]: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` to the end.
+//!   `[TOOL_CALLS]` is a control token that detokenizes to nothing in most Mistral vocabularies,
+//!   so a reply that is only a list of call objects is a call too.
 //! - [`Format::Json`] (Llama 3.x, and the generic form for templates that name none): the whole
 //!   reply is a JSON object `{"name": ..., "parameters" | "arguments": {...}}` or a list of them,
 //!   optionally after Llama's `<|python_tag|>`.
 //!
-//! Text that turns out not to be a call (malformed JSON, no name) is given back as content: no
-//! output is ever lost, and no tool markup reaches the content of a well-formed call.
+//! In each format a reply that is only calls may come in a Markdown code fence (` ```json `), as
+//! small models write them.
+//!
+//! A call's `arguments` are the JSON text the model wrote (its key order and spacing), or the
+//! string it wrote when it gave them as a JSON string. Text that turns out not to be a call
+//! (malformed JSON, no name) is given back as content: no output is ever lost, and no tool markup
+//! reaches the content of a well-formed call.
+//!
+//! [`Stream`] is what the chat endpoint uses: the parser plus the request's [`Keep`] rules
+//! (named `tool_choice`, `parallel_tool_calls`), giving out exactly what [`parse_reply`] gives
+//! for the whole text, piece by piece.
 
+use std::collections::BTreeMap;
+
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 /// How a model writes its tool calls.
@@ -38,6 +52,41 @@ impl Format {
             Format::Json
         }
     }
+
+    /// The opening of a call to put at the end of the prompt (after the generation prompt)
+    /// when the request requires one: `name` None for any function (`tool_choice: required`),
+    /// else that function. This is a prompt prefix, not a grammar: the model continues a call
+    /// it did not choose to start, which it nearly always completes, but nothing constrains
+    /// the arguments it then writes. Empty where the template teaches no call syntax to open
+    /// (a generic template that never mentions `tools`).
+    pub fn forced_prefix(self, name: Option<&str>, template_source: &str) -> String {
+        let (open, key) = match self {
+            Format::Hermes => ("<tool_call>\n{\"name\": ".to_string(), "arguments"),
+            Format::Mistral => {
+                // Mistral v0.3's template writes `[TOOL_CALLS] [`; later ones no space.
+                let gap = if template_source.contains("[TOOL_CALLS] [") {
+                    " "
+                } else {
+                    ""
+                };
+                (format!("{MISTRAL_OPEN}{gap}[{{\"name\": "), "arguments")
+            }
+            Format::Json if template_source.contains("tools") => {
+                // Llama 3.x's templates ask for "parameters".
+                let key = if template_source.contains("\"parameters\"") {
+                    "parameters"
+                } else {
+                    "arguments"
+                };
+                ("{\"name\": ".to_string(), key)
+            }
+            Format::Json => return String::new(),
+        };
+        match name {
+            None => format!("{open}\""),
+            Some(n) => format!("{open}{}, \"{key}\": ", json!(n)),
+        }
+    }
 }
 
 /// One call: the function's name and its arguments as JSON text (OpenAI's `arguments` string).
@@ -62,18 +111,23 @@ pub enum Piece {
     Call(ToolCall),
 }
 
-/// A call from its JSON: `{"name": s, "arguments" | "parameters": object or string}`.
-fn call_of(v: &Value) -> Option<ToolCall> {
-    let o = v.as_object()?;
-    let name = o.get("name")?.as_str()?.trim();
+/// A call from its JSON: `{"name": s, "arguments" | "parameters": object or string}`; the
+/// arguments as the model wrote them.
+fn call_of(raw: &RawValue) -> Option<ToolCall> {
+    let o: BTreeMap<String, &RawValue> = serde_json::from_str(raw.get()).ok()?;
+    let name: String = serde_json::from_str(o.get("name")?.get()).ok()?;
+    let name = name.trim();
     if name.is_empty() {
         return None;
     }
     let args = match o.get("arguments").or_else(|| o.get("parameters")) {
-        None | Some(Value::Null) => "{}".to_string(),
-        Some(Value::String(s)) => s.clone(),
-        Some(a @ Value::Object(_)) => a.to_string(),
-        Some(_) => return None,
+        None => "{}".to_string(),
+        Some(a) => match a.get().as_bytes().first() {
+            Some(b'n') => "{}".to_string(),
+            Some(b'"') => serde_json::from_str::<String>(a.get()).ok()?,
+            Some(b'{') => a.get().to_string(),
+            _ => return None,
+        },
     };
     Some(ToolCall {
         name: name.to_string(),
@@ -85,18 +139,62 @@ fn call_of(v: &Value) -> Option<ToolCall> {
 /// write several calls in one block, one per line); None unless all of it is calls.
 fn calls_of(text: &str) -> Option<Vec<ToolCall>> {
     let mut calls = Vec::new();
-    for v in serde_json::Deserializer::from_str(text).into_iter::<Value>() {
-        match v.ok()? {
-            Value::Array(items) if !items.is_empty() => {
-                for item in &items {
+    for v in serde_json::Deserializer::from_str(text).into_iter::<&RawValue>() {
+        let v = v.ok()?;
+        match v.get().as_bytes().first() {
+            Some(b'[') => {
+                let items: Vec<&RawValue> = serde_json::from_str(v.get()).ok()?;
+                if items.is_empty() {
+                    return None;
+                }
+                for item in items {
                     calls.push(call_of(item)?);
                 }
             }
-            v @ Value::Object(_) => calls.push(call_of(&v)?),
+            Some(b'{') => calls.push(call_of(v)?),
             _ => return None,
         }
     }
     (!calls.is_empty()).then_some(calls)
+}
+
+/// For a reply that opens with a backtick: whether it is a Markdown code fence (` ``` ` or
+/// ` ```json `) whose first line is followed by a JSON object or list (a call, perhaps: small
+/// models fence their calls, and llama.cpp's Hermes parser takes them too), None while that is
+/// not known yet.
+fn fence_opens_json(t: &str) -> Option<bool> {
+    const FENCE: &str = "```";
+    if t.len() < FENCE.len() {
+        return (!FENCE.starts_with(t)).then_some(false);
+    }
+    let Some(info) = t.strip_prefix(FENCE) else {
+        return Some(false);
+    };
+    let Some(nl) = info.find('\n') else {
+        // A long first line is no `json` tag.
+        return (info.len() > 8).then_some(false);
+    };
+    if !matches!(info[..nl].trim(), "" | "json") {
+        return Some(false);
+    }
+    let rest = info[nl + 1..].trim_start();
+    if rest.is_empty() {
+        return None;
+    }
+    Some(rest.starts_with('{') || rest.starts_with('['))
+}
+
+/// The inside of a Markdown code fence around the whole text (the closing fence may be missing:
+/// the model stopped there), or the text itself.
+fn unfenced(t: &str) -> &str {
+    let Some(inner) = t.strip_prefix("```") else {
+        return t;
+    };
+    let Some(nl) = inner.find('\n') else {
+        return t;
+    };
+    let inner = inner[nl + 1..].trim_end();
+    inner.strip_suffix("```").unwrap_or(inner)
 }
 
 /// The length of the longest suffix of `s` that is a proper prefix of `tag` (text that may be the
@@ -111,13 +209,13 @@ fn partial_tag_len(s: &str, tag: &str) -> usize {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
-    /// Plain text (Hermes: outside any call).
+    /// Plain text (Hermes, Mistral: outside any call).
     Text,
     /// Inside a call (Hermes: after `<tool_call>`; Mistral: after `[TOOL_CALLS]`).
     Call,
-    /// JSON format: nothing but whitespace seen yet, so the reply may still be a call.
+    /// Nothing but whitespace seen yet, so the reply may still be a bare call.
     Undecided,
-    /// JSON format: the reply opened like a call; held until the end.
+    /// The reply opened like a bare call (or Mistral's list); held until the end.
     Held,
 }
 
@@ -128,27 +226,24 @@ pub struct Parser {
     format: Format,
     state: State,
     buf: String,
-    /// The part of a forced opening inside the call (after `<tool_call>`): text the model did not
-    /// write, so a call that fails to parse gives back only what follows it.
+    /// The part of a forced opening still held (Hermes: after `<tool_call>`; a held reply: all
+    /// of it): text the model did not write, so a call that fails to parse gives back only
+    /// what follows it.
     forced: String,
 }
 
 impl Parser {
     pub fn new(format: Format) -> Self {
-        let state = match format {
-            Format::Json | Format::Hermes => State::Undecided,
-            Format::Mistral => State::Text,
-        };
         Parser {
             format,
-            state,
+            state: State::Undecided,
             buf: String::new(),
             forced: String::new(),
         }
     }
 
     /// A parser for output that continues `prefix`, text the prompt already put in the model's
-    /// mouth (the opening of a forced call).
+    /// mouth (the opening of a forced call, [`Format::forced_prefix`]).
     pub fn continuing(format: Format, prefix: &str) -> Self {
         let mut p = Parser::new(format);
         let out = p.push(prefix);
@@ -157,17 +252,22 @@ impl Parser {
         p
     }
 
+    /// The tag that opens a call in running text.
+    fn open_tag(&self) -> &'static str {
+        match self.format {
+            Format::Hermes => HERMES_OPEN,
+            Format::Mistral => MISTRAL_OPEN,
+            Format::Json => "",
+        }
+    }
+
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
         self.buf.push_str(text);
         let mut out = Vec::new();
         loop {
             match (self.format, self.state) {
-                (Format::Hermes, State::Text) | (Format::Mistral, State::Text) => {
-                    let tag = if self.format == Format::Hermes {
-                        HERMES_OPEN
-                    } else {
-                        MISTRAL_OPEN
-                    };
+                (Format::Hermes | Format::Mistral, State::Text) => {
+                    let tag = self.open_tag();
                     if let Some(at) = self.buf.find(tag) {
                         push_text(&mut out, &self.buf[..at]);
                         self.buf.drain(..at + tag.len());
@@ -196,35 +296,38 @@ impl Parser {
                     self.forced.clear();
                     self.state = State::Text;
                 }
-                (Format::Hermes, State::Undecided) => {
+                (_, State::Undecided) => {
                     let t = self.buf.trim_start();
                     if t.is_empty() {
                         break;
                     }
-                    self.state = if t.starts_with('{') {
-                        State::Held
-                    } else {
-                        State::Text
+                    if t.starts_with('`') {
+                        match fence_opens_json(t) {
+                            None => break, // the fence's first line is not complete yet
+                            Some(held) => {
+                                self.state = if held { State::Held } else { State::Text };
+                                continue;
+                            }
+                        }
+                    }
+                    let held = match self.format {
+                        Format::Hermes => t.starts_with('{'),
+                        Format::Mistral => t.starts_with('{') || t.starts_with('['),
+                        Format::Json => {
+                            if t.len() < PYTHON_TAG.len() && PYTHON_TAG.starts_with(t) {
+                                break; // may still become `<|python_tag|>`
+                            }
+                            t.starts_with('{') || t.starts_with('[') || t.starts_with(PYTHON_TAG)
+                        }
                     };
-                }
-                (Format::Json, State::Undecided) => {
-                    let t = self.buf.trim_start();
-                    if t.is_empty() {
-                        break;
-                    }
-                    if t.len() < PYTHON_TAG.len() && PYTHON_TAG.starts_with(t) {
-                        break; // may still become `<|python_tag|>`
-                    }
-                    let opens_call =
-                        t.starts_with('{') || t.starts_with('[') || t.starts_with(PYTHON_TAG);
-                    self.state = if opens_call { State::Held } else { State::Text };
+                    self.state = if held { State::Held } else { State::Text };
                 }
                 (Format::Json, State::Text) => {
                     push_text(&mut out, &self.buf);
                     self.buf.clear();
                     break;
                 }
-                // Mistral calls and held JSON replies run to the end of the output.
+                // Mistral calls and held replies run to the end of the output.
                 _ => break,
             }
         }
@@ -236,47 +339,45 @@ impl Parser {
     pub fn finish(&mut self) -> Vec<Piece> {
         let buf = std::mem::take(&mut self.buf);
         let mut out = Vec::new();
-        match (self.format, self.state) {
-            (Format::Hermes, State::Call) => match calls_of(&buf) {
-                Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
-                None => push_text(&mut out, &self.unforced(&buf)),
-            },
-            (Format::Hermes, State::Held) => match calls_of(&buf) {
-                Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
-                None => {
-                    // Not a bare call: read it again as text that may hold tagged calls.
-                    let mut again = Parser::new(Format::Hermes);
-                    again.state = State::Text;
-                    out.extend(again.push(&buf));
-                    out.extend(again.finish());
-                }
-            },
-            (Format::Mistral, State::Call) => match calls_of(&buf) {
-                Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
-                None => push_text(&mut out, &format!("{MISTRAL_OPEN}{buf}")),
-            },
-            (Format::Json, State::Held) => {
-                let body = buf.trim_start();
-                let body = body.strip_prefix(PYTHON_TAG).unwrap_or(body);
-                match calls_of(body) {
-                    Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
-                    None => push_text(&mut out, &buf),
-                }
+        let calls = match self.state {
+            State::Call => calls_of(&buf),
+            State::Held => {
+                let body = unfenced(buf.trim_start());
+                let body = match self.format {
+                    Format::Mistral => body.strip_prefix(MISTRAL_OPEN).unwrap_or(body),
+                    Format::Json => body.strip_prefix(PYTHON_TAG).unwrap_or(body),
+                    Format::Hermes => body,
+                };
+                calls_of(body)
             }
-            _ => push_text(&mut out, &buf),
+            State::Text | State::Undecided => None,
+        };
+        match (calls, self.state) {
+            (Some(calls), _) => out.extend(calls.into_iter().map(Piece::Call)),
+            (None, State::Call) => push_text(&mut out, &self.unforced(&buf)),
+            (None, State::Held) if !self.forced.is_empty() => {
+                push_text(&mut out, &self.unforced(&buf))
+            }
+            (None, State::Held) if self.format != Format::Json => {
+                // Not a bare call: read it again as text that may hold tagged calls.
+                let mut again = Parser::new(self.format);
+                again.state = State::Text;
+                out.extend(again.push(&buf));
+                out.extend(again.finish());
+            }
+            (None, _) => push_text(&mut out, &buf),
         }
         self.state = State::Text;
         out
     }
-}
 
-impl Parser {
-    /// Call text that did not parse, as content: the tag and any forced opening were not the
-    /// model's words and are left out; otherwise the text as the model wrote it, tag included.
+    /// Call text that did not parse, as content: a forced opening was not the model's words
+    /// and is left out (with its tag); otherwise the text as the model wrote it, tag included.
     fn unforced(&self, body: &str) -> String {
         match body.strip_prefix(self.forced.as_str()) {
             Some(rest) if !self.forced.is_empty() => rest.to_string(),
-            _ => format!("{HERMES_OPEN}{body}"),
+            _ if self.state == State::Call => format!("{}{body}", self.open_tag()),
+            _ => body.to_string(),
         }
     }
 }
@@ -314,6 +415,134 @@ pub fn split(pieces: Vec<Piece>) -> (Option<String>, Vec<ToolCall>) {
     (content, calls)
 }
 
+/// Which of the parsed calls a request keeps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keep {
+    /// A named `tool_choice`: only calls of this function.
+    pub only: Option<String>,
+    /// `parallel_tool_calls`: false keeps only the first call.
+    pub parallel: bool,
+}
+
+impl Default for Keep {
+    fn default() -> Self {
+        Keep {
+            only: None,
+            parallel: true,
+        }
+    }
+}
+
+impl Keep {
+    /// Whether a call of `name` is kept when `kept` calls already are.
+    fn admits(&self, name: &str, kept: usize) -> bool {
+        self.only.as_deref().is_none_or(|n| n == name) && (self.parallel || kept == 0)
+    }
+}
+
+/// What a chat reply gives out: content text, and the kept calls numbered from 0.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Out {
+    Text(String),
+    Call(usize, ToolCall),
+}
+
+/// A chat reply parsed as it streams, with the request's [`Keep`] rules: what it gives out,
+/// joined, is what [`parse_reply`] gives for the whole text. Text is given out as soon as it
+/// cannot be the start of a call, except whitespace before any other text, which is held until
+/// it is known whether the reply is only calls (then it is dropped, as the whole reply's content
+/// is null).
+#[derive(Clone, Debug)]
+pub struct Stream {
+    parser: Parser,
+    keep: Keep,
+    kept: usize,
+    /// Whether text other than whitespace has been given out.
+    said: bool,
+    held: String,
+}
+
+impl Stream {
+    pub fn new(format: Format, prefix: &str, keep: Keep) -> Self {
+        Stream {
+            parser: Parser::continuing(format, prefix),
+            keep,
+            kept: 0,
+            said: false,
+            held: String::new(),
+        }
+    }
+
+    /// Calls given out so far.
+    pub fn calls(&self) -> usize {
+        self.kept
+    }
+
+    pub fn push(&mut self, text: &str) -> Vec<Out> {
+        let pieces = self.parser.push(text);
+        self.take(pieces)
+    }
+
+    pub fn finish(&mut self) -> Vec<Out> {
+        let pieces = self.parser.finish();
+        let mut out = self.take(pieces);
+        let held = std::mem::take(&mut self.held);
+        if self.kept == 0 && !held.is_empty() {
+            out.push(Out::Text(held));
+        }
+        out
+    }
+
+    fn take(&mut self, pieces: Vec<Piece>) -> Vec<Out> {
+        let mut out = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Text(t) if self.said => out.push(Out::Text(t)),
+                Piece::Text(t) => {
+                    self.held.push_str(&t);
+                    if !self.held.trim().is_empty() {
+                        self.said = true;
+                        out.push(Out::Text(std::mem::take(&mut self.held)));
+                    }
+                }
+                Piece::Call(c) if self.keep.admits(&c.name, self.kept) => {
+                    out.push(Out::Call(self.kept, c));
+                    self.kept += 1;
+                }
+                // A call the request did not ask for (another function than the named one,
+                // or past the first without parallel calls) is left out.
+                Piece::Call(_) => {}
+            }
+        }
+        out
+    }
+}
+
+/// A whole chat reply: its content and the calls the request keeps. Content is the text around
+/// the calls; None where calls were kept and that text is only whitespace (OpenAI's `content:
+/// null`); the text as written (perhaps empty) where no call is kept.
+pub fn parse_reply(
+    format: Format,
+    prefix: &str,
+    keep: &Keep,
+    text: &str,
+) -> (Option<String>, Vec<ToolCall>) {
+    let mut p = Parser::continuing(format, prefix);
+    let mut pieces = p.push(text);
+    pieces.extend(p.finish());
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    for p in pieces {
+        match p {
+            Piece::Text(t) => content.push_str(&t),
+            Piece::Call(c) if keep.admits(&c.name, calls.len()) => calls.push(c),
+            Piece::Call(_) => {}
+        }
+    }
+    let content = (calls.is_empty() || !content.trim().is_empty()).then_some(content);
+    (content, calls)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -328,26 +557,43 @@ mod tests {
     /// (format, forced prefix, output, content, calls).
     type Case = (
         Format,
-        &'static str,
+        String,
         &'static str,
         Option<&'static str>,
         Vec<ToolCall>,
     );
 
-    /// Outputs as models write them, with what they must parse to.
+    const WEATHER_ARGS: &str = r#"{"city": "Paris", "unit": "celsius"}"#;
+
+    /// A template source that teaches each format (what `forced_prefix` reads).
+    fn template_of(f: Format) -> &'static str {
+        match f {
+            Format::Hermes => "<tool_call>",
+            Format::Mistral => "{{- \"[TOOL_CALLS] [\" }} {% if tools %}",
+            Format::Json => "{% if tools %} {\"name\": function name, \"parameters\": ...}",
+        }
+    }
+
+    fn forced(f: Format, name: Option<&str>) -> String {
+        f.forced_prefix(name, template_of(f))
+    }
+
+    /// Outputs as models write them (the Hermes ones as Qwen2.5-Coder-0.5B-Instruct wrote them
+    /// through `ferrum serve`), with what they must parse to.
     fn cases() -> Vec<Case> {
-        let weather = call("get_weather", r#"{"city":"Paris","unit":"celsius"}"#);
+        let weather = call("get_weather", WEATHER_ARGS);
+        let named = |f| forced(f, Some("get_weather"));
         vec![
             (
                 Format::Hermes,
-                "",
+                String::new(),
                 "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}\n</tool_call>",
                 None,
                 vec![weather.clone()],
             ),
             (
                 Format::Hermes,
-                "",
+                String::new(),
                 "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>",
                 Some("Let me check.\n\n"),
                 vec![weather.clone(), call("get_time", "{}")],
@@ -355,93 +601,295 @@ mod tests {
             // Stopped at the end-of-turn token before the closing tag.
             (
                 Format::Hermes,
-                "",
+                String::new(),
                 "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"tz\": \"UTC\"}}",
                 None,
-                vec![call("get_time", r#"{"tz":"UTC"}"#)],
+                vec![call("get_time", r#"{"tz": "UTC"}"#)],
             ),
-            // A forced opening: the prompt ended with `<tool_call>\n{"name": "get_time", "arguments": `.
+            // A forced opening: the prompt ended with `<tool_call>\n{"name": "get_weather", "arguments": `
+            // (the model's own reply to the integration test's named tool_choice).
             (
                 Format::Hermes,
-                "<tool_call>\n{\"name\": \"get_time\", \"arguments\": ",
-                "{\"tz\": \"UTC\"}}\n</tool_call>",
+                named(Format::Hermes),
+                "{\"city\": \"Paris\", \"unit\": \"celsius\"}}\n</tool_call>",
                 None,
-                vec![call("get_time", r#"{"tz":"UTC"}"#)],
+                vec![weather.clone()],
+            ),
+            // `required`: the prompt opened `<tool_call>\n{"name": "`.
+            (
+                Format::Hermes,
+                forced(Format::Hermes, None),
+                "get_time\", \"arguments\": {\"timezone\": \"Asia/Tokyo\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"timezone\": \"Europe/Paris\"}}\n</tool_call>",
+                None,
+                vec![
+                    call("get_time", r#"{"timezone": "Asia/Tokyo"}"#),
+                    call("get_time", r#"{"timezone": "Europe/Paris"}"#),
+                ],
             ),
             // Malformed JSON stays content, tags and all; a lone '<' is just text.
             (
                 Format::Hermes,
-                "",
+                String::new(),
                 "a < b <tool_call>{not json}</tool_call> c",
                 Some("a < b <tool_call>{not json}</tool_call> c"),
                 vec![],
             ),
-            (Format::Hermes, "", "Plain answer, no tools.", Some("Plain answer, no tools."), vec![]),
+            (
+                Format::Hermes,
+                String::new(),
+                "Plain answer, no tools.",
+                Some("Plain answer, no tools."),
+                vec![],
+            ),
             // Two calls in one block, one per line, the closing tag forgotten.
             (
                 Format::Hermes,
-                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": ",
+                named(Format::Hermes),
                 " {\"city\": \"Paris\", \"unit\": \"celsius\"}}\n{\"name\": \"get_time\", \"arguments\": {}}",
                 None,
                 vec![weather.clone(), call("get_time", "{}")],
             ),
-            // A bare call object, no tags (small Qwen models do this).
+            // A bare call object, no tags (small Qwen models do this), arguments as a string.
             (
                 Format::Hermes,
-                "",
-                " {\"name\": \"get_time\", \"arguments\": {\"tz\": \"UTC\"}}",
+                String::new(),
+                " {\"name\": \"get_time\", \"arguments\": \"{\\\"tz\\\": \\\"UTC\\\"}\"}",
                 None,
-                vec![call("get_time", r#"{"tz":"UTC"}"#)],
+                vec![call("get_time", r#"{"tz": "UTC"}"#)],
             ),
             // JSON that is not a call, then a tagged call.
             (
                 Format::Hermes,
-                "",
+                String::new(),
                 "{\"x\": 1} then <tool_call>{\"name\": \"get_time\"}</tool_call>",
                 Some("{\"x\": 1} then "),
                 vec![call("get_time", "{}")],
             ),
+            // A call, then the tool's answer imagined by the model: not all calls, so all text.
+            (
+                Format::Hermes,
+                String::new(),
+                "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n{\"temperature\": 18}",
+                Some("{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n{\"temperature\": 18}"),
+                vec![],
+            ),
             // A forced opening the model then abandons: only its own words are content.
             (
                 Format::Hermes,
-                "<tool_call>\n{\"name\": \"",
+                forced(Format::Hermes, None),
                 "I cannot call tools.",
                 Some("I cannot call tools."),
                 vec![],
             ),
+            // Arguments cut off (max_tokens): the model's words, none of the forced opening.
+            (
+                Format::Hermes,
+                named(Format::Hermes),
+                "{\"city\": \"Pa",
+                Some("{\"city\": \"Pa"),
+                vec![],
+            ),
+            // Non-ASCII text and arguments, cut inside multi-byte characters while streaming.
+            (
+                Format::Hermes,
+                String::new(),
+                "Je vérifie… <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\"}}\n</tool_call>",
+                Some("Je vérifie… "),
+                vec![call("get_weather", r#"{"city": "Zürich"}"#)],
+            ),
             (
                 Format::Mistral,
-                "",
+                String::new(),
                 "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}]",
                 None,
                 vec![weather.clone()],
             ),
+            // `[TOOL_CALLS]` is a control token: detokenized, the reply is the bare list.
+            (
+                Format::Mistral,
+                String::new(),
+                " [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}, \"id\": \"abcDEF123\"}, {\"name\": \"get_time\", \"arguments\": {}}]",
+                None,
+                vec![weather.clone(), call("get_time", "{}")],
+            ),
+            (
+                Format::Mistral,
+                String::new(),
+                "Sure. [TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": {}}]",
+                Some("Sure. "),
+                vec![call("get_time", "{}")],
+            ),
+            (
+                Format::Mistral,
+                String::new(),
+                "[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": {]",
+                Some("[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": {]"),
+                vec![],
+            ),
+            (
+                Format::Mistral,
+                String::new(),
+                "[1] is a footnote.",
+                Some("[1] is a footnote."),
+                vec![],
+            ),
+            (
+                Format::Mistral,
+                named(Format::Mistral),
+                "{\"city\": \"Paris\", \"unit\": \"celsius\"}}]",
+                None,
+                vec![weather.clone()],
+            ),
+            (
+                Format::Mistral,
+                named(Format::Mistral),
+                "no.",
+                Some("no."),
+                vec![],
+            ),
             (
                 Format::Json,
-                "",
+                String::new(),
                 "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}",
                 None,
                 vec![weather.clone()],
             ),
             (
                 Format::Json,
-                "",
+                String::new(),
                 "  [{\"name\": \"get_time\", \"arguments\": \"{}\"}, {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}]",
                 None,
-                vec![call("get_time", "{}"), weather],
+                vec![call("get_time", "{}"), weather.clone()],
             ),
-            (Format::Json, "", "{\"answer\": 42}", Some("{\"answer\": 42}"), vec![]),
-            (Format::Json, "", "The answer is 42.", Some("The answer is 42."), vec![]),
+            (
+                Format::Json,
+                named(Format::Json),
+                "{\"city\": \"Paris\", \"unit\": \"celsius\"}}",
+                None,
+                vec![weather.clone()],
+            ),
+            (
+                Format::Json,
+                forced(Format::Json, None),
+                "get_time\", \"parameters\": {}}",
+                None,
+                vec![call("get_time", "{}")],
+            ),
+            (
+                Format::Json,
+                named(Format::Json),
+                "Paris}",
+                Some("Paris}"),
+                vec![],
+            ),
+            (Format::Json, String::new(), "{\"answer\": 42}", Some("{\"answer\": 42}"), vec![]),
+            (Format::Json, String::new(), "The answer is 42.", Some("The answer is 42."), vec![]),
+            (Format::Json, String::new(), "<|python", Some("<|python"), vec![]),
+            (Format::Json, String::new(), "{\"name\": \"\"}", Some("{\"name\": \"\"}"), vec![]),
+            // A fenced bare call (Qwen2.5-Coder-0.5B's reply with two tools offered).
+            (
+                Format::Hermes,
+                String::new(),
+                "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\n    \"city\": \"Paris\"\n  }\n}\n```",
+                None,
+                vec![call("get_weather", "{\n    \"city\": \"Paris\"\n  }")],
+            ),
+            // Fenced, the closing fence never written.
+            (
+                Format::Json,
+                String::new(),
+                "```\n[{\"name\": \"get_time\", \"parameters\": {}}]\n",
+                None,
+                vec![call("get_time", "{}")],
+            ),
+            // Fenced code and fenced JSON that are not calls stay text.
+            (
+                Format::Hermes,
+                String::new(),
+                "```python\nprint(1)\n```",
+                Some("```python\nprint(1)\n```"),
+                vec![],
+            ),
+            (
+                Format::Hermes,
+                String::new(),
+                "```json\n{\"a\": 1}\n```\nDone.",
+                Some("```json\n{\"a\": 1}\n```\nDone."),
+                vec![],
+            ),
+            (
+                Format::Json,
+                String::new(),
+                "```\nplain\n```",
+                Some("```\nplain\n```"),
+                vec![],
+            ),
+            (Format::Hermes, String::new(), "`x` is a variable.", Some("`x` is a variable."), vec![]),
+            (Format::Mistral, String::new(), "``", Some("``"), vec![]),
+            (Format::Hermes, String::new(), "", None, vec![]),
+            (Format::Hermes, String::new(), " \n", None, vec![]),
         ]
+    }
+
+    #[test]
+    fn forced_prefixes() {
+        assert_eq!(
+            forced(Format::Hermes, Some("get_weather")),
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+        );
+        assert_eq!(forced(Format::Hermes, None), "<tool_call>\n{\"name\": \"");
+        assert_eq!(
+            forced(Format::Mistral, Some("f")),
+            "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": "
+        );
+        assert_eq!(
+            Format::Mistral.forced_prefix(None, "[TOOL_CALLS][{"),
+            "[TOOL_CALLS][{\"name\": \""
+        );
+        assert_eq!(
+            forced(Format::Json, Some("f")),
+            "{\"name\": \"f\", \"parameters\": "
+        );
+        assert_eq!(
+            Format::Json.forced_prefix(Some("f"), "{{ tools | tojson }}"),
+            "{\"name\": \"f\", \"arguments\": "
+        );
+        // A template that never shows the tools: nothing to open.
+        assert_eq!(Format::Json.forced_prefix(Some("f"), "{{ messages }}"), "");
+        // Names are JSON-escaped.
+        assert!(forced(Format::Hermes, Some("a\"b")).contains(r#""a\"b""#));
+    }
+
+    #[test]
+    fn formats_of_templates() {
+        assert_eq!(Format::of_template("x <tool_call> y"), Format::Hermes);
+        assert_eq!(Format::of_template("[TOOL_CALLS] ["), Format::Mistral);
+        assert_eq!(Format::of_template("<|python_tag|>"), Format::Json);
+        assert_eq!(Format::of_template("{{ messages }}"), Format::Json);
     }
 
     #[test]
     fn whole_outputs() {
         for (format, prefix, text, content, calls) in cases() {
-            let (c, k) = parse(format, prefix, text);
+            let (c, k) = parse(format, &prefix, text);
             assert_eq!(c.as_deref(), content, "{format:?} {text:?}");
             assert_eq!(k, calls, "{format:?} {text:?}");
         }
+    }
+
+    /// The ways a text is cut into streamed pieces: in two at every byte boundary (of
+    /// characters), and one character at a time.
+    fn cuts(text: &str) -> Vec<Vec<&str>> {
+        let mut cuts: Vec<Vec<&str>> = (0..=text.len())
+            .filter(|&i| text.is_char_boundary(i))
+            .map(|i| vec![&text[..i], &text[i..]])
+            .collect();
+        cuts.push(
+            text.char_indices()
+                .map(|(i, ch)| &text[i..i + ch.len_utf8()])
+                .collect(),
+        );
+        cuts
     }
 
     /// Every output cut in two at every byte boundary (and in one-char pieces) parses the same,
@@ -449,18 +897,9 @@ mod tests {
     #[test]
     fn streamed_at_every_boundary() {
         for (format, prefix, text, _, _) in cases() {
-            let whole = parse(format, prefix, text);
-            let mut cuts: Vec<Vec<&str>> = (0..=text.len())
-                .filter(|&i| text.is_char_boundary(i))
-                .map(|i| vec![&text[..i], &text[i..]])
-                .collect();
-            cuts.push(
-                text.char_indices()
-                    .map(|(i, ch)| &text[i..i + ch.len_utf8()])
-                    .collect(),
-            );
-            for pieces in cuts {
-                let mut p = Parser::continuing(format, prefix);
+            let whole = parse(format, &prefix, text);
+            for pieces in cuts(text) {
+                let mut p = Parser::continuing(format, &prefix);
                 let mut got = Vec::new();
                 for piece in &pieces {
                     got.extend(p.push(piece));
@@ -476,5 +915,105 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The request's rules over the same outputs.
+    fn keeps() -> Vec<Keep> {
+        vec![
+            Keep::default(),
+            Keep {
+                only: None,
+                parallel: false,
+            },
+            Keep {
+                only: Some("get_time".into()),
+                parallel: true,
+            },
+        ]
+    }
+
+    /// The chat endpoint's stream, cut at every boundary, under every keep rule: the text it
+    /// gives out joined is the whole reply's content ("" for null), its calls the whole reply's
+    /// calls, numbered from 0; with calls and null content, no text at all is given out.
+    #[test]
+    fn chat_stream_equals_whole_reply() {
+        for (format, prefix, text, _, _) in cases() {
+            for keep in keeps() {
+                let (content, calls) = parse_reply(format, &prefix, &keep, text);
+                for pieces in cuts(text) {
+                    let mut s = Stream::new(format, &prefix, keep.clone());
+                    let mut out = Vec::new();
+                    for piece in &pieces {
+                        out.extend(s.push(piece));
+                    }
+                    out.extend(s.finish());
+                    let mut got_text = String::new();
+                    let mut got_calls = Vec::new();
+                    for o in out {
+                        match o {
+                            Out::Text(t) => {
+                                assert!(!t.is_empty());
+                                got_text.push_str(&t)
+                            }
+                            Out::Call(i, c) => {
+                                assert_eq!(i, got_calls.len());
+                                got_calls.push(c)
+                            }
+                        }
+                    }
+                    let what = format!("{format:?} {keep:?} {pieces:?}");
+                    assert_eq!(got_text, content.clone().unwrap_or_default(), "{what}");
+                    assert_eq!(got_calls, calls, "{what}");
+                    assert_eq!(s.calls(), calls.len(), "{what}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reply_content_and_keep_rules() {
+        let two = "Checking.<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>\n<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>\n";
+        let all = parse_reply(Format::Hermes, "", &Keep::default(), two);
+        assert_eq!(all.0.as_deref(), Some("Checking.\n\n"));
+        assert_eq!(all.1.len(), 2);
+        let first = Keep {
+            only: None,
+            parallel: false,
+        };
+        assert_eq!(
+            parse_reply(Format::Hermes, "", &first, two).1,
+            vec![call("get_weather", r#"{"city": "Paris"}"#)]
+        );
+        let only = Keep {
+            only: Some("get_time".into()),
+            parallel: true,
+        };
+        assert_eq!(
+            parse_reply(Format::Hermes, "", &only, two).1,
+            vec![call("get_time", "{}")]
+        );
+        // Only calls: content null. No call kept: the text as written, even if blank.
+        let bare = "\n<tool_call>{\"name\": \"get_time\"}</tool_call>\n";
+        assert_eq!(
+            parse_reply(Format::Hermes, "", &Keep::default(), bare).0,
+            None
+        );
+        assert_eq!(
+            parse_reply(Format::Hermes, "", &Keep::default(), " \n").0,
+            Some(" \n".into())
+        );
+        // Arguments keep the model's key order and spacing.
+        let args = parse(
+            Format::Json,
+            "",
+            "{\"name\": \"f\", \"parameters\": {\"z\": 1,  \"a\": [1, 2]}}",
+        )
+        .1;
+        assert_eq!(args[0].arguments, "{\"z\": 1,  \"a\": [1, 2]}");
+        // Arguments that are neither an object nor a string: not a call.
+        assert_eq!(
+            parse(Format::Json, "", "{\"name\": \"f\", \"arguments\": 3}").1,
+            vec![]
+        );
     }
 }

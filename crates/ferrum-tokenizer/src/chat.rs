@@ -95,29 +95,47 @@ impl ChatTemplate {
     /// `tools` (the request's list of tool definitions, None: the template sees no `tools`) and
     /// `extra` variables (`chat_template_kwargs`, e.g. `enable_thinking`; they cannot replace
     /// the variables above).
-    pub fn render_json(
+    ///
+    /// `messages` and `tools` are anything that serializes to JSON; the template sees their
+    /// objects' keys in the order they serialize in (as Python dicts keep them), so a
+    /// `serde_json::value::RawValue` holding a client's JSON reaches `tojson` with the client's
+    /// key order, not sorted.
+    pub fn render_json<M, T>(
         &self,
-        messages: &serde_json::Value,
-        tools: Option<&serde_json::Value>,
+        messages: &M,
+        tools: Option<&T>,
         extra: &serde_json::Map<String, serde_json::Value>,
         add_generation_prompt: bool,
-    ) -> Result<String> {
+    ) -> Result<String>
+    where
+        M: Serialize + ?Sized,
+        T: Serialize + ?Sized,
+    {
         let tmpl = self.env.get_template(NAME).map_err(template_error)?;
-        let mut ctx = extra.clone();
-        ctx.insert("messages".into(), messages.clone());
-        if let Some(t) = tools {
-            ctx.insert("tools".into(), t.clone());
-        } else {
-            ctx.remove("tools");
+        let mut ctx: Vec<(String, Value)> = Vec::with_capacity(extra.len() + 5);
+        let reserved = [
+            "messages",
+            "tools",
+            "add_generation_prompt",
+            "bos_token",
+            "eos_token",
+        ];
+        for (k, v) in extra {
+            if !reserved.contains(&k.as_str()) {
+                ctx.push((k.clone(), ordered_value(v)?));
+            }
         }
-        ctx.insert(
+        ctx.push(("messages".into(), ordered_value(messages)?));
+        if let Some(t) = tools {
+            ctx.push(("tools".into(), ordered_value(t)?));
+        }
+        ctx.push((
             "add_generation_prompt".into(),
-            serde_json::Value::Bool(add_generation_prompt),
-        );
-        ctx.insert("bos_token".into(), self.bos_token.clone().into());
-        ctx.insert("eos_token".into(), self.eos_token.clone().into());
-        tmpl.render(Value::from_serialize(&ctx))
-            .map_err(template_error)
+            Value::from(add_generation_prompt),
+        ));
+        ctx.push(("bos_token".into(), Value::from(self.bos_token.as_str())));
+        ctx.push(("eos_token".into(), Value::from(self.eos_token.as_str())));
+        tmpl.render(Value::from_iter(ctx)).map_err(template_error)
     }
 
     /// Renders `messages`; with `add_generation_prompt` the template appends the opening of
@@ -133,6 +151,14 @@ impl ChatTemplate {
         })
         .map_err(template_error)
     }
+}
+
+/// A template value from anything serializable to JSON, its objects' keys in serialization order
+/// (through JSON text: minijinja's maps keep insertion order, `serde_json::Value`'s do not).
+fn ordered_value<S: Serialize + ?Sized>(v: &S) -> Result<Value> {
+    let text =
+        serde_json::to_string(v).map_err(|e| Error::Msg(format!("chat template input: {e}")))?;
+    serde_json::from_str(&text).map_err(|e| Error::Msg(format!("chat template input: {e}")))
 }
 
 fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> {
@@ -418,6 +444,50 @@ mod tests {
         assert_eq!(
             out,
             "{\"a\": \"s\", \"b\": [1, 2.5, null, true]}|{\n  \"a\": \"s\",\n  \"b\": [\n    1,\n    2.5,\n    null,\n    true\n  ]\n}|\"é\\\"\\n\"|[]"
+        );
+    }
+
+    /// Tools and tool-call arguments reach the template in their serialized key order (HF renders
+    /// the dicts it is given), `chat_template_kwargs` become variables, and the reserved
+    /// variables cannot be replaced by them.
+    #[test]
+    fn render_json_keeps_key_order() {
+        let t = ChatTemplate::new(
+            "{% for t in tools %}{{ t | tojson }}\n{% endfor %}\
+             {% for m in messages %}{{ m.role }}:{{ m.content }}\
+             {% for c in m.tool_calls %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}\
+             {% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}\n{% endfor %}\
+             {{ enable_thinking }} {{ add_generation_prompt }}",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        let tools: Value = serde_json::from_str(
+            r#"[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"z": {}, "a": {}}}}}]"#,
+        )
+        .unwrap();
+        let msgs: Value = serde_json::from_str(
+            r#"[{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"z": 1, "a": [2.5, null]}}}]},
+                {"role": "tool", "content": "ok", "tool_call_id": "call_1"}]"#,
+        )
+        .unwrap();
+        let mut extra = serde_json::Map::new();
+        extra.insert("enable_thinking".into(), false.into());
+        extra.insert("add_generation_prompt".into(), "no".into());
+        let out = t.render_json(&msgs, Some(&tools), &extra, true).unwrap();
+        assert_eq!(
+            out,
+            "{\"type\": \"function\", \"function\": {\"name\": \"f\", \"parameters\": \
+             {\"type\": \"object\", \"properties\": {\"z\": {}, \"a\": {}}}}}\n\
+             user:hiassistant:[f {\"z\": 1, \"a\": [2.5, null]}]tool:ok(call_1)False True"
+        );
+        // No tools: the template sees none (`tools` undefined, so `for` runs zero times).
+        let none: Option<&serde_json::Value> = None;
+        let out = t.render_json(&msgs, none, &extra, false).unwrap();
+        assert!(
+            out.starts_with("user:hi") && out.ends_with("False False"),
+            "{out}"
         );
     }
 }
