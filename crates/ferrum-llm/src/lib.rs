@@ -2,11 +2,13 @@
 //!
 //! - [`model`]: configs, weights and the architectures (llama, qwen2, gemma3), the KV cache.
 //! - [`generate`]: prompt prefill, sampling or teacher forcing, streaming text, stop strings.
+//! - [`grammar`]: constrained decoding (JSON Schema, regex, choices, Lark, GBNF) as token masks.
 //! - [`sampling`]: llama.cpp's sampler chain; [`perplexity`]: llama-perplexity's method.
 //! - [`Llm`]: a model, its tokenizer and chat template, loaded from a GGUF file or a Hugging Face folder.
 //! - [`hf`]: Hugging Face `config.json`, safetensors weights, hub downloads.
 
 pub mod generate;
+pub mod grammar;
 pub mod hf;
 pub mod model;
 pub mod perplexity;
@@ -14,6 +16,7 @@ pub mod sampling;
 pub mod text;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use ferrum_core::{Error, Result};
 use ferrum_gguf::GgufFile;
@@ -33,7 +36,8 @@ pub struct LoadOptions {
 /// A loaded model with everything needed to turn text into text.
 pub struct Llm {
     pub model: Model,
-    pub tokenizer: Tokenizer,
+    /// Shared with the grammar compiler, which walks its vocabulary.
+    pub tokenizer: Arc<Tokenizer>,
     pub chat_template: Option<String>,
     /// A short human name (general.name or the file name).
     pub name: String,
@@ -119,7 +123,7 @@ impl Llm {
         Ok(Llm {
             chat_template: tokenizer.chat_template().map(str::to_string),
             model: Model::new(config, weights),
-            tokenizer,
+            tokenizer: Arc::new(tokenizer),
             name,
         })
     }

@@ -27,7 +27,9 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::api::{call_id, parse, response_id, submit, ApiError, AppState, Common, Submitted};
+use crate::api::{
+    call_id, parse, request_constraint, response_id, submit, ApiError, AppState, Common, Submitted,
+};
 use crate::chat_request::{tool_context, ToolCtx};
 use crate::engine::Event;
 use crate::tool_calls::{self, Piece, ToolCall};
@@ -298,11 +300,12 @@ async fn messages_inner(
         "top_k": b.top_k, "stop": b.stop_sequences, "stream": b.stream,
     }))
     .map_err(|e| bad(format!("invalid request: {e}"), "messages"))?;
+    let constraint = request_constraint(&st, &common, ctx.as_ref()).await?;
     let Submitted {
         mut rx,
         guard,
         prompt_tokens,
-    } = match submit(&st, &common, prompt, st.ctx_size, 1, None)? {
+    } = match submit(&st, &common, prompt, st.ctx_size, 1, None, constraint)? {
         Ok(s) => s,
         Err(busy) => return Ok(busy),
     };

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::chat_request::{self, call_deltas, Message, ToolCtx, ToolsIn};
-use crate::{reasoning, tool_calls};
+use crate::{reasoning, structured, tool_calls};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -24,11 +24,13 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use ferrum_llm::grammar::{Constraint, Grammars};
 use ferrum_llm::{FinishReason, Llm, SamplingParams};
 use ferrum_tokenizer::ChatTemplate;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
+use std::sync::OnceLock;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -51,6 +53,8 @@ pub struct AppState {
     pub prefix_caching: bool,
     /// Weights and KV pool sizes (for `/metrics`).
     pub memory: crate::MemoryReport,
+    /// The grammar compiler for structured output, built on first use.
+    pub grammars: OnceLock<Result<Arc<Grammars>, String>>,
 }
 
 /// Counts a request in flight for as long as it lives.
@@ -116,7 +120,7 @@ pub(crate) fn call_id() -> String {
 pub struct ApiError {
     pub(crate) status: StatusCode,
     pub(crate) message: String,
-    param: Option<&'static str>,
+    pub(crate) param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -416,8 +420,9 @@ pub(crate) struct Common {
     min_tokens: Option<u64>,
     #[serde(default)]
     priority: Option<i64>,
-    #[serde(default)]
-    response_format: Option<Value>,
+    /// `response_format`, `guided_*`, `grammar`, `json_schema`: see [`structured`].
+    #[serde(flatten)]
+    pub(crate) structured: structured::Fields,
     #[serde(default)]
     logprobs: Option<Value>,
     #[serde(default)]
@@ -553,18 +558,6 @@ fn build(
         seed: c.seed.unwrap_or_else(rand_seed),
     };
     sampling.validate().map_err(|e| ApiError::bad(e, None))?;
-    match &c.response_format {
-        None => {}
-        Some(f) => match f.get("type").and_then(Value::as_str) {
-            Some("text") | Some("json_object") => {}
-            _ => {
-                return Err(ApiError::bad(
-                    "response_format.type must be \"text\" or \"json_object\"",
-                    Some("response_format"),
-                ))
-            }
-        },
-    }
     let stop = match &c.stop {
         None => Vec::new(),
         Some(OneOrMany::One(s)) => vec![s.clone()],
@@ -801,6 +794,7 @@ pub(crate) fn submit(
     default_max: usize,
     n: usize,
     logprobs: Option<usize>,
+    constraint: Option<Constraint>,
 ) -> Result<Result<Submitted, Response>, ApiError> {
     let (prompt, max_tokens, sampling, stop) = build(st, c, prompt, default_max)?;
     let min_tokens = c.min_tokens.unwrap_or(0) as usize;
@@ -839,6 +833,7 @@ pub(crate) fn submit(
             logprobs,
             choice,
             events: tx.clone(),
+            constraint: constraint.clone(),
         };
         st.engine.send(req).map_err(|_| ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
@@ -853,6 +848,26 @@ pub(crate) fn submit(
     }))
 }
 
+/// The grammar a request's reply must follow, compiled: its structured-output fields, or a
+/// required tool call's grammar; both at once are refused.
+pub(crate) async fn request_constraint(
+    st: &Arc<AppState>,
+    c: &Common,
+    tools: Option<&ToolCtx>,
+) -> Result<Option<Constraint>, ApiError> {
+    let asked = c.structured.grammar()?;
+    let forced = tools.and_then(|t| t.grammar.clone());
+    match (asked, forced) {
+        (Some(_), Some(_)) => Err(ApiError::bad(
+            "a structured output cannot be combined with a required tool call",
+            Some("response_format"),
+        )),
+        (Some((param, g)), None) => structured::compile(st, Some(g), param).await,
+        (None, Some(g)) => structured::compile(st, Some(g), "tools").await,
+        (None, None) => Ok(None),
+    }
+}
+
 async fn run(
     st: Arc<AppState>,
     c: &Common,
@@ -863,6 +878,7 @@ async fn run(
     think: Option<bool>,
 ) -> Result<Response, ApiError> {
     let logprobs = parse_logprobs(c, kind)?;
+    let constraint = request_constraint(&st, c, tools.as_ref()).await?;
     let n = match c.n {
         None => 1,
         Some(n) if (1..=MAX_N).contains(&n) => n as usize,
@@ -877,7 +893,7 @@ async fn run(
         mut rx,
         guard,
         prompt_tokens,
-    } = match submit(&st, c, prompt, default_max, n, logprobs)? {
+    } = match submit(&st, c, prompt, default_max, n, logprobs, constraint)? {
         Ok(s) => s,
         Err(busy) => return Ok(busy),
     };

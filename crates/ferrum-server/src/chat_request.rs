@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 
 use crate::api::ApiError;
 use crate::tool_calls::{Format, Keep};
+use ferrum_llm::grammar::Grammar;
 use ferrum_tokenizer::ChatTemplate;
 
 /// A message's `content`: text, or a list of parts (only `text` parts are supported).
@@ -231,7 +232,7 @@ pub(crate) fn template_messages(
 }
 
 /// How a chat request's output is read for tool calls.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct ToolCtx {
     pub(crate) format: Format,
     /// Text the prompt put at the start of the model's reply (the opening of a forced call).
@@ -240,6 +241,9 @@ pub(crate) struct ToolCtx {
     pub(crate) parallel: bool,
     /// A named `tool_choice`: only a call of this function is kept (one, as OpenAI's).
     pub(crate) only: Option<String>,
+    /// When a call is required (`required` or a named function): the grammar of the reply
+    /// after `prefix`, so the call is well formed and its arguments valid under the schema.
+    pub(crate) grammar: Option<Grammar>,
 }
 
 impl ToolCtx {
@@ -299,9 +303,10 @@ pub(crate) fn check_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
 /// required, `{"type": "function", "function": {"name"}}`) and `parallel_tool_calls`. None: no
 /// tools offered (none given, or `tool_choice: none`).
 ///
-/// Until constrained decoding lands, a required or named call is made as strong as the prompt
-/// can make it: the reply is opened with the start of a call ([`Format::forced_prefix`]), a
-/// prompt prefix, not a grammar. `required` with a single tool is that tool.
+/// A required or named call is opened in the prompt ([`Format::forced_prefix`]) and the rest of
+/// the reply is held to [`Format::forced_grammar`] (the engine masks every token), so the call
+/// parses and its arguments are valid under the function's schema. `required` with a single
+/// tool is that tool.
 pub(crate) fn tool_context(
     template: &str,
     tools: &[Value],
@@ -350,24 +355,42 @@ pub(crate) fn tool_context(
             "tool_choice requires a call but no tools are given".into(),
         ));
     }
-    Ok(choice.map(|forced| {
-        let format = Format::of_template(template);
-        let forced = match forced {
-            Some(n) if n.is_empty() && names.len() == 1 => Some(names[0].clone()),
-            other => other,
-        };
-        let prefix = match forced.as_deref() {
-            None => String::new(),
-            Some("") => format.forced_prefix(None, template),
-            Some(n) => format.forced_prefix(Some(n), template),
-        };
-        let only = forced.filter(|n| !n.is_empty());
-        ToolCtx {
-            format,
-            prefix,
-            parallel: parallel.unwrap_or(true) && only.is_none(),
-            only,
+    let Some(forced) = choice else {
+        return Ok(None);
+    };
+    let format = Format::of_template(template);
+    let forced = match forced {
+        Some(n) if n.is_empty() && names.len() == 1 => Some(names[0].clone()),
+        other => other,
+    };
+    let prefix = match forced.as_deref() {
+        None => String::new(),
+        Some("") => format.forced_prefix(None, template),
+        Some(n) => format.forced_prefix(Some(n), template),
+    };
+    let only = forced.clone().filter(|n| !n.is_empty());
+    let parallel = parallel.unwrap_or(true) && only.is_none();
+    let grammar = match forced.as_deref() {
+        None => None,
+        Some(n) => {
+            let schemas: Vec<(String, Option<Value>)> = tools
+                .iter()
+                .zip(&names)
+                .map(|(t, n)| (n.clone(), t["function"].get("parameters").cloned()))
+                .collect();
+            let name = (!n.is_empty()).then_some(n);
+            let lark = format
+                .forced_grammar(template, &schemas, name, parallel)
+                .map_err(|e| ApiError::bad(e, Some("tools")))?;
+            Some(Grammar::Lark(lark))
         }
+    };
+    Ok(Some(ToolCtx {
+        format,
+        prefix,
+        parallel,
+        only,
+        grammar,
     }))
 }
 

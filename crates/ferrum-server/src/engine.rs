@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferrum_llm::generate::PREFILL_CHUNK;
+use ferrum_llm::grammar::Constraint;
 use ferrum_llm::model::{KvPool, Logits, SeqInput};
 use ferrum_llm::sampling::Sampler;
 use ferrum_llm::text::{StopMatcher, Utf8Stream};
@@ -140,6 +141,9 @@ pub struct Request {
     pub choice: usize,
     /// Where the engine sends this request's events, tagged with `choice`.
     pub events: UnboundedSender<(usize, Event)>,
+    /// The grammar the output must follow (compiled; this choice's own parser state): each
+    /// token is drawn from the logits it allows, and the request stops when it is complete.
+    pub constraint: Option<Constraint>,
 }
 
 /// The log-probability of a generated token under the model (before temperature and penalties),
@@ -647,9 +651,20 @@ impl Engine {
 
 /// Samples the next token of `s` from `logits`, sends its text, and returns whether `s` is done.
 fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32], block_size: usize) -> bool {
+    // A constrained request draws from the tokens its grammar allows.
+    let masked;
+    let mut view = logits;
+    if let Some(c) = s.req.constraint.as_mut() {
+        let mut l = logits.to_vec();
+        if let Err(e) = c.mask(&mut l) {
+            return fail(s, e.to_string());
+        }
+        masked = l;
+        view = &masked;
+    }
     let id = if s.generated < s.req.min_tokens && !s.req.ignore_eos {
         // No end of generation yet: those tokens cannot be drawn.
-        let mut l = logits.to_vec();
+        let mut l = view.to_vec();
         for e in llm.tokenizer.eog_ids() {
             if let Some(v) = l.get_mut(e as usize) {
                 *v = f32::NEG_INFINITY;
@@ -657,9 +672,16 @@ fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32], block_size: usize) ->
         }
         s.sampler.sample(&l)
     } else {
-        s.sampler.sample(logits)
+        s.sampler.sample(view)
     };
     s.sampler.accept(id);
+    let mut complete = false;
+    if let Some(c) = s.req.constraint.as_mut() {
+        if let Err(e) = c.accept(id) {
+            return fail(s, e.to_string());
+        }
+        complete = c.is_complete();
+    }
     s.generated += 1;
     if s.ttft.is_none() {
         s.ttft = Some(s.submitted.elapsed().as_secs_f64());
@@ -682,7 +704,8 @@ fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32], block_size: usize) ->
         if s.req.events.send((choice, ev)).is_err() {
             return true; // the client is gone
         }
-        if hit {
+        if hit || complete {
+            // A stop string, or the grammar's output is whole (only its end could follow).
             finish = Some(FinishReason::Stop);
         } else if s.generated >= s.req.max_tokens {
             finish = Some(FinishReason::Length);
@@ -719,4 +742,12 @@ fn sample_and_emit(llm: &Llm, s: &mut Seq, logits: &[f32], block_size: usize) ->
             true
         }
     }
+}
+
+/// Ends `s` with an error event (its grammar failed: a step over the parser's bounds); true, as
+/// `sample_and_emit` returns for a finished sequence.
+fn fail(s: &mut Seq, why: String) -> bool {
+    tracing::warn!("request failed while sampling: {why}");
+    let _ = s.req.events.send((s.req.choice, Event::Error(why)));
+    true
 }

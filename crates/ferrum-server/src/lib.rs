@@ -30,6 +30,7 @@ pub mod engine;
 pub mod kv_blocks;
 pub mod reasoning;
 pub mod responses;
+pub(crate) mod structured;
 pub mod tokenize;
 pub mod tool_calls;
 
@@ -120,6 +121,7 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
         block_size: cfg.block_size,
         prefix_caching: cfg.engine.prefix_caching,
         memory,
+        grammars: std::sync::OnceLock::new(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

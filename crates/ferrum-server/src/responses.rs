@@ -24,7 +24,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::api::{call_id, now, parse, response_id, submit, ApiError, AppState, Common, Submitted};
+use crate::api::{
+    call_id, now, parse, request_constraint, response_id, submit, ApiError, AppState, Common,
+    Submitted,
+};
 use crate::chat_request::{tool_context, ToolCtx};
 use crate::engine::Event;
 use crate::tool_calls::{self, Piece};
@@ -218,14 +221,26 @@ pub async fn responses(
             "previous_response_id",
         ));
     }
-    if let Some(f) = b.text.as_ref().and_then(|t| t.get("format")) {
-        if f.get("type").and_then(Value::as_str).unwrap_or("text") != "text" {
-            return Err(bad(
-                "text.format other than text is not supported yet",
-                "text",
-            ));
-        }
-    }
+    // `text.format` is the chat endpoint's response_format with the schema one level up.
+    let response_format = match b.text.as_ref().and_then(|t| t.get("format")) {
+        None => Value::Null,
+        Some(f) => match f.get("type").and_then(Value::as_str) {
+            Some("text") => Value::Null,
+            Some("json_object") => json!({"type": "json_object"}),
+            Some("json_schema") => {
+                let schema = f
+                    .get("schema")
+                    .ok_or_else(|| bad("text.format json_schema needs a schema", "text"))?;
+                json!({"type": "json_schema", "json_schema": {"schema": schema}})
+            }
+            _ => {
+                return Err(bad(
+                    "text.format.type must be \"text\", \"json_object\" or \"json_schema\"",
+                    "text",
+                ))
+            }
+        },
+    };
     let msgs = messages(&b)?;
     let (tools, choice) = chat_tools(&b)?;
     let ctx = tool_context(
@@ -250,14 +265,15 @@ pub async fn responses(
     let prompt = st.llm.encode_rendered_chat(&rendered);
     let common: Common = serde_json::from_value(json!({
         "max_tokens": b.max_output_tokens, "temperature": b.temperature, "top_p": b.top_p,
-        "seed": b.seed, "stream": b.stream,
+        "seed": b.seed, "stream": b.stream, "response_format": response_format,
     }))
     .map_err(|e| bad(format!("invalid request: {e}"), "input"))?;
+    let constraint = request_constraint(&st, &common, ctx.as_ref()).await?;
     let Submitted {
         mut rx,
         guard,
         prompt_tokens,
-    } = match submit(&st, &common, prompt, st.ctx_size, 1, None)? {
+    } = match submit(&st, &common, prompt, st.ctx_size, 1, None, constraint)? {
         Ok(s) => s,
         Err(busy) => return Ok(busy),
     };

@@ -60,8 +60,20 @@ impl Format {
     /// the arguments it then writes. Empty where the template teaches no call syntax to open
     /// (a generic template that never mentions `tools`).
     pub fn forced_prefix(self, name: Option<&str>, template_source: &str) -> String {
-        let (open, key) = match self {
-            Format::Hermes => ("<tool_call>\n{\"name\": ".to_string(), "arguments"),
+        let Some((open, key)) = self.call_syntax(template_source) else {
+            return String::new();
+        };
+        match name {
+            None => format!("{open}\""),
+            Some(n) => format!("{open}{}, \"{key}\": ", json!(n)),
+        }
+    }
+
+    /// How a call opens (up to its name) and the key of its arguments, where the template
+    /// teaches one; None for a generic template that never mentions `tools`.
+    fn call_syntax(self, template_source: &str) -> Option<(String, &'static str)> {
+        Some(match self {
+            Format::Hermes => (format!("{HERMES_OPEN}\n{{\"name\": "), "arguments"),
             Format::Mistral => {
                 // Mistral v0.3's template writes `[TOOL_CALLS] [`; later ones no space.
                 let gap = if template_source.contains("[TOOL_CALLS] [") {
@@ -80,12 +92,79 @@ impl Format {
                 };
                 ("{\"name\": ".to_string(), key)
             }
-            Format::Json => return String::new(),
+            Format::Json => return None,
+        })
+    }
+
+    /// The grammar (Lark) of what a model writes after [`Format::forced_prefix`] when a call is
+    /// required: the rest of the call, its arguments valid under the function's `parameters`
+    /// schema, then, with `parallel`, any number of further calls of the offered functions
+    /// (Hermes and Mistral; the JSON form has one), and nothing else. `tools` are the offered
+    /// functions' names and parameter schemas (None: any object); `name` the required function
+    /// (None: any of them).
+    pub fn forced_grammar(
+        self,
+        template_source: &str,
+        tools: &[(String, Option<Value>)],
+        name: Option<&str>,
+        parallel: bool,
+    ) -> Result<String, String> {
+        use ferrum_llm::grammar::{lark_json, lark_literal};
+        let opened = self.call_syntax(template_source);
+        let prefixed = opened.is_some();
+        let (open, key) = opened.unwrap_or_else(|| ("{\"name\": ".to_string(), "arguments"));
+        // What closes one call, and what opens the next / ends the list.
+        let (close, next, end) = match self {
+            Format::Hermes => ("}\n</tool_call>", Some(format!("\n{open}\"")), ""),
+            Format::Mistral => ("}", Some(", {\"name\": \"".to_string()), "]"),
+            Format::Json => ("}", None, ""),
         };
-        match name {
-            None => format!("{open}\""),
-            Some(n) => format!("{open}{}, \"{key}\": ", json!(n)),
+        let mut rules = String::new();
+        // body_i: the rest of a call of function i after `"name": "`.
+        let mut bodies = Vec::with_capacity(tools.len());
+        for (i, (n, params)) in tools.iter().enumerate() {
+            let schema = params.clone().unwrap_or_else(|| json!({"type": "object"}));
+            let args = lark_json(&schema).map_err(|e| format!("tools[{i}]: {e}"))?;
+            rules.push_str(&format!("args_{i}: {args}\n"));
+            rules.push_str(&format!(
+                "body_{i}: {} args_{i} {}\n",
+                lark_literal(&format!("{n}\", \"{key}\": ")),
+                lark_literal(close)
+            ));
+            bodies.push(format!("body_{i}"));
         }
+        rules.push_str(&format!("call: {}\n", bodies.join(" | ")));
+        // A generic template opened nothing: the grammar writes the call's opening too.
+        let lead = if prefixed {
+            String::new()
+        } else {
+            format!("{} ", lark_literal(&format!("{open}\"")))
+        };
+        let first = match name {
+            Some(n) => {
+                let i = tools
+                    .iter()
+                    .position(|t| t.0 == n)
+                    .ok_or_else(|| format!("no tool named '{n}'"))?;
+                if prefixed {
+                    // The prefix ends after `"key": `: the arguments, then the call's close.
+                    format!("args_{i} {}", lark_literal(close))
+                } else {
+                    format!("{lead}body_{i}")
+                }
+            }
+            None => format!("{lead}call"),
+        };
+        let more = match (&next, parallel && name.is_none()) {
+            (Some(nx), true) => format!(" ({} call)*", lark_literal(nx)),
+            _ => String::new(),
+        };
+        let end = if end.is_empty() {
+            String::new()
+        } else {
+            format!(" {}", lark_literal(end))
+        };
+        Ok(format!("start: {first}{more}{end}\n{rules}"))
     }
 }
 
@@ -1015,5 +1094,130 @@ mod tests {
             parse(Format::Json, "", "{\"name\": \"f\", \"arguments\": 3}").1,
             vec![]
         );
+    }
+
+    /// Forced-call grammars on Qwen2.5's real vocabulary, for each format: the replies a model
+    /// writes after the forced prefix pass token by token and complete the grammar, and parse
+    /// into the call; arguments outside the schema (an unknown enum value, a missing required
+    /// key), a second call where one is allowed, or text after the call are refused.
+    #[test]
+    fn forced_grammars_hold_calls_to_their_schemas() {
+        use ferrum_llm::grammar::{Grammar, Grammars};
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+        let llm = ferrum_llm::Llm::load(&path, &Default::default(), &mut |_, _| {})
+            .expect("run scripts/fetch_models.py for the Qwen2.5 test model");
+        let grammars = Grammars::new(std::sync::Arc::clone(&llm.tokenizer)).unwrap();
+        let weather: Value = serde_json::from_str(
+            r#"{"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"], "additionalProperties": false}"#,
+        )
+        .unwrap();
+        let tools = vec![
+            ("get_weather".to_string(), Some(weather)),
+            ("get_time".to_string(), None),
+        ];
+        // Whether `text` (what follows the prefix) is a whole output of the grammar.
+        let passes = |lark: &str, text: &str| -> bool {
+            let mut c = grammars.compile(&Grammar::Lark(lark.to_string())).unwrap();
+            for id in llm.tokenizer.encode(text, false, false) {
+                if c.is_complete() || !c.allows(id).unwrap() {
+                    return false;
+                }
+                c.accept(id).unwrap();
+            }
+            c.is_complete() || c.can_end()
+        };
+        let good = r#"{"city": "Paris", "unit": "celsius"}"#;
+        let bad_enum = r#"{"city": "Paris", "unit": "kelvin"}"#;
+        let missing = r#"{"city": "Paris"}"#;
+        let generic = "{% if messages %}{% endif %}";
+        for (format, template, named_tail, any_tail, second) in [
+            (
+                Format::Hermes,
+                "<tool_call>",
+                "}\n</tool_call>",
+                "}\n</tool_call>",
+                "\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>",
+            ),
+            (
+                Format::Mistral,
+                "[TOOL_CALLS] [",
+                "}]",
+                "}]",
+                ", {\"name\": \"get_time\", \"arguments\": {}}]",
+            ),
+            (Format::Json, "tools \"parameters\"", "}", "}", ""),
+            (Format::Json, generic, "}", "}", ""),
+        ] {
+            let key = if template.contains("parameters") {
+                "parameters"
+            } else {
+                "arguments"
+            };
+            let keep = Keep::default();
+            // Named: the prefix opened the call up to its arguments.
+            let prefix = format.forced_prefix(Some("get_weather"), template);
+            let lark = format
+                .forced_grammar(template, &tools, Some("get_weather"), false)
+                .unwrap();
+            let opening = if prefix.is_empty() {
+                format!("{{\"name\": \"get_weather\", \"{key}\": ")
+            } else {
+                String::new()
+            };
+            let reply = format!("{opening}{good}{named_tail}");
+            assert!(passes(&lark, &reply), "{format:?} named: {reply:?}\n{lark}");
+            let (_, calls) = parse_reply(format, &prefix, &keep, &reply);
+            assert_eq!(
+                calls,
+                vec![call("get_weather", good)],
+                "{format:?} {reply:?}"
+            );
+            for wrong in [bad_enum, missing] {
+                let reply = format!("{opening}{wrong}{named_tail}");
+                assert!(!passes(&lark, &reply), "{format:?} named took {reply:?}");
+            }
+            assert!(!passes(
+                &lark,
+                &format!("{opening}{good}{named_tail} and more")
+            ));
+            // Any function: the prefix opened the call up to the name.
+            let prefix = format.forced_prefix(None, template);
+            let opening = if prefix.is_empty() {
+                "{\"name\": \"".to_string()
+            } else {
+                String::new()
+            };
+            for parallel in [false, true] {
+                let lark = format
+                    .forced_grammar(template, &tools, None, parallel)
+                    .unwrap();
+                let first = format!("{opening}get_weather\", \"{key}\": {good}{any_tail}");
+                let one = first.clone();
+                assert!(passes(&lark, &one), "{format:?} any: {one:?}\n{lark}");
+                let (_, calls) = parse_reply(format, &prefix, &keep, &one);
+                assert_eq!(calls, vec![call("get_weather", good)], "{format:?} {one:?}");
+                let bad = format!("{opening}get_weather\", \"{key}\": {bad_enum}{any_tail}");
+                assert!(!passes(&lark, &bad), "{format:?} any took {bad:?}");
+                let unknown = format!("{opening}get_news\", \"{key}\": {{}}{any_tail}");
+                assert!(!passes(&lark, &unknown), "{format:?} any took {unknown:?}");
+                if !second.is_empty() {
+                    // A second call: after the first's close (Mistral: before its `]`).
+                    let two = match format {
+                        Format::Mistral => format!("{}{second}", first.trim_end_matches(']')),
+                        _ => format!("{first}{second}"),
+                    };
+                    assert_eq!(
+                        passes(&lark, &two),
+                        parallel,
+                        "{format:?} {parallel}: {two:?}"
+                    );
+                    if parallel {
+                        let (_, calls) = parse_reply(format, &prefix, &keep, &two);
+                        assert_eq!(calls.len(), 2, "{format:?} {two:?}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -72,7 +72,7 @@ pub fn load(dir: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(usize, usiz
         .unwrap_or_else(|| dir.display().to_string());
     Ok(Llm {
         model: Model::new(config, weights),
-        tokenizer,
+        tokenizer: std::sync::Arc::new(tokenizer),
         chat_template,
         name,
     })
