@@ -24,7 +24,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use ferrum_llm::grammar::{Constraint, Grammars};
+use ferrum_llm::grammar::{Constraint, Grammar, Grammars};
 use ferrum_llm::{FinishReason, Llm, SamplingParams};
 use ferrum_tokenizer::ChatTemplate;
 use serde::Deserialize;
@@ -437,19 +437,19 @@ struct CompletionBody {
 }
 
 #[derive(Deserialize)]
-struct ChatBody {
-    messages: Vec<Message>,
+pub(crate) struct ChatBody {
+    pub(crate) messages: Vec<Message>,
     /// As the client wrote it: the template sees its keys in the client's order.
     #[serde(default)]
-    tools: Option<Box<RawValue>>,
+    pub(crate) tools: Option<Box<RawValue>>,
     #[serde(default)]
-    tool_choice: Option<Value>,
+    pub(crate) tool_choice: Option<Value>,
     #[serde(default)]
-    parallel_tool_calls: Option<bool>,
+    pub(crate) parallel_tool_calls: Option<bool>,
     #[serde(default)]
-    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    pub(crate) chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(flatten)]
-    common: Common,
+    pub(crate) common: Common,
 }
 
 pub(crate) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
@@ -848,13 +848,12 @@ pub(crate) fn submit(
     }))
 }
 
-/// The grammar a request's reply must follow, compiled: its structured-output fields, or a
-/// required tool call's grammar; both at once are refused.
-pub(crate) async fn request_constraint(
-    st: &Arc<AppState>,
+/// The grammar a request's reply must follow, and the field that asks for it: its
+/// structured-output fields, or a required tool call's grammar; both at once are refused.
+pub(crate) fn request_grammar(
     c: &Common,
     tools: Option<&ToolCtx>,
-) -> Result<Option<Constraint>, ApiError> {
+) -> Result<Option<(&'static str, Grammar)>, ApiError> {
     let asked = c.structured.grammar()?;
     let forced = tools.and_then(|t| t.grammar.clone());
     match (asked, forced) {
@@ -862,9 +861,21 @@ pub(crate) async fn request_constraint(
             "a structured output cannot be combined with a required tool call",
             Some("response_format"),
         )),
-        (Some((param, g)), None) => structured::compile(st, Some(g), param).await,
-        (None, Some(g)) => structured::compile(st, Some(g), "tools").await,
+        (Some(g), None) => Ok(Some(g)),
+        (None, Some(g)) => Ok(Some(("tools", g))),
         (None, None) => Ok(None),
+    }
+}
+
+/// [`request_grammar`], compiled for the engine.
+pub(crate) async fn request_constraint(
+    st: &Arc<AppState>,
+    c: &Common,
+    tools: Option<&ToolCtx>,
+) -> Result<Option<Constraint>, ApiError> {
+    match request_grammar(c, tools)? {
+        Some((param, g)) => structured::compile(st, Some(g), param).await,
+        None => Ok(None),
     }
 }
 

@@ -27,6 +27,8 @@ pub mod anthropic;
 pub mod api;
 pub(crate) mod chat_request;
 pub mod engine;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod kv_blocks;
 pub mod reasoning;
 pub mod responses;
