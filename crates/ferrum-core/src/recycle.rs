@@ -92,6 +92,12 @@ impl Deref for Buf {
     }
 }
 
+impl AsRef<[f32]> for Buf {
+    fn as_ref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
 impl DerefMut for Buf {
     fn deref_mut(&mut self) -> &mut Vec<f32> {
         &mut self.0

@@ -6,8 +6,8 @@ use std::time::Instant;
 use ferrum_core::{Buf, Error, Result};
 
 use crate::model::{KvCache, Logits};
+use crate::output::SeqOutput;
 use crate::sampling::{top_logprobs, Sampler, SamplingParams};
-use crate::text::{StopMatcher, Utf8Stream};
 use crate::Llm;
 
 /// Prompt tokens processed per forward pass during prefill (bounds activation memory).
@@ -189,8 +189,9 @@ pub fn generate(
         prompt_seconds,
         generate_seconds: 0.0,
     };
-    let mut utf8 = Utf8Stream::default();
-    let mut stops = StopMatcher::new(&req.stop);
+    // Forced tokens are taken whatever they are: no end-of-generation stop while forcing.
+    let ignore_eos = req.ignore_eos || req.force_tokens.is_some();
+    let mut seq = SeqOutput::new(&req.stop, budget, ignore_eos, 0);
     let mut pos = req.prompt.len();
     while out.tokens.len() < budget {
         if req.top_logprobs > 0 {
@@ -203,34 +204,28 @@ pub fn generate(
         };
         sampler.accept(id);
         out.tokens.push(id);
-        if req.force_tokens.is_none() && !req.ignore_eos && llm.tokenizer.is_eog(id) {
-            out.finish = FinishReason::Stop;
-            break;
+        let step = seq.push(&llm.tokenizer, id, false);
+        for t in [&step.text, &step.tail] {
+            if !t.is_empty() {
+                on_text(t);
+            }
         }
-        let piece = utf8.push(&llm.tokenizer.token_bytes(id, false));
-        let (shown, hit) = stops.push(&piece);
-        on_text(&shown);
-        if hit {
-            out.finish = FinishReason::Stop;
-            break;
-        }
-        if out.tokens.len() == budget {
+        if step.finish.is_some() {
             break;
         }
         if pos >= capacity {
             // The context is full: stop as max_tokens would.
+            let tail = seq.cut();
+            if !tail.is_empty() {
+                on_text(&tail);
+            }
             break;
         }
         logits = llm.model.forward(&[id], pos, &mut cache, Logits::Last)?;
         pos += 1;
     }
-    if out.finish == FinishReason::Length {
-        let tail = utf8.finish();
-        let (shown, _) = stops.push(&tail);
-        on_text(&shown);
-        on_text(&stops.finish());
-    }
-    out.text = stops.text().to_string();
+    out.finish = seq.finish().unwrap_or(FinishReason::Length);
+    out.text = seq.text().to_string();
     out.generate_seconds = t1.elapsed().as_secs_f64();
     Ok(out)
 }

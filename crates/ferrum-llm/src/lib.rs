@@ -2,6 +2,8 @@
 //!
 //! - [`model`]: configs, weights and the architectures (llama, qwen2, gemma3), the KV cache.
 //! - [`generate`]: prompt prefill, sampling or teacher forcing, streaming text, stop strings.
+//! - [`output`]: one sequence's output as tokens are drawn (text, stop strings, finish reason),
+//!   shared by [`generate`] and the server's engine; token log-probabilities.
 //! - [`grammar`]: constrained decoding (JSON Schema, regex, choices, Lark, GBNF) as token masks.
 //! - [`sampling`]: llama.cpp's sampler chain; [`perplexity`]: llama-perplexity's method.
 //! - [`Llm`]: a model, its tokenizer and chat template, loaded from a GGUF file or a Hugging Face folder.
@@ -11,6 +13,7 @@ pub mod generate;
 pub mod grammar;
 pub mod hf;
 pub mod model;
+pub mod output;
 pub mod perplexity;
 pub mod sampling;
 pub mod text;

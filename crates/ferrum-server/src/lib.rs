@@ -30,8 +30,10 @@ pub mod engine;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod kv_blocks;
+pub mod metrics;
 pub mod reasoning;
 pub mod responses;
+pub mod scheduler;
 pub(crate) mod structured;
 pub mod tokenize;
 pub mod tool_calls;

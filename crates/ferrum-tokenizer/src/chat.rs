@@ -430,7 +430,8 @@ mod tests {
     #[test]
     fn tojson_python_style() {
         let t = ChatTemplate::new(
-            "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ 'é\"\n' | tojson }}|{{ [] | tojson }}",
+            "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ 'é\"\n' | tojson }}|{{ [] | tojson }}|\
+             {{ x | tojson(sort_keys=true) }}",
             "",
             "",
         )
@@ -443,7 +444,9 @@ mod tests {
             .unwrap();
         assert_eq!(
             out,
-            "{\"a\": \"s\", \"b\": [1, 2.5, null, true]}|{\n  \"a\": \"s\",\n  \"b\": [\n    1,\n    2.5,\n    null,\n    true\n  ]\n}|\"é\\\"\\n\"|[]"
+            // Keys in the mapping's own order (Python's json.dumps), sorted on request.
+            "{\"b\": [1, 2.5, null, true], \"a\": \"s\"}|{\n  \"b\": [\n    1,\n    2.5,\n    null,\n    true\n  ],\n  \"a\": \"s\"\n}|\"é\\\"\\n\"|[]|\
+             {\"a\": \"s\", \"b\": [1, 2.5, null, true]}"
         );
     }
 
