@@ -27,11 +27,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::api::{
-    call_id, parse, request_constraint, response_id, submit, ApiError, AppState, Common, Submitted,
-};
+use crate::api::{call_id, request_constraint, response_id, submit, ApiError, AppState, Submitted};
 use crate::chat_request::{tool_context, ToolCtx};
 use crate::engine::Event;
+use crate::request::{parse, Common};
 use crate::tool_calls::{self, Piece, ToolCall};
 
 #[derive(Deserialize)]

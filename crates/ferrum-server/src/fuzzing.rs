@@ -5,8 +5,8 @@ use axum::body::Bytes;
 use ferrum_llm::grammar::Grammar;
 use ferrum_tokenizer::ChatTemplate;
 
-use crate::api::{self, ChatBody};
 use crate::chat_request::{self, ToolsIn};
+use crate::request::{self, ChatBody};
 
 /// A chat request body as `/v1/chat/completions` reads it: parsed, its messages and tools checked
 /// and rendered by `template`, and the grammar its reply must follow (structured output or a
@@ -15,7 +15,7 @@ pub fn chat_request(
     template: &ChatTemplate,
     body: &[u8],
 ) -> Result<(String, Option<Grammar>), String> {
-    let b: ChatBody = api::parse(&Bytes::copy_from_slice(body)).map_err(|e| e.message)?;
+    let b: ChatBody = request::parse(&Bytes::copy_from_slice(body)).map_err(|e| e.message)?;
     let parts = ToolsIn {
         tools: b.tools.as_deref(),
         choice: b.tool_choice.as_ref(),
@@ -24,6 +24,6 @@ pub fn chat_request(
     };
     let (rendered, ctx) =
         chat_request::render(template, b.messages, parts, true).map_err(|e| e.message)?;
-    let grammar = api::request_grammar(&b.common, ctx.as_ref()).map_err(|e| e.message)?;
+    let grammar = request::request_grammar(&b.common, ctx.as_ref()).map_err(|e| e.message)?;
     Ok((rendered, grammar.map(|g| g.1)))
 }

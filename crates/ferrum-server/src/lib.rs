@@ -1,13 +1,20 @@
 //! ferrum-server: an OpenAI-compatible HTTP server over ferrum-llm.
 //!
-//! - [`engine`]: the scheduler and model runner, a synchronous state machine on its own thread
-//!   (continuous batching over `Model::forward_batch`).
+//! - [`scheduler`]: every request the engine holds, as a state machine with no model in it
+//!   (`schedule` -> plan, `update` with the step's logits: continuous batching, preemption,
+//!   priorities, the prefix cache, sampling through each request's grammar).
+//! - [`engine`]: the loop on its own thread that runs `Model::forward_batch` between the
+//!   scheduler's two halves; [`kv_blocks`]: the paged KV blocks and the prefix cache.
 //! - [`api`]: the HTTP layer (axum on tokio), talking to the engine through channels: the
-//!   OpenAI completions and chat endpoints, health, models, metrics.
+//!   OpenAI completions and chat endpoints, health, models, metrics. Request schemas and their
+//!   validation live apart, in `request` (the shared fields, sampling, `n`, logprobs),
+//!   `chat_request` (messages and tools as the chat template reads them, `tool_choice`) and
+//!   `structured` (`response_format`, `guided_*`, `grammar`: the grammar a reply must follow).
+//! - [`metrics`]: the engine's counters and histograms, and their Prometheus rendering.
 //! - [`responses`]: OpenAI's Responses API; [`anthropic`]: Anthropic's Messages API; both render
 //!   through the chat template and submit like the chat endpoint.
-//! - [`tool_calls`]: tool calls parsed out of model output, whole or streaming; `chat_request`:
-//!   chat messages and tools as the chat template reads them (validated), `tool_choice`.
+//! - [`tool_calls`]: tool calls parsed out of model output, whole or streaming, and the grammar
+//!   of a required call.
 //! - [`tokenize`]: `/tokenize` and `/detokenize`; [`reasoning`]: `<think>` reasoning split from answers.
 //!
 //! ```no_run
@@ -32,6 +39,7 @@ pub mod fuzzing;
 pub mod kv_blocks;
 pub mod metrics;
 pub mod reasoning;
+pub(crate) mod request;
 pub mod responses;
 pub mod scheduler;
 pub(crate) mod structured;

@@ -25,11 +25,11 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::api::{
-    call_id, now, parse, request_constraint, response_id, submit, ApiError, AppState, Common,
-    Submitted,
+    call_id, now, request_constraint, response_id, submit, ApiError, AppState, Submitted,
 };
 use crate::chat_request::{tool_context, ToolCtx};
 use crate::engine::Event;
+use crate::request::{parse, Common};
 use crate::tool_calls::{self, Piece};
 
 #[derive(Deserialize)]

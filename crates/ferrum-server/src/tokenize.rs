@@ -19,8 +19,9 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
-use crate::api::{parse, ApiError, AppState};
+use crate::api::{ApiError, AppState};
 use crate::chat_request::{self, Message, ToolsIn};
+use crate::request::parse;
 
 fn yes() -> bool {
     true
