@@ -1188,3 +1188,116 @@ fn profile_prints_operator_tables_trace_and_roofline() {
         "points per operator class"
     );
 }
+
+/// `generate --json-schema / --grammar / --regex` hold the output to the grammar (SmolLM2,
+/// greedy); a grammar that does not compile is a clean error.
+#[test]
+fn generate_follows_a_grammar() {
+    let m = smollm2();
+    let schema = r#"{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}, "role": {"enum": ["admin", "guest"]}}, "required": ["name", "age", "role"], "additionalProperties": false}"#;
+    let out = ferrum(
+        &[
+            "generate",
+            "-m",
+            &m,
+            "-p",
+            "A user record as JSON:",
+            "-n",
+            "80",
+            "--temperature",
+            "0",
+            "--json",
+            "-j",
+            schema,
+        ],
+        MODEL_RUN,
+    )
+    .ok()
+    .json();
+    assert_eq!(out["finish_reason"], "stop", "{out}");
+    let v: Json = serde_json::from_str(out["text"].as_str().unwrap()).expect("the output is JSON");
+    let o = v.as_object().expect("an object");
+    assert_eq!(o.len(), 3, "{v}");
+    assert!(
+        o["name"].as_str().is_some_and(|n| n.chars().count() <= 12),
+        "{v}"
+    );
+    assert!(
+        o["age"].as_i64().is_some_and(|a| (0..=120).contains(&a)),
+        "{v}"
+    );
+    assert!(
+        ["admin", "guest"].contains(&o["role"].as_str().unwrap_or("")),
+        "{v}"
+    );
+
+    let out = ferrum(
+        &[
+            "generate",
+            "-m",
+            &m,
+            "-p",
+            "The date:",
+            "-n",
+            "20",
+            "--temperature",
+            "0",
+            "--json",
+            "--regex",
+            "[0-9]{4}-[0-9]{2}-[0-9]{2}",
+        ],
+        MODEL_RUN,
+    )
+    .ok()
+    .json();
+    let t = out["text"].as_str().unwrap();
+    assert!(
+        t.len() == 10
+            && t.bytes().enumerate().all(|(i, b)| if i == 4 || i == 7 {
+                b == b'-'
+            } else {
+                b.is_ascii_digit()
+            }),
+        "{out}"
+    );
+
+    let out = ferrum(
+        &[
+            "generate",
+            "-m",
+            &m,
+            "-p",
+            "Answer:",
+            "-n",
+            "10",
+            "--temperature",
+            "0",
+            "--json",
+            "--grammar",
+            "root ::= \"yes\" | \"no\"",
+        ],
+        MODEL_RUN,
+    )
+    .ok()
+    .json();
+    assert!(
+        ["yes", "no"].contains(&out["text"].as_str().unwrap()),
+        "{out}"
+    );
+
+    let out = ferrum(
+        &[
+            "generate",
+            "-m",
+            &m,
+            "-p",
+            "x",
+            "-n",
+            "2",
+            "--grammar",
+            "root ::= nope",
+        ],
+        MODEL_RUN,
+    );
+    assert_clean_error(&out, &["not defined"]);
+}

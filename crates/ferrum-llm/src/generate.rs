@@ -104,6 +104,10 @@ pub struct GenerateRequest {
     pub top_logprobs: usize,
     /// KV-cache capacity in tokens (prompt + generated).
     pub ctx_size: usize,
+    /// The grammar the output must follow (compiled by [`crate::grammar::Grammars`]): each token
+    /// is drawn from the tokens it allows, and generation stops when it is complete. Not applied
+    /// to forced tokens.
+    pub constraint: Option<crate::grammar::Constraint>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -192,19 +196,33 @@ pub fn generate(
     // Forced tokens are taken whatever they are: no end-of-generation stop while forcing.
     let ignore_eos = req.ignore_eos || req.force_tokens.is_some();
     let mut seq = SeqOutput::new(&req.stop, budget, ignore_eos, 0);
+    let mut constraint = req
+        .constraint
+        .clone()
+        .filter(|_| req.force_tokens.is_none());
     let mut pos = req.prompt.len();
     while out.tokens.len() < budget {
         if req.top_logprobs > 0 {
             out.top_logprobs
                 .push(top_logprobs(&logits, req.top_logprobs));
         }
-        let id = match &req.force_tokens {
-            Some(f) => f[out.tokens.len()],
-            None => sampler.sample(&logits),
+        let id = match (&req.force_tokens, constraint.as_mut()) {
+            (Some(f), _) => f[out.tokens.len()],
+            (None, Some(c)) => {
+                let mut masked = logits.to_vec();
+                c.mask(&mut masked)?;
+                sampler.sample(&masked)
+            }
+            (None, None) => sampler.sample(&logits),
         };
         sampler.accept(id);
         out.tokens.push(id);
-        let step = seq.push(&llm.tokenizer, id, false);
+        let mut complete = false;
+        if let Some(c) = constraint.as_mut() {
+            c.accept(id)?;
+            complete = c.is_complete();
+        }
+        let step = seq.push(&llm.tokenizer, id, complete);
         for t in [&step.text, &step.tail] {
             if !t.is_empty() {
                 on_text(t);

@@ -45,6 +45,7 @@ fn chunked_prefill_gives_the_logits_of_one_pass() {
         force_tokens: None,
         top_logprobs: 1,
         ctx_size: 4096,
+        constraint: None,
     };
     let g = generate(llm, &req, &mut |_| {}).unwrap();
     assert_eq!(g.tokens.len(), 4);

@@ -165,6 +165,7 @@ fn check_greedy(llm: &Llm, reference: &Value) {
             force_tokens: None,
             top_logprobs: 0,
             ctx_size: 4096,
+            constraint: None,
         };
         let g = generate(llm, &req, &mut |_| {}).unwrap();
         let matched = g

@@ -65,6 +65,7 @@ pub fn run(a: Args) -> Result<()> {
             force_tokens: None,
             top_logprobs: 0,
             ctx_size: a.ctx_size,
+            constraint: None,
         };
         let mut out = std::io::stdout().lock();
         let g = generate(&llm, &req, &mut |s| {

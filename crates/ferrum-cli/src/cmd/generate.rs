@@ -2,6 +2,7 @@ use std::io::Write;
 
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
+use ferrum_llm::grammar::{Constraint, Grammar, Grammars};
 use ferrum_llm::{generate, FinishReason, GenerateRequest};
 use serde_json::json;
 
@@ -44,11 +45,46 @@ pub struct Args {
     /// Print prompt and generation speed to stderr at the end.
     #[arg(long)]
     pub timings: bool,
+    /// Constrain the output to JSON valid under this JSON Schema (the schema's text, or @FILE).
+    #[arg(short = 'j', long, value_name = "SCHEMA")]
+    pub json_schema: Option<String>,
+    /// Constrain the output to this GBNF grammar (llama.cpp's syntax; the text, or @FILE).
+    #[arg(long, value_name = "GBNF", conflicts_with = "json_schema")]
+    pub grammar: Option<String>,
+    /// Constrain the output to text matching this regular expression as a whole.
+    #[arg(long, value_name = "REGEX", conflicts_with_all = ["json_schema", "grammar"])]
+    pub regex: Option<String>,
+}
+
+/// A flag's text, or the contents of the file it names as `@FILE`.
+fn text_or_file(v: &str) -> Result<String> {
+    match v.strip_prefix('@') {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {path}")),
+        None => Ok(v.to_string()),
+    }
+}
+
+/// The grammar the flags ask for, compiled for `llm`'s vocabulary.
+fn constraint(a: &Args, llm: &ferrum_llm::Llm) -> Result<Option<Constraint>> {
+    let grammar = if let Some(s) = &a.json_schema {
+        let text = text_or_file(s)?;
+        let schema = serde_json::from_str(&text).context("--json-schema is not valid JSON")?;
+        Grammar::JsonSchema(schema)
+    } else if let Some(g) = &a.grammar {
+        Grammar::Gbnf(text_or_file(g)?)
+    } else if let Some(r) = &a.regex {
+        Grammar::Regex(r.clone())
+    } else {
+        return Ok(None);
+    };
+    let grammars = Grammars::new(std::sync::Arc::clone(&llm.tokenizer))?;
+    Ok(Some(grammars.compile(&grammar)?))
 }
 
 pub fn run(a: Args) -> Result<()> {
     let llm = a.model.load()?;
     let prompt = llm.tokenizer.encode(&a.prompt, true, a.parse_special);
+    let constraint = constraint(&a, &llm)?;
     let req = GenerateRequest {
         prompt: prompt.clone(),
         max_tokens: a.max_tokens,
@@ -58,6 +94,7 @@ pub fn run(a: Args) -> Result<()> {
         force_tokens: a.force_tokens.clone(),
         top_logprobs: a.top_logprobs,
         ctx_size: a.ctx_size,
+        constraint,
     };
     let stdout = std::io::stdout();
     let g = if a.json {

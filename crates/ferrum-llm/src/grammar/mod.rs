@@ -246,6 +246,14 @@ pub struct Constraint {
     vocab: usize,
 }
 
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("complete", &self.is_complete())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Constraint {
     /// The tokens allowed next: the end-of-generation tokens alone once the output is complete.
     fn allowed(&mut self) -> Result<toktrie::SimpleVob> {
