@@ -4,7 +4,14 @@ chat), over a real socket on 127.0.0.1. Run by scripts/test.sh after `cargo test
 binary); exits non-zero on the first failed check.
 
 Usage: scripts/openai_client_test.py [path/to/ferrum]   (default: target/debug/ferrum)
+
+For comparisons with other servers (here and in the scripts that import this one):
+FERRUM_SERVER_URL=HOST:PORT tests a server that is already running instead of starting
+`ferrum serve`; FERRUM_KEEP_GOING=1 prints a failed check as `FAIL: ...` and goes on (an exception
+inside a `group` is recorded as that group's failure), then exits 1 if anything failed.
 """
+import atexit
+import contextlib
 import json
 import os
 import subprocess
@@ -17,9 +24,26 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BIN = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "debug", "ferrum")
 MODEL = os.path.join(os.environ.get("FERRUM_MODELS_DIR", os.path.join(ROOT, "models")),
                      "SmolLM2-135M-Instruct.Q4_1.gguf")
+SERVER_URL = os.environ.get("FERRUM_SERVER_URL")
+KEEP_GOING = os.environ.get("FERRUM_KEEP_GOING") == "1"
+PASSED, FAILED = [], []
+
+
+class _Running:
+    """Stands in for the server process when FERRUM_SERVER_URL names one already running."""
+    def terminate(self):
+        pass
+
+    def kill(self):
+        pass
+
+    def wait(self, timeout=None):
+        return 0
 
 
 def start_server():
+    if SERVER_URL:
+        return _Running(), SERVER_URL.split("://", 1)[-1].rstrip("/")
     p = subprocess.Popen([BIN, "serve", "-m", MODEL, "--port", "0", "-t", "2"],
                          stdout=subprocess.PIPE, text=True)
     addr = []
@@ -40,8 +64,37 @@ def start_server():
 
 def check(cond, what):
     if not cond:
-        raise AssertionError(what)
+        if not KEEP_GOING:
+            raise AssertionError(what)
+        FAILED.append(what)
+        print("FAIL:", what)
+        return
+    PASSED.append(what)
     print("ok:", what)
+
+
+@contextlib.contextmanager
+def group(name):
+    """A group of checks: with FERRUM_KEEP_GOING=1, an exception inside it (an unexpected 500,
+    say) is recorded as `FAIL: name: ...` and the run goes on after it; otherwise it propagates."""
+    if not KEEP_GOING:
+        yield
+        return
+    try:
+        yield
+    except Exception as e:
+        FAILED.append(f"{name}: {e}")
+        print(f"FAIL: {name}: {type(e).__name__}: {e}")
+
+
+@atexit.register
+def _keep_going_verdict():
+    if KEEP_GOING:
+        print(f"keep-going: {len(PASSED)} checks ok, {len(FAILED)} failed")
+        if FAILED:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
 
 def main():
