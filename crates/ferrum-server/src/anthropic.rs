@@ -304,7 +304,15 @@ async fn messages_inner(
         mut rx,
         guard,
         prompt_tokens,
-    } = match submit(&st, &common, prompt, st.ctx_size, 1, None, constraint)? {
+    } = match submit(
+        &st,
+        &common,
+        prompt,
+        st.ctx_size,
+        1,
+        None,
+        (constraint, None),
+    )? {
         Ok(s) => s,
         Err(busy) => return Ok(busy),
     };

@@ -375,7 +375,8 @@ pub(crate) struct Submitted {
 }
 
 /// Checks a request's shared fields, takes an admission slot and sends its `n` choices to the
-/// engine. `Ok(Err(response))`: the server is at capacity (429, to be returned as is).
+/// engine, each with its own copy of the compiled grammar (and the text after which it holds).
+/// `Ok(Err(response))`: the server is at capacity (429, to be returned as is).
 pub(crate) fn submit(
     st: &Arc<AppState>,
     c: &Common,
@@ -383,7 +384,7 @@ pub(crate) fn submit(
     default_max: usize,
     n: usize,
     logprobs: Option<usize>,
-    constraint: Option<Constraint>,
+    (constraint, constraint_after): (Option<Constraint>, Option<String>),
 ) -> Result<Result<Submitted, Response>, ApiError> {
     let (prompt, max_tokens, sampling, stop) = build(st, c, prompt, default_max)?;
     let min_tokens = c.min_tokens.unwrap_or(0) as usize;
@@ -423,6 +424,7 @@ pub(crate) fn submit(
             choice,
             events: tx.clone(),
             constraint: constraint.clone(),
+            constraint_after: constraint_after.clone(),
         };
         st.engine.send(req).map_err(|_| ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
@@ -460,6 +462,9 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let logprobs = parse_logprobs(c, kind)?;
     let constraint = request_constraint(&st, c, tools.as_ref()).await?;
+    // A thinking template whose prompt opened the reasoning: the grammar holds for the answer,
+    // after `</think>`, as vLLM's reasoning parsers have it.
+    let after = (constraint.is_some() && think == Some(true)).then(|| reasoning::CLOSE.to_string());
     let n = match c.n {
         None => 1,
         Some(n) if (1..=MAX_N).contains(&n) => n as usize,
@@ -474,7 +479,15 @@ async fn run(
         mut rx,
         guard,
         prompt_tokens,
-    } = match submit(&st, c, prompt, default_max, n, logprobs, constraint)? {
+    } = match submit(
+        &st,
+        c,
+        prompt,
+        default_max,
+        n,
+        logprobs,
+        (constraint, after),
+    )? {
         Ok(s) => s,
         Err(busy) => return Ok(busy),
     };

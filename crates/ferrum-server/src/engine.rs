@@ -60,6 +60,9 @@ pub struct Request {
     /// The grammar the output must follow (compiled; this choice's own parser state): each
     /// token is drawn from the logits it allows, and the request stops when it is complete.
     pub constraint: Option<Constraint>,
+    /// The constraint holds only after this text appears in the output (a thinking template's
+    /// `</think>`: the model reasons freely, then its answer follows the grammar).
+    pub constraint_after: Option<String>,
 }
 
 /// What the engine tells a request's handler.

@@ -4,7 +4,7 @@
 //! (the generation prompt ends in `<think>`), the output starts inside the reasoning.
 
 const OPEN: &str = "<think>";
-const CLOSE: &str = "</think>";
+pub(crate) const CLOSE: &str = "</think>";
 
 /// Whether a template teaches thinking tags.
 pub fn template_thinks(source: &str) -> bool {

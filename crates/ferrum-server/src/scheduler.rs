@@ -63,6 +63,8 @@ pub(crate) struct Seq {
     sampler: Sampler,
     /// Its text, stop strings and finish rules.
     out: SeqOutput,
+    /// The latest output bytes, while waiting for `constraint_after` to appear.
+    recent: Vec<u8>,
     submitted: Instant,
     ttft: Option<f64>,
     last_token_at: Option<Instant>,
@@ -87,6 +89,7 @@ impl Seq {
             blocks_cached: 0,
             cached_tokens: 0,
             sampler,
+            recent: Vec::new(),
             submitted,
             ttft: None,
             last_token_at: None,
@@ -473,10 +476,12 @@ impl Scheduler {
 
 /// Samples the next token of `s` from `logits`, sends its text, and returns whether `s` is done.
 fn sample_and_emit(tokenizer: &Tokenizer, s: &mut Seq, logits: &[f32], block_size: usize) -> bool {
-    // A constrained request draws from the tokens its grammar allows.
+    // A constrained request draws from the tokens its grammar allows (once the grammar holds:
+    // after the reasoning, for a thinking template).
+    let holds = s.req.constraint_after.is_none();
     let masked;
     let mut view = logits;
-    if let Some(c) = s.req.constraint.as_mut() {
+    if let Some(c) = s.req.constraint.as_mut().filter(|_| holds) {
         let mut l = logits.to_vec();
         if let Err(e) = c.mask(&mut l) {
             return fail(s, e.to_string());
@@ -498,11 +503,32 @@ fn sample_and_emit(tokenizer: &Tokenizer, s: &mut Seq, logits: &[f32], block_siz
     };
     s.sampler.accept(id);
     let mut complete = false;
-    if let Some(c) = s.req.constraint.as_mut() {
+    if let Some(c) = s.req.constraint.as_mut().filter(|_| holds) {
         if let Err(e) = c.accept(id) {
             return fail(s, e.to_string());
         }
         complete = c.is_complete();
+    } else if let Some(marker) = s.req.constraint_after.clone() {
+        // Still reasoning: watch for the marker; the grammar holds from the text after it.
+        s.recent
+            .extend_from_slice(&tokenizer.token_bytes(id, false));
+        if let Some(at) = find(&s.recent, marker.as_bytes()) {
+            let rest = String::from_utf8_lossy(&s.recent[at + marker.len()..]).into_owned();
+            s.req.constraint_after = None;
+            s.recent = Vec::new();
+            if let Some(c) = s.req.constraint.as_mut() {
+                // Text after the marker in the same token is the grammar's first output.
+                for t in tokenizer.encode(rest.trim_start(), false, false) {
+                    if !c.allows(t).unwrap_or(false) || c.accept(t).is_err() {
+                        return fail(s, format!("the answer after {marker} does not start as the grammar allows: {rest:?}"));
+                    }
+                }
+                complete = c.is_complete();
+            }
+        } else if s.recent.len() > 256 {
+            let keep = s.recent.len() - marker.len();
+            s.recent.drain(..keep);
+        }
     }
     if s.ttft.is_none() {
         s.ttft = Some(s.submitted.elapsed().as_secs_f64());
@@ -549,6 +575,11 @@ fn sample_and_emit(tokenizer: &Tokenizer, s: &mut Seq, logits: &[f32], block_siz
             true
         }
     }
+}
+
+/// Where `needle` first occurs in `hay`.
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 /// Ends `s` with an error event (its grammar failed: a step over the parser's bounds); true, as
@@ -616,6 +647,7 @@ mod tests {
             choice: 0,
             events: tx,
             constraint: None,
+            constraint_after: None,
         };
         (req, rx)
     }
@@ -873,5 +905,37 @@ mod tests {
             drain(&mut rb),
             ("zzz".into(), Some((FinishReason::Length, 3, 0)))
         );
+    }
+    /// A thinking template's request: the model reasons freely, and the grammar holds from the
+    /// text after `</think>` (here within the same token as the marker, then on).
+    #[test]
+    fn a_grammar_holds_after_the_reasoning() {
+        let tok = tokenizer();
+        let g = Grammars::new(Arc::clone(&tok)).unwrap();
+        let m = Arc::new(Metrics::default());
+        let mut s = Scheduler::new(config(4, 64, false), 64, 4, m);
+        let (mut a, mut ra) = request(b"q", 50, 0);
+        a.constraint = Some(
+            g.compile(&Grammar::Choice(vec!["yes".into(), "no".into()]))
+                .unwrap(),
+        );
+        a.constraint_after = Some("</think>".into());
+        s.add(a);
+        // Spells "hm</think>" from the first generated position (1), then wants 'z' forever.
+        let script = b"hm</think>";
+        let spell = |pos: usize| {
+            let mut l: Vec<f32> = (0..257).map(|i| i as f32 / 1000.0).collect();
+            let want = script.get(pos - 1).copied().unwrap_or(b'z');
+            l[want as usize] = 9.0;
+            l
+        };
+        while !s.is_idle() {
+            step(&mut s, &tok, &spell);
+        }
+        // Free text through the marker ('<' and 'h' would be refused by the grammar), then
+        // the grammar's choice.
+        let (text, done) = drain(&mut ra);
+        assert_eq!(text, "hm</think>yes");
+        assert_eq!(done.map(|d| d.0), Some(FinishReason::Stop));
     }
 }
