@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::api::{call_id, request_constraint, response_id, submit, ApiError, AppState, Submitted};
+use crate::api::{call_id, response_id, submit_one, ApiError, AppState, Submitted};
 use crate::chat_request::{tool_context, ToolCtx};
 use crate::engine::Event;
 use crate::request::{parse, Common};
@@ -299,20 +299,11 @@ async fn messages_inner(
         "top_k": b.top_k, "stop": b.stop_sequences, "stream": b.stream,
     }))
     .map_err(|e| bad(format!("invalid request: {e}"), "messages"))?;
-    let constraint = request_constraint(&st, &common, ctx.as_ref()).await?;
     let Submitted {
         mut rx,
         guard,
         prompt_tokens,
-    } = match submit(
-        &st,
-        &common,
-        prompt,
-        st.ctx_size,
-        1,
-        None,
-        (constraint, None),
-    )? {
+    } = match submit_one(&st, &common, prompt, ctx.as_ref()).await? {
         Ok(s) => s,
         Err(busy) => return Ok(busy),
     };

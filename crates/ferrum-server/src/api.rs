@@ -446,9 +446,22 @@ pub(crate) async fn request_constraint(
     tools: Option<&ToolCtx>,
 ) -> Result<Option<Constraint>, ApiError> {
     match request_grammar(c, tools)? {
-        Some((param, g)) => structured::compile(st, Some(g), param).await,
+        Some((param, g)) => structured::compile(st, g, param).await.map(Some),
         None => Ok(None),
     }
+}
+
+/// One choice of a request from another API's endpoint (Responses, Anthropic): its grammar
+/// (structured output or a required call) compiled, then submitted as [`submit`] does, with the
+/// whole context as the default budget.
+pub(crate) async fn submit_one(
+    st: &Arc<AppState>,
+    c: &Common,
+    prompt: Vec<u32>,
+    tools: Option<&ToolCtx>,
+) -> Result<Result<Submitted, Response>, ApiError> {
+    let constraint = request_constraint(st, c, tools).await?;
+    submit(st, c, prompt, st.ctx_size, 1, None, (constraint, None))
 }
 
 async fn run(

@@ -225,21 +225,18 @@ impl AppState {
 /// `param` names the request field a compile error is reported against.
 pub(crate) async fn compile(
     st: &Arc<AppState>,
-    grammar: Option<Grammar>,
+    grammar: Grammar,
     param: &'static str,
-) -> Result<Option<Constraint>, ApiError> {
-    let Some(g) = grammar else {
-        return Ok(None);
-    };
+) -> Result<Constraint, ApiError> {
     let st2 = Arc::clone(st);
     let job = tokio::task::spawn_blocking(move || {
         let grammars = st2.grammars()?;
         grammars
-            .compile(&g)
+            .compile(&grammar)
             .map_err(|e| bad(format!("{param}: {e}"), param))
     });
     match tokio::time::timeout(COMPILE_TIMEOUT, job).await {
-        Ok(Ok(r)) => r.map(Some),
+        Ok(Ok(r)) => r,
         Ok(Err(e)) => Err(ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             message: format!("grammar compilation failed: {e}"),

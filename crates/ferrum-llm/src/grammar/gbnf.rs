@@ -9,6 +9,8 @@
 //! literals become JSON-quoted strings, character classes and `.` become one-character regexes
 //! (every character written as `\x{..}`, so nothing in them is read as regex syntax).
 
+use std::collections::HashSet;
+
 use ferrum_core::{Error, Result};
 
 fn err<T>(msg: impl Into<String>) -> Result<T> {
@@ -26,11 +28,9 @@ impl<'a> Reader<'a> {
         self.src.get(self.pos).copied()
     }
 
+    /// The line of the current position (counted on demand: only errors name lines).
     fn line(&self) -> usize {
-        1 + self.src[..self.pos.min(self.src.len())]
-            .iter()
-            .filter(|&&b| b == b'\n')
-            .count()
+        line_at(self.src, self.pos)
     }
 
     /// Skips spaces, tabs and comments; newlines too when `newlines`.
@@ -112,6 +112,14 @@ impl<'a> Reader<'a> {
 /// A GBNF rule name as a Lark rule name: lowercase letters and digits kept, an uppercase letter
 /// `X` written `_x`, `-` written `__`, and a `g_` prefix so no name collides with a keyword or
 /// with another rewritten name.
+/// The 1-based line of byte offset `pos` in `src`.
+fn line_at(src: &[u8], pos: usize) -> usize {
+    1 + src[..pos.min(src.len())]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+}
+
 fn rule_name(n: &str) -> String {
     let mut s = String::from("g_");
     for c in n.chars() {
@@ -141,7 +149,8 @@ pub fn to_lark(src: &str) -> Result<String> {
         pos: 0,
     };
     let mut out = String::new();
-    let mut defined: Vec<String> = Vec::new();
+    let mut defined: HashSet<&str> = HashSet::new();
+    // Rule references and their byte offsets, checked once every rule is read.
     let mut used: Vec<(String, usize)> = Vec::new();
     loop {
         r.space(true);
@@ -161,10 +170,9 @@ pub fn to_lark(src: &str) -> Result<String> {
         r.pos += 3;
         r.space(true);
         let body = alternatives(&mut r, false, &mut used)?;
-        if defined.iter().any(|d| d == name) {
+        if !defined.insert(name) {
             return err(format!("rule '{name}' is defined twice"));
         }
-        defined.push(name.to_string());
         out.push_str(&format!("{}: {body}\n", rule_name(name)));
         match r.peek() {
             None => break,
@@ -172,11 +180,12 @@ pub fn to_lark(src: &str) -> Result<String> {
             Some(b) => return err(format!("unexpected '{}' on line {}", b as char, r.line())),
         }
     }
-    if !defined.iter().any(|d| d == "root") {
+    if !defined.contains("root") {
         return err("no 'root' rule");
     }
-    for (u, line) in &used {
-        if !defined.contains(u) {
+    for (u, at) in &used {
+        if !defined.contains(u.as_str()) {
+            let line = line_at(r.src, *at);
             return err(format!("rule '{u}' (line {line}) is not defined"));
         }
     }
@@ -282,7 +291,7 @@ fn sequence(r: &mut Reader<'_>, nested: bool, used: &mut Vec<(String, usize)>) -
                     r.pos = save;
                     break;
                 }
-                used.push((name.to_string(), r.line()));
+                used.push((name.to_string(), save));
                 rule_name(name)
             }
             _ => break,
