@@ -342,12 +342,31 @@ fn metrics_priorities_and_the_queue_limit() {
         let (s, b) = http(&a, "POST", "/v1/completions", bad);
         assert_eq!(s, 400, "{bad}: {b}");
     }
-    let ok = r#"{"prompt": "hi", "max_tokens": 3, "min_tokens": 3, "ignore_eos": true,
-        "response_format": {"type": "json_object"}}"#;
+    let ok = r#"{"prompt": "hi", "max_tokens": 3, "min_tokens": 3, "ignore_eos": true}"#;
     let (s, b) = http(&a, "POST", "/v1/completions", ok);
     assert_eq!(s, 200, "{b}");
     let first_id = json_body(s, &b)["id"].as_str().unwrap().to_string();
     assert_eq!(json_body(s, &b)["usage"]["completion_tokens"], 3);
+    // A grammar ends the output once it is complete, before min_tokens if need be: `{}` is a
+    // whole JSON object and nothing may follow it. Sampled, so the output is a JSON object when
+    // it stopped and a prefix of one when it ran out of tokens.
+    let json_req = r#"{"prompt": "hi", "max_tokens": 6, "min_tokens": 6,
+        "response_format": {"type": "json_object"}}"#;
+    for _ in 0..4 {
+        let (s, b) = http(&a, "POST", "/v1/completions", json_req);
+        let v = json_body(s, &b);
+        let text = v["choices"][0]["text"].as_str().unwrap();
+        let used = v["usage"]["completion_tokens"].as_u64().unwrap();
+        assert!(text.trim_start().starts_with('{'), "{b}");
+        match v["choices"][0]["finish_reason"].as_str().unwrap() {
+            "stop" => assert!(
+                serde_json::from_str::<serde_json::Value>(text).is_ok_and(|j| j.is_object()),
+                "{b}"
+            ),
+            "length" => assert_eq!(used, 6, "{b}"),
+            other => panic!("finish_reason {other}: {b}"),
+        }
+    }
 
     // Response ids are unique, not a counter from 0 (which repeats across restarts and replicas).
     let (s, b) = http(&a, "POST", "/v1/completions", ok);
