@@ -80,6 +80,37 @@ LAYOUT = {
 }
 # Types whose ggml dots live in ggml_dots_iq4.qdot (made with --iq4-dots).
 IQ_TYPES = (T.IQ4_NL, T.IQ4_XS)
+# The block formats of ferrum-kernels' quant/formats (made with --iquants): scale fields as above;
+# IQ1_M's f16 scale is spread over the top nibbles of its four u16 scale words, and MXFP4 has an
+# E8M0 exponent byte instead (see fix_scales).
+NEW_LAYOUT = {
+    T.IQ2_XXS: (256, 66, [0]),
+    T.IQ2_XS: (256, 74, [0]),
+    T.IQ2_S: (256, 82, [0]),
+    T.IQ3_XXS: (256, 98, [0]),
+    T.IQ3_S: (256, 110, [0]),
+    T.IQ1_S: (256, 50, [0]),
+    T.IQ1_M: (256, 56, []),
+    T.TQ1_0: (256, 54, [52]),
+    T.TQ2_0: (256, 66, [64]),
+    T.MXFP4: (32, 17, []),
+}
+LAYOUT.update(NEW_LAYOUT)
+
+
+def fix_scales(qtype, block, h):
+    """Writes the f16 scale `h` into a raw block of a type with no plain f16 scale field."""
+    if qtype == T.IQ1_M:
+        bits = int(np.frombuffer(h.tobytes(), dtype=np.uint16)[0])
+        for i in range(4):
+            word = int(block[48 + 2 * i]) | (int(block[49 + 2 * i]) << 8)
+            word = (word & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+            block[48 + 2 * i] = word & 0xFF
+            block[49 + 2 * i] = word >> 8
+    elif qtype == T.MXFP4:
+        # 2^(e-127)/2 near |h|: the same magnitudes (E8M0 has no sign; the codes carry it).
+        mag = max(abs(float(h)), 1e-30)
+        block[0] = min(250, max(0, int(np.floor(np.log2(mag))) + 128))
 
 
 def random_f16_scale(rng):
@@ -113,6 +144,9 @@ def random_blocks(qtype, rng):
         for off in scale_offs:
             h = random_f16_scale(rng)
             raw[b * nbytes + off : b * nbytes + off + 2] = np.frombuffer(h.tobytes(), dtype=np.uint8)
+        fix_scales(qtype, raw[b * nbytes : (b + 1) * nbytes], random_f16_scale(rng))
+    if qtype == T.MXFP4:
+        raw[0], raw[nbytes] = 0, 1  # subnormal scales
     return raw
 
 
@@ -184,7 +218,7 @@ def real_fixtures(rng, lines):
     return total
 
 
-def ggml_dots(lib_path, rng, types=None, name="ggml_dots", real=True):
+def ggml_dots(lib_path, rng, types=None, name="ggml_dots", real=True, generic=False):
     """Dot products and activation quantization by ggml itself (see the module docstring)."""
     import ctypes
 
@@ -210,13 +244,14 @@ def ggml_dots(lib_path, rng, types=None, name="ggml_dots", real=True):
     act_sizes = {T.F32: (1, 4), T.F16: (1, 2), T.BF16: (1, 2), T.Q8_0: (32, 34),
                  T.Q8_1: (32, 36), T.Q8_K: (256, 292)}
     cases = []
-    for qtype in types or [t for t in LAYOUT if t not in IQ_TYPES]:
+    generic_dots = []
+    for qtype in types or [t for t in LAYOUT if t not in IQ_TYPES and t not in NEW_LAYOUT]:
         per, nbytes, scale_offs = LAYOUT[qtype]
         tr = cpu.ggml_get_type_traits_cpu(int(qtype)).contents
         at = T(tr.vec_dot_type)
         aper, abytes = act_sizes[at]
         lengths = [256, 512, 1024] if per == 256 else [32, 96, 544]
-        if qtype in IQ_TYPES:
+        if qtype in IQ_TYPES or qtype in NEW_LAYOUT:
             lengths += [768, 2048] if per == 256 else [64, 1024]
         if per == 1:
             lengths = [37, 256, 544]
@@ -236,6 +271,8 @@ def ggml_dots(lib_path, rng, types=None, name="ggml_dots", real=True):
                     for off in scale_offs:
                         h = np.float16(rng.uniform(0.0005, 0.05) * (1 if rng.random() < 0.8 else -1))
                         w[b * nbytes + off : b * nbytes + off + 2] = np.frombuffer(h.tobytes(), np.uint8)
+                    h = np.float16(rng.uniform(0.0005, 0.05) * (1 if rng.random() < 0.8 else -1))
+                    fix_scales(qtype, w[b * nbytes : (b + 1) * nbytes], h)
             x = (rng.standard_normal(n) * rng.choice([0.01, 1.0, 30.0])).astype(np.float32)
             if n >= 64:
                 x[32:64] = 0.0  # an all-zero activation block
@@ -245,6 +282,13 @@ def ggml_dots(lib_path, rng, types=None, name="ggml_dots", real=True):
             from_float_t(act_tr.from_float)(x.ctypes.data, act.ctypes.data, n)
             out = ctypes.c_float(0.0)
             vec_dot_t(tr.vec_dot)(n, ctypes.byref(out), 0, w.ctypes.data, 0, act.ctypes.data, 0, 1)
+            if generic:
+                # ggml's generic C of the same product (`ggml_vec_dot_<w>_<a>_generic`).
+                fn = getattr(cpu, f"ggml_vec_dot_{qtype.name.lower()}_{at.name.lower().replace('_k', '_K')}_generic")
+                g = ctypes.c_float(0.0)
+                vec_dot_t(ctypes.cast(fn, ctypes.c_void_p).value)(
+                    n, ctypes.byref(g), 0, w.ctypes.data, 0, act.ctypes.data, 0, 1)
+                generic_dots.append(g.value)
             cases.append((int(qtype), n, w, x, act, out.value))
     # One real row per (model, quantized weight type), with a random activation row.
     for rel in MODELS.values() if real else []:
@@ -269,8 +313,24 @@ def ggml_dots(lib_path, rng, types=None, name="ggml_dots", real=True):
             out = ctypes.c_float(0.0)
             vec_dot_t(tr.vec_dot)(n, ctypes.byref(out), 0, w.ctypes.data, 0, act.ctypes.data, 0, 1)
             cases.append((int(qtype), n, w, x, act, out.value))
+    write_qdot(name, cases)
+    if generic:
+        write_qdot(name + "_generic", [c[:5] + (g,) for c, g in zip(cases, generic_dots)])
     path = os.path.join(OUT, name + ".qdot")
-    with open(path, "wb") as f:
+    with open(os.path.join(OUT, name + ".txt"), "w") as f:
+        kind = {"ggml_dots": "x86 AVX2 build",
+                "ggml_dots_iq4": "x86 build; the IQ4 kernels have an AVX2 branch only"}.get(
+                    name, "native x86 build of this machine; the _generic file: its generic C")
+        f.write(f"source: {os.path.basename(lib_path)} (ggml CPU backend, {kind})\n")
+        meta = os.path.join(os.path.dirname(lib_path), "_nlcBuildMetadata.json")
+        if os.path.exists(meta):
+            f.write("build metadata: " + open(meta).read().strip() + "\n")
+        f.write(f"cases: {len(cases)}\n")
+    return os.path.getsize(path)
+
+
+def write_qdot(name, cases):
+    with open(os.path.join(OUT, name + ".qdot"), "wb") as f:
         f.write(b"QDOT")
         f.write(struct.pack("<I", len(cases)))
         for qtype, n, w, x, act, dot in cases:
@@ -279,15 +339,6 @@ def ggml_dots(lib_path, rng, types=None, name="ggml_dots", real=True):
             f.write(x.astype("<f4").tobytes())
             f.write(act.tobytes())
             f.write(struct.pack("<f", dot))
-    with open(os.path.join(OUT, name + ".txt"), "w") as f:
-        kind = "x86 AVX2 build" if name == "ggml_dots" else \
-            "x86 build; the IQ4 kernels have an AVX2 branch only"
-        f.write(f"source: {os.path.basename(lib_path)} (ggml CPU backend, {kind})\n")
-        meta = os.path.join(os.path.dirname(lib_path), "_nlcBuildMetadata.json")
-        if os.path.exists(meta):
-            f.write("build metadata: " + open(meta).read().strip() + "\n")
-        f.write(f"cases: {len(cases)}\n")
-    return os.path.getsize(path)
 
 
 def main():
@@ -300,13 +351,28 @@ def main():
                          name="ggml_dots_iq4", real=False)
         print(f"wrote {size} bytes to {OUT}/ggml_dots_iq4.qdot")
         return
+    if "--iquants" in sys.argv:
+        # The formats of quant/formats only: their dequantization fixtures, and with
+        # GGML_CPU_LIB ggml's dots, by its x86 kernels (ggml_dots_iquants.qdot) and by its
+        # generic C (ggml_dots_iquants_generic.qdot), on the same cases.
+        rng = np.random.default_rng(20261124)
+        total = 0
+        for qtype in NEW_LAYOUT:
+            total += write_fixture(f"{qtype.name}_random", qtype, random_blocks(qtype, rng))
+        lib = os.environ.get("GGML_CPU_LIB")
+        if lib:
+            total += ggml_dots(lib, np.random.default_rng(79), types=list(NEW_LAYOUT),
+                               name="ggml_dots_iquants", real=False, generic=True)
+        print(f"wrote {total} bytes of fixtures to {OUT}")
+        return
     for f in os.listdir(OUT):
         if f.endswith(".qfix") or f == "real_tensors.txt":
             os.remove(os.path.join(OUT, f))
     rng = np.random.default_rng(20240531)
     total = 0
     for qtype in LAYOUT:
-        total += write_fixture(f"{qtype.name}_random", qtype, random_blocks(qtype, rng))
+        if qtype not in NEW_LAYOUT:
+            total += write_fixture(f"{qtype.name}_random", qtype, random_blocks(qtype, rng))
     lines = []
     total += real_fixtures(rng, lines)
     with open(os.path.join(OUT, "real_tensors.txt"), "w") as f:

@@ -147,6 +147,13 @@ pub(crate) fn dequantize(dtype: DType, src: &[u8], dst: &mut [f32]) {
                 }
             }
         }
+        other => {
+            let format = super::formats::format(other)
+                .unwrap_or_else(|| panic!("dequantize_row: no block format for {other}"));
+            for (b, y) in blocks(dtype, src, dst) {
+                format.dequantize(b, y);
+            }
+        }
     }
 }
 

@@ -42,6 +42,9 @@ pub(crate) fn vec_dot_ref(weight: DType, w: &[u8], a: &[u8]) -> f32 {
         DType::Q8_1 | DType::Q8_K => {
             panic!("vec_dot: {weight} is an activation-only type, not a weight type")
         }
+        other => super::formats::format(other)
+            .unwrap_or_else(|| panic!("vec_dot: no block format for {other}"))
+            .dot(w, a),
     }
 }
 

@@ -12,7 +12,8 @@
 //!   order: it agrees with [`vec_dot`] within rounding, not bit for bit).
 //!
 //! [`quantize_row`] and [`vec_dot`] so reproduce an x86 AVX2 build of ggml
-//! (`libggml-cpu-haswell`) bit for bit for every weight type, whichever kernels run (checked by
+//! (`libggml-cpu-haswell`) bit for bit for every weight type with kernels of its own (all but the
+//! block formats of `formats`, which give ggml's generic C result bit for bit), whichever kernels run (checked by
 //! `tests/quant_ggml.rs` on random and real rows, and `tests/quant_lanes.rs` portable vs AVX2).
 //! The llama.cpp prefill and repacked orders ([`vec_dot_q4k_repacked`],
 //! [`vec_dot_q4k_gemm_order`], [`vec_dot_q6k_tiled_order`]) likewise have exact scalar twins, and
@@ -23,7 +24,8 @@
 //! Q8_1 blocks are 40 bytes here (`DType::Q8_1.block_bytes()`): d, s, `qs[32]` and 4 zero bytes of
 //! padding (ggml's own `block_q8_1` is 36 bytes; Q8_1 never appears in files).
 //!
-//! Layout of the module: `blocks` (field offsets, unpacking), `dequant`, `quantize`, `dot`
+//! Layout of the module: `blocks` (field offsets, unpacking), `formats` (the types defined by one
+//! `BlockFormat` implementation each: i-quants, ternary, MXFP4), `dequant`, `quantize`, `dot`
 //! (scalar references, generic order), `dot_lanes` (portable x86 order), `dot_avx2` /
 //! `dot_avx2_k` / `quantize_avx2` (x86_64 AVX2+FMA+F16C kernels, chosen at run time; other ISAs,
 //! e.g. AVX-512 or NEON, slot into [`Isa`] and the dispatch below, and must keep the same bits).
@@ -39,6 +41,7 @@ mod dot_avx2;
 #[cfg(target_arch = "x86_64")]
 mod dot_avx2_k;
 mod dot_lanes;
+mod formats;
 mod quantize;
 #[cfg(target_arch = "x86_64")]
 mod quantize_avx2;
@@ -98,8 +101,8 @@ pub fn dequantize_row(dtype: DType, src: &[u8], dst: &mut [f32]) {
 
 /// The activation format llama.cpp pairs with a weight type (`type_traits_cpu[..].vec_dot_type`):
 /// F32->F32, F16->F16, BF16->BF16, Q4_0|Q5_0|Q8_0|IQ4_NL->Q8_0, Q4_1|Q5_1->Q8_1,
-/// Q2_K..Q6_K|IQ4_XS->Q8_K.
-/// Activation-only types map to themselves.
+/// Q2_K..Q6_K|IQ4_XS->Q8_K, and for the types of [`formats`] their own choice (the i-quants,
+/// TQ1_0, TQ2_0 -> Q8_K; MXFP4 -> Q8_0). Activation-only types map to themselves.
 pub fn vec_dot_type(weight: DType) -> DType {
     match weight {
         DType::F32 => DType::F32,
@@ -114,6 +117,9 @@ pub fn vec_dot_type(weight: DType) -> DType {
         | DType::Q6_K
         | DType::Q8_K
         | DType::IQ4_XS => DType::Q8_K,
+        other => formats::format(other)
+            .unwrap_or_else(|| panic!("vec_dot_type: no block format for {other}"))
+            .dot_type(),
     }
 }
 
@@ -174,7 +180,9 @@ fn check_dot(weight: DType, w_row: &[u8], act: &[u8], n: usize) {
 /// Dot product of one weight row (type `weight`, `n` elements) with one activation row already
 /// quantized as [`vec_dot_type`]`(weight)`, in the float order of llama.cpp's x86 AVX2 build
 /// (`ggml_vec_dot_*` of `arch/x86/quants.c`, `vec.c`): the AVX2 kernels when [`isa`] is
-/// [`Isa::Avx2`], else the portable kernels of [`vec_dot_lanes`], which give the same bits.
+/// [`Isa::Avx2`], else the portable kernels of [`vec_dot_lanes`], which give the same bits. The
+/// i-quants below IQ4 (IQ1_S..IQ3_S), TQ1_0, TQ2_0 and MXFP4 have no SIMD kernels yet: for them
+/// it is ggml's generic C order on every CPU (llama.cpp's AVX2 kernels agree within rounding).
 /// Integer partial sums are exact; the float accumulation order differs from [`vec_dot_ref`]'s
 /// (ggml's generic C). Activation quants must lie in [-127, 127], as [`quantize_row`] produces
 /// them.

@@ -1,0 +1,120 @@
+//! Block formats defined by one [`BlockFormat`] implementation each: the i-quants (IQ1_S, IQ1_M,
+//! IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), the ternary TQ1_0/TQ2_0 and MXFP4. Supporting a
+//! new GGUF type is a [`ferrum_core::DType`] row, an implementation here and its entry in
+//! [`FORMATS`]; the quant module's `dequantize_row`, `vec_dot_type`, `vec_dot` and
+//! `vec_dot_ref` find it through [`format`].
+//!
+//! Each format follows ggml's C reference (`dequantize_row_*` in `ggml-quants.c`,
+//! `ggml_vec_dot_*_generic` in `ggml-cpu/quants.c`): dequantization performs the same f32
+//! operations in the same order (so it is bit-identical to ggml and to the `gguf` Python
+//! package), and the dot product computes the same exact integer sums and combines them with
+//! the generic C's float operations as ggml's x86-64 build executes them (there the compiler fuses
+//! IQ1_S's and IQ1_M's two multiply-adds into FMAs; ours are `mul_add`), so the result equals
+//! that build's `ggml_vec_dot_*_generic` bit for bit (tests/quant_ggml.rs). These types have no SIMD kernels of their own yet, so
+//! [`crate::quant::vec_dot`] gives ggml's generic order for them on every CPU (llama.cpp's AVX2
+//! build of the same product agrees within f32 rounding, not bit for bit).
+
+mod grids;
+mod iq1;
+mod iq2;
+mod iq3;
+mod mxfp4;
+mod ternary;
+
+use ferrum_core::DType;
+
+/// Everything the quant module needs to know of a weight type.
+pub(crate) trait BlockFormat: Sync {
+    /// The type this format reads.
+    fn dtype(&self) -> DType;
+    /// The activation format llama.cpp pairs with it (`vec_dot_type`).
+    fn dot_type(&self) -> DType;
+    /// Dequantizes one block (`dtype().block_bytes()` bytes) into `dtype().block_size()` values.
+    fn dequantize(&self, block: &[u8], y: &mut [f32]);
+    /// Weight row `w` times activation row `a` (quantized as [`BlockFormat::dot_type`]), whole
+    /// blocks of both, lengths already checked.
+    fn dot(&self, w: &[u8], a: &[u8]) -> f32;
+}
+
+/// Every format of this module.
+pub(crate) static FORMATS: [&dyn BlockFormat; 10] = [
+    &iq2::Iq2Xxs,
+    &iq2::Iq2Xs,
+    &iq2::Iq2S,
+    &iq3::Iq3Xxs,
+    &iq3::Iq3S,
+    &iq1::Iq1S,
+    &iq1::Iq1M,
+    &ternary::Tq1_0,
+    &ternary::Tq2_0,
+    &mxfp4::Mxfp4,
+];
+
+/// The format of `dtype`, when this module defines it.
+pub(crate) fn format(dtype: DType) -> Option<&'static dyn BlockFormat> {
+    FORMATS.iter().copied().find(|f| f.dtype() == dtype)
+}
+
+/// `kmask_iq2xs`: bit j of a sign byte flips element j.
+const KMASK: [u8; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
+
+/// `ksigns_iq2xs[i]`: 7 stored sign bits plus an eighth that makes the count of minus signs even.
+#[inline(always)]
+fn ksigns(i: u32) -> u8 {
+    let i = (i & 127) as u8;
+    i | (((i.count_ones() & 1) as u8) << 7)
+}
+
+/// ±1 for element j under sign byte `s`.
+#[inline(always)]
+fn sign(s: u8, j: usize) -> i32 {
+    if s & KMASK[j] != 0 {
+        -1
+    } else {
+        1
+    }
+}
+
+/// The 8 bytes of a grid entry.
+#[inline(always)]
+fn grid8(v: u64) -> [i8; 8] {
+    v.to_le_bytes().map(|b| b as i8)
+}
+
+/// The 4 bytes of a grid entry.
+#[inline(always)]
+fn grid4(v: u32) -> [i8; 4] {
+    v.to_le_bytes().map(|b| b as i8)
+}
+
+#[inline(always)]
+fn rd_u16(b: &[u8], off: usize) -> u16 {
+    u16::from_le_bytes([b[off], b[off + 1]])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_format_is_one_type_and_its_sizes_hold() {
+        for (i, f) in FORMATS.iter().enumerate() {
+            assert!(
+                std::ptr::eq(format(f.dtype()).unwrap(), *f),
+                "{}",
+                f.dtype()
+            );
+            for g in &FORMATS[i + 1..] {
+                assert_ne!(f.dtype(), g.dtype());
+            }
+            let t = f.dtype();
+            assert_eq!(t.block_size() % f.dot_type().block_size(), 0, "{t}");
+        }
+        // ggml's ksigns_iq2xs starts 0x00 0x81 0x82 0x03 and ends 0xff.
+        assert_eq!(
+            [ksigns(0), ksigns(1), ksigns(2), ksigns(3)],
+            [0, 0x81, 0x82, 0x03]
+        );
+        assert_eq!(ksigns(127), 0xff);
+    }
+}
