@@ -3,11 +3,11 @@
 
 Starts the reference `llama-server` (built by scripts/llamacpp/build.sh) on the model, and for each
 prompt records: its token ids (with and without special tokens, and the pieces), the server's
-greedy continuation of 48 tokens (`/completion`, temperature 0, no prompt cache) with the top-5
+greedy continuation of 48 tokens (`--n-predict`) (`/completion`, temperature 0, no prompt cache) with the top-5
 log-probabilities at every step (the server's pre-sampling softmax over the full logits), and the
 text. Writes one JSON file that ferrum's llama.cpp reference tests read.
 
-Usage: scripts/llamacpp/make_reference.py LLAMA_SERVER MODEL.gguf OUT.json [--port 8199]
+Usage: scripts/llamacpp/make_reference.py LLAMA_SERVER MODEL.gguf OUT.json [--port 8199] [--n-predict 48]
 Standard library only.
 """
 import argparse
@@ -56,6 +56,9 @@ def main():
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--port", type=int, default=8199)
+    ap.add_argument("--n-predict", type=int, default=N_PREDICT,
+                    help=f"tokens per continuation (default {N_PREDICT}); more for models whose "
+                         "byte tokens leave fewer positions comparable")
     a = ap.parse_args()
     proc = subprocess.Popen([a.server, "-m", a.model, "--port", str(a.port), "-c", str(SETTINGS["ctx"]),
                              "-np", str(SETTINGS["parallel"]), "-t", str(SETTINGS["threads"])],
@@ -78,6 +81,7 @@ def main():
                                                              "with_pieces": True})["tokens"]
             plain, special = tok(False), tok(True)
             body = {k: v for k, v in REQUEST.items() if k != "endpoint"}
+            body["n_predict"] = a.n_predict
             body["prompt"] = p
             r = post(a.port, "/completion", body)
             steps = []
@@ -106,7 +110,7 @@ def main():
             "model_sha256": sha256_of(a.model),
             "llama_cpp_commit": props.get("build_info", "?"),
             "server_settings": SETTINGS,
-            "request": REQUEST,
+            "request": {**REQUEST, "n_predict": a.n_predict},
             "probs_note": "top_probs are the server's pre-sampling top-5 (softmax over full logits); "
                           "prob = exp(logprob) as returned by the server",
             "completions": completions,

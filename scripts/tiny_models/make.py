@@ -311,6 +311,39 @@ def build_quantized(out: Path, tok_dir: Path, llamacpp: Path, seed: int, bindir:
             log(f"{dst.name}: {dst.stat().st_size} bytes, reference {ref.name}")
 
 
+# The i-quants and ternary types, requantized from llama256.q8_0.gguf (so no PyTorch is needed)
+# by llama-quantize with an importance matrix (IQ1/IQ2 refuse to quantize without one) that
+# llama-imatrix computes on a fixed text. Their references get 96 tokens per continuation: the
+# coarser models fall into byte tokens sooner, which leaves fewer positions comparable.
+IQUANT_TYPES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0",
+                "TQ2_0"]
+
+
+
+def build_iquants(out: Path, bindir: Path):
+    import tempfile
+    src = out / "llama256.q8_0.gguf"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        text = tmp / "calibration.txt"
+        text.write_text("\n".join(p for p, _ in PROMPTS) * 40)
+        imatrix = tmp / "imatrix.gguf"
+        subprocess.run([str(bindir / "llama-imatrix"), "-m", str(src), "-f", str(text), "-o",
+                        str(imatrix), "-c", "128", "--chunks", "20", "-t", "2"], check=True,
+                       capture_output=True)
+        for qt in IQUANT_TYPES:
+            dst = out / f"llama256.{qt.lower()}.gguf"
+            subprocess.run([str(bindir / "llama-quantize"), "--allow-requantize", "--imatrix",
+                            str(imatrix), str(src), str(dst), qt], check=True,
+                           capture_output=True)
+            ref = out / f"llama256.{qt.lower()}.llamacpp.json"
+            subprocess.run([sys.executable, str(Path(__file__).parent.parent / "llamacpp" /
+                                                "make_reference.py"),
+                            str(bindir / "llama-server"), str(dst), str(ref), "--n-predict",
+                            "96"], check=True)
+            log(f"{dst.name}: {dst.stat().st_size} bytes, reference {ref.name}")
+
+
 def main():
     here = Path(__file__).resolve().parent
     root = here.parent.parent
@@ -329,7 +362,14 @@ def main():
     ap.add_argument("--quantized", type=Path, metavar="BIN_DIR",
                     help="also build the quantized llama256 models and their llama.cpp "
                          "references with llama-quantize and llama-server from BIN_DIR")
+    ap.add_argument("--iquants", type=Path, metavar="BIN_DIR",
+                    help="only requantize llama256.q8_0.gguf to the i-quant and ternary types "
+                         "and record their references, with llama-imatrix, llama-quantize and "
+                         "llama-server from BIN_DIR")
     args = ap.parse_args()
+    if args.iquants:
+        build_iquants(args.out, args.iquants)
+        return
     tok_dir = args.out / "tokenizer"
     build_tokenizer(args.smollm2, tok_dir, args.llamacpp / "gguf-py")
     if args.quantized:

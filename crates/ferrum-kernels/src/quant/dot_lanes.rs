@@ -16,8 +16,8 @@ use ferrum_core::DType;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-/// Dot product in the AVX2 kernels' float order, or `None` for a type they do not cover
-/// (activation-only types). Lengths were checked by the caller.
+/// Dot product in the AVX2 kernels' float order (for the block formats of `formats`, their own
+/// portable version of it), or `None` for a type with none (activation-only types). Lengths were checked by the caller.
 pub(crate) fn vec_dot(weight: DType, w: &[u8], a: &[u8], n: usize) -> Option<f32> {
     // `f32::mul_add` is one instruction where the hardware has FMA; a build for plain x86_64
     // would otherwise call libm's `fmaf` (the same, exactly rounded, result, several times
@@ -64,7 +64,8 @@ fn vec_dot_any(weight: DType, w: &[u8], a: &[u8], n: usize) -> Option<f32> {
         DType::F16 => dot_f16(w, a, n),
         DType::F32 => dot_f32(w, a, n),
         DType::BF16 => dot_bf16(w, a, n),
-        _ => return None,
+        // The block formats carry their own x86-order dot (`BlockFormat::dot_x86`).
+        other => return super::formats::format(other).map(|f| f.dot_x86(w, a)),
     })
 }
 
@@ -72,11 +73,11 @@ fn vec_dot_any(weight: DType, w: &[u8], a: &[u8], n: usize) -> Option<f32> {
 // Lanes.
 
 /// Eight f32 lanes (one `__m256`).
-type F32x8 = [f32; 8];
+pub(crate) type F32x8 = [f32; 8];
 
 /// `acc = fma(d, f32(s), acc)` lane by lane (`_mm256_fmadd_ps(set1(d), cvtepi32_ps(s), acc)`).
 #[inline(always)]
-fn fma_lanes(acc: &mut F32x8, d: f32, s: &[i32; 8]) {
+pub(crate) fn fma_lanes(acc: &mut F32x8, d: f32, s: &[i32; 8]) {
     for (a, &v) in acc.iter_mut().zip(s) {
         *a = d.mul_add(v as f32, *a);
     }
@@ -84,7 +85,7 @@ fn fma_lanes(acc: &mut F32x8, d: f32, s: &[i32; 8]) {
 
 /// llama.cpp's `hsum_float_8`: the high half added to the low half, then `(r0+r2) + (r1+r3)`.
 #[inline(always)]
-fn hsum8(x: &F32x8) -> f32 {
+pub(crate) fn hsum8(x: &F32x8) -> f32 {
     let r = [x[4] + x[0], x[5] + x[1], x[6] + x[2], x[7] + x[3]];
     (r[0] + r[2]) + (r[1] + r[3])
 }

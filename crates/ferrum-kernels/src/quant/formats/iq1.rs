@@ -8,8 +8,9 @@
 //! nibbles the block's f16 scale).
 
 use super::grids::IQ1S_GRID;
-use super::{grid8, rd_u16, BlockFormat};
+use super::{grid8, lanes256, rd_u16, BlockFormat};
 use crate::quant::blocks::{rd_f16, rd_f32, rd_i16, Q8_K_BSUMS, Q8_K_QS};
+use crate::quant::dot_lanes::{fma_lanes, hsum8};
 use ferrum_core::DType;
 
 pub(crate) struct Iq1S;
@@ -79,6 +80,35 @@ impl BlockFormat for Iq1S {
             sumf = (rd_f16(bx, 0) * rd_f32(by, 0)).mul_add(t, sumf);
         }
         sumf
+    }
+    /// `ggml_vec_dot_iq1_s_q8_K`, AVX2: the lattice part in 8 lanes, `acc = fma(d, f32(lanes),
+    /// acc)`; the shift part a scalar, `acc1 = fma(d, f32(Σ ls·sign·bsums), acc1)` (the build
+    /// fuses it); result `hsum8(acc) + DELTA·acc1` (multiply, then add).
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut acc1 = 0f32;
+        let (mut q, mut sc) = ([0i8; 256], [0i32; 16]);
+        for (bx, by) in w.chunks_exact(50).zip(a.chunks_exact(Q8K)) {
+            let mut sumi1 = 0i32;
+            for ib in 0..8 {
+                let qh = rd_u16(bx, 34 + 2 * ib) as i32;
+                let ls = 2 * ((qh >> 12) & 7) + 1;
+                sc[2 * ib] = ls;
+                sc[2 * ib + 1] = ls;
+                for l in 0..4 {
+                    q[32 * ib + 8 * l..32 * ib + 8 * l + 8]
+                        .copy_from_slice(&grid8(s_group(bx, ib, l)));
+                }
+                let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
+                let bs = rd_i16(by, Q8_K_BSUMS + 4 * ib) as i32
+                    + rd_i16(by, Q8_K_BSUMS + 4 * ib + 2) as i32;
+                sumi1 += bs * delta * ls;
+            }
+            let d = rd_f32(by, 0) * rd_f16(bx, 0);
+            fma_lanes(&mut acc, d, &lanes256(&q, &by[Q8_K_QS..], &sc));
+            acc1 = d.mul_add(sumi1 as f32, acc1);
+        }
+        hsum8(&acc) + DELTA * acc1
     }
 }
 
@@ -163,5 +193,30 @@ impl BlockFormat for Iq1M {
             sumf = (m_d(&sc) * rd_f32(by, 0)).mul_add(t, sumf);
         }
         sumf
+    }
+    /// `ggml_vec_dot_iq1_m_q8_K`, AVX2: the lattice part and the shift part (±1 per 8 weights
+    /// times the activations) in two sets of 8 lanes, each `acc = fma(d, f32(lanes), acc)`;
+    /// result `fma(hsum8(acc2), DELTA, hsum8(acc1))` (the build fuses it).
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
+        let (mut acc1, mut acc2) = ([0f32; 8], [0f32; 8]);
+        let (mut q, mut qd, mut sc) = ([0i8; 256], [0i8; 256], [0i32; 16]);
+        for (bx, by) in w.chunks_exact(56).zip(a.chunks_exact(Q8K)) {
+            let scales = m_scales(bx);
+            for ib in 0..8 {
+                let ls = m_ls(&scales, ib);
+                sc[2 * ib] = ls[0];
+                sc[2 * ib + 1] = ls[1];
+                for (l, (g, delta)) in m_groups(bx, ib).into_iter().enumerate() {
+                    let at = 32 * ib + 8 * l;
+                    q[at..at + 8].copy_from_slice(&grid8(g));
+                    qd[at..at + 8].fill(delta as i8);
+                }
+            }
+            let y = &by[Q8_K_QS..];
+            let d = rd_f32(by, 0) * m_d(&scales);
+            fma_lanes(&mut acc1, d, &lanes256(&q, y, &sc));
+            fma_lanes(&mut acc2, d, &lanes256(&qd, y, &sc));
+        }
+        hsum8(&acc2).mul_add(DELTA, hsum8(&acc1))
     }
 }

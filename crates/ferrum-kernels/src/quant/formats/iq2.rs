@@ -8,7 +8,7 @@
 //! index bits per group), `scales: [u8; 8]`.
 
 use super::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID};
-use super::{grid8, ksigns, rd_u16, sign, BlockFormat};
+use super::{dot_scaled_lanes, grid8, ksigns, rd_u16, sign, BlockFormat};
 use crate::quant::blocks::{rd_f16, rd_f32, Q8_K_QS};
 use ferrum_core::DType;
 
@@ -23,6 +23,17 @@ const Q8K: usize = 292;
 fn signed(grid: u64, s: u8) -> [i32; 8] {
     let g = grid8(grid);
     std::array::from_fn(|j| g[j] as i32 * sign(s, j))
+}
+
+/// Stores group l of 32 weights ib32 (signed, as i8) into a block's 256 weights.
+#[inline(always)]
+fn store(q: &mut [i8; 256], ib32: usize, l: usize, v: &[i32; 8]) {
+    for (o, &x) in q[32 * ib32 + 8 * l..32 * ib32 + 8 * l + 8]
+        .iter_mut()
+        .zip(v)
+    {
+        *o = x as i8;
+    }
 }
 
 /// Σ signed·q8 over 8 activations.
@@ -90,6 +101,20 @@ impl BlockFormat for Iq2Xxs {
         }
         0.125 * sumf
     }
+    /// `ggml_vec_dot_iq2_xxs_q8_K`, AVX2: one scale per 32 weights.
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
+        dot_scaled_lanes(w, a, 66, 0.125, |b, q, sc| {
+            for ib32 in 0..8 {
+                let (idx, aux) = xxs_words(b, ib32);
+                sc[2 * ib32] = 2 * (aux >> 28) as i32 + 1;
+                sc[2 * ib32 + 1] = sc[2 * ib32];
+                for l in 0..4 {
+                    let grid = IQ2XXS_GRID[(idx >> (8 * l)) as usize & 255];
+                    store(q, ib32, l, &signed(grid, ksigns(aux >> (7 * l))));
+                }
+            }
+        })
+    }
 }
 
 impl BlockFormat for Iq2Xs {
@@ -141,6 +166,21 @@ impl BlockFormat for Iq2Xs {
             sumf += d * bsum as f32;
         }
         0.125 * sumf
+    }
+    /// `ggml_vec_dot_iq2_xs_q8_K`, AVX2: one scale per 16 weights.
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
+        dot_scaled_lanes(w, a, 74, 0.125, |b, q, sc| {
+            for ib32 in 0..8 {
+                let s = b[66 + ib32];
+                sc[2 * ib32] = 2 * (s & 0xf) as i32 + 1;
+                sc[2 * ib32 + 1] = 2 * (s >> 4) as i32 + 1;
+                for l in 0..4 {
+                    let g = rd_u16(b, 2 + 2 * (4 * ib32 + l));
+                    let v = signed(IQ2XS_GRID[(g & 511) as usize], ksigns(g as u32 >> 9));
+                    store(q, ib32, l, &v);
+                }
+            }
+        })
     }
 }
 
@@ -197,5 +237,19 @@ impl BlockFormat for Iq2S {
             sumf += d * bsum as f32;
         }
         0.125 * sumf
+    }
+    /// `ggml_vec_dot_iq2_s_q8_K`, AVX2: one scale per 16 weights.
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
+        dot_scaled_lanes(w, a, 82, 0.125, |b, q, sc| {
+            for ib32 in 0..8 {
+                let s = b[S_SCALES + ib32];
+                sc[2 * ib32] = 1 + 2 * (s & 0xf) as i32;
+                sc[2 * ib32 + 1] = 1 + 2 * (s >> 4) as i32;
+                for l in 0..4 {
+                    let v = signed(IQ2S_GRID[s_index(b, ib32, l)], b[S_SIGNS + 4 * ib32 + l]);
+                    store(q, ib32, l, &v);
+                }
+            }
+        })
     }
 }

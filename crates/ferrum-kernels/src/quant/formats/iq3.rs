@@ -6,7 +6,7 @@
 //! bits), `qh: [u8; 8]` (ninth bits), `signs: [u8; 32]`, `scales: [u8; 4]` (two 4-bit scales).
 
 use super::grids::{IQ3S_GRID, IQ3XXS_GRID};
-use super::{grid4, ksigns, sign, BlockFormat};
+use super::{dot_scaled_lanes, grid4, ksigns, sign, BlockFormat};
 use crate::quant::blocks::{rd_f16, rd_f32, rd_u32, Q8_K_QS};
 use ferrum_core::DType;
 
@@ -23,6 +23,17 @@ fn signed(g1: u32, g2: u32, s: u8) -> [i32; 8] {
         let g = if j < 4 { a[j] } else { b[j - 4] };
         g as i32 * sign(s, j)
     })
+}
+
+/// Stores group l of 32 weights ib32 (signed, as i8) into a block's 256 weights.
+#[inline(always)]
+fn store(q: &mut [i8; 256], ib32: usize, l: usize, v: &[i32; 8]) {
+    for (o, &x) in q[32 * ib32 + 8 * l..32 * ib32 + 8 * l + 8]
+        .iter_mut()
+        .zip(v)
+    {
+        *o = x as i8;
+    }
 }
 
 #[inline(always)]
@@ -91,6 +102,25 @@ impl BlockFormat for Iq3Xxs {
         }
         0.25 * sumf
     }
+    /// `ggml_vec_dot_iq3_xxs_q8_K`, AVX2: one scale per 32 weights.
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
+        dot_scaled_lanes(w, a, 98, 0.25, |b, q, sc| {
+            for ib32 in 0..8 {
+                let aux = rd_u32(b, 2 + 64 + 4 * ib32);
+                sc[2 * ib32] = 2 * (aux >> 28) as i32 + 1;
+                sc[2 * ib32 + 1] = sc[2 * ib32];
+                for l in 0..4 {
+                    let g = &b[2 + 8 * ib32 + 2 * l..];
+                    let v = signed(
+                        IQ3XXS_GRID[g[0] as usize],
+                        IQ3XXS_GRID[g[1] as usize],
+                        ksigns(aux >> (7 * l)),
+                    );
+                    store(q, ib32, l, &v);
+                }
+            }
+        })
+    }
 }
 
 /// IQ3_S field offsets.
@@ -155,5 +185,18 @@ impl BlockFormat for Iq3S {
             sumf += d * bsum as f32;
         }
         sumf
+    }
+    /// `ggml_vec_dot_iq3_s_q8_K`, AVX2: one scale per 32 weights.
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
+        dot_scaled_lanes(w, a, 110, 1.0, |b, q, sc| {
+            for ib32 in 0..8 {
+                sc[2 * ib32] = s_scale(b, ib32);
+                sc[2 * ib32 + 1] = sc[2 * ib32];
+                for l in 0..4 {
+                    let (g1, g2, s) = s_group(b, ib32, l);
+                    store(q, ib32, l, &signed(g1, g2, s));
+                }
+            }
+        })
     }
 }

@@ -10,9 +10,11 @@
 //! package), and the dot product computes the same exact integer sums and combines them with
 //! the generic C's float operations as ggml's x86-64 build executes them (there the compiler fuses
 //! IQ1_S's and IQ1_M's two multiply-adds into FMAs; ours are `mul_add`), so the result equals
-//! that build's `ggml_vec_dot_*_generic` bit for bit (tests/quant_ggml.rs). These types have no SIMD kernels of their own yet, so
-//! [`crate::quant::vec_dot`] gives ggml's generic order for them on every CPU (llama.cpp's AVX2
-//! build of the same product agrees within f32 rounding, not bit for bit).
+//! that build's `ggml_vec_dot_*_generic` bit for bit ([`BlockFormat::dot`], behind
+//! `vec_dot_ref`). [`BlockFormat::dot_x86`] computes the float order of llama.cpp's x86 AVX2
+//! kernel for the type, in portable Rust, which `vec_dot` uses on every CPU, so ferrum gives the
+//! bits llama.cpp's x86 build gives (tests/quant_ggml.rs checks both against ggml itself). These
+//! types have no SIMD kernels of their own yet.
 
 mod grids;
 mod iq1;
@@ -32,8 +34,47 @@ pub(crate) trait BlockFormat: Sync {
     /// Dequantizes one block (`dtype().block_bytes()` bytes) into `dtype().block_size()` values.
     fn dequantize(&self, block: &[u8], y: &mut [f32]);
     /// Weight row `w` times activation row `a` (quantized as [`BlockFormat::dot_type`]), whole
-    /// blocks of both, lengths already checked.
+    /// blocks of both, lengths already checked: ggml's generic C (`vec_dot_ref`).
     fn dot(&self, w: &[u8], a: &[u8]) -> f32;
+    /// The same product in the float order of llama.cpp's x86 AVX2 kernel for the type, in
+    /// portable Rust (its 8 f32 lanes as an array, its FMAs as `mul_add`, the exact integer lane
+    /// sums its byte shuffles form): `vec_dot` and `vec_dot_lanes`, on every CPU.
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32;
+}
+
+/// The exact integer lanes of llama.cpp's AVX2 kernels over a 256-weight block whose 32-weight
+/// steps run `madd(maddubs(q, y), scales)` into 8 i32 lanes: lane t = Σ over the elements e with
+/// (e mod 32) / 4 = t of sc[e / 16]·q[e]·y[e].
+#[inline(always)]
+fn lanes256(q: &[i8; 256], y: &[u8], sc: &[i32; 16]) -> [i32; 8] {
+    let mut out = [0i32; 8];
+    for (e, (&q, &y)) in q.iter().zip(&y[..256]).enumerate() {
+        out[(e % 32) / 4] += sc[e / 16] * q as i32 * y as i8 as i32;
+    }
+    out
+}
+
+/// The x86 order of the formats whose AVX2 kernel scales 32-weight steps by integer scales and
+/// makes one FMA per block: `acc = fma(d_w·d_x, f32(lanes), acc)`, result `factor·hsum8(acc)`.
+/// `unpack` gives a block's 256 signed weights and its 16 scales (one per 16 weights).
+#[inline(always)]
+fn dot_scaled_lanes(
+    w: &[u8],
+    a: &[u8],
+    block_bytes: usize,
+    factor: f32,
+    unpack: impl Fn(&[u8], &mut [i8; 256], &mut [i32; 16]),
+) -> f32 {
+    use crate::quant::blocks::{rd_f16, rd_f32, Q8_K_QS};
+    use crate::quant::dot_lanes::{fma_lanes, hsum8};
+    let mut acc = [0f32; 8];
+    let (mut q, mut sc) = ([0i8; 256], [0i32; 16]);
+    for (bx, by) in w.chunks_exact(block_bytes).zip(a.chunks_exact(292)) {
+        unpack(bx, &mut q, &mut sc);
+        let d = rd_f16(bx, 0) * rd_f32(by, 0);
+        fma_lanes(&mut acc, d, &lanes256(&q, &by[Q8_K_QS..], &sc));
+    }
+    factor * hsum8(&acc)
 }
 
 /// Every format of this module.

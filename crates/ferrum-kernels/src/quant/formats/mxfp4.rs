@@ -7,6 +7,7 @@
 
 use super::BlockFormat;
 use crate::quant::blocks::{rd_f16, Q8_0_QS};
+use crate::quant::dot_lanes::{fma_lanes, hsum8};
 use ferrum_core::DType;
 
 pub(crate) struct Mxfp4;
@@ -51,6 +52,39 @@ impl BlockFormat for Mxfp4 {
                 s2 += q8[j + 16] as i8 as i32 * KVALUES[(bx[1 + j] >> 4) as usize] as i32;
             }
             sumf += d * (s1 + s2) as f32;
+        }
+        sumf
+    }
+    /// `ggml_vec_dot_mxfp4_q8_0`, AVX2 (IQ4_NL's shape): blocks in pairs, the even one into
+    /// `acc1` and the odd into `acc2`, `acc = fma(d_x·scale, f32(lanes), acc)` with lane t the
+    /// elements 4t..4t+3; `hsum8(acc1 + acc2)`; a last unpaired block is added as a scalar,
+    /// multiply then add.
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
+        let nb = w.len() / 17;
+        let block = |ib: usize| {
+            let (bx, by) = (&w[17 * ib..17 * ib + 17], &a[34 * ib..34 * ib + 34]);
+            let mut lanes = [0i32; 8];
+            for j in 0..16 {
+                let (lo, hi) = (bx[1 + j] & 0xf, bx[1 + j] >> 4);
+                lanes[j / 4] += KVALUES[lo as usize] as i32 * by[Q8_0_QS + j] as i8 as i32;
+                lanes[4 + j / 4] += KVALUES[hi as usize] as i32 * by[Q8_0_QS + 16 + j] as i8 as i32;
+            }
+            (rd_f16(by, 0) * e8m0_half(bx[0]), lanes)
+        };
+        let (mut acc1, mut acc2) = ([0f32; 8], [0f32; 8]);
+        let mut ib = 0;
+        while ib + 1 < nb {
+            let (d, s) = block(ib);
+            fma_lanes(&mut acc1, d, &s);
+            let (d, s) = block(ib + 1);
+            fma_lanes(&mut acc2, d, &s);
+            ib += 2;
+        }
+        let sum: [f32; 8] = std::array::from_fn(|l| acc1[l] + acc2[l]);
+        let mut sumf = hsum8(&sum);
+        if ib < nb {
+            let (d, s) = block(ib);
+            sumf += d * s.iter().sum::<i32>() as f32;
         }
         sumf
     }

@@ -6,7 +6,8 @@
 //! (four trits per byte); TQ2_0 `qs: [u8; 64], d: f16`: 2 bits per weight, value - 1.
 
 use super::BlockFormat;
-use crate::quant::blocks::{rd_f16, rd_f32, Q8_K_QS};
+use crate::quant::blocks::{rd_f16, rd_f32, rd_i16, Q8_K_BSUMS, Q8_K_QS};
+use crate::quant::dot_lanes::{fma_lanes, hsum8};
 use ferrum_core::DType;
 
 pub(crate) struct Tq1_0;
@@ -56,6 +57,41 @@ fn tq2_values(b: &[u8]) -> [i8; 256] {
     v
 }
 
+/// llama.cpp's AVX2 lanes of a ternary block (`ggml_vec_dot_tq1_0_q8_K` / `tq2_0`): the
+/// unsigned codes u = v + 1 times the activations, 32 weights at a time, summed in 16-bit pairs,
+/// less the activation block sums (bsum p from the pair p), then pairs of those into 8 lanes:
+/// lane t = Σ over the elements e with (e mod 32) / 4 = t of u[e]·y[e] − bsum[2t] − bsum[2t+1].
+#[inline(always)]
+fn ternary_lanes(v: &[i8; 256], by: &[u8]) -> [i32; 8] {
+    let y = &by[Q8_K_QS..Q8_K_QS + 256];
+    let mut out = [0i32; 8];
+    for (e, (&v, &y)) in v.iter().zip(y).enumerate() {
+        out[(e % 32) / 4] += (v as i32 + 1) * y as i8 as i32;
+    }
+    for (t, o) in out.iter_mut().enumerate() {
+        *o -= rd_i16(by, Q8_K_BSUMS + 4 * t) as i32 + rd_i16(by, Q8_K_BSUMS + 4 * t + 2) as i32;
+    }
+    out
+}
+
+/// Per block `acc = fma(f32(lanes), d_x·d_w, acc)` (the build fuses its multiply and add);
+/// result `hsum8(acc)`.
+#[inline(always)]
+fn dot_ternary_x86(
+    w: &[u8],
+    a: &[u8],
+    block_bytes: usize,
+    d_at: usize,
+    values: impl Fn(&[u8]) -> [i8; 256],
+) -> f32 {
+    let mut acc = [0f32; 8];
+    for (bx, by) in w.chunks_exact(block_bytes).zip(a.chunks_exact(Q8K)) {
+        let d = rd_f32(by, 0) * rd_f16(bx, d_at);
+        fma_lanes(&mut acc, d, &ternary_lanes(&values(bx), by));
+    }
+    hsum8(&acc)
+}
+
 #[inline(always)]
 fn isum(v: &[i8; 256], q8: &[u8]) -> i32 {
     v.iter()
@@ -85,6 +121,9 @@ impl BlockFormat for Tq1_0 {
         }
         sumf
     }
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
+        dot_ternary_x86(w, a, 54, 52, tq1_values)
+    }
 }
 
 impl BlockFormat for Tq2_0 {
@@ -107,5 +146,8 @@ impl BlockFormat for Tq2_0 {
             sumf += sumi as f32 * (rd_f32(by, 0) * rd_f16(bx, 64));
         }
         sumf
+    }
+    fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
+        dot_ternary_x86(w, a, 66, 64, tq2_values)
     }
 }
