@@ -351,6 +351,25 @@ def main():
                          name="ggml_dots_iq4", real=False)
         print(f"wrote {size} bytes to {OUT}/ggml_dots_iq4.qdot")
         return
+    if "--q4-0-quantizer" in sys.argv:
+        # ggml's quantize_row_q4_0_ref (a Q4_0 KV cache is written by it) on random rows:
+        # q4_0_quantize.bin = u32 n, n f32 inputs, then the Q4_0 bytes.
+        import ctypes
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(os.environ["GGML_CPU_LIB"]), "libggml-base.so"))
+        rng = np.random.default_rng(81)
+        x = (rng.standard_normal(32 * 64) * rng.choice([0.01, 1.0, 30.0], size=32 * 64)).astype(np.float32)
+        x[32:64] = 0.0  # an all-zero block
+        x[64:96] = 1.0  # all equal
+        x[100] = -x[96:128].__abs__().max() * 2  # a negative max
+        out = np.zeros(64 * 18, dtype=np.uint8)
+        lib.quantize_row_q4_0_ref(x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+                                  ctypes.c_int64(x.size))
+        with open(os.path.join(OUT, "q4_0_quantize.bin"), "wb") as f:
+            f.write(struct.pack("<I", x.size))
+            f.write(x.astype("<f4").tobytes())
+            f.write(out.tobytes())
+        print("wrote q4_0_quantize.bin")
+        return
     if "--iquants" in sys.argv:
         # The formats of quant/formats only: their dequantization fixtures, and with
         # GGML_CPU_LIB ggml's dots, by its x86 kernels (ggml_dots_iquants.qdot) and by its

@@ -3,7 +3,7 @@
 // usage: llama-dump-tensors MODEL FA(0/1/-1) THREADS OUTDIR_OR_- id id id ...
 // Environment: SPLIT=a,b,... decodes the ids in calls of those sizes (the rest in a last call), as
 // llama-server does for sliding-window models (e.g. SPLIT=3 for a 7-token prompt: 3 then 4);
-// DUMPLAST=1 (default) dumps only the last call; NCTX, NSEQ, KVU, SWAFULL, NBATCH, NUBATCH, SEQ set
+// DUMPLAST=1 (default) dumps only the last call; TYPEK/TYPEV (ggml type ids) the cache types; NCTX, NSEQ, KVU, SWAFULL, NBATCH, NUBATCH, SEQ set
 // the context parameters; the last call's top-5 is printed in double, f32 and llama-server style.
 #include "llama.h"
 #include "ggml.h"
@@ -70,6 +70,8 @@ int main(int argc, char ** argv) {
     cp.n_seq_max = envi("NSEQ",1); cp.kv_unified = envi("KVU",0); cp.swa_full = envi("SWAFULL",0);
     cp.n_batch = envi("NBATCH",2048); cp.n_ubatch = envi("NUBATCH",512);
     cp.flash_attn_type = (llama_flash_attn_type)fa;
+    // TYPEK / TYPEV: the KV cache's ggml type ids (1 = f16, 0 = f32, 8 = q8_0, 2 = q4_0).
+    cp.type_k = (ggml_type)envi("TYPEK", GGML_TYPE_F16); cp.type_v = (ggml_type)envi("TYPEV", GGML_TYPE_F16);
     cp.cb_eval = cb; cp.cb_eval_user_data = nullptr;
     llama_context * ctx = llama_init_from_model(model, cp);
     // SPLIT = comma list of chunk sizes (rest goes in last chunk); DUMPLAST=1 dumps tensors only for the last decode

@@ -8,6 +8,7 @@ log-probabilities at every step (the server's pre-sampling softmax over the full
 text. Writes one JSON file that ferrum's llama.cpp reference tests read.
 
 Usage: scripts/llamacpp/make_reference.py LLAMA_SERVER MODEL.gguf OUT.json [--port 8199] [--n-predict 48]
+       [--server-args '-ctk q8_0 -ctv q8_0']
 Standard library only.
 """
 import argparse
@@ -59,9 +60,12 @@ def main():
     ap.add_argument("--n-predict", type=int, default=N_PREDICT,
                     help=f"tokens per continuation (default {N_PREDICT}); more for models whose "
                          "byte tokens leave fewer positions comparable")
+    ap.add_argument("--server-args", default="",
+                    help="extra llama-server flags, one string (e.g. '-ctk q8_0 -ctv q8_0')")
     a = ap.parse_args()
+    extra = a.server_args.split()
     proc = subprocess.Popen([a.server, "-m", a.model, "--port", str(a.port), "-c", str(SETTINGS["ctx"]),
-                             "-np", str(SETTINGS["parallel"]), "-t", str(SETTINGS["threads"])],
+                             "-np", str(SETTINGS["parallel"]), "-t", str(SETTINGS["threads"])] + extra,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
@@ -109,7 +113,7 @@ def main():
             "model_file": a.model.rsplit("/", 1)[-1],
             "model_sha256": sha256_of(a.model),
             "llama_cpp_commit": props.get("build_info", "?"),
-            "server_settings": SETTINGS,
+            "server_settings": {**SETTINGS, "extra_args": extra},
             "request": {**REQUEST, "n_predict": a.n_predict},
             "probs_note": "top_probs are the server's pre-sampling top-5 (softmax over full logits); "
                           "prob = exp(logprob) as returned by the server",

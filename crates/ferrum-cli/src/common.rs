@@ -32,6 +32,19 @@ pub struct ModelArgs {
     /// Store all weights as F32 and run without quantized kernels (slow; a reference path).
     #[arg(long)]
     pub dequantize: bool,
+    /// Storage type of the KV cache, K and V alike (llama.cpp's -ctk/-ctv): f16 (default, as
+    /// llama.cpp), f32 (exact, twice the memory), q8_0 (half of f16), q4_0 (a quarter, plus
+    /// scales). The quantized types need a head dimension that is a multiple of 32.
+    #[arg(long, value_name = "TYPE", default_value = "f16", value_parser = parse_kv_type)]
+    pub kv_cache_type: ferrum_core::DType,
+}
+
+/// `f32`, `f16`, `q8_0` or `q4_0` (any case) as a KV-cache storage type.
+pub fn parse_kv_type(s: &str) -> std::result::Result<ferrum_core::DType, String> {
+    ferrum_llm::model::kv_cache::KV_TYPES
+        .into_iter()
+        .find(|t| t.name().eq_ignore_ascii_case(s))
+        .ok_or_else(|| format!("unknown KV cache type '{s}' (f32, f16, q8_0, q4_0)"))
 }
 
 impl ModelArgs {
@@ -74,6 +87,7 @@ impl ModelArgs {
         let mut shown = false;
         let opts = LoadOptions {
             dequantize: self.dequantize,
+            kv_type: self.kv_cache_type,
         };
         let llm = Llm::load(&path, &opts, &mut |done, total| {
             bar.set_length(total as u64);

@@ -393,8 +393,8 @@ fn unknown_architecture_is_a_clean_error() {
 
 #[test]
 fn unsupported_tensor_type_is_a_clean_error() {
-    let dir = TempDir::new("iq2");
-    let p = dir.path("iq2.gguf");
+    let dir = TempDir::new("i8");
+    let p = dir.path("i8.gguf");
     with_tiny_tokenizer(
         GgufWriter::new().kv("general.architecture", Value::String("llama".into())),
     )
@@ -403,15 +403,15 @@ fn unsupported_tensor_type_is_a_clean_error() {
     .kv("llama.feed_forward_length", Value::U32(256))
     .kv("llama.attention.head_count", Value::U32(1))
     .kv("llama.context_length", Value::U32(64))
-    // GGML type 16 (IQ2_XXS): 66 bytes per 256 weights.
-    .tensor_with_type_id("token_embd.weight", &[256, 2], 16, vec![0u8; 132])
+    // GGML type 24 (I8, an integer tensor type no model matrix uses): 1 byte per element.
+    .tensor_with_type_id("token_embd.weight", &[256, 2], 24, vec![0u8; 512])
     .write(&p)
-    .expect("write iq2.gguf");
+    .expect("write i8.gguf");
     let p = p.to_str().unwrap();
     let out = ferrum(&["generate", "-m", p, "-p", "a", "-n", "2"], QUICK);
-    assert_clean_error(&out, &["token_embd.weight", "16", "not supported"]);
+    assert_clean_error(&out, &["token_embd.weight", "24", "not supported"]);
     let out = ferrum(&["info", p], QUICK);
-    assert_clean_error(&out, &["token_embd.weight", "16"]);
+    assert_clean_error(&out, &["token_embd.weight", "24"]);
 }
 
 /// RoPE scaling ferrum does not implement (a scaling type it does not know), or malformed

@@ -278,12 +278,12 @@ fn tensor_shapes_and_types() {
     expect_err(v, 37, "multiple of 32, got 1");
 
     let v = GgufWriter::new()
-        .tensor_with_type_id("blk.0.attn_q.weight", &[256], 16, vec![0; 66])
+        .tensor_with_type_id("blk.0.attn_q.weight", &[256], 40, vec![0; 144])
         .to_bytes();
     expect_err(
         v,
         24 + 8 + 19 + 4 + 8,
-        "tensor 'blk.0.attn_q.weight': type id 16 (IQ2_XXS) is not supported",
+        "tensor 'blk.0.attn_q.weight': type id 40 (NVFP4) is not supported",
     );
     let v = GgufWriter::new()
         .tensor_with_type_id("x", &[1], 4, vec![0; 4])

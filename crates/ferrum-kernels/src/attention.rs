@@ -4,11 +4,17 @@
 //!
 //! Numerics follow llama.cpp's CPU flash-attention path: Q is rounded to f16 (K is f16 in the cache),
 //! dot products and softmax run in f32, and the V.p accumulator is f16.
+//!
+//! The cache may also hold f32, Q8_0 or Q4_0 rows (llama.cpp's `-ctk/-ctv`, [`KvRows`]); then, as
+//! llama.cpp does, Q is converted to K's dot format (f32 as is, Q8_0 for the quantized types),
+//! each score is that type's dot product, and V rows are converted to f32 and accumulated in an
+//! f32 accumulator (`VKQ32`) by FMA. Those caches run the portable kernel.
 
+use ferrum_core::DType;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use crate::pool;
+use crate::{pool, quant};
 
 /// Shape and masking of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -34,13 +40,49 @@ fn capped(x: f32, softcap: Option<f32>) -> f32 {
     }
 }
 
-/// One layer's KV cache as the kernels read it, paged: rows of `n_head_kv * head_dim` f16 values
+/// One layer's K or V rows as a cache stores them: `n_head_kv * head_dim` values a row.
+#[derive(Clone, Copy, Debug)]
+pub enum KvRows<'a> {
+    F16(&'a [f16]),
+    F32(&'a [f32]),
+    /// A block-quantized type (Q8_0, Q4_0): each row `dtype.row_bytes(row_len)` bytes, its
+    /// blocks lying within one head (head_dim is a multiple of the block size).
+    Blocks(DType, &'a [u8]),
+}
+
+impl<'a> KvRows<'a> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            KvRows::F16(_) => DType::F16,
+            KvRows::F32(_) => DType::F32,
+            KvRows::Blocks(t, _) => *t,
+        }
+    }
+
+    /// Whole rows of `row_len` values held.
+    fn n_rows(&self, row_len: usize) -> usize {
+        match self {
+            KvRows::F16(x) => x.len() / row_len.max(1),
+            KvRows::F32(x) => x.len() / row_len.max(1),
+            KvRows::Blocks(t, x) => x.len() / t.row_bytes(row_len).unwrap_or(usize::MAX).max(1),
+        }
+    }
+
+    fn f16(&self) -> Option<&'a [f16]> {
+        match *self {
+            KvRows::F16(x) => Some(x),
+            _ => None,
+        }
+    }
+}
+
+/// One layer's KV cache as the kernels read it, paged: rows of `n_head_kv * head_dim` values
 /// stored in blocks of `block_size` rows (a power of two). Logical position `j` of the sequence
 /// lives in row `table[j / block_size] * block_size + j % block_size` of `k` and `v`.
 #[derive(Clone, Copy, Debug)]
 pub struct PagedKv<'a> {
-    pub k: &'a [f16],
-    pub v: &'a [f16],
+    pub k: KvRows<'a>,
+    pub v: KvRows<'a>,
     /// Block of each run of `block_size` logical positions.
     pub table: &'a [u32],
     pub block_size: usize,
@@ -124,8 +166,8 @@ fn identity_table(positions: &[usize]) -> Vec<u32> {
 
 fn contiguous<'a>(k: &'a [f16], v: &'a [f16], table: &'a [u32]) -> PagedKv<'a> {
     PagedKv {
-        k,
-        v,
+        k: KvRows::F16(k),
+        v: KvRows::F16(v),
         table,
         block_size: CONTIGUOUS_BLOCK,
     }
@@ -143,7 +185,7 @@ fn check_cache(kv: &PagedKv<'_>, positions: &[usize], kv_row: usize) {
         "attention: block table too short"
     );
     // Every row a query can reach lies inside the cache (the last block may be partly filled).
-    let rows = kv.k.len().min(kv.v.len()) / kv_row;
+    let rows = kv.k.n_rows(kv_row).min(kv.v.n_rows(kv_row));
     let last_row = |b: u32, used: usize| b as usize * bs + used;
     let n_blocks = max_pos / bs + 1;
     assert!(
@@ -181,6 +223,12 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
     }
     first.push(r0);
     let group = nh / nkv;
+    if !seqs
+        .iter()
+        .all(|s| s.kv.k.f16().is_some() && s.kv.v.f16().is_some())
+    {
+        return run_any(p, q, seqs, &first, out);
+    }
 
     let fast = simd && has_avx2_fma_f16c();
     let wide = simd && matches!(hd, 64 | 128 | 256) && has_avx512();
@@ -196,8 +244,8 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
         };
         Row {
             q: &q[idx * hd..(idx + 1) * hd],
-            k: s.kv.k,
-            v: s.kv.v,
+            k: s.kv.k.f16().expect("f16 cache"),
+            v: s.kv.v.f16().expect("f16 cache"),
             table: s.kv.table,
             shift: s.kv.block_size.trailing_zeros(),
             at: (h / group) * hd,
@@ -543,6 +591,138 @@ fn attend_row(r: &Row, o: &mut [f32]) {
             *a = b.mul_add(vs, *a);
         }
         round_to_f16(&mut acc, &mut acc16);
+        s = s.mul_add(ms, vs);
+    }
+    let inv = 1.0 / s;
+    for (dst, a) in o.iter_mut().zip(&acc) {
+        *dst = a * inv;
+    }
+}
+
+/// Attention over a cache whose K or V rows are not f16 ([`KvRows::F32`], [`KvRows::Blocks`]):
+/// one task per (query row, head), each by [`attend_row_any`].
+fn run_any(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], first: &[usize], out: &mut [f32]) {
+    let (hd, nh, nkv) = (p.head_dim, p.n_head, p.n_head_kv);
+    for s in seqs {
+        for rows in [s.kv.k, s.kv.v] {
+            if let KvRows::Blocks(t, _) = rows {
+                assert!(
+                    hd.is_multiple_of(t.block_size()),
+                    "attention: head_dim {hd} is not a multiple of {t}'s block"
+                );
+            }
+        }
+    }
+    let group = nh / nkv;
+    pool::parallel_chunks_mut(out, hd, |idx, o| {
+        let (t, h) = (idx / nh, idx % nh);
+        let si = first.partition_point(|&f| f <= t) - 1;
+        let s = &seqs[si];
+        let pos = s.positions[t - first[si]];
+        let start = match p.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        };
+        let head = (h / group) * hd;
+        attend_row_any(
+            p,
+            &q[idx * hd..(idx + 1) * hd],
+            &s.kv,
+            head,
+            start..pos + 1,
+            o,
+        );
+    });
+}
+
+/// One query row of one head, llama.cpp's flash-attention recurrence for any cache type
+/// (`ggml_compute_forward_flash_attn_ext_f16_one_chunk`): Q converted to K's dot format once;
+/// per key the score `dot(K, Q)·scale` (soft-capped), then with `s > M` the accumulator scaled
+/// by `exp(M - s)`, else the weight `exp(s - M)`; V (as f32) added by FMA; `S = fma(S, ms, vs)`.
+/// An f16 V accumulates in f16 (rounded after every update), any other V in f32.
+fn attend_row_any(
+    p: &AttnParams,
+    q: &[f32],
+    kv: &PagedKv<'_>,
+    head: usize,
+    keys: std::ops::Range<usize>,
+    o: &mut [f32],
+) {
+    let hd = q.len();
+    let kv_row = p.n_head_kv * hd;
+    let scale = p.softcap.map_or(p.scale, |c| p.scale / c);
+    let shift = kv.block_size.trailing_zeros();
+    let mask = kv.block_size - 1;
+    let row_of = |j: usize| ((kv.table[j >> shift] as usize) << shift) | (j & mask);
+    // Q in the format K's dot product takes: f16-rounded for an f16 K, as is for f32, and
+    // quantized as the type's `vec_dot_type` (Q8_0) for a block type.
+    let mut qf = q.to_vec();
+    let mut qb = Vec::new();
+    match kv.k {
+        KvRows::F16(_) => {
+            let mut h = vec![f16::ZERO; hd];
+            round_to_f16(&mut qf, &mut h);
+        }
+        KvRows::F32(_) => {}
+        KvRows::Blocks(t, _) => {
+            let at = quant::vec_dot_type(t);
+            qb = vec![0u8; at.row_bytes(hd).expect("whole blocks")];
+            quant::quantize_row(at, q, &mut qb);
+        }
+    }
+    let v16 = kv.v.f16().is_some();
+    let mut acc = vec![0f32; hd];
+    let mut acc16 = vec![f16::ZERO; hd];
+    let mut row = vec![0f32; hd];
+    let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
+    for j in keys {
+        let r = row_of(j);
+        let dot = match kv.k {
+            KvRows::F16(k) => {
+                k[r * kv_row + head..][..hd].convert_to_f32_slice(&mut row);
+                dot_f16_order(&qf, &row)
+            }
+            // ggml's AVX-512 `ggml_vec_dot_f32` sums in the same lanes as its f16 dot.
+            KvRows::F32(k) => dot_f16_order(&qf, &k[r * kv_row + head..][..hd]),
+            KvRows::Blocks(t, k) => {
+                let (rb, hb) = (t.row_bytes(kv_row).unwrap(), t.row_bytes(head).unwrap());
+                let hb_len = t.row_bytes(hd).unwrap();
+                quant::vec_dot(t, &k[r * rb + hb..][..hb_len], &qb, hd)
+            }
+        };
+        let score = capped(dot * scale, p.softcap);
+        let (mut ms, mut vs) = (1f32, 1f32);
+        if score > m {
+            ms = (m - score).exp();
+            m = score;
+            for a in acc.iter_mut() {
+                *a *= ms;
+            }
+            if v16 {
+                round_to_f16(&mut acc, &mut acc16);
+            }
+        } else {
+            vs = (score - m).exp();
+        }
+        let vrow: &[f32] = match kv.v {
+            KvRows::F16(v) => {
+                v[r * kv_row + head..][..hd].convert_to_f32_slice(&mut row);
+                &row
+            }
+            KvRows::F32(v) => &v[r * kv_row + head..][..hd],
+            KvRows::Blocks(t, v) => {
+                let (rb, hb) = (t.row_bytes(kv_row).unwrap(), t.row_bytes(head).unwrap());
+                let hb_len = t.row_bytes(hd).unwrap();
+                quant::dequantize_row(t, &v[r * rb + hb..][..hb_len], &mut row);
+                &row
+            }
+        };
+        for (a, &b) in acc.iter_mut().zip(vrow) {
+            *a = b.mul_add(vs, *a);
+        }
+        if v16 {
+            round_to_f16(&mut acc, &mut acc16);
+        }
         s = s.mul_add(ms, vs);
     }
     let inv = 1.0 / s;

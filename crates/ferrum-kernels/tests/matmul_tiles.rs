@@ -18,7 +18,7 @@
 use ferrum_core::{f16, DType};
 use ferrum_kernels::attention::{
     attention, attention_paged, attention_paged_portable, attention_portable, attention_ref,
-    AttnParams, PagedKv,
+    AttnParams, KvRows, PagedKv,
 };
 use ferrum_kernels::matmul::{matmul, matmul_ref, WeightRef};
 use ferrum_kernels::quant::{quantize_row, vec_dot, vec_dot_type};
@@ -164,8 +164,8 @@ fn batched_attention_equals_each_sequence_alone() {
             })
             .collect();
         let kv = |i: usize| PagedKv {
-            k: &k,
-            v: &v,
+            k: KvRows::F16(&k),
+            v: KvRows::F16(&v),
             table: &tables[i],
             block_size: bs,
         };
@@ -267,8 +267,8 @@ fn attention_is_batch_invariant_and_close_to_f64() {
                 vp[r * kv_row..(r + 1) * kv_row].copy_from_slice(&v[j * kv_row..(j + 1) * kv_row]);
             }
             let kv = PagedKv {
-                k: &kp,
-                v: &vp,
+                k: KvRows::F16(&kp),
+                v: KvRows::F16(&vp),
                 table,
                 block_size: bs,
             };

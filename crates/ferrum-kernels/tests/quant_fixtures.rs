@@ -271,3 +271,23 @@ fn real_model_tensors() {
     }
     eprintln!("checked {checked} real tensors");
 }
+
+/// The Q4_0 quantizer (a Q4_0 KV cache is written by it) against ggml's `quantize_row_q4_0_ref`
+/// itself (tests/fixtures/quant/q4_0_quantize.bin, from scripts/gen_quant_fixtures.py
+/// --q4-0-quantizer): byte for byte, with an all-zero block, a constant block and a negative max.
+#[test]
+fn q4_0_quantizer_matches_ggml() {
+    let b = fs::read(fixture_dir().join("q4_0_quantize.bin")).unwrap();
+    let n = u32_at(&b, 0) as usize;
+    let x: Vec<f32> = b[4..4 + 4 * n]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let want = &b[4 + 4 * n..];
+    let mut got = vec![0u8; DType::Q4_0.row_bytes(n).unwrap()];
+    quantize_row(DType::Q4_0, &x, &mut got);
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.chunks(18).zip(want.chunks(18)).enumerate() {
+        assert_eq!(g, w, "block {i}");
+    }
+}

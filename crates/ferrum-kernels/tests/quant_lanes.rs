@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::{cancellation, min_field, set_scale, BLOCK_FORMATS};
+use common::{cancellation, min_field, offset_magnitude, set_scale, BLOCK_FORMATS};
 use ferrum_core::{f16, DType};
 use ferrum_kernels::quant::{
     dequantize_row, isa, quantize_row, vec_dot, vec_dot_lanes, vec_dot_ref, vec_dot_type, Isa,
@@ -117,7 +117,8 @@ fn tolerance(t: DType, w: &[u8], act: &[u8], n: usize) -> f64 {
             let (w, a, x) = (wd[i] as f64, wa[i] as f64, xd[i] as f64);
             x.abs() * (a.abs() + (a - w).abs())
         })
-        .sum();
+        .sum::<f64>()
+        + offset_magnitude(t, w, &xd);
     let k = if t.is_quantized() {
         (n / t.block_size() + 16) as f64
     } else {

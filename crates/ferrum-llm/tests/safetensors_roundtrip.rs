@@ -202,7 +202,10 @@ fn load_err(dir: &Path) -> String {
 fn smollm2_gguf_and_hf_folder_agree() {
     let path = common::model_path(common::SMOLLM2);
     let gguf = GgufFile::open(&path).expect("open GGUF");
-    let opts = LoadOptions { dequantize: true };
+    let opts = LoadOptions {
+        dequantize: true,
+        ..Default::default()
+    };
     let reference = Llm::from_gguf(&gguf, &path, &opts, &mut |_, _| {}).expect("GGUF loads");
     let (tensors, tied) = hf_tensors(&reference);
     let tmp = TempDir::new("hf-roundtrip");
@@ -346,7 +349,10 @@ fn bad_folders(good: &Path, tensors: &Tensors) {
 #[test]
 fn gemma3_weights_match_gguf() {
     let path = common::model_path(common::GEMMA3);
-    let opts = LoadOptions { dequantize: true };
+    let opts = LoadOptions {
+        dequantize: true,
+        ..Default::default()
+    };
     let reference = Llm::load(&path, &opts, &mut |_, _| {}).expect("GGUF loads");
     let cfg = &reference.model.config;
     let w = &reference.model.weights;
@@ -556,7 +562,15 @@ fn sharded_half_precision_folder() {
     assert_eq!(logits.len(), 4 * nv);
     assert!(logits.iter().all(|x| x.is_finite()));
     // F32 copies of the same numbers give the same logits.
-    let deq = Llm::load(&tmp.0, &LoadOptions { dequantize: true }, &mut |_, _| {}).unwrap();
+    let deq = Llm::load(
+        &tmp.0,
+        &LoadOptions {
+            dequantize: true,
+            ..Default::default()
+        },
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert_eq!(
         deq.model.weights.layers[0].mlp().up.weight.dtype(),
         DType::F32

@@ -7,7 +7,9 @@
 //!   top-2 gap is >= 0.05, mean |dp| <= 0.01 and worst <= 0.05 (ferrum's KV cache is f16 as
 //!   llama.cpp's; the float64 reference has no rounding at all);
 //! - give the HF folder and the GGUF file the same logits (within 1e-4: both hold the same F32
-//!   values, the converter only renames and permutes them).
+//!   values, the converter only renames and permutes them);
+//! - with an f32 KV cache (`LoadOptions::kv_type`), give PyTorch's top-5 probabilities within
+//!   2e-3 at every position, both formats.
 //!
 //! Measured (worst |dp| over all prompts, both formats): printed by each test.
 
@@ -26,6 +28,29 @@ fn tiny_dir() -> PathBuf {
 fn load(path: &std::path::Path) -> Llm {
     Llm::load(path, &LoadOptions::default(), &mut |_, _| {})
         .unwrap_or_else(|e| panic!("{} loads: {e}", path.display()))
+}
+
+/// With an f32 KV cache nothing is rounded to f16 on the way (the weights are F32 too): every
+/// probability of PyTorch's top-5 within 2e-3 of the float64 reference, at every position.
+const F32_KV_WORST: f64 = 2e-3;
+
+fn load_f32_kv(path: &std::path::Path) -> Llm {
+    let opts = LoadOptions {
+        kv_type: ferrum_core::DType::F32,
+        ..Default::default()
+    };
+    Llm::load(path, &opts, &mut |_, _| {})
+        .unwrap_or_else(|e| panic!("{} loads: {e}", path.display()))
+}
+
+/// [`check`] with an f32 cache and the tight bound.
+fn check_f32_kv(path: &std::path::Path, what: &str, reference: &Value) {
+    let llm = load_f32_kv(path);
+    let (_, worst, _) = check(&llm, &format!("{what}, f32 KV"), reference);
+    assert!(
+        worst <= F32_KV_WORST,
+        "{what}, f32 KV: worst |dp| {worst} > {F32_KV_WORST}"
+    );
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -142,6 +167,12 @@ fn run(name: &str) {
         worst <= 1e-4,
         "{name}: HF and GGUF logits differ by {worst}"
     );
+    check_f32_kv(&dir.join(name), &format!("{name} (HF folder)"), &reference);
+    check_f32_kv(
+        &dir.join(format!("{name}.f32.gguf")),
+        &format!("{name} (GGUF F32)"),
+        &reference,
+    );
 }
 
 #[test]
@@ -205,6 +236,11 @@ fn mistral_sliding_window() {
     assert_eq!(hf.model.config.sliding_window, Some(8));
     assert!((0..hf.model.config.n_layer).all(|il| hf.model.config.is_swa_layer(il)));
     check(&hf, "mistral_swa (HF folder)", &reference("mistral_swa"));
+    check_f32_kv(
+        &dir.join("mistral_swa"),
+        "mistral_swa (HF folder)",
+        &reference("mistral_swa"),
+    );
     let gguf = load(&dir.join("mistral_swa.f32.gguf"));
     assert_eq!(gguf.model.config.sliding_window, None);
 }

@@ -53,6 +53,9 @@ pub struct Args {
     /// Print one JSON array (an object per test and thread count) instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Storage type of the KV cache (f16, f32, q8_0, q4_0; llama-bench's -ctk/-ctv).
+    #[arg(long, value_name = "TYPE", default_value = "f16", value_parser = crate::common::parse_kv_type)]
+    pub kv_cache_type: ferrum_core::DType,
     /// Measure this machine's ceilings (FMA GFLOP/s, memory and cache bandwidth) instead, print
     /// them, and cache them for `ferrum profile`.
     #[arg(long)]
@@ -78,6 +81,7 @@ pub fn run(a: Args) -> Result<()> {
         model: a.model.clone(),
         threads: None,
         dequantize: false,
+        kv_cache_type: a.kv_cache_type,
     };
     let llm = margs.load()?;
     if !a.batch.is_empty() {

@@ -108,6 +108,23 @@ pub fn run(a: Args) -> Result<()> {
                     if m.norm { "renormalised" } else { "as routed" }
                 );
             }
+            // What a position of context costs in the KV cache, per storage type.
+            let per_token = |t: ferrum_core::DType| {
+                let mut c = c.clone();
+                c.kv_type = t;
+                match ferrum_llm::model::kv_cache::check_kv_type(&c) {
+                    Ok(()) => format!(
+                        "{t} {:.1} KiB",
+                        ferrum_llm::model::KvPool::bytes_per_token(&c) as f64 / 1024.0
+                    ),
+                    Err(_) => format!("{t} n/a"),
+                }
+            };
+            let kinds: Vec<String> = ferrum_llm::model::kv_cache::KV_TYPES
+                .into_iter()
+                .map(per_token)
+                .collect();
+            println!("  KV cache per token: {}", kinds.join(", "));
         }
         Err(e) => println!("\nhyperparameters: not runnable by ferrum: {e}"),
     }

@@ -2,10 +2,12 @@
 //! backend does (so our logits agree with it), with a plain f64 reference in the tests.
 
 mod activation;
+mod hadamard;
 mod norm;
 mod rope;
 
 pub use activation::{geglu, geglu_portable, gelu_tanh, silu, swiglu, swiglu_portable};
+pub use hadamard::hadamard_inplace;
 pub use norm::{rms_norm, rms_norm_inplace};
 pub use rope::{RopeCache, RopeScaling, RopeStyle, Yarn};
 

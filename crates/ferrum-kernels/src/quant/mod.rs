@@ -123,12 +123,13 @@ pub fn vec_dot_type(weight: DType) -> DType {
     }
 }
 
-/// Quantizes an activation row into `dtype` (one of F32, F16, BF16, Q8_0, Q8_1, Q8_K), bit-exactly
-/// as llama.cpp's x86 build does:
+/// Quantizes an activation or KV-cache row into `dtype` (one of F32, F16, BF16, Q8_0, Q8_1, Q8_K,
+/// Q4_0), bit-exactly as llama.cpp's x86 build does:
 /// * Q8_0/Q8_1: d = amax/127 stored as f16, multiplier 127/amax in f32, round half to even;
 ///   Q8_1 also s = f16(d·Σq) with the unrounded d.
 /// * Q8_K: `quantize_row_q8_K_ref` (signed max, iscale = -127/max, ties to even, min 127, bsums).
 /// * F16/BF16: round to nearest even.
+/// * Q4_0: `quantize_row_q4_0_ref` (d = max/-8, codes truncated after +8.5, at most 15).
 ///
 /// # Panics
 /// If `dtype` is not an activation format, or `dst.len() != dtype.row_bytes(src.len())`.

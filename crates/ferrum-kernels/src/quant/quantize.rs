@@ -6,6 +6,7 @@
 //!   `max`; iscale = -127/max; q = min(127, nearest_int(iscale*x)) (ties to even); d = 1/iscale;
 //!   bsums = sums of 16. All-zero block: d = 0, qs = 0, bsums = 0.
 //! * F16 / BF16: round to nearest even; F32: copy.
+//! * Q4_0 (a KV-cache format, `quantize_row_q4_0_ref`): d = max/-8, q = min(15, trunc(x/d + 8.5)).
 //!
 //! Q8_1 blocks are 40 bytes here (`DType::Q8_1.block_bytes()`, as gguf-py's size table says):
 //! ggml's current `block_q8_1` is 36 bytes (d, s, qs[32]); the 4 trailing bytes are zero padding.
@@ -47,8 +48,14 @@ pub(crate) fn quantize(dtype: DType, src: &[f32], dst: &mut [u8]) {
                 quantize_block_q8_k(x.try_into().unwrap(), b);
             }
         }
+        DType::Q4_0 => {
+            for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(18)) {
+                quantize_block_q4_0(x.try_into().unwrap(), b);
+            }
+        }
         other => panic!(
-            "quantize_row: {other} is not an activation format (F32, F16, BF16, Q8_0, Q8_1, Q8_K)"
+            "quantize_row: {other} is not an activation or cache format (F32, F16, BF16, Q8_0, \
+             Q8_1, Q8_K, Q4_0)"
         ),
     }
 }
@@ -71,6 +78,27 @@ pub(crate) fn quantize_block_q8_0(x: &[f32; QK], b: &mut [u8], with_sum: bool) {
         let s = d * sum as f32;
         b[2..4].copy_from_slice(&f32_to_f16_bits(s).to_le_bytes());
         b[Q8_1_QS + QK..].fill(0);
+    }
+}
+
+/// One Q4_0 block (18 bytes), as `quantize_row_q4_0_ref` makes it (a KV cache of type Q4_0 is
+/// written so): the element of largest |x| (first wins) keeps its sign as `max`, d = max / -8,
+/// q = min(15, trunc(x/d + 8.5)); low nibbles hold elements 0..16, high nibbles 16..32.
+#[inline]
+pub(crate) fn quantize_block_q4_0(x: &[f32; QK], b: &mut [u8]) {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    b[0..2].copy_from_slice(&f32_to_f16_bits(d).to_le_bytes());
+    let code = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+    for j in 0..QK / 2 {
+        b[Q4_0_QS + j] = code(x[j]) | (code(x[QK / 2 + j]) << 4);
     }
 }
 

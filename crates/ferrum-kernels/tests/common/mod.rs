@@ -65,6 +65,24 @@ pub fn cancellation(t: DType) -> f64 {
     }
 }
 
+/// Σ over the weights of the magnitude their offset adds to a dot's partial sums: ternary
+/// weights are d·(u − 1), and llama.cpp's kernels sum d·u·x and d·x apart, which cancel
+/// (an all-zero row still has partial sums of 2·Σ|d·x|). 0 for other types.
+pub fn offset_magnitude(t: DType, w: &[u8], xd: &[f32]) -> f64 {
+    let d_at = match t {
+        DType::TQ1_0 => 52,
+        DType::TQ2_0 => 64,
+        _ => return 0.0,
+    };
+    w.chunks_exact(t.block_bytes())
+        .zip(xd.chunks_exact(t.block_size()))
+        .map(|(b, x)| {
+            let d = f16::from_bits(u16::from_le_bytes([b[d_at], b[d_at + 1]])).to_f64();
+            2.0 * d.abs() * x.iter().map(|v| v.abs() as f64).sum::<f64>()
+        })
+        .sum()
+}
+
 /// The weight types of `quant::formats` (one `BlockFormat` each, ggml's generic C order).
 pub const BLOCK_FORMATS: [DType; 10] = [
     DType::IQ2_XXS,

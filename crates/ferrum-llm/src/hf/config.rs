@@ -486,6 +486,7 @@ impl HfConfig {
             attn_scale,
             attn_softcap,
             final_softcap,
+            kv_type: ferrum_core::DType::F16,
         };
         config.validate()?;
         let tie_word_embeddings = match c.opt_bool("tie_word_embeddings")? {

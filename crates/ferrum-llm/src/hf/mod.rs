@@ -37,7 +37,9 @@ pub fn load(dir: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(usize, usiz
         Err(e) => return Err(Error::io(&config_path, e)),
     };
     let hf = HfConfig::parse(&text)?;
-    let config = hf.config.clone();
+    let mut config = hf.config.clone();
+    config.kv_type = opts.kv_type;
+    crate::model::kv_cache::check_kv_type(&config)?;
 
     let tok_path = dir.join("tokenizer.json");
     if !tok_path.is_file() {

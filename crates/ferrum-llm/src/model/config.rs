@@ -1,6 +1,6 @@
 //! Hyperparameters of a decoder-only transformer, read from GGUF metadata or a Hugging Face config.json.
 
-use ferrum_core::{Error, Result};
+use ferrum_core::{DType, Error, Result};
 use ferrum_gguf::GgufFile;
 use ferrum_kernels::ops::{RopeScaling, RopeStyle, Yarn};
 
@@ -115,6 +115,9 @@ pub struct Config {
     pub attn_softcap: Option<f32>,
     /// Gemma 2: logits become cap * tanh(logit / cap).
     pub final_softcap: Option<f32>,
+    /// Storage type of the KV cache (a run-time choice, not the model's: `LoadOptions::kv_type`;
+    /// F16 unless asked otherwise, as llama.cpp's default).
+    pub kv_type: DType,
 }
 
 impl Config {
@@ -239,6 +242,7 @@ impl Config {
             attn_scale,
             attn_softcap: get_f("attn_logit_softcapping").filter(|&c| c != 0.0),
             final_softcap: get_f("final_logit_softcapping").filter(|&c| c != 0.0),
+            kv_type: DType::F16,
             moe,
         };
         cfg.validate()?;

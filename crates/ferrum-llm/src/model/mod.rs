@@ -131,6 +131,25 @@ impl Step<'_> {
     ) -> Buf {
         let cfg = self.cfg;
         let kvd = cfg.kv_dim();
+        // A quantized cache holds K and V rotated by a Walsh-Hadamard matrix, as llama.cpp's
+        // does (its default; see `ops::hadamard_inplace`): Q and K by the largest power-of-two
+        // block (>= 64) dividing head_dim, V by 64; the output is rotated back below.
+        let (rot_k, rot_v) = kv_rotation(cfg);
+        let (mut qr, mut kr, mut vr);
+        let (q, k, v) = match (rot_k, rot_v) {
+            (None, None) => (q, k, v),
+            _ => {
+                (qr, kr, vr) = (q.to_vec(), k.to_vec(), v.to_vec());
+                if let Some(n) = rot_k {
+                    ops::hadamard_inplace(&mut qr, n);
+                    ops::hadamard_inplace(&mut kr, n);
+                }
+                if let Some(n) = rot_v {
+                    ops::hadamard_inplace(&mut vr, n);
+                }
+                (&qr[..], &kr[..], &vr[..])
+            }
+        };
         profile::record(
             "kv_store",
             "cache",
@@ -179,8 +198,27 @@ impl Step<'_> {
             }
             attention_paged_batch(&p, q, &seqs, &mut out);
         });
+        if let Some(n) = rot_v {
+            ops::hadamard_inplace(&mut out, n);
+        }
         out
     }
+}
+
+/// The Walsh-Hadamard block sizes llama.cpp rotates Q/K and V by around a quantized KV cache
+/// (`llama_kv_cache`'s `attn_rot_k` / `attn_rot_v`, on unless `LLAMA_ATTN_ROT_DISABLE`): for a
+/// quantized cache type and a head dimension that is a multiple of 64, K by the largest power of
+/// two dividing head_dim, V by 64. `None`: no rotation.
+pub fn kv_rotation(cfg: &Config) -> (Option<usize>, Option<usize>) {
+    let hd = cfg.head_dim;
+    if !cfg.kv_type.is_quantized() || !hd.is_multiple_of(64) {
+        return (None, None);
+    }
+    let mut n = 64;
+    while hd.is_multiple_of(2 * n) {
+        n *= 2;
+    }
+    (Some(n), Some(64))
 }
 
 /// Named-tensor trace, on with `FERRUM_TRACE=1` (names follow llama.cpp's graph callbacks:
