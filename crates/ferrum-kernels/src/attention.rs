@@ -614,6 +614,7 @@ fn run_any(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], first: &[usize], out
         }
     }
     let group = nh / nkv;
+    let fast = has_avx2_fma_f16c();
     pool::parallel_chunks_mut(out, hd, |idx, o| {
         let (t, h) = (idx / nh, idx % nh);
         let si = first.partition_point(|&f| f <= t) - 1;
@@ -624,15 +625,31 @@ fn run_any(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], first: &[usize], out
             None => 0,
         };
         let head = (h / group) * hd;
-        attend_row_any(
-            p,
-            &q[idx * hd..(idx + 1) * hd],
-            &s.kv,
-            head,
-            start..pos + 1,
-            o,
-        );
+        let q = &q[idx * hd..(idx + 1) * hd];
+        #[cfg(target_arch = "x86_64")]
+        if fast {
+            // SAFETY: `fast` is true only when the CPU reports AVX2, FMA and F16C.
+            unsafe { attend_row_any_avx2(p, q, &s.kv, head, start..pos + 1, o) };
+            return;
+        }
+        let _ = fast;
+        attend_row_any(p, q, &s.kv, head, start..pos + 1, o);
     });
+}
+
+/// [`attend_row_any`] compiled with AVX2/FMA/F16C, so its `mul_add`s and f16 conversions are
+/// single instructions (the same results).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_row_any_avx2(
+    p: &AttnParams,
+    q: &[f32],
+    kv: &PagedKv<'_>,
+    head: usize,
+    keys: std::ops::Range<usize>,
+    o: &mut [f32],
+) {
+    attend_row_any(p, q, kv, head, keys, o)
 }
 
 /// One query row of one head, llama.cpp's flash-attention recurrence for any cache type
@@ -640,6 +657,7 @@ fn run_any(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], first: &[usize], out
 /// per key the score `dot(K, Q)·scale` (soft-capped), then with `s > M` the accumulator scaled
 /// by `exp(M - s)`, else the weight `exp(s - M)`; V (as f32) added by FMA; `S = fma(S, ms, vs)`.
 /// An f16 V accumulates in f16 (rounded after every update), any other V in f32.
+#[inline(always)]
 fn attend_row_any(
     p: &AttnParams,
     q: &[f32],
@@ -671,6 +689,13 @@ fn attend_row_any(
         }
     }
     let v16 = kv.v.f16().is_some();
+    // Byte geometry of block-typed rows: a whole row, this head's offset, one head.
+    let geometry = |t: DType| match t.row_bytes(kv_row) {
+        Some(rb) if t.is_quantized() => (rb, t.row_bytes(head).unwrap(), t.row_bytes(hd).unwrap()),
+        _ => (0, 0, 0),
+    };
+    let (krb, khb, khl) = geometry(kv.k.dtype());
+    let (vrb, vhb, vhl) = geometry(kv.v.dtype());
     let mut acc = vec![0f32; hd];
     let mut acc16 = vec![f16::ZERO; hd];
     let mut row = vec![0f32; hd];
@@ -684,11 +709,7 @@ fn attend_row_any(
             }
             // ggml's AVX-512 `ggml_vec_dot_f32` sums in the same lanes as its f16 dot.
             KvRows::F32(k) => dot_f16_order(&qf, &k[r * kv_row + head..][..hd]),
-            KvRows::Blocks(t, k) => {
-                let (rb, hb) = (t.row_bytes(kv_row).unwrap(), t.row_bytes(head).unwrap());
-                let hb_len = t.row_bytes(hd).unwrap();
-                quant::vec_dot(t, &k[r * rb + hb..][..hb_len], &qb, hd)
-            }
+            KvRows::Blocks(t, k) => quant::vec_dot(t, &k[r * krb + khb..][..khl], &qb, hd),
         };
         let score = capped(dot * scale, p.softcap);
         let (mut ms, mut vs) = (1f32, 1f32);
@@ -711,9 +732,7 @@ fn attend_row_any(
             }
             KvRows::F32(v) => &v[r * kv_row + head..][..hd],
             KvRows::Blocks(t, v) => {
-                let (rb, hb) = (t.row_bytes(kv_row).unwrap(), t.row_bytes(head).unwrap());
-                let hb_len = t.row_bytes(hd).unwrap();
-                quant::dequantize_row(t, &v[r * rb + hb..][..hb_len], &mut row);
+                quant::dequantize_row(t, &v[r * vrb + vhb..][..vhl], &mut row);
                 &row
             }
         };
