@@ -149,6 +149,9 @@ pub fn run(a: Args) -> Result<()> {
     );
     for ph in &phases {
         print_phase(ph, &ceilings, threads, b * a.n_prompt, b * a.n_gen);
+        if ph.name == "generation" && b == 1 && a.n_gen > 0 {
+            print_weight_traffic(&llm, ph, a.n_gen);
+        }
     }
     if a.overhead > 0 && a.n_gen > 0 {
         let (prompt, gen) = tokens.split_at(a.n_prompt);
@@ -164,6 +167,53 @@ pub fn run(a: Args) -> Result<()> {
         println!("roofline: {}", path.display());
     }
     Ok(())
+}
+
+/// One-token decode is bound by the weight bytes it reads: the matmuls' bytes per token against
+/// the model's active weights (for a mixture of experts, the shared weights plus `used / total`
+/// of the expert weights, since only the routed experts run).
+fn print_weight_traffic(llm: &ferrum_llm::Llm, ph: &Phase, n_gen: usize) {
+    use ferrum_llm::model::Ffn;
+    let w = &llm.model.weights;
+    let total = w.n_bytes() as f64;
+    let mut experts = 0f64;
+    for l in &w.layers {
+        if let Ffn::Moe(m) = &l.ffn {
+            for e in &m.experts {
+                experts += [&e.gate, &e.up, &e.down]
+                    .iter()
+                    .map(|x| x.weight.n_bytes() as f64)
+                    .sum::<f64>();
+            }
+        }
+    }
+    let active = match &llm.model.config.moe {
+        Some(m) => total - experts + experts * m.n_expert_used as f64 / m.n_expert as f64,
+        None => total,
+    };
+    // Token embedding rows are gathered, not streamed: leave that matrix out of both sides.
+    let embd = w.token_embd.n_bytes() as f64;
+    let read: f64 = ph
+        .events
+        .iter()
+        .filter(|e| e.op == "matmul")
+        .map(|e| e.bytes)
+        .sum::<f64>()
+        / n_gen as f64;
+    let gathered = if w.tied() { 0.0 } else { embd };
+    let active_streamed = active - gathered;
+    println!(
+        "weights read per generated token: {:.2} MiB by the matmuls, {:.2} MiB active ({:.0}% of it; every matrix but the embedding {:.2} MiB{})",
+        read / 1048576.0,
+        active_streamed / 1048576.0,
+        100.0 * read / active_streamed,
+        (total - gathered) / 1048576.0,
+        if experts > 0.0 {
+            format!(", experts {:.2} MiB", experts / 1048576.0)
+        } else {
+            String::new()
+        }
+    );
 }
 
 /// Generation wall time with profiling on vs off, `rounds` of each in turn (each round writes
