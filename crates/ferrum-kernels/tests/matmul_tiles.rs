@@ -52,6 +52,7 @@ fn random_weights(t: DType, rows: usize, cols: usize, rng: &mut StdRng) -> Vec<u
                 put_f16(blk, 2, rng.gen_range(0.0001..0.01));
             }
             DType::Q6_K => put_f16(blk, 208, rng.gen_range(0.0001..0.01)),
+            DType::IQ4_XS => put_f16(blk, 0, rng.gen_range(0.0001..0.01)),
             _ => unreachable!(),
         }
     }
@@ -402,12 +403,13 @@ fn packed_layout_round_trips_exactly() {
 }
 
 #[cfg(target_arch = "x86_64")]
-const PACKED_TYPES: [DType; 5] = [
+const PACKED_TYPES: [DType; 6] = [
     DType::Q8_0,
     DType::Q5_0,
     DType::Q4_1,
     DType::Q4_K,
     DType::Q6_K,
+    DType::IQ4_XS,
 ];
 
 /// Every plan of [`PackedMatrix::matmul`] (packed GEMV for decode rows, row kernels over unpacked

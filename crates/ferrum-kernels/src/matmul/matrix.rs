@@ -2,7 +2,7 @@
 //! planner that picks a kernel for each product.
 //!
 //! A model holds each weight once. On a tier with a packed layout for the weight's type (AVX-512
-//! VNNI: Q4_1, Q5_0, Q8_0, Q4_K, Q6_K in groups of 16 rows, [`Layout::X16`]) the matrix is stored
+//! VNNI: Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, IQ4_XS in groups of 16 rows, [`Layout::X16`]) the matrix is stored
 //! only in that layout, and every product reads it:
 //! - tokens whose llama.cpp float order is the one-token kernel's (every token of a decode step,
 //!   whatever the batch) go through the packed GEMV, which reads each 16-row group once for all
