@@ -344,6 +344,24 @@ def build_iquants(out: Path, bindir: Path):
             log(f"{dst.name}: {dst.stat().st_size} bytes, reference {ref.name}")
 
 
+# Every architecture quantized: the F32 GGUFs requantized to Q8_0 (rows of 32: no 256-element type
+# fits them), with llama-server references. Qwen2's and Phi-3's tiny models do not load in
+# llama.cpp (head_dim x heads != hidden; a BPE vocabulary under the phi3 name).
+Q8_ARCHS = ["llama3", "qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3"]
+
+
+def build_q8_archs(out: Path, bindir: Path):
+    for arch in Q8_ARCHS:
+        dst = out / f"{arch}.q8_0.gguf"
+        subprocess.run([str(bindir / "llama-quantize"), str(out / f"{arch}.f32.gguf"), str(dst),
+                        "Q8_0"], check=True, capture_output=True)
+        ref = out / f"{arch}.q8_0.llamacpp.json"
+        subprocess.run([sys.executable, str(Path(__file__).parent.parent / "llamacpp" /
+                                            "make_reference.py"),
+                        str(bindir / "llama-server"), str(dst), str(ref)], check=True)
+        log(f"{dst.name}: {dst.stat().st_size} bytes, reference {ref.name}")
+
+
 def main():
     here = Path(__file__).resolve().parent
     root = here.parent.parent
@@ -366,7 +384,13 @@ def main():
                     help="only requantize llama256.q8_0.gguf to the i-quant and ternary types "
                          "and record their references, with llama-imatrix, llama-quantize and "
                          "llama-server from BIN_DIR")
+    ap.add_argument("--q8-archs", type=Path, metavar="BIN_DIR",
+                    help="only requantize the F32 GGUFs of " + ", ".join(Q8_ARCHS) + " to Q8_0 "
+                         "and record their llama-server references")
     args = ap.parse_args()
+    if args.q8_archs:
+        build_q8_archs(args.out, args.q8_archs)
+        return
     if args.iquants:
         build_iquants(args.out, args.iquants)
         return

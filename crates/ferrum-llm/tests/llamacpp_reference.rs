@@ -309,11 +309,16 @@ fn tiny_quantized(kind: &str) {
 
 /// [`tiny_quantized`] with at least `min_positions` comparable positions in the reference.
 fn tiny_quantized_min(kind: &str, min_positions: usize) {
+    tiny_file(&format!("llama256.{kind}"), min_positions)
+}
+
+/// `tests/models/tiny/STEM.gguf` against `STEM.llamacpp.json`.
+fn tiny_file(stem: &str, min_positions: usize) {
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/models/tiny");
-    let model = dir.join(format!("llama256.{kind}.gguf"));
+    let model = dir.join(format!("{stem}.gguf"));
     let llm = Llm::load(&model, &ferrum_llm::LoadOptions::default(), &mut |_, _| {})
         .unwrap_or_else(|e| panic!("{}: {e}", model.display()));
-    let text = std::fs::read_to_string(dir.join(format!("llama256.{kind}.llamacpp.json")))
+    let text = std::fs::read_to_string(dir.join(format!("{stem}.llamacpp.json")))
         .expect("reference");
     let mut reference: Value = serde_json::from_str(&text).expect("reference parses");
     // llama-server folds the probabilities of a token that ends inside a UTF-8 character into
@@ -374,5 +379,18 @@ fn tiny_iquants_and_ternary() {
     ] {
         eprintln!("{kind}:");
         tiny_quantized_min(kind, 100);
+    }
+}
+
+/// Every architecture quantized: the tiny PyTorch-checked models requantized to Q8_0 by
+/// llama-quantize (their rows of 32 take no 256-element type), against llama-server on the same
+/// files (`scripts/tiny_models/make.py --q8-archs BIN_DIR`). Qwen2's tiny model (head_dim x heads
+/// != hidden) and Phi-3's (a BPE vocabulary under the phi3 name) do not load in llama.cpp, so
+/// those two are checked against PyTorch only (tests/tiny_models.rs).
+#[test]
+fn tiny_q8_0_every_architecture() {
+    for arch in ["llama3", "qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3"] {
+        eprintln!("{arch}:");
+        tiny_file(&format!("{arch}.q8_0"), 100);
     }
 }
