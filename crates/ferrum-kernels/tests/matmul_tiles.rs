@@ -522,6 +522,9 @@ fn k_quant_prompt_kernels_follow_llama_cpp_orders_bit_for_bit() {
                         Order::Q4kGemm => vec_dot_q4k_gemm_order(wr, &act, cols),
                         Order::Q4kGemv => vec_dot_q4k_repacked(wr, &act, cols),
                         Order::Q6kTiled => vec_dot_q6k_tiled_order(wr, &act, cols),
+                        Order::Tiled => {
+                            ferrum_kernels::quant::vec_dot_tiled_order(dtype, wr, &act, cols)
+                        }
                         Order::Vec => vec_dot(dtype, wr, &act, cols),
                     };
                     let got = y[tok * rows + r];

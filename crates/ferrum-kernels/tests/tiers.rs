@@ -130,6 +130,7 @@ fn reference(
                     Order::Q4kGemv => quant::vec_dot_q4k_repacked_ref(wr, &act, cols),
                     Order::Q4kGemm => quant::vec_dot_q4k_gemm_order_ref(wr, &act, cols),
                     Order::Q6kTiled => quant::vec_dot_q6k_tiled_order_ref(wr, &act, cols),
+                    Order::Tiled => quant::vec_dot_tiled_order(dtype, wr, &act, cols),
                 });
             }
         }

@@ -318,8 +318,8 @@ fn tiny_file(stem: &str, min_positions: usize) {
     let model = dir.join(format!("{stem}.gguf"));
     let llm = Llm::load(&model, &ferrum_llm::LoadOptions::default(), &mut |_, _| {})
         .unwrap_or_else(|e| panic!("{}: {e}", model.display()));
-    let text = std::fs::read_to_string(dir.join(format!("{stem}.llamacpp.json")))
-        .expect("reference");
+    let text =
+        std::fs::read_to_string(dir.join(format!("{stem}.llamacpp.json"))).expect("reference");
     let mut reference: Value = serde_json::from_str(&text).expect("reference parses");
     // llama-server folds the probabilities of a token that ends inside a UTF-8 character into
     // the next entry (this random model emits byte tokens), so `top_probs` can fall out of step

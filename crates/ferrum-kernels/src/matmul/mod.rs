@@ -139,6 +139,9 @@ pub enum Order {
     Q4kGemm,
     /// Q6_K tiled matmul: every row of a call with at least [`TILED_MIN_ROWS`] rows.
     Q6kTiled,
+    /// The tiled matmul of the other types it takes ([`quant::uses_tiled_order`]: IQ1_S..IQ3_S),
+    /// every row of a call with at least [`TILED_MIN_ROWS`] rows.
+    Tiled,
 }
 
 /// llama.cpp sends non-repacked K-quant matmuls of this many rows or more to its tiled kernel.
@@ -155,6 +158,8 @@ impl Order {
             }
         } else if dtype == DType::Q6_K && t >= TILED_MIN_ROWS {
             Order::Q6kTiled
+        } else if t >= TILED_MIN_ROWS && quant::uses_tiled_order(dtype) {
+            Order::Tiled
         } else {
             Order::Vec
         }
@@ -394,6 +399,7 @@ fn matmul_dots(w: &Src, act: &[u8], ab: usize, orders: &[Order], y: &mut [f32]) 
         Order::Q4kGemv => quant::vec_dot_q4k_repacked(wr, ar, cols),
         Order::Q4kGemm => quant::vec_dot_q4k_gemm_order(wr, ar, cols),
         Order::Q6kTiled => quant::vec_dot_q6k_tiled_order(wr, ar, cols),
+        Order::Tiled => quant::vec_dot_tiled_order(w.dtype, wr, ar, cols),
     };
     #[cfg(target_arch = "x86_64")]
     if t == 1 && w.dtype == DType::Q6_K && orders[0] == Order::Vec && avx512::available() {

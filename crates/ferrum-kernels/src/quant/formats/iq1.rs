@@ -110,6 +110,23 @@ impl BlockFormat for Iq1S {
         }
         hsum8(&acc) + DELTA * acc1
     }
+    /// Codes 8·g + δ (δ the block's shift sign), scale d/8.
+    fn tiled(&self, b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) -> Option<f32> {
+        for ib in 0..8 {
+            let qh = rd_u16(b, 34 + 2 * ib) as i32;
+            let ls = 2 * ((qh >> 12) & 7) + 1;
+            sc[2 * ib] = ls;
+            sc[2 * ib + 1] = ls;
+            let delta: i8 = if qh & 0x8000 != 0 { -1 } else { 1 };
+            for l in 0..4 {
+                let g = grid8(s_group(b, ib, l));
+                for j in 0..8 {
+                    q[32 * ib + 8 * l + j] = 8 * g[j] + delta;
+                }
+            }
+        }
+        Some(rd_f16(b, 0) * 0.125)
+    }
 }
 
 /// IQ1_M's four u16 scale words.
@@ -218,5 +235,21 @@ impl BlockFormat for Iq1M {
             fma_lanes(&mut acc2, d, &lanes256(&qd, y, &sc));
         }
         hsum8(&acc2).mul_add(DELTA, hsum8(&acc1))
+    }
+    /// Codes 8·g + δ (δ the shift sign of each 8), scale d/8.
+    fn tiled(&self, b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) -> Option<f32> {
+        let scales = m_scales(b);
+        for ib in 0..8 {
+            let ls = m_ls(&scales, ib);
+            sc[2 * ib] = ls[0];
+            sc[2 * ib + 1] = ls[1];
+            for (l, (g, delta)) in m_groups(b, ib).into_iter().enumerate() {
+                let g = grid8(g);
+                for j in 0..8 {
+                    q[32 * ib + 8 * l + j] = 8 * g[j] + delta as i8;
+                }
+            }
+        }
+        Some(m_d(&scales) * 0.125)
     }
 }

@@ -103,17 +103,11 @@ impl BlockFormat for Iq2Xxs {
     }
     /// `ggml_vec_dot_iq2_xxs_q8_K`, AVX2: one scale per 32 weights.
     fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
-        dot_scaled_lanes(w, a, 66, 0.125, |b, q, sc| {
-            for ib32 in 0..8 {
-                let (idx, aux) = xxs_words(b, ib32);
-                sc[2 * ib32] = 2 * (aux >> 28) as i32 + 1;
-                sc[2 * ib32 + 1] = sc[2 * ib32];
-                for l in 0..4 {
-                    let grid = IQ2XXS_GRID[(idx >> (8 * l)) as usize & 255];
-                    store(q, ib32, l, &signed(grid, ksigns(aux >> (7 * l))));
-                }
-            }
-        })
+        dot_scaled_lanes(w, a, 66, 0.125, unpack_xxs)
+    }
+    fn tiled(&self, b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) -> Option<f32> {
+        unpack_xxs(b, q, sc);
+        Some(rd_f16(b, 0) * 0.125)
     }
 }
 
@@ -169,18 +163,11 @@ impl BlockFormat for Iq2Xs {
     }
     /// `ggml_vec_dot_iq2_xs_q8_K`, AVX2: one scale per 16 weights.
     fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
-        dot_scaled_lanes(w, a, 74, 0.125, |b, q, sc| {
-            for ib32 in 0..8 {
-                let s = b[66 + ib32];
-                sc[2 * ib32] = 2 * (s & 0xf) as i32 + 1;
-                sc[2 * ib32 + 1] = 2 * (s >> 4) as i32 + 1;
-                for l in 0..4 {
-                    let g = rd_u16(b, 2 + 2 * (4 * ib32 + l));
-                    let v = signed(IQ2XS_GRID[(g & 511) as usize], ksigns(g as u32 >> 9));
-                    store(q, ib32, l, &v);
-                }
-            }
-        })
+        dot_scaled_lanes(w, a, 74, 0.125, unpack_xs)
+    }
+    fn tiled(&self, b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) -> Option<f32> {
+        unpack_xs(b, q, sc);
+        Some(rd_f16(b, 0) * 0.125)
     }
 }
 
@@ -240,16 +227,50 @@ impl BlockFormat for Iq2S {
     }
     /// `ggml_vec_dot_iq2_s_q8_K`, AVX2: one scale per 16 weights.
     fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
-        dot_scaled_lanes(w, a, 82, 0.125, |b, q, sc| {
-            for ib32 in 0..8 {
-                let s = b[S_SCALES + ib32];
-                sc[2 * ib32] = 1 + 2 * (s & 0xf) as i32;
-                sc[2 * ib32 + 1] = 1 + 2 * (s >> 4) as i32;
-                for l in 0..4 {
-                    let v = signed(IQ2S_GRID[s_index(b, ib32, l)], b[S_SIGNS + 4 * ib32 + l]);
-                    store(q, ib32, l, &v);
-                }
-            }
-        })
+        dot_scaled_lanes(w, a, 82, 0.125, unpack_s)
+    }
+    fn tiled(&self, b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) -> Option<f32> {
+        unpack_s(b, q, sc);
+        Some(rd_f16(b, 0) * 0.125)
+    }
+}
+
+/// IQ2_XXS: the block's 256 signed weights (grid values with signs) and its 16 scales.
+fn unpack_xxs(b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) {
+    for ib32 in 0..8 {
+        let (idx, aux) = xxs_words(b, ib32);
+        sc[2 * ib32] = 2 * (aux >> 28) as i32 + 1;
+        sc[2 * ib32 + 1] = sc[2 * ib32];
+        for l in 0..4 {
+            let grid = IQ2XXS_GRID[(idx >> (8 * l)) as usize & 255];
+            store(q, ib32, l, &signed(grid, ksigns(aux >> (7 * l))));
+        }
+    }
+}
+
+/// IQ2_XS: as [`unpack_xxs`].
+fn unpack_xs(b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) {
+    for ib32 in 0..8 {
+        let s = b[66 + ib32];
+        sc[2 * ib32] = 2 * (s & 0xf) as i32 + 1;
+        sc[2 * ib32 + 1] = 2 * (s >> 4) as i32 + 1;
+        for l in 0..4 {
+            let g = rd_u16(b, 2 + 2 * (4 * ib32 + l));
+            let v = signed(IQ2XS_GRID[(g & 511) as usize], ksigns(g as u32 >> 9));
+            store(q, ib32, l, &v);
+        }
+    }
+}
+
+/// IQ2_S: as [`unpack_xxs`].
+fn unpack_s(b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) {
+    for ib32 in 0..8 {
+        let s = b[S_SCALES + ib32];
+        sc[2 * ib32] = 1 + 2 * (s & 0xf) as i32;
+        sc[2 * ib32 + 1] = 1 + 2 * (s >> 4) as i32;
+        for l in 0..4 {
+            let v = signed(IQ2S_GRID[s_index(b, ib32, l)], b[S_SIGNS + 4 * ib32 + l]);
+            store(q, ib32, l, &v);
+        }
     }
 }

@@ -104,22 +104,11 @@ impl BlockFormat for Iq3Xxs {
     }
     /// `ggml_vec_dot_iq3_xxs_q8_K`, AVX2: one scale per 32 weights.
     fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
-        dot_scaled_lanes(w, a, 98, 0.25, |b, q, sc| {
-            for ib32 in 0..8 {
-                let aux = rd_u32(b, 2 + 64 + 4 * ib32);
-                sc[2 * ib32] = 2 * (aux >> 28) as i32 + 1;
-                sc[2 * ib32 + 1] = sc[2 * ib32];
-                for l in 0..4 {
-                    let g = &b[2 + 8 * ib32 + 2 * l..];
-                    let v = signed(
-                        IQ3XXS_GRID[g[0] as usize],
-                        IQ3XXS_GRID[g[1] as usize],
-                        ksigns(aux >> (7 * l)),
-                    );
-                    store(q, ib32, l, &v);
-                }
-            }
-        })
+        dot_scaled_lanes(w, a, 98, 0.25, unpack_xxs)
+    }
+    fn tiled(&self, b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) -> Option<f32> {
+        unpack_xxs(b, q, sc);
+        Some(rd_f16(b, 0) * 0.25)
     }
 }
 
@@ -188,15 +177,40 @@ impl BlockFormat for Iq3S {
     }
     /// `ggml_vec_dot_iq3_s_q8_K`, AVX2: one scale per 32 weights.
     fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32 {
-        dot_scaled_lanes(w, a, 110, 1.0, |b, q, sc| {
-            for ib32 in 0..8 {
-                sc[2 * ib32] = s_scale(b, ib32);
-                sc[2 * ib32 + 1] = sc[2 * ib32];
-                for l in 0..4 {
-                    let (g1, g2, s) = s_group(b, ib32, l);
-                    store(q, ib32, l, &signed(g1, g2, s));
-                }
-            }
-        })
+        dot_scaled_lanes(w, a, 110, 1.0, unpack_s)
+    }
+    fn tiled(&self, b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) -> Option<f32> {
+        unpack_s(b, q, sc);
+        Some(rd_f16(b, 0))
+    }
+}
+
+/// IQ3_XXS: the block's 256 signed weights and its 16 scales (one per 32, twice).
+fn unpack_xxs(b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) {
+    for ib32 in 0..8 {
+        let aux = rd_u32(b, 2 + 64 + 4 * ib32);
+        sc[2 * ib32] = 2 * (aux >> 28) as i32 + 1;
+        sc[2 * ib32 + 1] = sc[2 * ib32];
+        for l in 0..4 {
+            let g = &b[2 + 8 * ib32 + 2 * l..];
+            let v = signed(
+                IQ3XXS_GRID[g[0] as usize],
+                IQ3XXS_GRID[g[1] as usize],
+                ksigns(aux >> (7 * l)),
+            );
+            store(q, ib32, l, &v);
+        }
+    }
+}
+
+/// IQ3_S: as [`unpack_xxs`].
+fn unpack_s(b: &[u8], q: &mut [i8; 256], sc: &mut [i32; 16]) {
+    for ib32 in 0..8 {
+        sc[2 * ib32] = s_scale(b, ib32);
+        sc[2 * ib32 + 1] = sc[2 * ib32];
+        for l in 0..4 {
+            let (g1, g2, s) = s_group(b, ib32, l);
+            store(q, ib32, l, &signed(g1, g2, s));
+        }
     }
 }

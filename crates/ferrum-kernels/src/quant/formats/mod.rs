@@ -40,7 +40,48 @@ pub(crate) trait BlockFormat: Sync {
     /// portable Rust (its 8 f32 lanes as an array, its FMAs as `mul_add`, the exact integer lane
     /// sums its byte shuffles form): `vec_dot` and `vec_dot_lanes`, on every CPU.
     fn dot_x86(&self, w: &[u8], a: &[u8]) -> f32;
+    /// The block as llama.cpp's tiled prompt matmul (`ggml-cpu/tiled`, calls of 8+ rows) holds
+    /// it: its 256 integer codes, 16 scales (one per 16 codes) and the f32 scale its epilogue
+    /// multiplies by (the factor of the generic C folded in); `None` for a type it does not take.
+    fn tiled(&self, _block: &[u8], _q: &mut [i8; 256], _sc: &mut [i32; 16]) -> Option<f32> {
+        None
+    }
 }
+
+/// The float order of llama.cpp's tiled prompt matmul for a [`BlockFormat::tiled`] type: per
+/// super-block the exact integer S = Σ sc·q·y, then `r = f32(S)·d_t` (rounded) and
+/// `acc = fma(r, d_x, acc)`, as for Q6_K (`vec_dot_q6k_tiled_order`).
+pub(crate) fn dot_tiled(f: &dyn BlockFormat, w: &[u8], a: &[u8]) -> f32 {
+    use crate::quant::blocks::{rd_f32, Q8_K_QS};
+    let (mut q, mut sc) = ([0i8; 256], [0i32; 16]);
+    let mut acc = 0f32;
+    for (bx, by) in w
+        .chunks_exact(f.dtype().block_bytes())
+        .zip(a.chunks_exact(292))
+    {
+        let d = f
+            .tiled(bx, &mut q, &mut sc)
+            .unwrap_or_else(|| panic!("{} has no tiled form", f.dtype()));
+        let y = &by[Q8_K_QS..Q8_K_QS + 256];
+        let s: i32 = (0..256)
+            .map(|e| sc[e / 16] * q[e] as i32 * y[e] as i8 as i32)
+            .sum();
+        acc = (s as f32 * d).mul_add(rd_f32(by, 0), acc);
+    }
+    acc
+}
+
+/// The types of this module llama.cpp's tiled prompt matmul takes (those whose
+/// [`BlockFormat::tiled`] is `Some`; `tests` checks the two agree).
+pub(crate) const TILED: [DType; 7] = [
+    DType::IQ2_XXS,
+    DType::IQ2_XS,
+    DType::IQ2_S,
+    DType::IQ3_XXS,
+    DType::IQ3_S,
+    DType::IQ1_S,
+    DType::IQ1_M,
+];
 
 /// The exact integer lanes of llama.cpp's AVX2 kernels over a 256-weight block whose 32-weight
 /// steps run `madd(maddubs(q, y), scales)` into 8 i32 lanes: lane t = Σ over the elements e with
@@ -157,5 +198,10 @@ mod tests {
             [0, 0x81, 0x82, 0x03]
         );
         assert_eq!(ksigns(127), 0xff);
+        for f in FORMATS {
+            let b = vec![0u8; f.dtype().block_bytes()];
+            let has = f.tiled(&b, &mut [0; 256], &mut [0; 16]).is_some();
+            assert_eq!(has, TILED.contains(&f.dtype()), "{}", f.dtype());
+        }
     }
 }
