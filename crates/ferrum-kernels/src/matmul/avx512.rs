@@ -617,7 +617,25 @@ fn fill_cell_q6k(cell: &mut [u8], r: usize, blk: &[u8]) {
 /// every token over a group before the next, so a group is read from memory once per call
 /// (from L1 for the tokens after the first). Needs [`available`].
 pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+    gemv_x16_order(dtype, packed, rows, cols, x, y, false)
+}
+
+/// [`gemv_x16`], or with `tiled` (IQ4_XS only) every output in the order of llama.cpp's tiled
+/// prompt matmul ([`crate::quant::vec_dot_tiled_order`]) instead of `vec_dot`'s.
+pub fn gemv_x16_order(
+    dtype: DType,
+    packed: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    y: &mut [f32],
+    tiled: bool,
+) {
     assert!(available(), "gemv_x16: CPU lacks AVX-512 VNNI");
+    assert!(
+        !tiled || dtype == DType::IQ4_XS,
+        "gemv_x16: no tiled order for {dtype}"
+    );
     let (block, cell_len) =
         packed_cell(dtype).unwrap_or_else(|| panic!("gemv_x16: no packed layout for {dtype}"));
     assert!(
@@ -707,7 +725,8 @@ pub fn gemv_x16(dtype: DType, packed: &[u8], rows: usize, cols: usize, x: &[f32]
                                 DType::Q5_0 => gemv_group_q5_0::<1>(w, p, tok)[0],
                                 DType::Q4_K => gemv_group_q4_k(w, a, nb),
                                 DType::Q6_K => gemv_group_q6_k(w, a, nb),
-                                DType::IQ4_XS => gemv_group_iq4xs(w, a, nb),
+                                DType::IQ4_XS if tiled => gemv_group_iq4xs::<true>(w, a, nb),
+                                DType::IQ4_XS => gemv_group_iq4xs::<false>(w, a, nb),
                                 _ => gemv_group_q4_1::<1>(w, p, tok)[0],
                             }
                         };
@@ -907,7 +926,7 @@ const IQ4_VALUES_U8: [u8; 16] = [
 /// `acc_t = fma(d_w·d_y, f32(lane_t), acc_t)`; the result is `hsum_float_8` of each row's 8
 /// lanes, here vertical adds across the lane vectors.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_iq4xs(w: &[u8], act: &[u8], nb: usize) -> [f32; GROUP] {
+unsafe fn gemv_group_iq4xs<const TILED: bool>(w: &[u8], act: &[u8], nb: usize) -> [f32; GROUP] {
     const AB: usize = 292; // Q8_K block: f32 d, i8 qs[256], i16 bsums[16]
     assert!(w.len() >= nb * IQ4XS_CELL && act.len() >= nb * AB);
     let m4 = _mm512_set1_epi8(0x0f);
@@ -950,14 +969,30 @@ unsafe fn gemv_group_iq4xs(w: &[u8], act: &[u8], nb: usize) -> [f32; GROUP] {
                     lanes[k + 4] = _mm512_add_epi32(lanes[k + 4], _mm512_mullo_epi32(p_hi, sc));
                 }
             }
-            let d = _mm512_mul_ps(
-                _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i)),
-                _mm512_set1_ps((y as *const f32).read_unaligned()),
-            );
-            for t in 0..8 {
-                acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lanes[t]), acc[t]);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i));
+            let dy = _mm512_set1_ps((y as *const f32).read_unaligned());
+            if TILED {
+                // The tiled prompt matmul's epilogue: the super-block's whole sum S (exact),
+                // r = f32(S)·d_w, acc = fma(r, d_y, acc); kept in acc[0].
+                let mut s = lanes[0];
+                for l in &lanes[1..] {
+                    s = _mm512_add_epi32(s, *l);
+                }
+                let r = _mm512_mul_ps(_mm512_cvtepi32_ps(s), dw);
+                acc[0] = _mm512_fmadd_ps(r, dy, acc[0]);
+            } else {
+                let d = _mm512_mul_ps(dw, dy);
+                for t in 0..8 {
+                    acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lanes[t]), acc[t]);
+                }
             }
         }
+    }
+    if TILED {
+        let mut out = [0f32; GROUP];
+        // SAFETY: `out` holds 16 f32.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), acc[0]) };
+        return out;
     }
     // hsum_float_8 per row: r_j = x_{4+j} + x_j, then (r0 + r2) + (r1 + r3).
     let r: [__m512; 4] = core::array::from_fn(|j| _mm512_add_ps(acc[4 + j], acc[j]));

@@ -263,6 +263,34 @@ impl PackedMatrix {
     fn matmul_x16(&self, x: &[f32], y: &mut [f32], orders: &[Order]) {
         let (dtype, rows, cols) = (self.dtype, self.rows, self.cols);
         let t = orders.len();
+        if orders.contains(&Order::Tiled) {
+            // IQ4_XS: the packed kernel has both epilogues; each sequence's tokens are all in
+            // one order, so run the tiled ones and the rest apart.
+            if orders.iter().all(|&o| o == Order::Tiled) {
+                avx512::gemv_x16_order(dtype, &self.data, rows, cols, x, y, true);
+                return;
+            }
+            let mut xs = [Buf::with_capacity(t * cols), Buf::with_capacity(t * cols)];
+            for (tok, &o) in orders.iter().enumerate() {
+                xs[(o == Order::Tiled) as usize]
+                    .extend_from_slice(&x[tok * cols..(tok + 1) * cols]);
+            }
+            let mut ys = [
+                Buf::zeros(xs[0].len() / cols * rows),
+                Buf::zeros(xs[1].len() / cols * rows),
+            ];
+            for (i, tiled) in [false, true].into_iter().enumerate() {
+                avx512::gemv_x16_order(dtype, &self.data, rows, cols, &xs[i], &mut ys[i], tiled);
+            }
+            let mut at = [0, 0];
+            for (tok, &o) in orders.iter().enumerate() {
+                let i = (o == Order::Tiled) as usize;
+                y[tok * rows..(tok + 1) * rows]
+                    .copy_from_slice(&ys[i][at[i] * rows..(at[i] + 1) * rows]);
+                at[i] += 1;
+            }
+            return;
+        }
         let g = gemv_order(dtype);
         let n_gemv = orders.iter().filter(|&&o| o == g).count();
         let rows_take_g = row_kernels_take(dtype, g);

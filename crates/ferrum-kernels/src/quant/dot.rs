@@ -76,6 +76,23 @@ fn dot_iq4xs(w: &[u8], a: &[u8]) -> f32 {
     sumf
 }
 
+/// IQ4_XS x Q8_K in the order of llama.cpp's tiled prompt matmul: per super-block the exact
+/// S = Σ_ib (ls − 32)·Σ q·y, `r = f32(S)·d_w`, `acc = fma(r, d_x, acc)`.
+pub(crate) fn dot_iq4xs_tiled(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = 0f32;
+    let mut q = [0i8; QK];
+    for (bx, by) in w.chunks_exact(136).zip(a.chunks_exact(292)) {
+        let sc = iq4xs_scales(bx);
+        let mut s = 0i32;
+        for ib in 0..8 {
+            unpack_iq4(&bx[IQ4_XS_QS + 16 * ib..], &mut q);
+            s += sc[ib] * isum(&q, &by[Q8_K_QS + 32 * ib..]);
+        }
+        acc = (s as f32 * rd_f16(bx, 0)).mul_add(rd_f32(by, 0), acc);
+    }
+    acc
+}
+
 /// Unpacks the 32 centred (Q4_0/Q5_0/Q8_0) or unsigned (Q4_1/Q5_1) weight values of one block.
 #[inline(always)]
 fn unpack_small(weight: DType, b: &[u8], q: &mut [i8; QK]) {

@@ -308,21 +308,24 @@ pub fn vec_dot_q6k_tiled_order_ref(w_row: &[u8], act: &[u8], n: usize) -> f32 {
 }
 
 /// Whether llama.cpp's tiled prompt matmul (`ggml-cpu/tiled`, calls of 8+ rows) computes `dtype`
-/// in an order of its own that [`vec_dot_tiled_order`] reproduces (the i-quants IQ1_S..IQ3_S; Q6_K
-/// has [`vec_dot_q6k_tiled_order`]).
+/// in an order of its own that [`vec_dot_tiled_order`] reproduces (IQ4_XS and the i-quants
+/// IQ1_S..IQ3_S; Q6_K has [`vec_dot_q6k_tiled_order`]; Q2_K, Q3_K and Q5_K are not reproduced).
 pub fn uses_tiled_order(dtype: DType) -> bool {
-    formats::TILED.contains(&dtype)
+    dtype == DType::IQ4_XS || formats::TILED.contains(&dtype)
 }
 
 /// One weight row x one Q8_K activation row in the float order of llama.cpp's tiled prompt
 /// matmul for `weight` (one of [`uses_tiled_order`]'s types): per super-block the exact integer
 /// S = Σ scale·code·y, `r = f32(S)·d_t`, `acc = fma(r, d_x, acc)`, where the codes and `d_t`
-/// are the tiled kernel's (IQ1: 8·g ± 1 and d/8; IQ2: d/8; IQ3_XXS: d/4).
+/// are the tiled kernel's (IQ1: 8·g ± 1 and d/8; IQ2: d/8; IQ3_XXS: d/4; IQ4_XS, IQ3_S: d).
 ///
 /// # Panics
 /// If `weight` has no tiled order, or a length does not match `n`.
 pub fn vec_dot_tiled_order(weight: DType, w_row: &[u8], act: &[u8], n: usize) -> f32 {
     check_dot(weight, w_row, act, n);
+    if weight == DType::IQ4_XS {
+        return dot::dot_iq4xs_tiled(w_row, act);
+    }
     let f = formats::format(weight)
         .filter(|_| uses_tiled_order(weight))
         .unwrap_or_else(|| panic!("vec_dot_tiled_order: {weight} has no tiled order"));
