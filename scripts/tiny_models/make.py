@@ -311,12 +311,12 @@ def build_quantized(out: Path, tok_dir: Path, llamacpp: Path, seed: int, bindir:
             log(f"{dst.name}: {dst.stat().st_size} bytes, reference {ref.name}")
 
 
-# The i-quants and ternary types, requantized from llama256.q8_0.gguf (so no PyTorch is needed)
+# The i-quants, ternary and Q3_K_M, requantized from llama256.q8_0.gguf (so no PyTorch is needed)
 # by llama-quantize with an importance matrix (IQ1/IQ2 refuse to quantize without one) that
 # llama-imatrix computes on a fixed text. Their references get 96 tokens per continuation: the
 # coarser models fall into byte tokens sooner, which leaves fewer positions comparable.
 IQUANT_TYPES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0",
-                "TQ2_0"]
+                "TQ2_0", "Q3_K_M"]
 
 
 

@@ -368,7 +368,8 @@ fn tiny_iq4_nl() {
     tiny_quantized("iq4_nl");
 }
 
-/// The i-quant and ternary models (requantized from the Q8_0 one, see tests/models/tiny/README.md).
+/// The i-quant, ternary and Q3_K_M models (requantized from the Q8_0 one, see
+/// tests/models/tiny/README.md).
 /// At 1.5-3.5 bits these random models fall into byte tokens early in several continuations,
 /// where llama-server folds the probabilities (see `tiny_quantized`): 100 to 350 positions stay
 /// comparable per model, so at least 100 are asked for.
@@ -376,6 +377,7 @@ fn tiny_iq4_nl() {
 fn tiny_iquants_and_ternary() {
     for kind in [
         "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0",
+        "q3_k_m",
     ] {
         eprintln!("{kind}:");
         tiny_quantized_min(kind, 100);

@@ -139,8 +139,8 @@ pub enum Order {
     Q4kGemm,
     /// Q6_K tiled matmul: every row of a call with at least [`TILED_MIN_ROWS`] rows.
     Q6kTiled,
-    /// The tiled matmul of the other types it takes ([`quant::uses_tiled_order`]: IQ1_S..IQ3_S),
-    /// every row of a call with at least [`TILED_MIN_ROWS`] rows.
+    /// The tiled matmul of the other types it takes ([`quant::uses_tiled_order`]: Q3_K, IQ4_XS,
+    /// IQ1_S..IQ3_S), every row of a call with at least [`TILED_MIN_ROWS`] rows.
     Tiled,
 }
 

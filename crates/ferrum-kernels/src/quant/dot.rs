@@ -76,6 +76,25 @@ fn dot_iq4xs(w: &[u8], a: &[u8]) -> f32 {
     sumf
 }
 
+/// Q3_K x Q8_K in the order of llama.cpp's tiled prompt matmul (its VNNI kernel): per
+/// super-block the exact S = Σ_s (scale_s − 32)·Σ q·y over its 16-element sub-blocks,
+/// `r = f32(S)·d`, `acc = fma(r, d_x, acc)`. (llama.cpp repacks Q2_K, Q4_K and Q5_K matrices on
+/// x86 instead, whose orders are not the tiled kernel's.)
+pub(crate) fn dot_q3k_tiled(w: &[u8], a: &[u8]) -> f32 {
+    let mut q = [0i8; QK_K];
+    let mut acc = 0f32;
+    for (bx, by) in w.chunks_exact(110).zip(a.chunks_exact(292)) {
+        unpack_q3k(bx, &mut q);
+        let sc = q3k_scales(&bx[Q3_K_SCALES..Q3_K_SCALES + 12]);
+        let y = &by[Q8_K_QS..Q8_K_QS + QK_K];
+        let s: i32 = (0..QK_K)
+            .map(|e| sc[e / 16] as i32 * (q[e] as i32 * y[e] as i8 as i32))
+            .sum();
+        acc = (s as f32 * rd_f16(bx, Q3_K_D)).mul_add(rd_f32(by, 0), acc);
+    }
+    acc
+}
+
 /// IQ4_XS x Q8_K in the order of llama.cpp's tiled prompt matmul: per super-block the exact
 /// S = Σ_ib (ls − 32)·Σ q·y, `r = f32(S)·d_w`, `acc = fma(r, d_x, acc)`.
 pub(crate) fn dot_iq4xs_tiled(w: &[u8], a: &[u8]) -> f32 {

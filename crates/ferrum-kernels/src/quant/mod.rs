@@ -308,10 +308,11 @@ pub fn vec_dot_q6k_tiled_order_ref(w_row: &[u8], act: &[u8], n: usize) -> f32 {
 }
 
 /// Whether llama.cpp's tiled prompt matmul (`ggml-cpu/tiled`, calls of 8+ rows) computes `dtype`
-/// in an order of its own that [`vec_dot_tiled_order`] reproduces (IQ4_XS and the i-quants
-/// IQ1_S..IQ3_S; Q6_K has [`vec_dot_q6k_tiled_order`]; Q2_K, Q3_K and Q5_K are not reproduced).
+/// in an order of its own that [`vec_dot_tiled_order`] reproduces: Q3_K, IQ4_XS and the
+/// i-quants IQ1_S..IQ3_S (Q6_K has [`vec_dot_q6k_tiled_order`]; llama.cpp repacks Q2_K and Q5_K
+/// on x86, in orders ferrum does not reproduce).
 pub fn uses_tiled_order(dtype: DType) -> bool {
-    dtype == DType::IQ4_XS || formats::TILED.contains(&dtype)
+    matches!(dtype, DType::IQ4_XS | DType::Q3_K) || formats::TILED.contains(&dtype)
 }
 
 /// One weight row x one Q8_K activation row in the float order of llama.cpp's tiled prompt
@@ -323,8 +324,10 @@ pub fn uses_tiled_order(dtype: DType) -> bool {
 /// If `weight` has no tiled order, or a length does not match `n`.
 pub fn vec_dot_tiled_order(weight: DType, w_row: &[u8], act: &[u8], n: usize) -> f32 {
     check_dot(weight, w_row, act, n);
-    if weight == DType::IQ4_XS {
-        return dot::dot_iq4xs_tiled(w_row, act);
+    match weight {
+        DType::IQ4_XS => return dot::dot_iq4xs_tiled(w_row, act),
+        DType::Q3_K => return dot::dot_q3k_tiled(w_row, act),
+        _ => {}
     }
     let f = formats::format(weight)
         .filter(|_| uses_tiled_order(weight))
