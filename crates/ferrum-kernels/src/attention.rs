@@ -234,14 +234,7 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
     let wide = simd && matches!(hd, 64 | 128 | 256) && has_avx512();
     let job = |idx: usize| {
         let (t, h) = (idx / nh, idx % nh);
-        // The sequence holding query row t: the last whose first row is <= t.
-        let si = first.partition_point(|&f| f <= t) - 1;
-        let s = &seqs[si];
-        let pos = s.positions[t - first[si]];
-        let start = match p.window {
-            Some(w) => (pos + 1).saturating_sub(w),
-            None => 0,
-        };
+        let (s, keys) = query_keys(p, seqs, &first, t);
         Row {
             q: &q[idx * hd..(idx + 1) * hd],
             k: s.kv.k.f16().expect("f16 cache"),
@@ -250,7 +243,7 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             shift: s.kv.block_size.trailing_zeros(),
             at: (h / group) * hd,
             kv_row,
-            keys: start..pos + 1,
+            keys,
             scale: p.softcap.map_or(p.scale, |c| p.scale / c),
             softcap: p.softcap,
         }
@@ -599,6 +592,24 @@ fn attend_row(r: &Row, o: &mut [f32]) {
     }
 }
 
+/// The sequence holding query row `t` of a call (the last whose first row, `first`, is <= t) and
+/// the logical key positions that row attends to (its own and the earlier ones in the window).
+fn query_keys<'a, 's>(
+    p: &AttnParams,
+    seqs: &'a [SeqAttn<'s>],
+    first: &[usize],
+    t: usize,
+) -> (&'a SeqAttn<'s>, std::ops::Range<usize>) {
+    let si = first.partition_point(|&f| f <= t) - 1;
+    let s = &seqs[si];
+    let pos = s.positions[t - first[si]];
+    let start = match p.window {
+        Some(w) => (pos + 1).saturating_sub(w),
+        None => 0,
+    };
+    (s, start..pos + 1)
+}
+
 /// Attention over a cache whose K or V rows are not f16 ([`KvRows::F32`], [`KvRows::Blocks`]):
 /// one task per (query row, head), each by [`attend_row_any`].
 fn run_any(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], first: &[usize], out: &mut [f32]) {
@@ -617,23 +628,17 @@ fn run_any(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], first: &[usize], out
     let fast = has_avx2_fma_f16c();
     pool::parallel_chunks_mut(out, hd, |idx, o| {
         let (t, h) = (idx / nh, idx % nh);
-        let si = first.partition_point(|&f| f <= t) - 1;
-        let s = &seqs[si];
-        let pos = s.positions[t - first[si]];
-        let start = match p.window {
-            Some(w) => (pos + 1).saturating_sub(w),
-            None => 0,
-        };
+        let (s, keys) = query_keys(p, seqs, first, t);
         let head = (h / group) * hd;
         let q = &q[idx * hd..(idx + 1) * hd];
         #[cfg(target_arch = "x86_64")]
         if fast {
             // SAFETY: `fast` is true only when the CPU reports AVX2, FMA and F16C.
-            unsafe { attend_row_any_avx2(p, q, &s.kv, head, start..pos + 1, o) };
+            unsafe { attend_row_any_avx2(p, q, &s.kv, head, keys, o) };
             return;
         }
         let _ = fast;
-        attend_row_any(p, q, &s.kv, head, start..pos + 1, o);
+        attend_row_any(p, q, &s.kv, head, keys, o);
     });
 }
 

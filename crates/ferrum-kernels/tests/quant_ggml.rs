@@ -15,6 +15,9 @@
 //!   u = 2^-23), since only the float summation order differs. `vec_dot_ref` (ggml's generic C
 //!   order) always gets that tolerance.
 
+mod common;
+
+use common::BLOCK_FORMATS;
 use ferrum_core::DType;
 use ferrum_kernels::quant::{dequantize_row, vec_dot_lanes, vec_dot_ref};
 use ferrum_kernels::quant::{isa, quantize_row, vec_dot, vec_dot_type};
@@ -69,19 +72,7 @@ fn load() -> Vec<Case> {
 /// The block formats of `quant::formats` (i-quants, ternary, MXFP4): their `vec_dot_ref` is
 /// ggml's generic C, checked against `ggml_dots_iquants_generic.qdot` (the same cases as
 /// `ggml_dots_iquants.qdot`, computed by `ggml_vec_dot_*_generic` called by name); their
-/// `vec_dot` (portable, x86 order) is in [`BIT_EXACT`].
-const BLOCK_FORMATS: [DType; 10] = [
-    DType::IQ2_XXS,
-    DType::IQ2_XS,
-    DType::IQ2_S,
-    DType::IQ3_XXS,
-    DType::IQ3_S,
-    DType::IQ1_S,
-    DType::IQ1_M,
-    DType::TQ1_0,
-    DType::TQ2_0,
-    DType::MXFP4,
-];
+/// `vec_dot` (portable, x86 order) is in [`BIT_EXACT`]. (`common::BLOCK_FORMATS` lists them.)
 
 #[test]
 fn block_formats_reference_is_ggml_generic_c_bit_for_bit() {

@@ -266,28 +266,24 @@ impl PackedMatrix {
         if orders.contains(&Order::Tiled) {
             // IQ4_XS: the packed kernel has both epilogues; each sequence's tokens are all in
             // one order, so run the tiled ones and the rest apart.
+            let run = |tiled: bool| {
+                move |x: &[f32], y: &mut [f32], _: &[Order]| {
+                    avx512::gemv_x16_order(dtype, &self.data, rows, cols, x, y, tiled)
+                }
+            };
             if orders.iter().all(|&o| o == Order::Tiled) {
-                avx512::gemv_x16_order(dtype, &self.data, rows, cols, x, y, true);
-                return;
-            }
-            let mut xs = [Buf::with_capacity(t * cols), Buf::with_capacity(t * cols)];
-            for (tok, &o) in orders.iter().enumerate() {
-                xs[(o == Order::Tiled) as usize]
-                    .extend_from_slice(&x[tok * cols..(tok + 1) * cols]);
-            }
-            let mut ys = [
-                Buf::zeros(xs[0].len() / cols * rows),
-                Buf::zeros(xs[1].len() / cols * rows),
-            ];
-            for (i, tiled) in [false, true].into_iter().enumerate() {
-                avx512::gemv_x16_order(dtype, &self.data, rows, cols, &xs[i], &mut ys[i], tiled);
-            }
-            let mut at = [0, 0];
-            for (tok, &o) in orders.iter().enumerate() {
-                let i = (o == Order::Tiled) as usize;
-                y[tok * rows..(tok + 1) * rows]
-                    .copy_from_slice(&ys[i][at[i] * rows..(at[i] + 1) * rows]);
-                at[i] += 1;
+                run(true)(x, y, orders);
+            } else {
+                split_tokens(
+                    orders,
+                    cols,
+                    rows,
+                    x,
+                    y,
+                    |o| o == Order::Tiled,
+                    run(true),
+                    run(false),
+                );
             }
             return;
         }
@@ -304,34 +300,53 @@ impl PackedMatrix {
         }
         // Both kinds, and the row kernels lack the GEMV's order (Q6_K: a prompt's tiled order
         // beside decode tokens): each part through its own kernel.
-        let pick = |want_g: bool| -> (Buf, smallvec::SmallVec<[Order; 16]>) {
-            let mut xs = Buf::with_capacity(t * cols);
-            let mut os = smallvec::SmallVec::new();
-            for (tok, &o) in orders.iter().enumerate() {
-                if (o == g) == want_g {
-                    xs.extend_from_slice(&x[tok * cols..(tok + 1) * cols]);
-                    os.push(o);
-                }
-            }
-            (xs, os)
-        };
-        let (xg, og) = pick(true);
-        let (xr, or) = pick(false);
-        let mut yg = Buf::zeros(og.len() * rows);
-        let mut yr = Buf::zeros(or.len() * rows);
-        avx512::gemv_x16(dtype, &self.data, rows, cols, &xg, &mut yg);
-        matmul_rows(&self.src(), &xr, &mut yr, &or);
-        let (mut ig, mut ir) = (0, 0);
-        for (tok, &o) in orders.iter().enumerate() {
-            let out = &mut y[tok * rows..(tok + 1) * rows];
-            if o == g {
-                out.copy_from_slice(&yg[ig * rows..(ig + 1) * rows]);
-                ig += 1;
-            } else {
-                out.copy_from_slice(&yr[ir * rows..(ir + 1) * rows]);
-                ir += 1;
-            }
-        }
+        split_tokens(
+            orders,
+            cols,
+            rows,
+            x,
+            y,
+            |o| o == g,
+            |x, y, _| avx512::gemv_x16(dtype, &self.data, rows, cols, x, y),
+            |x, y, os| matmul_rows(&self.src(), x, y, os),
+        );
+    }
+}
+
+/// Runs the tokens whose order `in_a` picks through `a` and the others through `b`, each over
+/// its tokens' rows stacked (with their orders), and writes both back in token order.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn split_tokens(
+    orders: &[Order],
+    cols: usize,
+    rows: usize,
+    x: &[f32],
+    y: &mut [f32],
+    in_a: impl Fn(Order) -> bool,
+    a: impl FnOnce(&[f32], &mut [f32], &[Order]),
+    b: impl FnOnce(&[f32], &mut [f32], &[Order]),
+) {
+    let t = orders.len();
+    let mut xs = [Buf::with_capacity(t * cols), Buf::with_capacity(t * cols)];
+    let mut os: [smallvec::SmallVec<[Order; 16]>; 2] = Default::default();
+    for (tok, &o) in orders.iter().enumerate() {
+        let i = !in_a(o) as usize;
+        xs[i].extend_from_slice(&x[tok * cols..(tok + 1) * cols]);
+        os[i].push(o);
+    }
+    let mut ys = [
+        Buf::zeros(os[0].len() * rows),
+        Buf::zeros(os[1].len() * rows),
+    ];
+    let [ya, yb] = &mut ys;
+    a(&xs[0], ya, &os[0]);
+    b(&xs[1], yb, &os[1]);
+    let mut at = [0, 0];
+    for (tok, &o) in orders.iter().enumerate() {
+        let i = !in_a(o) as usize;
+        y[tok * rows..(tok + 1) * rows].copy_from_slice(&ys[i][at[i] * rows..(at[i] + 1) * rows]);
+        at[i] += 1;
     }
 }
 

@@ -8,7 +8,7 @@
 //! index bits per group), `scales: [u8; 8]`.
 
 use super::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID};
-use super::{dot_scaled_lanes, grid8, ksigns, rd_u16, sign, BlockFormat};
+use super::{dot8, dot_scaled_lanes, grid8, ksigns, rd_u16, sign, store, BlockFormat};
 use crate::quant::blocks::{rd_f16, rd_f32, Q8_K_QS};
 use ferrum_core::DType;
 
@@ -23,23 +23,6 @@ const Q8K: usize = 292;
 fn signed(grid: u64, s: u8) -> [i32; 8] {
     let g = grid8(grid);
     std::array::from_fn(|j| g[j] as i32 * sign(s, j))
-}
-
-/// Stores group l of 32 weights ib32 (signed, as i8) into a block's 256 weights.
-#[inline(always)]
-fn store(q: &mut [i8; 256], ib32: usize, l: usize, v: &[i32; 8]) {
-    for (o, &x) in q[32 * ib32 + 8 * l..32 * ib32 + 8 * l + 8]
-        .iter_mut()
-        .zip(v)
-    {
-        *o = x as i8;
-    }
-}
-
-/// Σ signed·q8 over 8 activations.
-#[inline(always)]
-fn dot8(v: &[i32; 8], q8: &[u8]) -> i32 {
-    v.iter().zip(q8).map(|(&a, &b)| a * b as i8 as i32).sum()
 }
 
 /// Writes `db · grid[j] · sign_j` for one group, in ggml's order (`db * grid[j] * ±1`).

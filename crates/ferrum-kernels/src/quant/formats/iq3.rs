@@ -6,7 +6,7 @@
 //! bits), `qh: [u8; 8]` (ninth bits), `signs: [u8; 32]`, `scales: [u8; 4]` (two 4-bit scales).
 
 use super::grids::{IQ3S_GRID, IQ3XXS_GRID};
-use super::{dot_scaled_lanes, grid4, ksigns, sign, BlockFormat};
+use super::{dot8, dot_scaled_lanes, grid4, ksigns, sign, store, BlockFormat};
 use crate::quant::blocks::{rd_f16, rd_f32, rd_u32, Q8_K_QS};
 use ferrum_core::DType;
 
@@ -23,22 +23,6 @@ fn signed(g1: u32, g2: u32, s: u8) -> [i32; 8] {
         let g = if j < 4 { a[j] } else { b[j - 4] };
         g as i32 * sign(s, j)
     })
-}
-
-/// Stores group l of 32 weights ib32 (signed, as i8) into a block's 256 weights.
-#[inline(always)]
-fn store(q: &mut [i8; 256], ib32: usize, l: usize, v: &[i32; 8]) {
-    for (o, &x) in q[32 * ib32 + 8 * l..32 * ib32 + 8 * l + 8]
-        .iter_mut()
-        .zip(v)
-    {
-        *o = x as i8;
-    }
-}
-
-#[inline(always)]
-fn dot8(v: &[i32; 8], q8: &[u8]) -> i32 {
-    v.iter().zip(q8).map(|(&a, &b)| a * b as i8 as i32).sum()
 }
 
 /// `db · grid · sign` for 8 weights in ggml's order (elements j and j + 4 interleaved by j, which

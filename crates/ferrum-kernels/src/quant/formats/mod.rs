@@ -169,6 +169,23 @@ fn grid4(v: u32) -> [i8; 4] {
     v.to_le_bytes().map(|b| b as i8)
 }
 
+/// Stores 8 signed weights (group l of the 32 weights ib32) into a block's 256, as i8.
+#[inline(always)]
+fn store(q: &mut [i8; 256], ib32: usize, l: usize, v: &[i32; 8]) {
+    for (o, &x) in q[32 * ib32 + 8 * l..32 * ib32 + 8 * l + 8]
+        .iter_mut()
+        .zip(v)
+    {
+        *o = x as i8;
+    }
+}
+
+/// Σ v·q8 over 8 weights and their activations.
+#[inline(always)]
+fn dot8(v: &[i32; 8], q8: &[u8]) -> i32 {
+    v.iter().zip(q8).map(|(&a, &b)| a * b as i8 as i32).sum()
+}
+
 #[inline(always)]
 fn rd_u16(b: &[u8], off: usize) -> u16 {
     u16::from_le_bytes([b[off], b[off + 1]])
