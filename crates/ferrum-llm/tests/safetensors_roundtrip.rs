@@ -91,33 +91,37 @@ fn hf_tensors(llm: &Llm) -> (Vec<Tensor>, bool) {
         let p = format!("model.layers.{il}");
         matrix(
             format!("{p}.self_attn.q_proj.weight"),
-            &l.attn_q.weight,
+            &l.linear("attn_q").unwrap().weight,
             Some(cfg.n_head),
         );
         matrix(
             format!("{p}.self_attn.k_proj.weight"),
-            &l.attn_k.weight,
+            &l.linear("attn_k").unwrap().weight,
             Some(cfg.n_head_kv),
         );
         matrix(
             format!("{p}.self_attn.v_proj.weight"),
-            &l.attn_v.weight,
+            &l.linear("attn_v").unwrap().weight,
             None,
         );
         matrix(
             format!("{p}.self_attn.o_proj.weight"),
-            &l.attn_output.weight,
+            &l.linear("attn_output").unwrap().weight,
             None,
         );
         matrix(
             format!("{p}.mlp.gate_proj.weight"),
-            &l.mlp().gate.weight,
+            &l.linear("ffn_gate").unwrap().weight,
             None,
         );
-        matrix(format!("{p}.mlp.up_proj.weight"), &l.mlp().up.weight, None);
+        matrix(
+            format!("{p}.mlp.up_proj.weight"),
+            &l.linear("ffn_up").unwrap().weight,
+            None,
+        );
         matrix(
             format!("{p}.mlp.down_proj.weight"),
-            &l.mlp().down.weight,
+            &l.linear("ffn_down").unwrap().weight,
             None,
         );
     }
@@ -130,12 +134,12 @@ fn hf_tensors(llm: &Llm) -> (Vec<Tensor>, bool) {
         out.push((
             format!("{p}.input_layernorm.weight"),
             vec![cfg.n_embd],
-            f32_bytes(&l.attn_norm),
+            f32_bytes(l.norm("attn_norm").unwrap()),
         ));
         out.push((
             format!("{p}.post_attention_layernorm.weight"),
             vec![cfg.n_embd],
-            f32_bytes(&l.ffn_norm),
+            f32_bytes(l.norm("ffn_norm").unwrap()),
         ));
     }
     out.push((
@@ -367,26 +371,26 @@ fn gemma3_weights_match_gguf() {
     for (il, l) in w.layers.iter().enumerate() {
         let p = format!("model.layers.{il}");
         for (n, lin) in [
-            ("self_attn.q_proj", &l.attn_q),
-            ("self_attn.k_proj", &l.attn_k),
-            ("self_attn.v_proj", &l.attn_v),
-            ("self_attn.o_proj", &l.attn_output),
-            ("mlp.gate_proj", &l.mlp().gate),
-            ("mlp.up_proj", &l.mlp().up),
-            ("mlp.down_proj", &l.mlp().down),
+            ("self_attn.q_proj", l.linear("attn_q").unwrap()),
+            ("self_attn.k_proj", l.linear("attn_k").unwrap()),
+            ("self_attn.v_proj", l.linear("attn_v").unwrap()),
+            ("self_attn.o_proj", l.linear("attn_output").unwrap()),
+            ("mlp.gate_proj", l.linear("ffn_gate").unwrap()),
+            ("mlp.up_proj", l.linear("ffn_up").unwrap()),
+            ("mlp.down_proj", l.linear("ffn_down").unwrap()),
         ] {
             matrices.push((format!("{p}.{n}.weight"), &lin.weight));
         }
-        let some = |v: &Option<Vec<f32>>| v.clone().expect("Gemma 3 norm");
+        let norm = |n: &str| l.norm(n).expect("Gemma 3 norm");
         for (n, v) in [
-            ("input_layernorm", l.attn_norm.clone()),
-            ("post_attention_layernorm", some(&l.post_attention_norm)),
-            ("pre_feedforward_layernorm", l.ffn_norm.clone()),
-            ("post_feedforward_layernorm", some(&l.post_ffw_norm)),
-            ("self_attn.q_norm", some(&l.attn_q_norm)),
-            ("self_attn.k_norm", some(&l.attn_k_norm)),
+            ("input_layernorm", norm("attn_norm")),
+            ("post_attention_layernorm", norm("post_attention_norm")),
+            ("pre_feedforward_layernorm", norm("ffn_norm")),
+            ("post_feedforward_layernorm", norm("post_ffw_norm")),
+            ("self_attn.q_norm", norm("attn_q_norm")),
+            ("self_attn.k_norm", norm("attn_k_norm")),
         ] {
-            norms.push((format!("{p}.{n}.weight"), minus_one(&v)));
+            norms.push((format!("{p}.{n}.weight"), minus_one(v)));
         }
     }
     let shapes: Vec<Vec<usize>> = matrices
@@ -545,7 +549,10 @@ fn sharded_half_precision_folder() {
     let w = &llm.model.weights;
     assert_eq!(w.token_embd.dtype(), DType::BF16);
     assert_eq!(
-        (w.output.weight.dtype(), w.layers[1].attn_q.weight.dtype()),
+        (
+            w.output.weight.dtype(),
+            w.layers[1].linear("attn_q").unwrap().weight.dtype()
+        ),
         (DType::F16, DType::F16)
     );
     assert_eq!(llm.tokenizer.encode("t3 t5", false, false), [3, 5]);
@@ -572,7 +579,11 @@ fn sharded_half_precision_folder() {
     )
     .unwrap();
     assert_eq!(
-        deq.model.weights.layers[0].mlp().up.weight.dtype(),
+        deq.model.weights.layers[0]
+            .linear("ffn_up")
+            .unwrap()
+            .weight
+            .dtype(),
         DType::F32
     );
     let l2 = deq

@@ -173,12 +173,11 @@ pub fn run(a: Args) -> Result<()> {
 /// the model's active weights (for a mixture of experts, the shared weights plus `used / total`
 /// of the expert weights, since only the routed experts run).
 fn print_weight_traffic(llm: &ferrum_llm::Llm, ph: &Phase, n_gen: usize) {
-    use ferrum_llm::model::Ffn;
     let w = &llm.model.weights;
     let total = w.n_bytes() as f64;
     let mut experts = 0f64;
     for l in &w.layers {
-        if let Ffn::Moe(m) = &l.ffn {
+        if let Some(m) = l.moe() {
             for e in &m.experts {
                 experts += [&e.gate, &e.up, &e.down]
                     .iter()

@@ -1,15 +1,15 @@
 //! Hugging Face `config.json` to [`Config`] and back.
 //!
-//! Supported `model_type`s: `llama` and `mistral` ([`Arch::Llama`]; the loader permutes Q/K rows
-//! into GGUF's order, so RoPE runs in the consecutive-pairs style), `qwen2` ([`Arch::Qwen2`]) and
-//! `gemma3_text` / `gemma3` ([`Arch::Gemma3`]; for the multimodal `gemma3` the `text_config` part).
-//! Settings the model code cannot honour (attention biases on llama, logit soft-capping, linear or
+//! Supported `model_type`s: those of the architectures in [`crate::model::arch::REGISTRY`]
+//! (each declares its own, and the defaults its configs leave out); for the multimodal `gemma3`
+//! the `text_config` part is read. Settings the model code cannot honour (attention biases on llama, logit soft-capping, linear or
 //! YaRN RoPE scaling, ...) are errors naming the key rather than silently different outputs.
 
 use ferrum_core::{Error, Result};
-use ferrum_kernels::ops::{RopeScaling, RopeStyle, Yarn};
+use ferrum_kernels::ops::{RopeScaling, Yarn};
 use serde_json::{json, Map, Value};
 
+use crate::model::arch::{self, Experts, Family, Swa, REGISTRY};
 use crate::model::config::{Arch, Config, MoeConfig};
 
 /// What `config.json` says: the [`Config`] plus the facts the weight loader needs.
@@ -90,20 +90,15 @@ impl<'a> Obj<'a> {
 
 /// `model_type` from the `architectures` list, for files that omit it.
 fn model_type_of_architecture(a: &str) -> Option<&'static str> {
-    Some(match a {
-        "LlamaForCausalLM" => "llama",
-        "MistralForCausalLM" => "mistral",
-        "Qwen2ForCausalLM" => "qwen2",
-        "Qwen3ForCausalLM" => "qwen3",
-        "Qwen3MoeForCausalLM" => "qwen3_moe",
-        "MixtralForCausalLM" => "mixtral",
-        "Gemma3ForCausalLM" => "gemma3_text",
-        "Gemma2ForCausalLM" => "gemma2",
-        "Phi3ForCausalLM" => "phi3",
-        "Gemma3ForConditionalGeneration" => "gemma3",
-        _ => return None,
-    })
+    REGISTRY
+        .iter()
+        .flat_map(|d| d.hf_types.iter())
+        .find(|&&(_, class)| class == a)
+        .map(|&(t, _)| t)
 }
+
+/// The `model_type`s whose feed-forward blocks are mixtures of experts, with their config keys.
+const MOE_TYPES: [&str; 2] = ["mixtral", "qwen3_moe"];
 
 /// Where a config keeps its RoPE settings: transformers 4 writes `rope_theta` (and Gemma 3's
 /// `rope_local_base_freq`) at the top and scaling in `rope_scaling`; transformers 5 writes one
@@ -296,21 +291,12 @@ impl HfConfig {
                 .ok_or_else(|| bad("no model_type (and no known entry in architectures)"))?
                 .to_string(),
         };
-        let arch = match model_type.as_str() {
-            "llama" | "mistral" | "mixtral" => Arch::Llama,
-            "qwen2" => Arch::Qwen2,
-            "qwen3" => Arch::Qwen3,
-            "qwen3_moe" => Arch::Qwen3Moe,
-            "gemma3" | "gemma3_text" => Arch::Gemma3,
-            "gemma2" => Arch::Gemma2,
-            "phi3" => Arch::Phi3,
-            other => {
-                return Err(Error::Unsupported(format!(
-                    "Hugging Face model_type '{other}' (supported: llama, mistral, mixtral, qwen2, \
-                     qwen3, qwen3_moe, phi3, gemma2, gemma3, gemma3_text)"
-                )))
-            }
-        };
+        let arch = Arch::from_hf_type(&model_type).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "Hugging Face model_type '{model_type}' (supported: {})",
+                arch::hf_model_types().join(", ")
+            ))
+        })?;
         // Multimodal Gemma 3 keeps the language model's settings in text_config.
         let c = match (
             model_type.as_str(),
@@ -329,18 +315,15 @@ impl HfConfig {
         let n_head_kv = c.opt_usize("num_key_value_heads")?.unwrap_or(n_head);
         let head_dim = match c.opt_usize("head_dim")? {
             Some(d) => d,
-            None if gemma => 256,
-            None => n_embd / n_head,
+            None => arch.hf_head_dim.unwrap_or(n_embd / n_head),
         };
         let n_rot = match c.opt_f64("partial_rotary_factor")? {
             Some(f) if f != 1.0 => (head_dim as f64 * f).round() as usize,
             _ => head_dim,
         };
-        let vocab = match (c.opt_usize("vocab_size")?, gemma) {
-            (Some(v), _) => v,
-            (None, true) if arch == Arch::Gemma2 => 256_000,
-            (None, true) => 262_208,
-            (None, false) => return Err(bad("missing vocab_size")),
+        let vocab = match c.opt_usize("vocab_size")?.or(arch.hf_vocab) {
+            Some(v) => v,
+            None => return Err(bad("missing vocab_size")),
         };
 
         // Activation and biases: the model code hard-wires SwiGLU (llama, qwen2) or GeGLU (gemma3).
@@ -357,7 +340,7 @@ impl HfConfig {
                 )));
             }
         }
-        if arch != Arch::Qwen2 && c.opt_bool("attention_bias")?.unwrap_or(false) {
+        if !arch.qkv_bias && c.opt_bool("attention_bias")?.unwrap_or(false) {
             return Err(unsupported(format!(
                 "attention_bias = true for {model_type}"
             )));
@@ -366,11 +349,7 @@ impl HfConfig {
             return Err(unsupported("mlp_bias = true"));
         }
         let rope = RopeParams::read(&c)?;
-        let rope_base = rope.theta.unwrap_or(if arch == Arch::Gemma3 {
-            1_000_000.0
-        } else {
-            10_000.0
-        }) as f32;
+        let rope_base = rope.theta.unwrap_or(arch.hf_rope_theta) as f32;
         let max_pos = c.opt_usize("max_position_embeddings")?;
         let rope_scaling = hf_rope_scaling(&rope, n_rot, rope_base, max_pos)?;
         let moe = match model_type.as_str() {
@@ -406,6 +385,13 @@ impl HfConfig {
             }),
             _ => None,
         };
+        match (arch.experts, &moe) {
+            (Experts::Always, None) => {
+                return Err(bad(format!("{model_type} without its experts' settings")))
+            }
+            (Experts::Never, Some(_)) => return Err(bad(format!("{model_type} with experts"))),
+            _ => {}
+        }
 
         let softcap = |key: &str| -> Result<Option<f32>> {
             match c.opt_f64(key)? {
@@ -435,10 +421,13 @@ impl HfConfig {
             }
             attn_scale = 1.0 / (qpas as f32).sqrt();
             let n_layer = c.usize("num_hidden_layers")?;
-            let default_pattern = if arch == Arch::Gemma2 { 2 } else { 6 };
+            let default_pattern = match arch.swa {
+                Swa::Pattern(n) => n,
+                _ => 1,
+            };
             let pattern = gemma_swa_pattern(&c, n_layer, default_pattern)?;
             let window = c.opt_usize("sliding_window")?.unwrap_or(4096);
-            let base = if arch == Arch::Gemma3 {
+            let base = if arch.swa_rope_base {
                 rope.local_theta.unwrap_or(10_000.0) as f32
             } else {
                 rope_base
@@ -460,7 +449,7 @@ impl HfConfig {
             (window, 1, rope_base)
         };
 
-        let config = Config {
+        let mut config = Config {
             arch,
             n_vocab: vocab,
             n_embd,
@@ -470,11 +459,7 @@ impl HfConfig {
             n_head_kv,
             head_dim,
             n_rot,
-            rope_style: if arch == Arch::Llama {
-                RopeStyle::Norm
-            } else {
-                RopeStyle::Neox
-            },
+            rope_style: arch.rope_style,
             rope_base,
             rope_scaling,
             rope_base_swa,
@@ -488,6 +473,7 @@ impl HfConfig {
             final_softcap,
             kv_type: ferrum_core::DType::F16,
         };
+        (arch.fixup)(&mut config);
         config.validate()?;
         let tie_word_embeddings = match c.opt_bool("tie_word_embeddings")? {
             Some(t) => t,
@@ -552,19 +538,14 @@ impl Config {
 
     /// A Hugging Face `config.json` describing this model (the inverse of [`Config::from_hf`]).
     pub fn to_hf_json(&self, tie_word_embeddings: bool) -> Value {
-        let (model_type, architecture) = match self.arch {
-            Arch::Llama => ("llama", "LlamaForCausalLM"),
-            Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
-            Arch::Gemma3 => ("gemma3_text", "Gemma3ForCausalLM"),
-            Arch::Gemma2 => ("gemma2", "Gemma2ForCausalLM"),
-            Arch::Phi3 => ("phi3", "Phi3ForCausalLM"),
-            Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
-            Arch::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
-        };
-        let (model_type, architecture) = match (self.arch, self.moe) {
-            (Arch::Llama, Some(_)) => ("mixtral", "MixtralForCausalLM"),
-            _ => (model_type, architecture),
-        };
+        // The architecture's first model type, or its mixture-of-experts one for a model with
+        // experts (Mixtral in a Llama file).
+        let types = self.arch.hf_types;
+        let (model_type, architecture) = types
+            .iter()
+            .find(|(t, _)| self.moe.is_some() && MOE_TYPES.contains(t))
+            .unwrap_or(&types[0]);
+        let (model_type, architecture) = (*model_type, *architecture);
         let mut v = json!({
             "architectures": [architecture],
             "model_type": model_type,
@@ -588,11 +569,11 @@ impl Config {
                 json!(self.n_rot as f64 / self.head_dim as f64),
             );
         }
-        match self.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 => {
+        match self.arch.family {
+            Family::Llama => {
                 m.insert("hidden_act".into(), json!("silu"));
             }
-            Arch::Gemma2 | Arch::Gemma3 => {
+            Family::Gemma => {
                 m.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
                 m.insert(
                     "query_pre_attn_scalar".into(),
@@ -613,7 +594,7 @@ impl Config {
             }
         }
         if let Some(moe) = &self.moe {
-            if self.arch == Arch::Qwen3Moe {
+            if model_type == "qwen3_moe" {
                 m.insert("num_experts".into(), json!(moe.n_expert));
                 m.insert("moe_intermediate_size".into(), json!(moe.n_ff_exp));
                 m.insert("norm_topk_prob".into(), json!(moe.norm));
@@ -629,6 +610,7 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferrum_kernels::ops::RopeStyle;
 
     const SMOL: &str = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
@@ -642,7 +624,7 @@ mod tests {
         let c = &h.config;
         assert_eq!(
             (c.arch, c.n_embd, c.n_layer, c.n_ff),
-            (Arch::Llama, 576, 30, 1536)
+            (Arch::from_name("llama").unwrap(), 576, 30, 1536)
         );
         assert_eq!((c.n_head, c.n_head_kv, c.head_dim, c.n_rot), (9, 3, 64, 64));
         assert_eq!(
@@ -671,7 +653,7 @@ mod tests {
         let c = &h.config;
         assert_eq!(
             (c.arch, c.head_dim, c.sliding_window, c.swa_pattern),
-            (Arch::Gemma3, 256, Some(512), 6)
+            (Arch::from_name("gemma3").unwrap(), 256, Some(512), 6)
         );
         assert_eq!(
             (c.rope_base, c.rope_base_swa, c.rope_style),

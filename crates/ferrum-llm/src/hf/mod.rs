@@ -18,7 +18,7 @@ use ferrum_core::{Error, Result};
 use ferrum_tokenizer::Tokenizer;
 
 pub use config::HfConfig;
-pub use source::{hf_tensor_name, permute_qk_rows, HfSource};
+pub use source::{hf_tensor_name, permute_qk_rows, HfName, HfSource};
 
 use crate::model::{Model, Weights};
 use crate::{Llm, LoadOptions};

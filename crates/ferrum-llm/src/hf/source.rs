@@ -17,69 +17,44 @@ use serde_json::Value;
 
 use super::config::HfConfig;
 use super::safetensors::{SafetensorsFile, TensorEntry};
-use crate::model::config::Arch;
+use crate::model::arch::{dim, Shape};
+use crate::model::config::Config;
 use crate::model::weights::{RawTensor, TensorSource};
 
-/// The HF name (without any multimodal prefix) of a GGUF tensor name, or None when the
-/// architecture has no such tensor.
-pub fn hf_tensor_name(arch: Arch, gguf: &str) -> Option<String> {
+/// Where a GGUF tensor lives in a Hugging Face checkpoint (names without any multimodal prefix).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HfName {
+    One(String),
+    /// The experts a GGUF expert tensor stacks, each stored apart, in expert order.
+    Experts(Vec<String>),
+}
+
+/// The HF name of a GGUF tensor name, from the architecture's tensor list
+/// ([`crate::model::arch::TensorSpec`]), or None when the model has no such tensor.
+pub fn hf_tensor_name(cfg: &Config, gguf: &str) -> Option<HfName> {
+    let one = |s: &str| Some(HfName::One(s.into()));
     match gguf {
-        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
-        "output_norm.weight" => return Some("model.norm.weight".into()),
-        "output.weight" => return Some("lm_head.weight".into()),
+        "token_embd.weight" => return one("model.embed_tokens.weight"),
+        "output_norm.weight" => return one("model.norm.weight"),
+        "output.weight" => return one("lm_head.weight"),
         _ => {}
     }
     let rest = gguf.strip_prefix("blk.")?;
     let (layer, rest) = rest.split_once('.')?;
     layer.parse::<usize>().ok()?;
     let (part, suffix) = rest.rsplit_once('.')?;
-    let gemma = arch.is_gemma();
-    let hf = match part {
-        "attn_qkv" => "self_attn.qkv_proj",
-        "ffn_up" if arch == Arch::Phi3 => "mlp.gate_up_proj",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "attn_norm" => "input_layernorm",
-        "ffn_norm" if gemma => "pre_feedforward_layernorm",
-        "ffn_norm" => "post_attention_layernorm",
-        "post_attention_norm" if gemma => "post_attention_layernorm",
-        "post_ffw_norm" if gemma => "post_feedforward_layernorm",
-        "attn_q_norm" if arch.has_qk_norm() => "self_attn.q_norm",
-        "attn_k_norm" if arch.has_qk_norm() => "self_attn.k_norm",
-        "ffn_gate_inp" if arch == Arch::Qwen3Moe => "mlp.gate",
-        "ffn_gate_inp" if arch == Arch::Llama => "block_sparse_moe.gate",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
-}
-
-/// The HF names (without any multimodal prefix) of the experts a GGUF expert tensor stacks
-/// (`blk.N.ffn_gate_exps.weight` -> `model.layers.N.mlp.experts.E.gate_proj.weight`, E in
-/// 0..n_expert), in the per-expert layout checkpoints are published in.
-pub fn hf_expert_names(arch: Arch, gguf: &str, n_expert: usize) -> Option<Vec<String>> {
-    let rest = gguf.strip_prefix("blk.")?;
-    let (layer, rest) = rest.split_once('.')?;
-    layer.parse::<usize>().ok()?;
-    let (part, suffix) = rest.rsplit_once('.')?;
-    let (block, proj) = match (arch, part) {
-        (Arch::Qwen3Moe, "ffn_gate_exps") => ("mlp", "gate_proj"),
-        (Arch::Qwen3Moe, "ffn_up_exps") => ("mlp", "up_proj"),
-        (Arch::Qwen3Moe, "ffn_down_exps") => ("mlp", "down_proj"),
-        (Arch::Llama, "ffn_gate_exps") => ("block_sparse_moe", "w1"),
-        (Arch::Llama, "ffn_up_exps") => ("block_sparse_moe", "w3"),
-        (Arch::Llama, "ffn_down_exps") => ("block_sparse_moe", "w2"),
-        _ => return None,
-    };
-    Some(
-        (0..n_expert)
-            .map(|e| format!("model.layers.{layer}.{block}.experts.{e}.{proj}.{suffix}"))
-            .collect(),
-    )
+    let spec = (cfg.arch.tensors)(cfg)
+        .into_iter()
+        .find(|s| s.gguf == part)?;
+    let name = |hf: &str| format!("model.layers.{layer}.{hf}.{suffix}");
+    Some(match spec.shape {
+        Shape::Experts { .. } => HfName::Experts(
+            (0..dim::EXPERTS(cfg))
+                .map(|e| name(&spec.hf.replace("{e}", &e.to_string())))
+                .collect(),
+        ),
+        _ => HfName::One(name(spec.hf)),
+    })
 }
 
 /// Reorders the rows of a Q or K projection (`n_head` heads of `head_dim` rows, `row_bytes` each)
@@ -103,13 +78,8 @@ pub struct HfSource {
     files: Vec<SafetensorsFile>,
     /// HF name -> index into `files`.
     index: HashMap<String, usize>,
-    arch: Arch,
-    n_head: usize,
-    n_head_kv: usize,
-    head_dim: usize,
+    cfg: Config,
     tied: bool,
-    /// Experts per mixture-of-experts layer (0: none).
-    n_expert: usize,
     /// Prefix of the language model's `model.*` tensors (`model.`, `language_model.model.`, ...).
     body: String,
     /// Where the LM head lives (`lm_head.weight` or `language_model.lm_head.weight`).
@@ -120,7 +90,7 @@ impl std::fmt::Debug for HfSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HfSource")
             .field("files", &self.files)
-            .field("arch", &self.arch)
+            .field("arch", &self.cfg.arch)
             .finish_non_exhaustive()
     }
 }
@@ -214,16 +184,11 @@ impl HfSource {
             .find(|n| index.contains_key(*n))
             .unwrap_or("lm_head.weight")
             .to_string();
-        let c = &cfg.config;
         Ok(Self {
             files,
             index,
-            arch: c.arch,
-            n_head: c.n_head,
-            n_head_kv: c.n_head_kv,
-            head_dim: c.head_dim,
+            cfg: cfg.config.clone(),
             tied: cfg.tie_word_embeddings,
-            n_expert: c.moe.map_or(0, |m| m.n_expert),
             body,
             lm_head,
         })
@@ -238,13 +203,12 @@ impl HfSource {
         self.index.is_empty()
     }
 
-    /// The full HF name (with this checkpoint's prefix) the GGUF name maps to.
-    fn hf_name(&self, gguf: &str) -> Option<String> {
-        let n = hf_tensor_name(self.arch, gguf)?;
-        Some(match n.strip_prefix("model.") {
+    /// The full HF name (with this checkpoint's prefix) of an HF name.
+    fn full_name(&self, n: &str) -> String {
+        match n.strip_prefix("model.") {
             Some(rest) => format!("{}{rest}", self.body),
             None => self.lm_head.clone(),
-        })
+        }
     }
 
     fn entry(&self, hf: &str) -> Option<(&SafetensorsFile, &TensorEntry)> {
@@ -260,10 +224,7 @@ impl HfSource {
         let mut data = Vec::new();
         let mut first: Option<(DType, Vec<usize>)> = None;
         for n in names {
-            let full = match n.strip_prefix("model.") {
-                Some(rest) => format!("{}{rest}", self.body),
-                None => n.clone(),
-            };
+            let full = self.full_name(n);
             let Some(t) = self.plain(&full, name)? else {
                 return Err(Error::msg(format!(
                     "safetensors weights have no tensor '{full}' (an expert of GGUF {name}; \
@@ -314,16 +275,22 @@ impl HfSource {
 }
 
 impl TensorSource for HfSource {
+    fn contains(&self, name: &str) -> bool {
+        match hf_tensor_name(&self.cfg, name) {
+            None => false,
+            Some(HfName::One(n)) => self.entry(&self.full_name(&n)).is_some(),
+            Some(HfName::Experts(names)) => names
+                .iter()
+                .all(|n| self.entry(&self.full_name(n)).is_some()),
+        }
+    }
+
     fn tensor(&self, name: &str) -> Result<Option<RawTensor>> {
-        if let Some(names) = hf_expert_names(self.arch, name, self.n_expert) {
-            return self.stacked_experts(name, &names);
-        }
-        let Some(hf) = self.hf_name(name) else {
-            return Ok(None);
+        let hf = match hf_tensor_name(&self.cfg, name) {
+            None => return Ok(None),
+            Some(HfName::Experts(names)) => return self.stacked_experts(name, &names),
+            Some(HfName::One(n)) => self.full_name(&n),
         };
-        if name.ends_with("ffn_gate_inp.weight") && self.entry(&hf).is_none() {
-            return Ok(None); // a dense layer
-        }
         if name == "output.weight" && self.tied {
             return Ok(None); // HF ties the head to the embedding even when lm_head is saved
         }
@@ -335,7 +302,7 @@ impl TensorSource for HfSource {
             }
             return Err(Error::msg(format!(
                 "safetensors weights have no tensor '{hf}' (GGUF {name}, needed by {})",
-                self.arch.name()
+                self.cfg.arch.name()
             )));
         };
         let dtype = e.ferrum_dtype().ok_or_else(|| {
@@ -348,7 +315,7 @@ impl TensorSource for HfSource {
         let mut dims: Vec<usize> = e.shape.iter().rev().copied().collect();
         let mut data = file.data(e)?;
         let is_norm = name.ends_with("norm.weight");
-        if self.arch.is_gemma() && is_norm {
+        if self.cfg.arch.is_gemma() && is_norm {
             let mut v = vec![0f32; e.shape.iter().product()];
             quant::dequantize_row(dtype, &data, &mut v);
             let bytes: Vec<u8> = v.iter().flat_map(|w| (1.0 + w).to_le_bytes()).collect();
@@ -358,17 +325,18 @@ impl TensorSource for HfSource {
                 data: Bytes::from_vec(bytes),
             }));
         }
-        let qk_heads = match (self.arch, name.rsplit_once('.').map(|(p, _)| p)) {
-            (Arch::Llama, Some(p)) if p.ends_with(".attn_q") => Some(self.n_head),
-            (Arch::Llama, Some(p)) if p.ends_with(".attn_k") => Some(self.n_head_kv),
+        let c = &self.cfg;
+        let qk_heads = match name.rsplit_once('.').map(|(p, _)| p) {
+            Some(p) if c.arch.hf_permute_qk && p.ends_with(".attn_q") => Some(c.n_head),
+            Some(p) if c.arch.hf_permute_qk && p.ends_with(".attn_k") => Some(c.n_head_kv),
             _ => None,
         };
         if let Some(heads) = qk_heads {
             // A tensor of the wrong shape is left alone: Weights::load reports its dims.
-            let rows = heads * self.head_dim;
-            if e.shape.first() == Some(&rows) && rows > 0 && self.head_dim.is_multiple_of(2) {
+            let rows = heads * c.head_dim;
+            if e.shape.first() == Some(&rows) && rows > 0 && c.head_dim.is_multiple_of(2) {
                 let row_bytes = data.len() / rows;
-                data = Bytes::from_vec(permute_qk_rows(&data, heads, self.head_dim, row_bytes));
+                data = Bytes::from_vec(permute_qk_rows(&data, heads, c.head_dim, row_bytes));
             }
         }
         if dims.is_empty() {
@@ -382,36 +350,69 @@ impl TensorSource for HfSource {
 mod tests {
     use super::*;
 
+    fn config(model_type: &str, extra: &str) -> Config {
+        Config::from_hf(&format!(
+            r#"{{"model_type": "{model_type}", "hidden_size": 64, "intermediate_size": 96,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,
+            "head_dim": 16 {extra}}}"#
+        ))
+        .unwrap()
+    }
+
     #[test]
     fn names() {
-        let n = |a, g| hf_tensor_name(a, g);
+        let one = |s: &str| Some(HfName::One(s.into()));
+        let (llama, qwen2, gemma3) = (
+            config("llama", ""),
+            config("qwen2", ""),
+            config("gemma3_text", ""),
+        );
+        let n = hf_tensor_name;
         assert_eq!(
-            n(Arch::Llama, "blk.3.attn_q.weight").unwrap(),
-            "model.layers.3.self_attn.q_proj.weight"
+            n(&llama, "blk.3.attn_q.weight"),
+            one("model.layers.3.self_attn.q_proj.weight")
         );
         assert_eq!(
-            n(Arch::Qwen2, "blk.0.attn_k.bias").unwrap(),
-            "model.layers.0.self_attn.k_proj.bias"
+            n(&qwen2, "blk.0.attn_k.bias"),
+            one("model.layers.0.self_attn.k_proj.bias")
         );
         assert_eq!(
-            n(Arch::Llama, "blk.1.ffn_norm.weight").unwrap(),
-            "model.layers.1.post_attention_layernorm.weight"
+            n(&llama, "blk.1.ffn_norm.weight"),
+            one("model.layers.1.post_attention_layernorm.weight")
         );
         assert_eq!(
-            n(Arch::Gemma3, "blk.1.ffn_norm.weight").unwrap(),
-            "model.layers.1.pre_feedforward_layernorm.weight"
+            n(&gemma3, "blk.1.ffn_norm.weight"),
+            one("model.layers.1.pre_feedforward_layernorm.weight")
         );
         assert_eq!(
-            n(Arch::Gemma3, "blk.1.post_attention_norm.weight").unwrap(),
-            "model.layers.1.post_attention_layernorm.weight"
+            n(&gemma3, "blk.1.post_attention_norm.weight"),
+            one("model.layers.1.post_attention_layernorm.weight")
         );
         assert_eq!(
-            n(Arch::Gemma3, "blk.2.attn_k_norm.weight").unwrap(),
-            "model.layers.2.self_attn.k_norm.weight"
+            n(&gemma3, "blk.2.attn_k_norm.weight"),
+            one("model.layers.2.self_attn.k_norm.weight")
         );
-        assert_eq!(n(Arch::Llama, "blk.2.attn_k_norm.weight"), None);
-        assert_eq!(n(Arch::Llama, "blk.x.attn_q.weight"), None);
-        assert_eq!(n(Arch::Llama, "output.weight").unwrap(), "lm_head.weight");
+        assert_eq!(n(&llama, "blk.2.attn_k_norm.weight"), None);
+        assert_eq!(n(&llama, "blk.x.attn_q.weight"), None);
+        assert_eq!(n(&llama, "output.weight"), one("lm_head.weight"));
+        let phi3 = config("phi3", "");
+        assert_eq!(
+            n(&phi3, "blk.0.ffn_up.weight"),
+            one("model.layers.0.mlp.gate_up_proj.weight")
+        );
+        let mixtral = config(
+            "mixtral",
+            r#", "num_local_experts": 3, "num_experts_per_tok": 2"#,
+        );
+        assert_eq!(
+            n(&mixtral, "blk.1.ffn_down_exps.weight"),
+            Some(HfName::Experts(
+                (0..3)
+                    .map(|e| format!("model.layers.1.block_sparse_moe.experts.{e}.w2.weight"))
+                    .collect()
+            ))
+        );
+        assert_eq!(n(&mixtral, "blk.1.ffn_down.weight"), None);
     }
 
     #[test]

@@ -4,70 +4,8 @@ use ferrum_core::{DType, Error, Result};
 use ferrum_gguf::GgufFile;
 use ferrum_kernels::ops::{RopeScaling, RopeStyle, Yarn};
 
-/// The architectures ferrum runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    /// Llama 1/2/3, Mistral, SmolLM: RMSNorm, SwiGLU, RoPE (GGUF rows permuted to consecutive pairs).
-    Llama,
-    /// Qwen2: Llama with biases on the Q/K/V projections and NeoX RoPE.
-    Qwen2,
-    /// Gemma 3: embedding scaling, Q/K norms, post-norms, GeGLU, interleaved sliding-window layers.
-    Gemma3,
-    /// Gemma 2: Gemma 3 without Q/K norms, with attention and final logit soft-capping and every
-    /// other layer local.
-    Gemma2,
-    /// Qwen3: Llama with per-head RMSNorm of Q and K before RoPE, NeoX RoPE, no biases.
-    Qwen3,
-    /// Qwen3-MoE: Qwen3 whose feed-forward blocks are mixtures of experts.
-    Qwen3Moe,
-    /// Phi-3: Llama with Q/K/V fused in one matrix and gate/up in another, NeoX RoPE.
-    Phi3,
-}
-
-/// Every architecture ferrum runs, by its GGUF name.
-pub const ARCHITECTURES: [&str; 7] = [
-    "llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3",
-];
-
-impl Arch {
-    pub fn from_name(name: &str) -> Result<Arch> {
-        match name {
-            "llama" => Ok(Arch::Llama),
-            "qwen2" => Ok(Arch::Qwen2),
-            "gemma3" => Ok(Arch::Gemma3),
-            "gemma2" => Ok(Arch::Gemma2),
-            "phi3" => Ok(Arch::Phi3),
-            "qwen3" => Ok(Arch::Qwen3),
-            "qwen3moe" => Ok(Arch::Qwen3Moe),
-            other => Err(Error::Unsupported(format!(
-                "architecture '{other}' (supported: {})",
-                ARCHITECTURES.join(", ")
-            ))),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Qwen2 => "qwen2",
-            Arch::Gemma3 => "gemma3",
-            Arch::Gemma2 => "gemma2",
-            Arch::Phi3 => "phi3",
-            Arch::Qwen3 => "qwen3",
-            Arch::Qwen3Moe => "qwen3moe",
-        }
-    }
-
-    /// Gemma 2 and 3: embedding scaling, post-norms, GeGLU, norm weights stored as 1 + w.
-    pub fn is_gemma(self) -> bool {
-        matches!(self, Arch::Gemma2 | Arch::Gemma3)
-    }
-
-    /// Whether Q and K get a per-head RMSNorm before RoPE.
-    pub fn has_qk_norm(self) -> bool {
-        matches!(self, Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe)
-    }
-}
+pub use super::arch::Arch;
+use super::arch::{Experts, Swa};
 
 /// A mixture-of-experts feed-forward block (Shazeer et al. 2017; Mixtral, Qwen3-MoE): a router
 /// scores every expert per token, the `n_expert_used` best run, and their outputs are summed
@@ -168,20 +106,7 @@ impl Config {
                 })?,
         };
         let rope_scaling = gguf_rope_scaling(f, arch_name, n_rot)?;
-        let (rope_style, default_eps) = match arch {
-            Arch::Llama => (RopeStyle::Norm, 1e-5),
-            Arch::Qwen2 => (RopeStyle::Neox, 1e-6),
-            Arch::Gemma2 | Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe => (RopeStyle::Neox, 1e-6),
-            Arch::Phi3 => (RopeStyle::Neox, 1e-5),
-        };
         let n_layer = need_u("block_count")?;
-        // Queries are scaled by 1/sqrt(head_dim), except that llama.cpp scales Gemma 2 27B's (46
-        // layers) by 1/sqrt(n_embd / n_head), its query_pre_attn_scalar.
-        let attn_scale = if arch == Arch::Gemma2 && n_layer == 46 {
-            1.0 / ((n_embd / n_head) as f32).sqrt()
-        } else {
-            1.0 / (head_dim as f32).sqrt()
-        };
         let moe = match get_u("expert_count").unwrap_or(0) {
             0 => None,
             n_expert => Some(MoeConfig {
@@ -196,20 +121,27 @@ impl Config {
                 norm: true,
             }),
         };
-        if arch == Arch::Qwen3Moe && moe.is_none() {
-            return Err(Error::msg(
-                "GGUF metadata: qwen3moe without qwen3moe.expert_count",
-            ));
-        }
-        // Gemma's local layers; Llama-architecture files (Mistral) that name a window attend
-        // through it on every layer. (Qwen files may carry an inert one: ignored, as llama.cpp.)
-        let sliding_window = match arch {
-            Arch::Gemma2 | Arch::Gemma3 | Arch::Llama | Arch::Phi3 => {
-                get_u("attention.sliding_window").filter(|&w| w > 0)
+        match (arch.experts, &moe) {
+            (Experts::Always, None) => {
+                return Err(Error::msg(format!(
+                    "GGUF metadata: {arch_name} without {arch_name}.expert_count"
+                )))
             }
-            _ => None,
+            (Experts::Never, Some(_)) => {
+                return Err(Error::Unsupported(format!(
+                    "{arch_name} with experts ({arch_name}.expert_count > 0)"
+                )))
+            }
+            _ => {}
+        }
+        // Local layers, where the architecture has them (an inert window is ignored, as
+        // llama.cpp does for Qwen files).
+        let sliding_window = match arch.swa {
+            Swa::Never => None,
+            _ => get_u("attention.sliding_window").filter(|&w| w > 0),
         };
-        let cfg = Config {
+        let rope_base = get_f("rope.freq_base").unwrap_or(10000.0);
+        let mut cfg = Config {
             arch,
             n_vocab,
             n_embd,
@@ -223,28 +155,28 @@ impl Config {
             n_head_kv,
             head_dim,
             n_rot,
-            rope_style,
-            rope_base: get_f("rope.freq_base").unwrap_or(10000.0),
+            rope_style: arch.rope_style,
+            rope_base,
             rope_scaling,
-            rope_base_swa: if arch == Arch::Gemma3 {
+            rope_base_swa: if arch.swa_rope_base {
                 get_f("rope.freq_base_swa").unwrap_or(10000.0)
             } else {
-                get_f("rope.freq_base").unwrap_or(10000.0)
+                rope_base
             },
-            rms_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(default_eps),
+            rms_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(arch.rms_eps),
             n_ctx_train: get_u("context_length").unwrap_or(4096),
             sliding_window,
-            swa_pattern: match arch {
-                Arch::Gemma3 => 6,
-                Arch::Gemma2 => 2,
+            swa_pattern: match arch.swa {
+                Swa::Pattern(n) => n,
                 _ => 1,
             },
-            attn_scale,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
             attn_softcap: get_f("attn_logit_softcapping").filter(|&c| c != 0.0),
             final_softcap: get_f("final_logit_softcapping").filter(|&c| c != 0.0),
             kv_type: DType::F16,
             moe,
         };
+        (arch.fixup)(&mut cfg);
         cfg.validate()?;
         Ok(cfg)
     }
@@ -264,8 +196,11 @@ impl Config {
                 self.n_rot, self.head_dim
             ));
         }
-        if self.arch == Arch::Llama && self.n_rot != self.head_dim {
-            return bad("llama requires rope.dimension_count == head dim".into());
+        if self.rope_style == RopeStyle::Norm && self.n_rot != self.head_dim {
+            return bad(format!(
+                "{} requires rope.dimension_count == head dim",
+                self.arch.name()
+            ));
         }
         if let Some(m) = &self.moe {
             if m.n_expert_used == 0 || m.n_expert_used > m.n_expert || m.n_ff_exp == 0 {

@@ -1,59 +1,155 @@
-//! Llama (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"), also
-//! SmolLM2, Mistral, Mixtral (experts), Qwen2 (Q/K/V biases), Qwen3 (Q/K norms) and Qwen3-MoE.
-//! References: llama.cpp `src/models/llama.cpp`, `qwen2.cpp`, `qwen3.cpp`, `qwen3moe.cpp`.
+//! Llama (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"): Llama 1-3
+//! (with Llama 3.1's RoPE frequency factors), SmolLM, Mistral (a sliding window on every layer)
+//! and Mixtral (Jiang et al. 2024: each feed-forward block a mixture of 8 experts, 2 per token).
+//! Reference: llama.cpp `src/models/llama.cpp`. Its layer is the pre-norm decoder layer that
+//! Qwen2, Qwen3 and Phi-3 reuse.
 //!
 //! Per layer, with x the residual stream [T, n_embd]:
 //!   h = RMSNorm(x) * attn_norm
-//!   q, k, v = h Wq (+bq), h Wk (+bk), h Wv (+bv)
-//!   (Qwen3) q = RMSNorm_head(q) * q_norm;  k = RMSNorm_head(k) * k_norm
+//!   q, k, v = h Wq, h Wk, h Wv
 //!   RoPE(q), RoPE(k)                                (scaled as the model asks: Llama 3.1 factors, ...)
 //!   x = x + Attention(q, k, v) Wo                   (softmax(q k^T / sqrt(d_head)) v, causal)
 //!   h = RMSNorm(x) * ffn_norm
 //!   x = x + (SiLU(h Wg) * (h Wu)) Wd                (or a mixture of such experts: [`super::moe`])
 
-use super::weights::Weights;
-use super::{add, feed_forward_swiglu, rms_norm, rms_norm_inplace, rope, trace, Step};
-use ferrum_core::Buf;
+use ferrum_core::{Buf, Result};
+use ferrum_kernels::ops::RopeStyle;
 
-pub fn forward(w: &Weights, s: &mut Step, x: &mut Buf) {
-    let cfg = s.cfg;
-    let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
-    let kq_scale = cfg.attn_scale;
-    for (il, l) in w.layers.iter().enumerate() {
+use super::arch::{dim, no_fixup, ArchDef, Experts, Family, Layer, LayerTensors, Swa, TensorSpec};
+use super::blocks::{moe_tensors, Attention, AttnOpts, Ffn, Moe, QkNorm, ATTENTION, MLP};
+use super::config::Config;
+use super::weights::Linear;
+use super::{add, rms_norm, trace, Step};
+
+pub static ARCH: ArchDef = ArchDef {
+    name: "llama",
+    about: "Llama 1-3, SmolLM, Mistral, Mixtral",
+    hf_types: &[
+        ("llama", "LlamaForCausalLM"),
+        ("mistral", "MistralForCausalLM"),
+        ("mixtral", "MixtralForCausalLM"),
+    ],
+    family: Family::Llama,
+    rope_style: RopeStyle::Norm,
+    rms_eps: 1e-5,
+    swa: Swa::EveryLayer,
+    swa_rope_base: false,
+    experts: Experts::Optional,
+    qkv_bias: false,
+    hf_permute_qk: true,
+    hf_head_dim: None,
+    hf_vocab: None,
+    hf_rope_theta: 10_000.0,
+    fixup: no_fixup,
+    tensors,
+    build,
+};
+
+/// The two norms of a pre-norm layer.
+pub const NORMS: [TensorSpec; 2] = [
+    TensorSpec::vector("attn_norm", "input_layernorm", dim::EMBD),
+    TensorSpec::vector("ffn_norm", "post_attention_layernorm", dim::EMBD),
+];
+
+fn tensors(cfg: &Config) -> Vec<TensorSpec> {
+    let mut v = [NORMS.as_slice(), &ATTENTION].concat();
+    match cfg.moe {
+        // Mixtral's checkpoints: `block_sparse_moe.gate`, experts' w1 (gate), w3 (up), w2 (down).
+        Some(_) => v.extend(moe_tensors(
+            "block_sparse_moe.gate",
+            [
+                "block_sparse_moe.experts.{e}.w1",
+                "block_sparse_moe.experts.{e}.w3",
+                "block_sparse_moe.experts.{e}.w2",
+            ],
+        )),
+        None => v.extend(MLP),
+    }
+    v
+}
+
+fn build(cfg: &Config, t: &mut LayerTensors) -> Result<Box<dyn Layer>> {
+    Ok(Box::new(DecoderLayer::load(cfg, t)?))
+}
+
+/// The pre-norm decoder layer: RMSNorm, attention, residual; RMSNorm, SwiGLU block, residual.
+#[derive(Clone, Debug)]
+pub struct DecoderLayer {
+    pub attn_norm: Vec<f32>,
+    pub attn: Attention,
+    pub ffn_norm: Vec<f32>,
+    pub ffn: Ffn,
+}
+
+impl DecoderLayer {
+    pub fn load(cfg: &Config, t: &mut LayerTensors) -> Result<DecoderLayer> {
+        Ok(DecoderLayer {
+            attn_norm: t.vector("attn_norm")?,
+            attn: Attention::load(t)?,
+            ffn_norm: t.vector("ffn_norm")?,
+            ffn: Ffn::load(cfg, t)?,
+        })
+    }
+
+    /// The layer, with Q and K normed per head when `qk_norm` is given (Qwen3).
+    pub fn run(&self, il: usize, s: &mut Step, x: &mut Buf, qk_norm: Option<&QkNorm>) {
+        let cfg = s.cfg;
         let e = cfg.n_embd;
-        let h = rms_norm(x, &l.attn_norm, cfg.rms_eps);
+        let h = rms_norm(x, &self.attn_norm, cfg.rms_eps);
         trace("attn_norm", Some(il), &h, e);
-        let mut q = l.attn_q.forward(&h, &s.segs); // [T, n_head * head_dim]
-        let mut k = l.attn_k.forward(&h, &s.segs); // [T, n_head_kv * head_dim]
-        let v = l.attn_v.forward(&h, &s.segs); // [T, n_head_kv * head_dim]
-        if let (Some(qn), Some(kn)) = (&l.attn_q_norm, &l.attn_k_norm) {
-            rms_norm_inplace(&mut q, qn, cfg.rms_eps); // per head: rows of head_dim
-            rms_norm_inplace(&mut k, kn, cfg.rms_eps);
-            trace("Qcur_normed", Some(il), &q, nh * hd);
-            trace("Kcur_normed", Some(il), &k, nkv * hd);
-        }
-        rope(&s.rope, &mut q, nh, hd);
-        rope(&s.rope, &mut k, nkv, hd);
-        trace("Qcur", Some(il), &q, nh * hd);
-        trace("Kcur", Some(il), &k, nkv * hd);
-        trace("Vcur", Some(il), &v, nkv * hd);
-        let window = if cfg.is_swa_layer(il) {
-            cfg.sliding_window
-        } else {
-            None
+        let opts = AttnOpts {
+            qk_norm,
+            ..AttnOpts::default()
         };
-        let a = s.attend(il, &q, &k, &v, kq_scale, window);
-        trace("kqv_out", Some(il), &a, nh * hd);
-        let mut o = l.attn_output.forward(&a, &s.segs);
-        s.keep_output_rows(il, x, &mut o);
+        let o = self.attn.forward(il, s, &h, x, opts);
         add(x, &o);
         trace("ffn_inp", Some(il), x, e);
 
-        let h = rms_norm(x, &l.ffn_norm, cfg.rms_eps);
+        let h = rms_norm(x, &self.ffn_norm, cfg.rms_eps);
         trace("ffn_norm", Some(il), &h, e);
-        let f = feed_forward_swiglu(&l.ffn, cfg, &h, &s.segs);
+        let f = self.ffn.forward(cfg, &h, &s.segs);
         trace("ffn_out", Some(il), &f, e);
         add(x, &f);
         trace("l_out", Some(il), x, e);
+    }
+
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut v = self.attn.linears().to_vec();
+        v.extend(self.ffn.linears());
+        v
+    }
+
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut v: Vec<&mut Linear> = self.attn.linears_mut().into_iter().collect();
+        v.extend(self.ffn.linears_mut());
+        v
+    }
+
+    pub fn norms(&self) -> Vec<(&'static str, &[f32])> {
+        vec![("attn_norm", &self.attn_norm), ("ffn_norm", &self.ffn_norm)]
+    }
+}
+
+impl Layer for DecoderLayer {
+    fn forward(&self, il: usize, s: &mut Step, x: &mut Buf) {
+        self.run(il, s, x, None)
+    }
+    fn linears(&self) -> Vec<&Linear> {
+        DecoderLayer::linears(self)
+    }
+    fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        DecoderLayer::linears_mut(self)
+    }
+    fn norms(&self) -> Vec<(&'static str, &[f32])> {
+        DecoderLayer::norms(self)
+    }
+    fn moe(&self) -> Option<&Moe> {
+        match &self.ffn {
+            Ffn::Moe(m) => Some(m),
+            Ffn::Dense(_) => None,
+        }
+    }
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(self.clone())
     }
 }

@@ -1,13 +1,21 @@
-//! Decoder-only transformers. One file per family holds its block as the paper writes it:
-//! [`llama`] (Llama 1-3 with RoPE scaling, Mistral with its sliding window, Mixtral, Qwen2, Qwen3,
-//! Qwen3-MoE, Phi-3) and [`gemma3`] (Gemma 2 and 3); [`moe`] is the mixture-of-experts block they
-//! share. The pieces every family uses (projections, RoPE, cached attention) live here.
+//! Decoder-only transformers. One file per architecture ([`llama`], [`qwen2`], [`qwen3`],
+//! [`qwen3moe`], [`phi3`], [`gemma2`], [`gemma3`]) declares its conventions, its tensors and its
+//! layer as the paper writes it, and has one line in the registry ([`arch::REGISTRY`]). Layers are
+//! built from the shared [`blocks`] (attention, the gated feed-forward block, the [`moe`]
+//! mixture of experts); the operations they share (norms, RoPE, cached attention) live here.
 
+pub mod arch;
+pub mod blocks;
 pub mod config;
+pub mod gemma2;
 pub mod gemma3;
 pub mod kv_cache;
 pub mod llama;
 pub mod moe;
+pub mod phi3;
+pub mod qwen2;
+pub mod qwen3;
+pub mod qwen3moe;
 pub mod weights;
 
 use ferrum_core::{Buf, Error, Result};
@@ -16,9 +24,11 @@ use ferrum_kernels::ops::{self, RopeCache};
 use ferrum_kernels::profile;
 use smallvec::SmallVec;
 
-pub use config::{Arch, Config, MoeConfig};
+pub use arch::{Arch, Layer};
+pub use blocks::{Ffn, Mlp, Moe};
+pub use config::{Config, MoeConfig};
 pub use kv_cache::{KvCache, KvPool};
-pub use weights::{Ffn, Linear, Mlp, Moe, RawTensor, TensorSource, Weights};
+pub use weights::{Linear, RawTensor, TensorSource, Weights};
 
 /// Which positions of a forward pass need logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -305,22 +315,6 @@ pub fn geglu(g: &mut [f32], u: &[f32]) {
     profile::record("geglu", "ffn_act", 10.0 * n, 12.0 * n, || ops::geglu(g, u))
 }
 
-/// The SwiGLU feed-forward block of `h` ([T, n_embd]): dense, `down(SiLU(gate h) * up h)`, or a
-/// mixture of such experts.
-pub fn feed_forward_swiglu(ffn: &Ffn, cfg: &Config, h: &[f32], segs: &[usize]) -> Buf {
-    match ffn {
-        Ffn::Dense(m) => {
-            let mut g = m.gate.forward(h, segs); // [T, n_ff]
-            swiglu(&mut g, &m.up.forward(h, segs));
-            m.down.forward(&g, segs)
-        }
-        Ffn::Moe(moe) => {
-            let mc = cfg.moe.expect("a mixture of experts has its config");
-            moe::forward(moe, &mc, h, cfg.n_embd, segs)
-        }
-    }
-}
-
 impl Model {
     pub fn new(config: Config, weights: Weights) -> Self {
         Self { config, weights }
@@ -409,8 +403,9 @@ impl Model {
             cfg.rope_style,
             &cfg.rope_scaling,
         );
-        // Sliding-window layers rotate unscaled, with their own base (as llama.cpp's Gemma 3).
-        let rope_swa = (cfg.sliding_window.is_some()
+        // Gemma's sliding-window layers rotate unscaled, with their own base (as llama.cpp's).
+        let rope_swa = (cfg.arch.is_gemma()
+            && cfg.sliding_window.is_some()
             && (cfg.rope_base_swa != cfg.rope_base || !cfg.rope_scaling.is_identity()))
         .then(|| RopeCache::new(&positions, cfg.n_rot, cfg.rope_base_swa, cfg.rope_style));
         let lens: PerSeq<usize> = seqs().map(|s| s.tokens.len()).collect();
@@ -448,11 +443,13 @@ impl Model {
             }
         });
 
-        match cfg.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 => {
-                llama::forward(&self.weights, &mut step, &mut x)
-            }
-            Arch::Gemma2 | Arch::Gemma3 => gemma3::forward(&self.weights, &mut step, &mut x),
+        if cfg.arch.is_gemma() {
+            // Gemma scales the embeddings by sqrt(n_embd).
+            scale(&mut x, (e as f32).sqrt());
+            trace("inp_scaled", None, &x, e);
+        }
+        for (il, layer) in self.weights.layers.iter().enumerate() {
+            layer.forward(il, &mut step, &mut x);
         }
 
         // The last layer kept only the rows that need logits, `step.segs` of them per sequence.

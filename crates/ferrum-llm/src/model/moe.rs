@@ -14,9 +14,9 @@
 use ferrum_core::Buf;
 use ferrum_kernels::profile;
 
+use super::blocks::Moe;
 use super::config::MoeConfig;
 use super::swiglu;
-use super::weights::Moe;
 
 /// The chosen experts of one row and their weights, in descending order of router probability
 /// (ties: the lower expert index first).

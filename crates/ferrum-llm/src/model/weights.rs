@@ -9,7 +9,8 @@ use ferrum_kernels::matmul::{Layout, PackedMatrix};
 use ferrum_kernels::profile;
 use ferrum_kernels::quant;
 
-use super::config::{Arch, Config};
+use super::arch::{Layer, LayerTensors, Loaded, Shape};
+use super::config::Config;
 
 /// A tensor as stored: type, dims in GGUF order (`dims[0]` contiguous), bytes.
 #[derive(Clone, Debug)]
@@ -46,6 +47,11 @@ impl RawTensor {
 /// Where weights come from. Names are GGUF's.
 pub trait TensorSource {
     fn tensor(&self, name: &str) -> Result<Option<RawTensor>>;
+
+    /// Whether the source has the tensor (for optional ones; reads nothing where it can).
+    fn contains(&self, name: &str) -> bool {
+        matches!(self.tensor(name), Ok(Some(_)))
+    }
 }
 
 /// `y = x W^T (+ b)` with W ([out, in], any supported type) stored once, in the layout its
@@ -83,64 +89,13 @@ impl Linear {
     }
 }
 
-/// A gated feed-forward block's three projections (SwiGLU or GeGLU): `down(act(gate x) * up x)`.
-#[derive(Clone, Debug)]
-pub struct Mlp {
-    pub gate: Linear,
-    pub up: Linear,
-    pub down: Linear,
-}
-
-/// A mixture of experts ([`super::config::MoeConfig`]): the router, `[n_embd] -> [n_expert]`, and
-/// each expert's projections, stored one matrix per expert.
-#[derive(Clone, Debug)]
-pub struct Moe {
-    pub router: Linear,
-    pub experts: Vec<Mlp>,
-}
-
-/// A layer's feed-forward block.
-#[derive(Clone, Debug)]
-pub enum Ffn {
-    Dense(Mlp),
-    Moe(Moe),
-}
-
-/// Per-layer weights; the optional ones belong to some architectures only.
-#[derive(Clone, Debug)]
-pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,
-    pub attn_q: Linear,
-    pub attn_k: Linear,
-    pub attn_v: Linear,
-    pub attn_output: Linear,
-    /// Gemma 3, Qwen3: per-head RMSNorm weights of Q and K.
-    pub attn_q_norm: Option<Vec<f32>>,
-    pub attn_k_norm: Option<Vec<f32>>,
-    /// Gemma 3: norm of the attention output before the residual add.
-    pub post_attention_norm: Option<Vec<f32>>,
-    pub ffn_norm: Vec<f32>,
-    pub ffn: Ffn,
-    /// Gemma 3: norm of the FFN output before the residual add.
-    pub post_ffw_norm: Option<Vec<f32>>,
-}
-
-impl LayerWeights {
-    /// The dense feed-forward block (the architectures without experts always have one).
-    pub fn mlp(&self) -> &Mlp {
-        match &self.ffn {
-            Ffn::Dense(m) => m,
-            Ffn::Moe(_) => unreachable!("Weights::load gives this architecture dense blocks"),
-        }
-    }
-}
-
 #[derive(Clone, Debug)]
 pub struct Weights {
     /// The embedding table, [n_vocab, n_embd]; the LM head's matrix itself when the file ties
     /// them (then stored in the head's layout, and lookups unpack a row).
     pub token_embd: PackedMatrix,
-    pub layers: Vec<LayerWeights>,
+    /// The decoder layers, each of its architecture's type ([`super::arch`]).
+    pub layers: Vec<Box<dyn Layer>>,
     pub output_norm: Vec<f32>,
     /// The LM head.
     pub output: Linear,
@@ -159,44 +114,6 @@ pub struct LoadReport {
     pub read_seconds: f64,
     pub pack_seconds: f64,
 }
-impl LayerWeights {
-    /// Every projection of the layer: attention, then the feed-forward block's (a mixture's
-    /// router, then each expert's gate, up and down).
-    pub fn linears(&self) -> Vec<&Linear> {
-        let mut v = vec![&self.attn_q, &self.attn_k, &self.attn_v, &self.attn_output];
-        match &self.ffn {
-            Ffn::Dense(m) => v.extend([&m.gate, &m.up, &m.down]),
-            Ffn::Moe(moe) => {
-                v.push(&moe.router);
-                for m in &moe.experts {
-                    v.extend([&m.gate, &m.up, &m.down]);
-                }
-            }
-        }
-        v
-    }
-
-    /// [`LayerWeights::linears`], mutably and in the same order.
-    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
-        let mut v = vec![
-            &mut self.attn_q,
-            &mut self.attn_k,
-            &mut self.attn_v,
-            &mut self.attn_output,
-        ];
-        match &mut self.ffn {
-            Ffn::Dense(m) => v.extend([&mut m.gate, &mut m.up, &mut m.down]),
-            Ffn::Moe(moe) => {
-                v.push(&mut moe.router);
-                for m in &mut moe.experts {
-                    v.extend([&mut m.gate, &mut m.up, &mut m.down]);
-                }
-            }
-        }
-        v
-    }
-}
-
 impl Weights {
     /// Whether the LM head is the embedding table.
     pub fn tied(&self) -> bool {
@@ -226,19 +143,8 @@ impl Weights {
         let norms: usize = self
             .layers
             .iter()
-            .map(|l| {
-                l.attn_norm.len()
-                    + l.ffn_norm.len()
-                    + [
-                        &l.attn_q_norm,
-                        &l.attn_k_norm,
-                        &l.post_attention_norm,
-                        &l.post_ffw_norm,
-                    ]
-                    .iter()
-                    .map(|n| n.as_ref().map_or(0, |n| n.len()))
-                    .sum::<usize>()
-            })
+            .flat_map(|l| l.norms())
+            .map(|(_, v)| v.len())
             .sum();
         self.matrices()
             .iter()
@@ -262,9 +168,9 @@ impl Weights {
         let unread_experts: usize = self
             .layers
             .iter()
-            .map(|l| match &l.ffn {
-                Ffn::Dense(_) => 0,
-                Ffn::Moe(moe) => {
+            .map(|l| match l.moe() {
+                None => 0,
+                Some(moe) => {
                     let all: usize = moe
                         .experts
                         .iter()
@@ -318,15 +224,6 @@ impl Weights {
             check(name, &t, &[n])?;
             Ok(t.to_f32())
         };
-        let opt_vector = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
-            match src.tensor(name)? {
-                None => Ok(None),
-                Some(t) => {
-                    check(name, &t, &[n])?;
-                    Ok(Some(t.to_f32()))
-                }
-            }
-        };
         let matrix = |name: &str, n_in: usize, n_out: usize| -> Result<RawTensor> {
             let w = get(name)?;
             check(name, &w, &[n_in, n_out])?;
@@ -346,7 +243,12 @@ impl Weights {
             n_in: usize,
             n_out: usize,
         }
-        let linear = |name: &str, n_in: usize, n_out: usize, bias: bool| -> Result<Pending> {
+        let linear = |kind: &'static str,
+                      name: &str,
+                      n_in: usize,
+                      n_out: usize,
+                      bias: bool|
+         -> Result<Pending> {
             let raw = matrix(&format!("{name}.weight"), n_in, n_out)?;
             let bias = if bias {
                 Some(vector(&format!("{name}.bias"), n_out)?)
@@ -354,7 +256,7 @@ impl Weights {
                 None
             };
             Ok(Pending {
-                kind: linear_kind(name),
+                kind,
                 raw,
                 bias,
                 n_in,
@@ -363,7 +265,12 @@ impl Weights {
         };
         // A 3-d tensor of experts, [n_in, n_out, n_expert], as one matrix per expert (zero-copy
         // windows of its bytes).
-        let experts = |name: &str, n_in: usize, n_out: usize, n: usize| -> Result<Vec<Pending>> {
+        let experts = |kind: &'static str,
+                       name: &str,
+                       n_in: usize,
+                       n_out: usize,
+                       n: usize|
+         -> Result<Vec<Pending>> {
             let w = get(&format!("{name}.weight"))?;
             check(name, &w, &[n_in, n_out, n])?;
             let rb = w.dtype.row_bytes(n_in).ok_or_else(|| {
@@ -372,7 +279,6 @@ impl Weights {
                     w.dtype
                 ))
             })?;
-            let kind = linear_kind(name);
             (0..n)
                 .map(|i| {
                     Ok(Pending {
@@ -389,25 +295,12 @@ impl Weights {
                 })
                 .collect()
         };
-        enum FfnPlan {
-            Dense([Pending; 3]),
-            Moe(Pending, Vec<[Pending; 3]>),
-        }
-        let (e, q, kv, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
-        let token_embd = matrix("token_embd.weight", e, cfg.n_vocab)?;
-        let qkv_bias = cfg.arch == Arch::Qwen2;
-        let gemma = cfg.arch.is_gemma();
-        let qk_norm = cfg.arch.has_qk_norm();
-        let fused = cfg.arch == Arch::Phi3;
         // A matrix whose rows stack several projections, as one Pending per part.
-        fn split_rows<const N: usize>(
-            p: Pending,
-            parts: [(&'static str, usize); N],
-        ) -> Result<[Pending; N]> {
+        fn split_rows(p: Pending, parts: &[(&'static str, usize)]) -> Result<Vec<Pending>> {
             let rb = p.raw.dtype.row_bytes(p.n_in).expect("checked by matrix()");
             let mut r0 = 0;
-            let mut out = Vec::with_capacity(N);
-            for (kind, rows) in parts {
+            let mut out = Vec::with_capacity(parts.len());
+            for &(kind, rows) in parts {
                 out.push(Pending {
                     kind,
                     raw: RawTensor {
@@ -421,83 +314,55 @@ impl Weights {
                 });
                 r0 += rows;
             }
-            Ok(out.try_into().unwrap_or_else(|_| unreachable!("N parts")))
+            Ok(out)
         }
-        // Per layer: the attention projections, the feed-forward block's and the norms.
-        let mut layers = Vec::with_capacity(cfg.n_layer);
+        // A layer tensor as read: a norm, or the matrices it stores (stored once at the end).
+        enum Read {
+            Vector(Vec<f32>),
+            Linear(Pending),
+            Experts(Vec<Pending>),
+        }
+        let e = cfg.n_embd;
+        let token_embd = matrix("token_embd.weight", e, cfg.n_vocab)?;
+        // Per layer, every tensor the architecture declares, in its order.
+        let specs = (cfg.arch.tensors)(cfg);
+        let mut layers: Vec<Vec<(&'static str, Read)>> = Vec::with_capacity(cfg.n_layer);
         for il in 0..cfg.n_layer {
-            let p = format!("blk.{il}");
-            let norm = |n: &str, len: usize, required: bool| -> Result<Option<Vec<f32>>> {
-                if required {
-                    vector(&format!("{p}.{n}.weight"), len).map(Some)
-                } else {
-                    opt_vector(&format!("{p}.{n}.weight"), len)
+            let mut items = Vec::with_capacity(specs.len());
+            for spec in &specs {
+                let name = format!("blk.{il}.{}", spec.gguf);
+                if !spec.required && !src.contains(&format!("{name}.weight")) {
+                    continue;
                 }
-            };
-            let attn = if fused {
-                // Phi-3: Q, K and V stacked in one matrix, split by rows (zero-copy).
-                let [aq, ak, av] = split_rows(
-                    linear(&format!("{p}.attn_qkv"), e, q + 2 * kv, false)?,
-                    [("attn_q", q), ("attn_k", kv), ("attn_v", kv)],
-                )?;
-                [
-                    aq,
-                    ak,
-                    av,
-                    linear(&format!("{p}.attn_output"), q, e, false)?,
-                ]
-            } else {
-                [
-                    linear(&format!("{p}.attn_q"), e, q, qkv_bias)?,
-                    linear(&format!("{p}.attn_k"), e, kv, qkv_bias)?,
-                    linear(&format!("{p}.attn_v"), e, kv, qkv_bias)?,
-                    linear(&format!("{p}.attn_output"), q, e, false)?,
-                ]
-            };
-            let router = format!("{p}.ffn_gate_inp.weight");
-            let ffn = match cfg.moe {
-                Some(m) if src.tensor(&router)?.is_some() => {
-                    let (n, f) = (m.n_expert, m.n_ff_exp);
-                    let gate = experts(&format!("{p}.ffn_gate_exps"), e, f, n)?;
-                    let up = experts(&format!("{p}.ffn_up_exps"), e, f, n)?;
-                    let down = experts(&format!("{p}.ffn_down_exps"), f, e, n)?;
-                    let per_expert = gate
-                        .into_iter()
-                        .zip(up)
-                        .zip(down)
-                        .map(|((g, u), d)| [g, u, d])
-                        .collect();
-                    FfnPlan::Moe(
-                        linear(&format!("{p}.ffn_gate_inp"), e, n, false)?,
-                        per_expert,
-                    )
+                match spec.shape {
+                    Shape::Vector(n) => {
+                        let v = vector(&format!("{name}.weight"), n(cfg))?;
+                        items.push((spec.gguf, Read::Vector(v)));
+                    }
+                    Shape::Matrix { n_in, n_out, bias } => {
+                        let p = linear(spec.gguf, &name, n_in(cfg), n_out(cfg), bias)?;
+                        items.push((spec.gguf, Read::Linear(p)));
+                    }
+                    Shape::Stacked { n_in, parts } => {
+                        let sizes: Vec<(&'static str, usize)> =
+                            parts.iter().map(|&(k, d)| (k, d(cfg))).collect();
+                        let rows = sizes.iter().map(|p| p.1).sum();
+                        let whole = linear(spec.gguf, &name, n_in(cfg), rows, false)?;
+                        for p in split_rows(whole, &sizes)? {
+                            items.push((p.kind, Read::Linear(p)));
+                        }
+                    }
+                    Shape::Experts { n_in, n_out } => {
+                        let n = super::arch::dim::EXPERTS(cfg);
+                        let v = experts(spec.gguf, &name, n_in(cfg), n_out(cfg), n)?;
+                        items.push((spec.gguf, Read::Experts(v)));
+                    }
                 }
-                _ if fused => {
-                    // Phi-3: gate and up stacked in `ffn_up`, gate first.
-                    let [g, u] = split_rows(
-                        linear(&format!("{p}.ffn_up"), e, 2 * ff, false)?,
-                        [("ffn_gate", ff), ("ffn_up", ff)],
-                    )?;
-                    FfnPlan::Dense([g, u, linear(&format!("{p}.ffn_down"), ff, e, false)?])
-                }
-                _ => FfnPlan::Dense([
-                    linear(&format!("{p}.ffn_gate"), e, ff, false)?,
-                    linear(&format!("{p}.ffn_up"), e, ff, false)?,
-                    linear(&format!("{p}.ffn_down"), ff, e, false)?,
-                ]),
-            };
-            let norms = [
-                norm("attn_norm", e, true)?,
-                norm("attn_q_norm", cfg.head_dim, qk_norm)?,
-                norm("attn_k_norm", cfg.head_dim, qk_norm)?,
-                norm("post_attention_norm", e, gemma)?,
-                norm("ffn_norm", e, true)?,
-                norm("post_ffw_norm", e, gemma)?,
-            ];
-            layers.push((attn, ffn, norms));
+            }
+            layers.push(items);
         }
         let output = match src.tensor("output.weight")? {
-            Some(_) => Some(linear("output", e, cfg.n_vocab, false)?),
+            Some(_) => Some(linear("output", "output", e, cfg.n_vocab, false)?),
             None => None,
         };
         let output_norm = vector("output_norm.weight", e)?;
@@ -508,13 +373,12 @@ impl Weights {
         let mut raws: Vec<&RawTensor> = vec![&token_embd];
         // Index of each layer's last matrix in `raws`, for the progress callback.
         let mut layer_last = Vec::with_capacity(cfg.n_layer);
-        for (attn, ffn, _) in &layers {
-            raws.extend(attn.iter().map(|p| &p.raw));
-            match ffn {
-                FfnPlan::Dense(m) => raws.extend(m.iter().map(|p| &p.raw)),
-                FfnPlan::Moe(router, experts) => {
-                    raws.push(&router.raw);
-                    raws.extend(experts.iter().flatten().map(|p| &p.raw));
+        for items in &layers {
+            for (_, r) in items {
+                match r {
+                    Read::Vector(_) => {}
+                    Read::Linear(p) => raws.push(&p.raw),
+                    Read::Experts(ps) => raws.extend(ps.iter().map(|p| &p.raw)),
                 }
             }
             layer_last.push(raws.len() - 1);
@@ -556,44 +420,23 @@ impl Weights {
             n_out: p.n_out,
         };
         let mut out_layers = Vec::with_capacity(n_layer);
-        for (attn, ffn, norms) in layers {
-            let [attn_q, attn_k, attn_v, attn_output] = attn.map(&mut finish);
-            let mut mlp = |[g, u, d]: [Pending; 3]| Mlp {
-                gate: finish(g),
-                up: finish(u),
-                down: finish(d),
-            };
-            let ffn = match ffn {
-                FfnPlan::Dense(m) => Ffn::Dense(mlp(m)),
-                FfnPlan::Moe(router, experts) => {
-                    let router = finish(router);
-                    // Re-borrow: `mlp` holds `finish` mutably.
-                    let mut mlp = |[g, u, d]: [Pending; 3]| Mlp {
-                        gate: finish(g),
-                        up: finish(u),
-                        down: finish(d),
+        for (il, items) in layers.into_iter().enumerate() {
+            let loaded = items
+                .into_iter()
+                .map(|(name, r)| {
+                    let l = match r {
+                        Read::Vector(v) => Loaded::Vector(v),
+                        Read::Linear(p) => Loaded::Linear(finish(p)),
+                        Read::Experts(ps) => {
+                            Loaded::Experts(ps.into_iter().map(&mut finish).collect())
+                        }
                     };
-                    Ffn::Moe(Moe {
-                        router,
-                        experts: experts.into_iter().map(&mut mlp).collect(),
-                    })
-                }
-            };
-            let [attn_norm, attn_q_norm, attn_k_norm, post_attention_norm, ffn_norm, post_ffw_norm] =
-                norms;
-            out_layers.push(LayerWeights {
-                attn_norm: attn_norm.expect("required"),
-                attn_q,
-                attn_k,
-                attn_v,
-                attn_output,
-                attn_q_norm,
-                attn_k_norm,
-                post_attention_norm,
-                ffn_norm: ffn_norm.expect("required"),
-                ffn,
-                post_ffw_norm,
-            });
+                    (name, l)
+                })
+                .collect();
+            let mut t = LayerTensors::new(il, cfg.arch.name(), loaded);
+            out_layers.push((cfg.arch.build)(cfg, &mut t)?);
+            t.finish()?;
         }
         let output = match output {
             Some(p) => finish(p),
@@ -778,30 +621,6 @@ fn store_matrices(
             }
         })
         .collect()
-}
-
-/// The role of a projection from its GGUF name (`blk.N.attn_q` -> `attn_q`).
-fn linear_kind(name: &str) -> &'static str {
-    const KINDS: [&str; 12] = [
-        "attn_q",
-        "attn_k",
-        "attn_v",
-        "attn_output",
-        "ffn_gate",
-        "ffn_up",
-        "ffn_down",
-        "ffn_gate_inp",
-        "ffn_gate_exps",
-        "ffn_up_exps",
-        "ffn_down_exps",
-        "output",
-    ];
-    let last = name.rsplit('.').next().unwrap_or(name);
-    KINDS
-        .iter()
-        .find(|&&k| k == last)
-        .copied()
-        .unwrap_or("linear")
 }
 
 /// GGUF tensors straight from the memory map.
