@@ -174,6 +174,9 @@ pub fn generate(
     }
     let capacity = req.ctx_size.min(req.prompt.len() + budget);
     let mut cache = KvCache::new(cfg, capacity.max(1));
+    // The context the run may reach is --ctx-size (LongRoPE picks its factors by it, as
+    // llama.cpp does), however little of it this generation needs.
+    cache.pool.set_seq_context(req.ctx_size);
     let mut sampler = Sampler::new(req.sampling.clone());
     for &t in &req.prompt {
         sampler.accept(t);

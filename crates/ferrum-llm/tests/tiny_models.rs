@@ -244,3 +244,166 @@ fn mistral_sliding_window() {
     let gguf = load(&dir.join("mistral_swa.f32.gguf"));
     assert_eq!(gguf.model.config.sliding_window, None);
 }
+
+/// Logits of every position of `tokens`, with a cache sized for `ctx` positions (the context a
+/// sequence may reach picks LongRoPE's factor set).
+fn logits_ctx(llm: &Llm, tokens: &[u32], ctx: usize) -> Vec<f32> {
+    let mut cache = KvCache::new(&llm.model.config, ctx);
+    let l = llm
+        .model
+        .forward(tokens, 0, &mut cache, Logits::From(0))
+        .expect("forward");
+    l.to_vec()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The tiny Phi-3 model given LongRoPE factors, both ways a user meets them: a Hugging Face
+/// folder whose config.json has `rope_type: longrope` with `short_factor`/`long_factor`, and a
+/// GGUF file with llama.cpp's `rope_factors_short/long.weight` and `rope.scaling.attn_factor`
+/// (as its converter writes them). Returns (HF folder, GGUF path).
+fn phi3_longrope(
+    name: &str,
+    short: &[f32],
+    long: &[f32],
+    max_pos: usize,
+    orig: usize,
+) -> (PathBuf, PathBuf) {
+    use ferrum_gguf::{GgufFile, GgufWriter, Value as Gv};
+    let tmp = std::env::temp_dir().join(format!("ferrum-{name}-{}", std::process::id()));
+    let hf = tmp.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    let src = tiny_dir().join("phi3");
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, hf.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = max_pos.into();
+    cfg["original_max_position_embeddings"] = orig.into();
+    cfg["rope_parameters"] = serde_json::json!({
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+        "short_factor": short, "long_factor": long,
+    });
+    std::fs::write(hf.join("config.json"), cfg.to_string()).unwrap();
+
+    // The converter's attention factor: sqrt(1 + ln(s) / ln(orig)), s = max_pos / orig.
+    let s = max_pos as f64 / orig as f64;
+    let attn = if s > 1.0 {
+        (1.0 + s.ln() / (orig as f64).ln()).sqrt()
+    } else {
+        1.0
+    };
+    let f = GgufFile::open(&tiny_dir().join("phi3.f32.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in &f.metadata {
+        let ours = [
+            "phi3.context_length",
+            "phi3.rope.scaling.original_context_length",
+            "phi3.rope.scaling.attn_factor",
+        ];
+        if !ours.contains(&k.as_str()) {
+            w = w.kv(k.clone(), v.clone());
+        }
+    }
+    w = w
+        .kv("phi3.context_length", Gv::U32(max_pos as u32))
+        .kv(
+            "phi3.rope.scaling.original_context_length",
+            Gv::U32(orig as u32),
+        )
+        .kv("phi3.rope.scaling.attn_factor", Gv::F32(attn as f32));
+    for t in &f.tensors {
+        w = w.tensor(&t.name, &t.dims, t.dtype, f.tensor_data(t).to_vec());
+    }
+    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let n = short.len() as u64;
+    w = w
+        .tensor(
+            "rope_factors_short.weight",
+            &[n],
+            ferrum_core::DType::F32,
+            bytes(short),
+        )
+        .tensor(
+            "rope_factors_long.weight",
+            &[n],
+            ferrum_core::DType::F32,
+            bytes(long),
+        );
+    let gguf = tmp.join("phi3-longrope.gguf");
+    w.write(&gguf).unwrap();
+    (hf, gguf)
+}
+
+/// LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) from both formats: the HF folder and the GGUF file
+/// give the same logits with each factor set (short for a context within the original length,
+/// long past it, llama.cpp's rule), the sets differ from each other and from plain RoPE, and
+/// uniform factors of 4 with no attention factor are exactly linear scaling by 4.
+#[test]
+fn phi3_longrope_both_formats() {
+    let f32_kv = |p: &std::path::Path| load_f32_kv(p);
+    let short: Vec<f32> = (0..8).map(|i| 1.0 + 0.25 * i as f32).collect();
+    let long: Vec<f32> = (0..8).map(|i| 2.0 + 3.0 * i as f32).collect();
+    let (hf_dir, gguf) = phi3_longrope("longrope", &short, &long, 512, 64);
+    let (hf, gguf) = (f32_kv(&hf_dir), f32_kv(&gguf));
+    let plain = f32_kv(&tiny_dir().join("phi3"));
+    let lr = hf
+        .model
+        .config
+        .long_rope
+        .as_ref()
+        .expect("LongRoPE from config.json");
+    assert_eq!(Some(lr), gguf.model.config.long_rope.as_ref());
+    let a = lr.short.yarn.expect("attention factor").attn_factor;
+    assert!((a - 1.5f32.sqrt()).abs() < 1e-6, "attention factor {a}");
+
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 2000).collect();
+    let (hs, gs) = (logits_ctx(&hf, &tokens, 64), logits_ctx(&gguf, &tokens, 64));
+    let (hl, gl) = (
+        logits_ctx(&hf, &tokens, 256),
+        logits_ctx(&gguf, &tokens, 256),
+    );
+    let p = logits_ctx(&plain, &tokens, 64);
+    let (d_short, d_long) = (max_diff(&hs, &gs), max_diff(&hl, &gl));
+    let (d_sets, d_plain) = (max_diff(&hs, &hl), max_diff(&hs, &p));
+    println!(
+        "LongRoPE: HF vs GGUF {d_short:e} (short) {d_long:e} (long); short vs long {d_sets}, \
+         short vs plain {d_plain}"
+    );
+    assert!(d_short <= 1e-4 && d_long <= 1e-4, "{d_short} {d_long}");
+    assert!(d_sets > 1e-2 && d_plain > 1e-2, "{d_sets} {d_plain}");
+
+    // Uniform factors 4 and max positions = the original (attention factor 1): linear scaling.
+    let (uniform, _) = phi3_longrope("longrope4", &[4.0; 8], &[4.0; 8], 64, 64);
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(uniform.join("config.json")).unwrap())
+            .unwrap();
+    cfg["rope_parameters"] = serde_json::json!({
+        "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0,
+    });
+    let linear = uniform.parent().unwrap().join("linear");
+    std::fs::create_dir_all(&linear).unwrap();
+    for f in std::fs::read_dir(&uniform).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, linear.join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(linear.join("config.json"), cfg.to_string()).unwrap();
+    let (u, l) = (f32_kv(&uniform), f32_kv(&linear));
+    assert!(u.model.config.rope_scaling.yarn.is_none());
+    assert_eq!(
+        logits_ctx(&u, &tokens, 64),
+        logits_ctx(&l, &tokens, 64),
+        "uniform LongRoPE factors of 4 must equal linear scaling by 4"
+    );
+    for d in [&hf_dir, &uniform] {
+        let _ = std::fs::remove_dir_all(d.parent().unwrap());
+    }
+}

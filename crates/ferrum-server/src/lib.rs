@@ -171,7 +171,7 @@ pub fn serve(llm: Llm, cfg: ServerConfig, on_ready: impl FnOnce(SocketAddr)) -> 
 /// The KV-cache pool `cfg` asks for. Its memory is reserved at start and committed as blocks are
 /// first used (the kernel hands out zero pages on first write), so start-up does not pay for
 /// memory the first requests do not need. It must hold at least one request of the full context.
-fn kv_pool(llm: &Llm, cfg: &ServerConfig) -> Result<KvPool> {
+pub fn kv_pool(llm: &Llm, cfg: &ServerConfig) -> Result<KvPool> {
     let mcfg = &llm.model.config;
     let bs = cfg.block_size;
     if !bs.is_power_of_two() || bs > 1024 {
@@ -199,7 +199,9 @@ fn kv_pool(llm: &Llm, cfg: &ServerConfig) -> Result<KvPool> {
             want.min(cap).max(min_blocks)
         }
     };
-    let pool = KvPool::new(mcfg, n_blocks, bs).context("allocating the KV-cache pool")?;
+    let mut pool = KvPool::new(mcfg, n_blocks, bs).context("allocating the KV-cache pool")?;
+    // A request reaches at most the context size, however many the pool holds.
+    pool.set_seq_context(ctx);
     tracing::info!(
         blocks = n_blocks,
         block_size = bs,

@@ -257,6 +257,7 @@ fn batched(a: &Args, llm: &Llm, threads: &[usize]) -> Result<()> {
                 for &b in &a.batch {
                     let per_seq = (pp + tg).div_ceil(bs);
                     let mut pool = KvPool::new(cfg, b * per_seq, bs)?;
+                    pool.set_seq_context(per_seq * bs);
                     let tables: Vec<Vec<u32>> = (0..b)
                         .map(|i| (0..per_seq).map(|j| (i * per_seq + j) as u32).collect())
                         .collect();

@@ -77,7 +77,23 @@ pub fn run(a: Args) -> Result<()> {
                 );
             }
             let rs = &c.rope_scaling;
-            if !rs.is_identity() {
+            if let Some(lr) = &c.long_rope {
+                let range = |ff: &Option<Vec<f32>>| {
+                    let ff = ff.as_deref().unwrap_or(&[]);
+                    let (lo, hi) = ff
+                        .iter()
+                        .fold((f32::MAX, f32::MIN), |(a, b), &f| (a.min(f), b.max(f)));
+                    format!("[{lo}, {hi}]")
+                };
+                println!(
+                    "  rope scaling: LongRoPE, short factors {} up to {} positions, long factors {} \
+                     past it (chosen by the context size), attn factor {}",
+                    range(&lr.short.freq_factors),
+                    lr.n_ctx_orig,
+                    range(&lr.long.freq_factors),
+                    lr.short.yarn.map_or(1.0, |y| y.attn_factor)
+                );
+            } else if !rs.is_identity() {
                 let mut parts = Vec::new();
                 if rs.freq_scale != 1.0 {
                     parts.push(format!("factor {} (linear)", 1.0 / rs.freq_scale));

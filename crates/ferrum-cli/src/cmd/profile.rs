@@ -89,6 +89,7 @@ pub fn run(a: Args) -> Result<()> {
     let bs = 16;
     let per_seq = (a.n_prompt + a.n_gen + 1).div_ceil(bs);
     let mut pool = KvPool::new(cfg, b * per_seq, bs)?;
+    pool.set_seq_context(per_seq * bs);
     let tables: Vec<Vec<u32>> = (0..b)
         .map(|i| (0..per_seq).map(|j| (i * per_seq + j) as u32).collect())
         .collect();

@@ -215,9 +215,9 @@ mod tests {
         }
     }
 
-    /// Linear, per-pair factor and YaRN scaling against the formulas as Hugging Face writes them
-    /// (`_compute_linear_scaling_rope_parameters`, `_compute_llama3_parameters`,
-    /// `_compute_yarn_parameters`), in f64: inverse frequencies per pair, angle = pos * inv_freq,
+    /// Linear, per-pair factor, YaRN and LongRoPE scaling against the formulas as Hugging Face
+    /// writes them (`_compute_linear_scaling_rope_parameters`, `_compute_llama3_parameters`,
+    /// `_compute_yarn_parameters`, `_compute_longrope_parameters`), in f64: inverse frequencies per pair, angle = pos * inv_freq,
     /// cos/sin times the attention factor.
     #[test]
     fn scaled_matches_f64_formulas() {
@@ -266,6 +266,15 @@ mod tests {
             let extrap_w = 1.0 - ramp;
             inv_freq(i) / 4.0 * (1.0 - extrap_w) + inv_freq(i) * extrap_w
         };
+        // LongRoPE (`_compute_longrope_parameters`): per-pair divisors, cos/sin times
+        // sqrt(1 + ln(s) / ln(orig)) for s = 8, orig 64, no ramp (ggml's ext_factor 0).
+        let long: Vec<f64> = (0..n_rot / 2).map(|i| 1.0 + 0.7 * i as f64).collect();
+        let long_m = (1.0 + 8f64.ln() / 64f64.ln()).sqrt();
+        let longrope = Yarn {
+            ext_factor: 0.0,
+            attn_factor: long_m as f32,
+            ..yarn
+        };
         type Case<'a> = (RopeScaling, Box<dyn Fn(usize) -> f64 + 'a>, f64);
         let cases: Vec<Case> = vec![
             (
@@ -292,6 +301,15 @@ mod tests {
                 },
                 Box::new(yarn_inv),
                 1.0 + 0.1 * 4f64.ln(),
+            ),
+            (
+                RopeScaling {
+                    freq_scale: 1.0,
+                    freq_factors: Some(long.iter().map(|&f| f as f32).collect()),
+                    yarn: Some(longrope),
+                },
+                Box::new(|i| inv_freq(i) / long[i]),
+                long_m,
             ),
         ];
         for (scaling, inv, mscale) in &cases {

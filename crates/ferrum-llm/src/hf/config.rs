@@ -10,7 +10,7 @@ use ferrum_kernels::ops::{RopeScaling, Yarn};
 use serde_json::{json, Map, Value};
 
 use crate::model::arch::{self, Experts, Family, Swa, REGISTRY};
-use crate::model::config::{Arch, Config, MoeConfig};
+use crate::model::config::{Arch, Config, LongRope, MoeConfig};
 
 /// What `config.json` says: the [`Config`] plus the facts the weight loader needs.
 #[derive(Clone, Debug)]
@@ -169,9 +169,10 @@ fn hf_rope_scaling(
     n_rot: usize,
     base: f32,
     max_pos: Option<usize>,
-) -> Result<RopeScaling> {
+    top_orig: Option<usize>,
+) -> Result<(RopeScaling, Option<LongRope>)> {
     let Some(rs) = rope.scaling else {
-        return Ok(RopeScaling::default());
+        return Ok((RopeScaling::default(), None));
     };
     let rs = Obj(rs);
     let kind = match rs.opt_str("rope_type")? {
@@ -197,7 +198,55 @@ fn hf_rope_scaling(
                 ))
             })
     };
-    match kind {
+    if kind == "longrope" || kind == "su" {
+        // LongRoPE: per-pair divisors for short and long contexts; cos/sin scaled by
+        // attention_factor, sqrt(1 + ln(s) / ln(original)) with s = max positions / original.
+        let n_ctx_orig = rs
+            .opt_usize("original_max_position_embeddings")?
+            .or(top_orig)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| bad("rope_scaling longrope needs original_max_position_embeddings"))?;
+        let list = |key: &str| -> Result<Vec<f32>> {
+            let v = rs
+                .get(key)
+                .and_then(Value::as_array)
+                .ok_or_else(|| bad(format!("rope_scaling longrope needs a list {key}")))?;
+            v.iter()
+                .map(|x| {
+                    x.as_f64()
+                        .map(|x| x as f32)
+                        .ok_or_else(|| bad(format!("{key} must hold numbers, found {x}")))
+                })
+                .collect()
+        };
+        let scale = max_pos.unwrap_or(n_ctx_orig) as f64 / n_ctx_orig as f64;
+        let attn_factor = match rs.opt_f64("attention_factor")? {
+            Some(a) => a,
+            None if scale > 1.0 => (1.0 + scale.ln() / (n_ctx_orig as f64).ln()).sqrt(),
+            None => 1.0,
+        } as f32;
+        let with = |ff: Vec<f32>| RopeScaling {
+            freq_scale: 1.0,
+            freq_factors: Some(ff),
+            yarn: (attn_factor != 1.0).then_some(Yarn {
+                ext_factor: 0.0,
+                attn_factor,
+                n_ctx_orig,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+            }),
+        };
+        let (short, long) = (with(list("short_factor")?), with(list("long_factor")?));
+        return Ok((
+            short.clone(),
+            Some(LongRope {
+                n_ctx_orig,
+                short,
+                long,
+            }),
+        ));
+    }
+    let scaling = match kind {
         "default" => Ok(RopeScaling::default()),
         "dynamic" => {
             tracing::warn!(
@@ -270,7 +319,8 @@ fn hf_rope_scaling(
             })
         }
         other => Err(unsupported(format!("rope_scaling type '{other}'"))),
-    }
+    }?;
+    Ok((scaling, None))
 }
 
 impl HfConfig {
@@ -351,7 +401,9 @@ impl HfConfig {
         let rope = RopeParams::read(&c)?;
         let rope_base = rope.theta.unwrap_or(arch.hf_rope_theta) as f32;
         let max_pos = c.opt_usize("max_position_embeddings")?;
-        let rope_scaling = hf_rope_scaling(&rope, n_rot, rope_base, max_pos)?;
+        let top_orig = c.opt_usize("original_max_position_embeddings")?;
+        let (rope_scaling, long_rope) =
+            hf_rope_scaling(&rope, n_rot, rope_base, max_pos, top_orig)?;
         let moe = match model_type.as_str() {
             "qwen3_moe" => {
                 if c.opt_usize("decoder_sparse_step")?.unwrap_or(1) != 1 {
@@ -462,6 +514,7 @@ impl HfConfig {
             rope_style: arch.rope_style,
             rope_base,
             rope_scaling,
+            long_rope,
             rope_base_swa,
             rms_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             n_ctx_train: max_pos.unwrap_or(4096),
@@ -711,8 +764,35 @@ mod tests {
         .unwrap();
         assert_eq!(yarn.rope_scaling.freq_scale, 0.25);
         assert_eq!(yarn.rope_scaling.yarn.unwrap().n_ctx_orig, 32768);
+        // LongRoPE: the short factors up to the original context, the long ones past it.
+        let factors = |v: f32, n: usize| format!("[{}]", vec![v.to_string(); n].join(", "));
+        let long = Config::from_hf(&with(&format!(
+            r#"{{"rope_type": "longrope", "original_max_position_embeddings": 4096,
+            "short_factor": {}, "long_factor": {}}}"#,
+            factors(1.5, 32),
+            factors(3.0, 32)
+        )))
+        .unwrap();
+        let lr = long.long_rope.as_ref().expect("LongRoPE");
+        assert_eq!(lr.n_ctx_orig, 4096);
+        assert_eq!(long.rope_scaling_for(4096), &lr.short);
+        assert_eq!(long.rope_scaling_for(4097), &lr.long);
+        assert_eq!(lr.long.freq_factors.as_ref().unwrap()[5], 3.0);
+        // max_position_embeddings 8192 over 4096: sqrt(1 + ln 2 / ln 4096).
+        let a = lr.short.yarn.unwrap().attn_factor;
+        assert!(
+            (a - (1.0 + 2f32.ln() / 4096f32.ln()).sqrt()).abs() < 1e-6,
+            "{a}"
+        );
         assert!(err(&with(r#"{"rope_type": "longrope", "factor": 4.0}"#))
-            .contains("rope_scaling type 'longrope'"));
+            .contains("needs original_max_position_embeddings"));
+        assert!(err(&with(&format!(
+            r#"{{"rope_type": "longrope", "original_max_position_embeddings": 4096,
+            "short_factor": {}, "long_factor": {}}}"#,
+            factors(1.5, 31),
+            factors(3.0, 31)
+        )))
+        .contains("31 RoPE frequency factors"));
         assert!(err(&with(
             r#"{"rope_type": "yarn", "factor": 4.0, "mscale": 0.7}"#
         ))

@@ -443,6 +443,7 @@ mod tests {
                 rope_style: d.rope_style,
                 rope_base: 10_000.0,
                 rope_scaling: Default::default(),
+                long_rope: None,
                 rope_base_swa: 10_000.0,
                 rms_eps: d.rms_eps,
                 n_ctx_train: 128,

@@ -20,6 +20,17 @@ pub struct MoeConfig {
     pub norm: bool,
 }
 
+/// LongRoPE (Ding et al. 2024; Phi-3 128k, Phi-3.5, Phi-4-mini): per-pair frequency divisors for
+/// contexts up to the original training length (`short`) and beyond it (`long`), with cos/sin
+/// scaled by an attention factor. As llama.cpp does, the context a sequence may reach picks one
+/// set for the whole run ([`Config::rope_scaling_for`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LongRope {
+    pub n_ctx_orig: usize,
+    pub short: RopeScaling,
+    pub long: RopeScaling,
+}
+
 #[derive(Clone, Debug)]
 pub struct Config {
     pub arch: Arch,
@@ -35,7 +46,10 @@ pub struct Config {
     pub rope_style: RopeStyle,
     pub rope_base: f32,
     /// Context extension of RoPE (linear, YaRN, per-pair frequency factors); identity if none.
+    /// With LongRoPE, its short-context set.
     pub rope_scaling: RopeScaling,
+    /// LongRoPE's two factor sets, for the models that have them.
+    pub long_rope: Option<LongRope>,
     /// RoPE base of sliding-window layers (Gemma 3: 10 000).
     pub rope_base_swa: f32,
     pub rms_eps: f32,
@@ -65,6 +79,15 @@ impl Config {
 
     pub fn kv_dim(&self) -> usize {
         self.n_head_kv * self.head_dim
+    }
+
+    /// The RoPE scaling for sequences of up to `n_ctx` positions: LongRoPE's long factors when
+    /// `n_ctx` exceeds the original training context (llama.cpp's rule), else `rope_scaling`.
+    pub fn rope_scaling_for(&self, n_ctx: usize) -> &RopeScaling {
+        match &self.long_rope {
+            Some(lr) if n_ctx > lr.n_ctx_orig => &lr.long,
+            _ => &self.rope_scaling,
+        }
     }
 
     /// Whether layer `il` attends through the sliding window.
@@ -105,7 +128,7 @@ impl Config {
                     Error::msg("GGUF metadata: no vocab_size and no tokenizer.ggml.tokens")
                 })?,
         };
-        let rope_scaling = gguf_rope_scaling(f, arch_name, n_rot)?;
+        let (rope_scaling, long_rope) = gguf_rope_scaling(f, arch_name, n_rot)?;
         let n_layer = need_u("block_count")?;
         let moe = match get_u("expert_count").unwrap_or(0) {
             0 => None,
@@ -158,6 +181,7 @@ impl Config {
             rope_style: arch.rope_style,
             rope_base,
             rope_scaling,
+            long_rope,
             rope_base_swa: if arch.swa_rope_base {
                 get_f("rope.freq_base_swa").unwrap_or(10000.0)
             } else {
@@ -210,18 +234,29 @@ impl Config {
                 ));
             }
         }
-        if let Some(ff) = &self.rope_scaling.freq_factors {
-            if ff.len() != self.n_rot / 2 || ff.iter().any(|f| !f.is_finite() || *f <= 0.0) {
-                return bad(format!(
-                    "{} RoPE frequency factors for {} rotated dims (need n_rot/2 positive ones)",
-                    ff.len(),
-                    self.n_rot
-                ));
+        let scalings = match &self.long_rope {
+            Some(lr) => vec![&self.rope_scaling, &lr.short, &lr.long],
+            None => vec![&self.rope_scaling],
+        };
+        for rs in scalings {
+            if let Some(ff) = &rs.freq_factors {
+                if ff.len() != self.n_rot / 2 || ff.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+                    return bad(format!(
+                        "{} RoPE frequency factors for {} rotated dims (need n_rot/2 positive ones)",
+                        ff.len(),
+                        self.n_rot
+                    ));
+                }
             }
-        }
-        let fs = self.rope_scaling.freq_scale;
-        if !(fs.is_finite() && fs > 0.0) {
-            return bad(format!("RoPE frequency scale {fs}"));
+            let fs = rs.freq_scale;
+            if !(fs.is_finite() && fs > 0.0) {
+                return bad(format!("RoPE frequency scale {fs}"));
+            }
+            if let Some(y) = &rs.yarn {
+                if !(y.attn_factor.is_finite() && y.attn_factor > 0.0) {
+                    return bad(format!("RoPE attention factor {}", y.attn_factor));
+                }
+            }
         }
         if self.n_layer == 0 || self.n_ff == 0 || self.n_vocab == 0 || self.head_dim == 0 {
             return bad("zero layers, feed-forward size, vocabulary or head dim".into());
@@ -233,9 +268,15 @@ impl Config {
 /// RoPE context extension from GGUF metadata, read as llama.cpp reads it: `rope.scaling.type`
 /// (`none`, `linear`, `yarn`), the factor from `rope.scale_linear` or `rope.scaling.factor`
 /// (freq_scale = 1/factor), YaRN's `rope.scaling.original_context_length`, `attn_factor` and
-/// `yarn_beta_fast`/`yarn_beta_slow` (32 and 1 by default), and per-pair frequency factors from
-/// the `rope_freqs.weight` tensor (Llama 3.1+).
-fn gguf_rope_scaling(f: &GgufFile, arch: &str, n_rot: usize) -> Result<RopeScaling> {
+/// `yarn_beta_fast`/`yarn_beta_slow` (32 and 1 by default), per-pair frequency factors from
+/// the `rope_freqs.weight` tensor (Llama 3.1+), and LongRoPE's `rope_factors_short.weight` /
+/// `rope_factors_long.weight` (Phi-3 128k, Phi-3.5, Phi-4-mini) with `rope.scaling.attn_factor`
+/// scaling cos/sin (llama.cpp applies that factor whatever the scaling type).
+fn gguf_rope_scaling(
+    f: &GgufFile,
+    arch: &str,
+    n_rot: usize,
+) -> Result<(RopeScaling, Option<LongRope>)> {
     let key = |k: &str| format!("{arch}.{k}");
     let get_f = |k: &str| -> Option<f32> { f.get(&key(k)).and_then(|v| v.as_f32()) };
     let kind = f
@@ -250,14 +291,26 @@ fn gguf_rope_scaling(f: &GgufFile, arch: &str, n_rot: usize) -> Result<RopeScali
         freq_scale,
         ..RopeScaling::default()
     };
+    let n_ctx_orig = f
+        .get(&key("rope.scaling.original_context_length"))
+        .and_then(|v| v.as_u64())
+        .or_else(|| f.get(&key("context_length")).and_then(|v| v.as_u64()))
+        .unwrap_or(0) as usize;
+    let attn_factor = get_f("rope.scaling.attn_factor").unwrap_or(1.0);
     match kind {
-        "none" | "linear" => {}
+        "none" | "linear" | "longrope" => {
+            if attn_factor != 1.0 {
+                // cos/sin scaled by the factor with no ramp (ggml's ext_factor 0).
+                scaling.yarn = Some(Yarn {
+                    ext_factor: 0.0,
+                    attn_factor,
+                    n_ctx_orig: n_ctx_orig.max(1),
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                });
+            }
+        }
         "yarn" => {
-            let n_ctx_orig = f
-                .get(&key("rope.scaling.original_context_length"))
-                .and_then(|v| v.as_u64())
-                .or_else(|| f.get(&key("context_length")).and_then(|v| v.as_u64()))
-                .unwrap_or(0) as usize;
             if n_ctx_orig == 0 {
                 return Err(Error::msg(
                     "GGUF metadata: YaRN RoPE scaling without an original context length",
@@ -265,7 +318,7 @@ fn gguf_rope_scaling(f: &GgufFile, arch: &str, n_rot: usize) -> Result<RopeScali
             }
             scaling.yarn = Some(Yarn {
                 ext_factor: get_f("rope.scaling.yarn_ext_factor").unwrap_or(1.0),
-                attn_factor: get_f("rope.scaling.attn_factor").unwrap_or(1.0),
+                attn_factor,
                 n_ctx_orig,
                 beta_fast: get_f("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
                 beta_slow: get_f("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
@@ -273,34 +326,74 @@ fn gguf_rope_scaling(f: &GgufFile, arch: &str, n_rot: usize) -> Result<RopeScali
         }
         other => {
             return Err(Error::Unsupported(format!(
-                "RoPE scaling '{other}' (supported: none, linear, yarn, and rope_freqs factors)"
+                "RoPE scaling '{other}' (supported: none, linear, yarn, and rope_freqs or \
+                 LongRoPE factors)"
             )))
         }
     }
-    if f.tensor("rope_factors_long.weight").is_some()
-        || f.tensor("rope_factors_short.weight").is_some()
-    {
-        return Err(Error::Unsupported(
-            "LongRoPE (rope_factors_long/short.weight: Phi-3.5, Phi-4-mini) is not implemented \
-             yet; refusing to run the model with unscaled positions"
-                .into(),
-        ));
-    }
-    if let Some(t) = f.tensor("rope_freqs.weight") {
+    let factors = |name: &str| -> Result<Option<Vec<f32>>> {
+        let Some(t) = f.tensor(name) else {
+            return Ok(None);
+        };
         if t.dtype != ferrum_core::DType::F32 || t.dims != [(n_rot / 2) as u64] {
             return Err(Error::msg(format!(
-                "rope_freqs.weight is {} {:?}, expected F32 [{}]",
+                "{name} is {} {:?}, expected F32 [{}]",
                 t.dtype,
                 t.dims,
                 n_rot / 2
             )));
         }
         let bytes = f.tensor_data(t);
-        let factors: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        scaling.freq_factors = Some(factors);
+        Ok(Some(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        ))
+    };
+    if let Some(ff) = factors("rope_freqs.weight")? {
+        // llama.cpp prefers these over LongRoPE's when a file has both.
+        scaling.freq_factors = Some(ff);
+        return Ok((scaling, None));
     }
-    Ok(scaling)
+    let long_rope = match (
+        factors("rope_factors_short.weight")?,
+        factors("rope_factors_long.weight")?,
+    ) {
+        (None, None) => None,
+        (Some(short), Some(long)) => {
+            if n_ctx_orig == 0 {
+                return Err(Error::msg(
+                    "GGUF metadata: LongRoPE factors without an original context length",
+                ));
+            }
+            let with = |ff: Vec<f32>| RopeScaling {
+                freq_factors: Some(ff),
+                ..scaling.clone()
+            };
+            Some(LongRope {
+                n_ctx_orig,
+                short: with(short),
+                long: with(long),
+            })
+        }
+        _ => {
+            return Err(Error::msg(
+                "GGUF file has one of rope_factors_short.weight and rope_factors_long.weight \
+                 without the other",
+            ))
+        }
+    };
+    match &long_rope {
+        Some(lr) => scaling = lr.short.clone(),
+        None if kind == "longrope" => {
+            return Err(Error::Unsupported(
+                "RoPE scaling 'longrope' without its factors (rope_factors_short.weight and \
+                 rope_factors_long.weight)"
+                    .into(),
+            ))
+        }
+        None => {}
+    }
+    Ok((scaling, long_rope))
 }

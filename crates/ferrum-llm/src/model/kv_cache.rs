@@ -94,6 +94,9 @@ pub struct KvPool {
     dtype: DType,
     /// Per layer: K then V, each [n_blocks * block_size, kv_dim].
     layers: Vec<(Rows, Rows)>,
+    /// The most positions one sequence may reach (RoPE scalings that depend on the context,
+    /// LongRoPE, choose by it): the whole pool unless set.
+    seq_context: usize,
 }
 
 impl KvPool {
@@ -124,7 +127,19 @@ impl KvPool {
             layers: (0..cfg.n_layer)
                 .map(|_| (Rows::zeroed(t, rows, kv_dim), Rows::zeroed(t, rows, kv_dim)))
                 .collect(),
+            seq_context: rows,
         })
+    }
+
+    /// Sets the most positions one sequence may reach (a server's context size, below the
+    /// pool's capacity when the pool holds several sequences).
+    pub fn set_seq_context(&mut self, n_ctx: usize) {
+        self.seq_context = n_ctx;
+    }
+
+    /// The most positions one sequence may reach ([`KvPool::set_seq_context`]).
+    pub fn seq_context(&self) -> usize {
+        self.seq_context
     }
 
     /// Bytes of one K (or V) row of one layer in `cfg.kv_type`.

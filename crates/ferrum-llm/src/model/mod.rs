@@ -401,7 +401,7 @@ impl Model {
             cfg.n_rot,
             cfg.rope_base,
             cfg.rope_style,
-            &cfg.rope_scaling,
+            cfg.rope_scaling_for(pool.seq_context()),
         );
         // Gemma's sliding-window layers rotate unscaled, with their own base (as llama.cpp's).
         let rope_swa = (cfg.arch.is_gemma()

@@ -1,7 +1,8 @@
 //! Phi-3 (Abdin et al. 2024, "Phi-3 Technical Report"), Phi-3.5-mini, Phi-4-mini: the Llama layer
 //! ([`super::llama::DecoderLayer`]) stored with Q, K and V stacked in one matrix and gate and up
 //! in another (split by rows on load, without a copy), NeoX-style RoPE. Reference: llama.cpp
-//! `src/models/phi3.cpp`. (LongRoPE, the 128k-context variants' factors, is refused at load.)
+//! `src/models/phi3.cpp`. The 128k-context variants, Phi-3.5 and Phi-4-mini rotate with LongRoPE's
+//! factors ([`super::config::LongRope`], read by the config loaders).
 //!
 //! Per layer: [q; k; v] = h W_qkv;  [g; u] = h W_gate_up;  otherwise as Llama.
 
