@@ -343,17 +343,61 @@ fn phi3_longrope(
     (hf, gguf)
 }
 
-/// LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) from both formats: the HF folder and the GGUF file
-/// give the same logits with each factor set (short for a context within the original length,
-/// long past it, llama.cpp's rule), the sets differ from each other and from plain RoPE, and
-/// uniform factors of 4 with no attention factor are exactly linear scaling by 4.
+/// LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) from both formats: against a float64 reference of
+/// Hugging Face's Phi-3 with LongRoPE (`scripts/tiny_models/longrope_reference.py`, itself checked
+/// against PyTorch on the plain model), teacher-forced, every top-5 probability within 2e-3 with
+/// an f32 cache, with the short set (a context within the original length) and the long set
+/// (past it, llama.cpp's rule); the HF folder and the GGUF file give the same logits; uniform
+/// factors of 4 with no attention factor are exactly linear scaling by 4.
 #[test]
 fn phi3_longrope_both_formats() {
     let f32_kv = |p: &std::path::Path| load_f32_kv(p);
-    let short: Vec<f32> = (0..8).map(|i| 1.0 + 0.25 * i as f32).collect();
-    let long: Vec<f32> = (0..8).map(|i| 2.0 + 3.0 * i as f32).collect();
-    let (hf_dir, gguf) = phi3_longrope("longrope", &short, &long, 512, 64);
-    let (hf, gguf) = (f32_kv(&hf_dir), f32_kv(&gguf));
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(tiny_dir().join("phi3-longrope.json")).unwrap(),
+    )
+    .unwrap();
+    let floats = |k: &str| -> Vec<f32> {
+        reference[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect()
+    };
+    let (short, long) = (floats("short_factor"), floats("long_factor"));
+    let n = |k: &str| reference[k].as_u64().unwrap() as usize;
+    let (max_pos, orig) = (
+        n("max_position_embeddings"),
+        n("original_max_position_embeddings"),
+    );
+    let (hf_dir, gguf_path) = phi3_longrope("longrope", &short, &long, max_pos, orig);
+    for path in [&hf_dir, &gguf_path] {
+        let llm = f32_kv(path);
+        for (set, ctx) in [("short", orig), ("long", 4 * orig)] {
+            let mut worst = 0f64;
+            for p in reference["prompts"].as_array().unwrap() {
+                let tokens = ids(&p["ids"]);
+                let logits = logits_ctx(&llm, &tokens, ctx);
+                let v = llm.model.config.n_vocab;
+                for (pos, top) in p[set].as_array().unwrap().iter().enumerate() {
+                    let probs = softmax(&logits[pos * v..(pos + 1) * v]);
+                    for (id, want) in ids(&top["ids"])
+                        .iter()
+                        .zip(top["probs"].as_array().unwrap())
+                    {
+                        let d = (probs[*id as usize] - want.as_f64().unwrap()).abs();
+                        worst = worst.max(d);
+                    }
+                }
+            }
+            println!(
+                "LongRoPE {set} set, {}: worst |dp| {worst:.2e}",
+                path.display()
+            );
+            assert!(worst <= F32_KV_WORST, "{set}: worst |dp| {worst}");
+        }
+    }
+    let (hf, gguf) = (f32_kv(&hf_dir), f32_kv(&gguf_path));
     let plain = f32_kv(&tiny_dir().join("phi3"));
     let lr = hf
         .model
@@ -363,15 +407,19 @@ fn phi3_longrope_both_formats() {
         .expect("LongRoPE from config.json");
     assert_eq!(Some(lr), gguf.model.config.long_rope.as_ref());
     let a = lr.short.yarn.expect("attention factor").attn_factor;
-    assert!((a - 1.5f32.sqrt()).abs() < 1e-6, "attention factor {a}");
+    let want = reference["attention_factor"].as_f64().unwrap() as f32;
+    assert!((a - want).abs() < 1e-6, "attention factor {a}, want {want}");
 
     let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 2000).collect();
-    let (hs, gs) = (logits_ctx(&hf, &tokens, 64), logits_ctx(&gguf, &tokens, 64));
-    let (hl, gl) = (
-        logits_ctx(&hf, &tokens, 256),
-        logits_ctx(&gguf, &tokens, 256),
+    let (hs, gs) = (
+        logits_ctx(&hf, &tokens, orig),
+        logits_ctx(&gguf, &tokens, orig),
     );
-    let p = logits_ctx(&plain, &tokens, 64);
+    let (hl, gl) = (
+        logits_ctx(&hf, &tokens, 4 * orig),
+        logits_ctx(&gguf, &tokens, 4 * orig),
+    );
+    let p = logits_ctx(&plain, &tokens, orig);
     let (d_short, d_long) = (max_diff(&hs, &gs), max_diff(&hl, &gl));
     let (d_sets, d_plain) = (max_diff(&hs, &hl), max_diff(&hs, &p));
     println!(
