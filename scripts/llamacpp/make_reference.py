@@ -8,7 +8,7 @@ log-probabilities at every step (the server's pre-sampling softmax over the full
 text. Writes one JSON file that ferrum's llama.cpp reference tests read.
 
 Usage: scripts/llamacpp/make_reference.py LLAMA_SERVER MODEL.gguf OUT.json [--port 8199] [--n-predict 48]
-       [--server-args '-ctk q8_0 -ctv q8_0']
+       [--server-args '-ctk q8_0 -ctv q8_0'] [--ignore-eos]
 Standard library only.
 """
 import argparse
@@ -60,6 +60,9 @@ def main():
     ap.add_argument("--n-predict", type=int, default=N_PREDICT,
                     help=f"tokens per continuation (default {N_PREDICT}); more for models whose "
                          "byte tokens leave fewer positions comparable")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="continue past end-of-generation tokens (random-weight models draw them, "
+                         "and this llama-server then returns no probabilities)")
     ap.add_argument("--server-args", default="",
                     help="extra llama-server flags, one string (e.g. '-ctk q8_0 -ctv q8_0')")
     a = ap.parse_args()
@@ -86,6 +89,8 @@ def main():
             plain, special = tok(False), tok(True)
             body = {k: v for k, v in REQUEST.items() if k != "endpoint"}
             body["n_predict"] = a.n_predict
+            if a.ignore_eos:
+                body["ignore_eos"] = True
             body["prompt"] = p
             r = post(a.port, "/completion", body)
             steps = []

@@ -96,6 +96,7 @@ fn main() {
                 scale: 1.0 / (hd as f32).sqrt(),
                 window: None,
                 softcap: None,
+                sinks: None,
             };
             let mut out = vec![0f32; q.len()];
             let s = median_secs(|| attention(&p, black_box(&q), &k, &v, &positions, &mut out));

@@ -18,7 +18,7 @@ use crate::{pool, quant};
 
 /// Shape and masking of one attention call.
 #[derive(Clone, Copy, Debug)]
-pub struct AttnParams {
+pub struct AttnParams<'a> {
     pub n_head: usize,
     pub n_head_kv: usize,
     pub head_dim: usize,
@@ -29,6 +29,27 @@ pub struct AttnParams {
     /// Logit soft-capping (Gemma 2): each score s = scale q.k becomes cap * tanh(s / cap), computed
     /// as llama.cpp's flash attention does, cap * tanh(q.k (scale / cap)).
     pub softcap: Option<f32>,
+    /// Attention sinks (gpt-oss): per query head a learned logit that joins the softmax's
+    /// denominator with no value row, so a head can attend to "nothing". Applied as llama.cpp's
+    /// flash attention does, after the keys ([`join_sink`]).
+    pub sinks: Option<&'a [f32]>,
+}
+
+/// Joins a sink logit to a finished online softmax (running max `m`, sum `s`), as llama.cpp's
+/// flash attention does after the last key: with `sink > m` the sum is rescaled by
+/// `ms = exp(m - sink)` plus 1 and `ms` is returned (the accumulator must be scaled by it, in
+/// f32); otherwise `s + exp(sink - m)`. `S = fma(S, ms, vs)` either way.
+#[inline(always)]
+fn join_sink(sink: Option<f32>, m: f32, s: &mut f32) -> Option<f32> {
+    let sk = sink?;
+    if sk > m {
+        let ms = (m - sk).exp();
+        *s = s.mul_add(ms, 1.0);
+        Some(ms)
+    } else {
+        *s = s.mul_add(1.0, (sk - m).exp());
+        None
+    }
 }
 
 /// A score after soft-capping: `x` is q.k times the row's scale (already divided by the cap).
@@ -246,6 +267,7 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             keys,
             scale: p.softcap.map_or(p.scale, |c| p.scale / c),
             softcap: p.softcap,
+            sink: p.sinks.map(|sk| sk[h]),
         }
     };
     #[cfg(target_arch = "x86_64")]
@@ -343,6 +365,8 @@ struct Row<'a> {
     /// Multiplies q.k (the cap's division folded in, see [`AttnParams::softcap`]).
     scale: f32,
     softcap: Option<f32>,
+    /// This head's sink logit ([`AttnParams::sinks`]).
+    sink: Option<f32>,
 }
 
 impl Row<'_> {
@@ -530,6 +554,12 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
     }
     SCORES.with_borrow_mut(|sc| *sc = scores);
     for hi in 0..H {
+        if let Some(ms) = join_sink(rows[hi].sink, m[hi], &mut s[hi]) {
+            let msv = _mm512_set1_ps(ms);
+            for av in acc[hi].iter_mut() {
+                *av = _mm512_mul_ps(*av, msv);
+            }
+        }
         let inv = _mm512_set1_ps(1.0 / s[hi]);
         for (i, av) in acc[hi].iter().enumerate() {
             let off = hi * hd + i * 16;
@@ -586,6 +616,11 @@ fn attend_row(r: &Row, o: &mut [f32]) {
         round_to_f16(&mut acc, &mut acc16);
         s = s.mul_add(ms, vs);
     }
+    if let Some(ms) = join_sink(r.sink, m, &mut s) {
+        for a in acc.iter_mut() {
+            *a *= ms;
+        }
+    }
     let inv = 1.0 / s;
     for (dst, a) in o.iter_mut().zip(&acc) {
         *dst = a * inv;
@@ -613,7 +648,7 @@ fn query_keys<'a, 's>(
 /// Attention over a cache whose K or V rows are not f16 ([`KvRows::F32`], [`KvRows::Blocks`]):
 /// one task per (query row, head), each by [`attend_row_any`].
 fn run_any(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], first: &[usize], out: &mut [f32]) {
-    let (hd, nh, nkv) = (p.head_dim, p.n_head, p.n_head_kv);
+    let (hd, nh) = (p.head_dim, p.n_head);
     for s in seqs {
         for rows in [s.kv.k, s.kv.v] {
             if let KvRows::Blocks(t, _) = rows {
@@ -624,21 +659,19 @@ fn run_any(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], first: &[usize], out
             }
         }
     }
-    let group = nh / nkv;
     let fast = has_avx2_fma_f16c();
     pool::parallel_chunks_mut(out, hd, |idx, o| {
         let (t, h) = (idx / nh, idx % nh);
         let (s, keys) = query_keys(p, seqs, first, t);
-        let head = (h / group) * hd;
         let q = &q[idx * hd..(idx + 1) * hd];
         #[cfg(target_arch = "x86_64")]
         if fast {
             // SAFETY: `fast` is true only when the CPU reports AVX2, FMA and F16C.
-            unsafe { attend_row_any_avx2(p, q, &s.kv, head, keys, o) };
+            unsafe { attend_row_any_avx2(p, q, &s.kv, h, keys, o) };
             return;
         }
         let _ = fast;
-        attend_row_any(p, q, &s.kv, head, keys, o);
+        attend_row_any(p, q, &s.kv, h, keys, o);
     });
 }
 
@@ -650,28 +683,30 @@ unsafe fn attend_row_any_avx2(
     p: &AttnParams,
     q: &[f32],
     kv: &PagedKv<'_>,
-    head: usize,
+    h: usize,
     keys: std::ops::Range<usize>,
     o: &mut [f32],
 ) {
-    attend_row_any(p, q, kv, head, keys, o)
+    attend_row_any(p, q, kv, h, keys, o)
 }
 
 /// One query row of one head, llama.cpp's flash-attention recurrence for any cache type
 /// (`ggml_compute_forward_flash_attn_ext_f16_one_chunk`): Q converted to K's dot format once;
 /// per key the score `dot(K, Q)·scale` (soft-capped), then with `s > M` the accumulator scaled
 /// by `exp(M - s)`, else the weight `exp(s - M)`; V (as f32) added by FMA; `S = fma(S, ms, vs)`.
-/// An f16 V accumulates in f16 (rounded after every update), any other V in f32.
+/// An f16 V accumulates in f16 (rounded after every update), any other V in f32. `h`: the
+/// query head.
 #[inline(always)]
 fn attend_row_any(
     p: &AttnParams,
     q: &[f32],
     kv: &PagedKv<'_>,
-    head: usize,
+    h: usize,
     keys: std::ops::Range<usize>,
     o: &mut [f32],
 ) {
     let hd = q.len();
+    let head = (h / (p.n_head / p.n_head_kv)) * hd;
     let kv_row = p.n_head_kv * hd;
     let scale = p.softcap.map_or(p.scale, |c| p.scale / c);
     let shift = kv.block_size.trailing_zeros();
@@ -749,6 +784,11 @@ fn attend_row_any(
         }
         s = s.mul_add(ms, vs);
     }
+    if let Some(ms) = join_sink(p.sinks.map(|sk| sk[h]), m, &mut s) {
+        for a in acc.iter_mut() {
+            *a *= ms;
+        }
+    }
     let inv = 1.0 / s;
     for (dst, a) in o.iter_mut().zip(&acc) {
         *dst = a * inv;
@@ -793,7 +833,8 @@ fn round_to_f16(x: &mut [f32], scratch: &mut [f16]) {
     scratch.convert_to_f32_slice(x);
 }
 
-/// Plain reference: full scores, f64 softmax, no f16 rounding of Q.
+/// Plain reference: full scores, f64 softmax (with the sinks in its denominator), no f16
+/// rounding of Q.
 pub fn attention_ref(
     p: &AttnParams,
     q: &[f32],
@@ -824,9 +865,15 @@ pub fn attention_ref(
                     }
                 })
                 .collect();
-            let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sink = p.sinks.map(|sk| sk[h] as f64);
+            let m = scores
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-            let sum: f64 = w.iter().sum();
+            // A sink joins the denominator only.
+            let sum: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |sk| (sk - m).exp());
             for d in 0..hd {
                 let val: f64 = (start..=pos)
                     .zip(&w)
@@ -847,12 +894,14 @@ mod tests {
     fn online_softmax_matches_reference() {
         let seed: u64 = rand::random();
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        for (nh, nkv, hd, window, softcap) in [
-            (4, 2, 16, None, None),
-            (4, 1, 32, Some(5), None),
-            (3, 3, 8, None, None),
-            (4, 2, 64, None, Some(1.5)),
-            (2, 1, 16, Some(3), Some(0.8)),
+        for (nh, nkv, hd, window, softcap, sinks) in [
+            (4, 2, 16, None, None, false),
+            (4, 1, 32, Some(5), None, false),
+            (3, 3, 8, None, None, false),
+            (4, 2, 64, None, Some(1.5), false),
+            (2, 1, 16, Some(3), Some(0.8), false),
+            (4, 2, 64, Some(4), None, true),
+            (4, 2, 32, None, None, true),
         ] {
             let ctx = 20;
             let positions: Vec<usize> = (12..20).collect();
@@ -865,6 +914,8 @@ mod tests {
             let q: Vec<f32> = (0..positions.len() * nh * hd)
                 .map(|_| rng.gen_range(-2.0..2.0))
                 .collect();
+            // Sinks both above and below the scores (some heads' sink dominates).
+            let sink_logits: Vec<f32> = (0..nh).map(|_| rng.gen_range(-3.0..6.0)).collect();
             let p = AttnParams {
                 n_head: nh,
                 n_head_kv: nkv,
@@ -872,6 +923,7 @@ mod tests {
                 scale: 1.0 / (hd as f32).sqrt(),
                 window,
                 softcap,
+                sinks: sinks.then_some(&sink_logits[..]),
             };
             let mut a = vec![0.0; q.len()];
             let mut b = vec![0.0; q.len()];

@@ -36,7 +36,14 @@ fn quantized_and_f32_caches_match_an_f64_reference() {
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
     for t in [DType::F32, DType::Q8_0, DType::Q4_0] {
-        for (nh, nkv, hd, window) in [(4, 2, 64, None), (6, 2, 32, Some(5)), (2, 2, 128, None)] {
+        for (nh, nkv, hd, window, with_sinks) in [
+            (4, 2, 64, None, false),
+            (6, 2, 32, Some(5), false),
+            (2, 2, 128, None, false),
+            (4, 2, 32, Some(5), true),
+        ] {
+            // Attention sinks (gpt-oss), above and below the scores.
+            let sinks: Vec<f32> = (0..nh).map(|_| rng.gen_range(-3.0..6.0)).collect();
             let (bs, n_blocks, ctx) = (4usize, 8usize, 13usize);
             let kv_row = nkv * hd;
             // The sequence's logical blocks, scattered over the pool.
@@ -88,6 +95,7 @@ fn quantized_and_f32_caches_match_an_f64_reference() {
                 scale: 1.0 / (hd as f32).sqrt(),
                 window,
                 softcap: None,
+                sinks: with_sinks.then_some(&sinks[..]),
             };
             let mut out = vec![f32::NAN; q.len()];
             attention_paged(&p, &q, kv, &positions, &mut out);
@@ -114,9 +122,15 @@ fn quantized_and_f32_caches_match_an_f64_reference() {
                                 * p.scale as f64
                         })
                         .collect();
-                    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let sink = p.sinks.map(|sk| sk[h] as f64);
+                    let m = scores
+                        .iter()
+                        .copied()
+                        .chain(sink)
+                        .fold(f64::NEG_INFINITY, f64::max);
                     let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                    let sum: f64 = w.iter().sum();
+                    // A sink joins the denominator only.
+                    let sum: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |sk| (sk - m).exp());
                     for d in 0..hd {
                         let want: f64 = (start..=pos)
                             .zip(&w)

@@ -155,6 +155,7 @@ fn batched_attention_equals_each_sequence_alone() {
             scale: 0.125,
             window: None,
             softcap: None,
+            sinks: None,
         };
         let qs: Vec<Vec<f32>> = positions
             .iter()
@@ -221,6 +222,7 @@ fn attention_is_batch_invariant_and_close_to_f64() {
             scale: 1.0 / (hd as f32).sqrt(),
             window,
             softcap: None,
+            sinks: None,
         };
         let mut all = vec![f32::NAN; q.len()];
         attention(&p, &q, &k, &v, &positions, &mut all);

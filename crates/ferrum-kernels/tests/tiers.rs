@@ -242,24 +242,30 @@ fn every_tier_matches_the_reference_on_every_type_and_shape() {
             let q: Vec<f32> = (0..positions.len() * nh * hd)
                 .map(|_| rng.gen_range(-1.0..1.0))
                 .collect();
-            let p = AttnParams {
-                n_head: nh,
-                n_head_kv: nkv,
-                head_dim: hd,
-                scale: 1.0 / (hd as f32).sqrt(),
-                window: None,
-                softcap: None,
-            };
-            let mut a = vec![f32::NAN; q.len()];
-            let mut b = vec![f32::NAN; q.len()];
-            attention(&p, &q, &k, &v, &positions, &mut a);
-            attention_portable(&p, &q, &k, &v, &positions, &mut b);
-            assert!(
-                a.iter()
-                    .zip(&b)
-                    .all(|(x, y)| x.is_finite() && x.to_bits() == y.to_bits()),
-                "seed {seed}: tier {tier}: attention {nh}x{hd} differs from the portable kernel"
-            );
+            // Attention sinks (gpt-oss) on every other call, above and below the scores.
+            let sinks: Vec<f32> = (0..nh).map(|_| rng.gen_range(-3.0..6.0)).collect();
+            for with_sinks in [false, true] {
+                let p = AttnParams {
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    head_dim: hd,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    window: None,
+                    softcap: None,
+                    sinks: with_sinks.then_some(&sinks[..]),
+                };
+                let mut a = vec![f32::NAN; q.len()];
+                let mut b = vec![f32::NAN; q.len()];
+                attention(&p, &q, &k, &v, &positions, &mut a);
+                attention_portable(&p, &q, &k, &v, &positions, &mut b);
+                assert!(
+                    a.iter()
+                        .zip(&b)
+                        .all(|(x, y)| x.is_finite() && x.to_bits() == y.to_bits()),
+                    "seed {seed}: tier {tier}: attention {nh}x{hd} (sinks {with_sinks}) differs \
+                     from the portable kernel"
+                );
+            }
         }
         for n in [1, 15, 16, 17, 100, 1536] {
             let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-8.0..8.0)).collect();

@@ -396,3 +396,15 @@ fn tiny_q8_0_every_architecture() {
         tiny_file(&format!("{arch}.q8_0"), 100);
     }
 }
+
+/// gpt-oss (attention sinks, biases everywhere, alternating sliding window, YaRN, biased router
+/// with softmax-weight gating, clamped SwiGLU experts): a tiny random-weight model written by
+/// `scripts/tiny_models/gptoss.py` in F32 and with MXFP4 experts (llama-quantize MXFP4_MOE),
+/// against llama-server on the same files.
+#[test]
+fn tiny_gpt_oss() {
+    for stem in ["gptoss.f32", "gptoss.mxfp4"] {
+        eprintln!("{stem}:");
+        tiny_file(stem, 100);
+    }
+}

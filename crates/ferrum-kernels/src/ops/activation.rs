@@ -235,6 +235,45 @@ unsafe fn geglu_avx512(table: &[f16], gate: &mut [f32], up: &[f32]) -> usize {
     full
 }
 
+/// gpt-oss's clamped SwiGLU, as ggml's `swiglu_oai` computes it (a scalar loop with libm's
+/// `expf`): with x = min(gate, limit) and y = clamp(up, -limit, limit),
+/// `gate[i] = x / (1 + exp(-alpha x)) * (y + 1)`. gpt-oss uses alpha 1.702 and limit 7.
+pub fn swiglu_oai(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    assert_eq!(gate.len(), up.len(), "swiglu_oai: lengths differ");
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = if limit < *g { limit } else { *g };
+        let y = u.clamp(-limit, limit);
+        let glu = x / (1.0 + (alpha * (-x)).exp());
+        *g = glu * (y + 1.0);
+    }
+}
+
+#[cfg(test)]
+mod swiglu_oai_tests {
+    use super::*;
+
+    /// Against the formula in f64 on fresh random inputs, including values past the clamps.
+    #[test]
+    fn matches_f64() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let n = 4096;
+        let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-12.0..12.0)).collect();
+        let u: Vec<f32> = (0..n).map(|_| rng.gen_range(-12.0..12.0)).collect();
+        let mut out = g.clone();
+        swiglu_oai(&mut out, &u, 1.702, 7.0);
+        for ((&x, &y), &got) in g.iter().zip(&u).zip(&out) {
+            let (x, y) = ((x as f64).min(7.0), (y as f64).clamp(-7.0, 7.0));
+            let want = x / (1.0 + (-1.702 * x).exp()) * (y + 1.0);
+            assert!(
+                got.is_finite() && (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "seed {seed}: {got} vs {want}"
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,7 @@ mod hadamard;
 mod norm;
 mod rope;
 
-pub use activation::{geglu, geglu_portable, gelu_tanh, silu, swiglu, swiglu_portable};
+pub use activation::{geglu, geglu_portable, gelu_tanh, silu, swiglu, swiglu_oai, swiglu_portable};
 pub use hadamard::hadamard_inplace;
 pub use norm::{rms_norm, rms_norm_inplace};
 pub use rope::{RopeCache, RopeScaling, RopeStyle, Yarn};

@@ -10,7 +10,7 @@ use ferrum_kernels::ops::{RopeScaling, Yarn};
 use serde_json::{json, Map, Value};
 
 use crate::model::arch::{self, Experts, Family, Swa, REGISTRY};
-use crate::model::config::{Arch, Config, LongRope, MoeConfig};
+use crate::model::config::{Arch, Config, ExpertAct, Gating, LongRope, MoeConfig};
 
 /// What `config.json` says: the [`Config`] plus the facts the weight loader needs.
 #[derive(Clone, Debug)]
@@ -427,6 +427,8 @@ impl HfConfig {
                     n_expert_used: c.usize("num_experts_per_tok")?,
                     n_ff_exp: c.usize("moe_intermediate_size")?,
                     norm: c.opt_bool("norm_topk_prob")?.unwrap_or(false),
+                    gating: Gating::Softmax,
+                    act: ExpertAct::Silu,
                 })
             }
             "mixtral" => Some(MoeConfig {
@@ -434,6 +436,8 @@ impl HfConfig {
                 n_expert_used: c.usize("num_experts_per_tok")?,
                 n_ff_exp: c.usize("intermediate_size")?,
                 norm: true,
+                gating: Gating::Softmax,
+                act: ExpertAct::Silu,
             }),
             _ => None,
         };

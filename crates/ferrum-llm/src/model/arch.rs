@@ -18,7 +18,7 @@ use ferrum_kernels::ops::RopeStyle;
 use super::blocks::Moe;
 use super::config::Config;
 use super::weights::Linear;
-use super::{gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe, Step};
+use super::{gemma2, gemma3, gptoss, llama, phi3, qwen2, qwen3, qwen3moe, Step};
 
 /// Every architecture, by its GGUF `general.architecture` name: one line each.
 pub static REGISTRY: &[&ArchDef] = &[
@@ -29,6 +29,7 @@ pub static REGISTRY: &[&ArchDef] = &[
     &phi3::ARCH,
     &gemma2::ARCH,
     &gemma3::ARCH,
+    &gptoss::ARCH,
 ];
 
 /// Conventions a family of architectures shares in its configs and checkpoints.
@@ -185,6 +186,7 @@ pub mod dim {
     pub const FF: Dim = |c| c.n_ff;
     pub const FF_EXP: Dim = |c| c.moe.map_or(0, |m| m.n_ff_exp);
     pub const EXPERTS: Dim = |c| c.moe.map_or(0, |m| m.n_expert);
+    pub const HEADS: Dim = |c| c.n_head;
 }
 
 /// The shape of a layer tensor, GGUF order (`n_in` contiguous).
@@ -200,8 +202,9 @@ pub enum Shape {
         n_in: Dim,
         parts: &'static [(&'static str, Dim)],
     },
-    /// `[n_in, n_out, n_expert]`: one projection per expert.
-    Experts { n_in: Dim, n_out: Dim },
+    /// `[n_in, n_out, n_expert]`: one projection per expert, with a bias `[n_out, n_expert]`
+    /// when `bias`.
+    Experts { n_in: Dim, n_out: Dim, bias: bool },
 }
 
 /// One tensor of a layer.
@@ -257,16 +260,28 @@ impl TensorSpec {
         Self {
             gguf,
             hf,
-            shape: Shape::Experts { n_in, n_out },
+            shape: Shape::Experts {
+                n_in,
+                n_out,
+                bias: false,
+            },
             required: true,
         }
     }
 
-    /// The same projection with a bias vector.
+    /// The same projection (or experts) with a bias.
     pub const fn with_bias(self) -> Self {
         match self.shape {
             Shape::Matrix { n_in, n_out, .. } => Self {
                 shape: Shape::Matrix {
+                    n_in,
+                    n_out,
+                    bias: true,
+                },
+                ..self
+            },
+            Shape::Experts { n_in, n_out, .. } => Self {
+                shape: Shape::Experts {
                     n_in,
                     n_out,
                     bias: true,
@@ -461,6 +476,8 @@ mod tests {
                     n_expert_used: 2,
                     n_ff_exp: 8,
                     norm: true,
+                    gating: crate::model::config::Gating::Softmax,
+                    act: crate::model::config::ExpertAct::Silu,
                 });
             }
             let specs = (d.tensors)(&cfg);

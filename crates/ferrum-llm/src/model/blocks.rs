@@ -8,7 +8,7 @@ use ferrum_core::{Buf, Result};
 use super::arch::{dim, LayerTensors, TensorSpec};
 use super::config::Config;
 use super::weights::Linear;
-use super::{geglu, moe, rms_norm_inplace, rope, scale, swiglu, trace, Step};
+use super::{geglu, moe, rms_norm_inplace, rope, scale, swiglu, trace, Attend, Step};
 
 /// The attention projections as most checkpoints store them.
 pub const ATTENTION: [TensorSpec; 4] = [
@@ -49,6 +49,8 @@ pub struct AttnOpts<'a> {
     pub local_rope: bool,
     /// Multiply Q by the scale before attention (Gemma) rather than the scores.
     pub scale_q: bool,
+    /// Per query head, a logit joining the softmax with no value (gpt-oss's sinks).
+    pub sinks: Option<&'a [f32]>,
 }
 
 impl Attention {
@@ -102,7 +104,12 @@ impl Attention {
         trace("Kcur", Some(il), &k, nkv * hd);
         trace("Vcur", Some(il), &v, nkv * hd);
         let window = if local { cfg.sliding_window } else { None };
-        let a = s.attend(il, &q, &k, &v, kq_scale, window);
+        let how = Attend {
+            scale: kq_scale,
+            window,
+            sinks: o.sinks,
+        };
+        let a = s.attend(il, &q, &k, &v, how);
         trace("kqv_out", Some(il), &a, nh * hd);
         let mut out = self.output.forward(&a, &s.segs);
         s.keep_output_rows(il, x, &mut out);
@@ -189,12 +196,9 @@ pub fn moe_tensors(router: &'static str, [gate, up, down]: [&'static str; 3]) ->
     ]
 }
 
-impl Ffn {
-    /// A mixture of experts when the model has one, else the dense block ([`MLP`]'s tensors).
-    pub fn load(cfg: &Config, t: &mut LayerTensors) -> Result<Ffn> {
-        if cfg.moe.is_none() {
-            return Ok(Ffn::Dense(Mlp::load(t)?));
-        }
+impl Moe {
+    /// The router and the experts ([`moe_tensors`]).
+    pub fn load(t: &mut LayerTensors) -> Result<Moe> {
         let router = t.linear("ffn_gate_inp")?;
         let gate = t.experts("ffn_gate_exps")?;
         let up = t.experts("ffn_up_exps")?;
@@ -205,7 +209,34 @@ impl Ffn {
             .zip(down)
             .map(|((gate, up), down)| Mlp { gate, up, down })
             .collect();
-        Ok(Ffn::Moe(Moe { router, experts }))
+        Ok(Moe { router, experts })
+    }
+
+    /// The router's then each expert's projections.
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut v = vec![&self.router];
+        for m in &self.experts {
+            v.extend([&m.gate, &m.up, &m.down]);
+        }
+        v
+    }
+
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut v = vec![&mut self.router];
+        for m in &mut self.experts {
+            v.extend([&mut m.gate, &mut m.up, &mut m.down]);
+        }
+        v
+    }
+}
+
+impl Ffn {
+    /// A mixture of experts when the model has one, else the dense block ([`MLP`]'s tensors).
+    pub fn load(cfg: &Config, t: &mut LayerTensors) -> Result<Ffn> {
+        match cfg.moe {
+            None => Ok(Ffn::Dense(Mlp::load(t)?)),
+            Some(_) => Ok(Ffn::Moe(Moe::load(t)?)),
+        }
     }
 
     /// The block's output for `h` ([T, n_embd]).
@@ -223,26 +254,14 @@ impl Ffn {
     pub fn linears(&self) -> Vec<&Linear> {
         match self {
             Ffn::Dense(m) => vec![&m.gate, &m.up, &m.down],
-            Ffn::Moe(moe) => {
-                let mut v = vec![&moe.router];
-                for m in &moe.experts {
-                    v.extend([&m.gate, &m.up, &m.down]);
-                }
-                v
-            }
+            Ffn::Moe(moe) => moe.linears(),
         }
     }
 
     pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
         match self {
             Ffn::Dense(m) => vec![&mut m.gate, &mut m.up, &mut m.down],
-            Ffn::Moe(moe) => {
-                let mut v = vec![&mut moe.router];
-                for m in &mut moe.experts {
-                    v.extend([&mut m.gate, &mut m.up, &mut m.down]);
-                }
-                v
-            }
+            Ffn::Moe(moe) => moe.linears_mut(),
         }
     }
 }

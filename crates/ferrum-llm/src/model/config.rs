@@ -18,6 +18,28 @@ pub struct MoeConfig {
     pub n_ff_exp: usize,
     /// Whether the chosen experts' weights are renormalised to sum to 1.
     pub norm: bool,
+    /// How the router's scores become the chosen experts' weights.
+    pub gating: Gating,
+    /// The experts' gated activation.
+    pub act: ExpertAct,
+}
+
+/// How a router picks experts and weighs them (llama.cpp's `expert_gating_func`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over every expert, the top k of the probabilities (Mixtral, Qwen3-MoE).
+    Softmax,
+    /// The top k of the raw scores, then a softmax over those k (gpt-oss).
+    SoftmaxWeight,
+}
+
+/// An expert's gated activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertAct {
+    /// SiLU(gate) * up.
+    Silu,
+    /// gpt-oss's clamped SwiGLU ([`ferrum_kernels::ops::swiglu_oai`], alpha 1.702, limit 7).
+    SwigluOai,
 }
 
 /// LongRoPE (Ding et al. 2024; Phi-3 128k, Phi-3.5, Phi-4-mini): per-pair frequency divisors for
@@ -142,6 +164,8 @@ impl Config {
                 // llama.cpp renormalises the chosen experts' weights for llama (Mixtral) and
                 // qwen3moe alike.
                 norm: true,
+                gating: Gating::Softmax,
+                act: ExpertAct::Silu,
             }),
         };
         match (arch.experts, &moe) {

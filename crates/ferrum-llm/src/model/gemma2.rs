@@ -99,6 +99,7 @@ impl GemmaLayer {
             qk_norm,
             local_rope: true,
             scale_q: true,
+            sinks: None,
         };
         let o = self.attn.forward(il, s, &h, x, opts);
         let o = rms_norm(&o, &self.post_attention_norm, eps);

@@ -1,5 +1,5 @@
 //! Decoder-only transformers. One file per architecture ([`llama`], [`qwen2`], [`qwen3`],
-//! [`qwen3moe`], [`phi3`], [`gemma2`], [`gemma3`]) declares its conventions, its tensors and its
+//! [`qwen3moe`], [`phi3`], [`gemma2`], [`gemma3`], [`gptoss`]) declares its conventions, its tensors and its
 //! layer as the paper writes it, and has one line in the registry ([`arch::REGISTRY`]). Layers are
 //! built from the shared [`blocks`] (attention, the gated feed-forward block, the [`moe`]
 //! mixture of experts); the operations they share (norms, RoPE, cached attention) live here.
@@ -9,6 +9,7 @@ pub mod blocks;
 pub mod config;
 pub mod gemma2;
 pub mod gemma3;
+pub mod gptoss;
 pub mod kv_cache;
 pub mod llama;
 pub mod moe;
@@ -91,6 +92,17 @@ fn kept_rows<'a>(
     })
 }
 
+/// How one layer's queries attend ([`Step::attend`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Attend<'a> {
+    /// Multiplies q.k.
+    pub scale: f32,
+    /// A query sees only the last `window` positions.
+    pub window: Option<usize>,
+    /// Per query head, a logit joining the softmax's denominator with no value (gpt-oss).
+    pub sinks: Option<&'a [f32]>,
+}
+
 /// Per-sequence values of a step, inline for batches of up to 16 sequences (no allocation).
 pub type PerSeq<T> = SmallVec<[T; 16]>;
 /// Per-row values of a step, inline up to 16 rows (a decode step of up to 16 sequences).
@@ -128,17 +140,14 @@ impl Step<'_> {
     }
 
     /// Writes each sequence's K/V rows into its cache for layer `il`, then attends every query to
-    /// its sequence's cached keys up to its own position (`window` limits how far back).
+    /// its sequence's cached keys up to its own position, as `how` says.
     /// `q`: [T, n_head*head_dim].
-    pub fn attend(
-        &mut self,
-        il: usize,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        scale: f32,
-        window: Option<usize>,
-    ) -> Buf {
+    pub fn attend(&mut self, il: usize, q: &[f32], k: &[f32], v: &[f32], how: Attend) -> Buf {
+        let Attend {
+            scale,
+            window,
+            sinks,
+        } = how;
         let cfg = self.cfg;
         let kvd = cfg.kv_dim();
         // A quantized cache holds K and V rotated by a Walsh-Hadamard matrix, as llama.cpp's
@@ -183,6 +192,7 @@ impl Step<'_> {
             scale,
             window,
             softcap: cfg.attn_softcap,
+            sinks,
         };
         let mut out = Buf::zeros(q.len());
         // Keys each query reads, for the FLOP and byte counts.

@@ -2,11 +2,14 @@
 //! Networks"; Jiang et al. 2024, "Mixtral of Experts"; Qwen3-MoE). Reference: llama.cpp
 //! `build_moe_ffn` with softmax gating.
 //!
-//! For each token row h:
-//!   p = softmax(h W_router)                      (over all experts)
-//!   E = the n_used experts with the largest p     (in descending order of p)
-//!   w_e = p_e, or p_e / sum_{e in E} p_e when the model renormalises
-//!   y = sum_{e in E} w_e * down_e(SiLU(gate_e h) * up_e h)     (summed in the order of E)
+//! For each token row h, with router scores r = h W_router (+ b_router):
+//!   softmax gating (Mixtral, Qwen3-MoE):
+//!     p = softmax(r) over all experts;  E = the n_used largest p (in descending order)
+//!     w_e = p_e, or p_e / sum_{e in E} p_e when the model renormalises
+//!   softmax-weight gating (gpt-oss):
+//!     E = the n_used largest r;  w = softmax(r_E)
+//!   y = sum_{e in E} w_e * down_e(act(gate_e h, up_e h))      (summed in the order of E)
+//! with act SiLU(g) * u, or gpt-oss's clamped SwiGLU; expert projections may carry biases.
 //!
 //! Only the chosen experts run. The rows of a step are grouped by expert, so each chosen expert's
 //! matrices are read once per step for all the rows that picked it.
@@ -15,25 +18,49 @@ use ferrum_core::Buf;
 use ferrum_kernels::profile;
 
 use super::blocks::Moe;
-use super::config::MoeConfig;
+use super::config::{ExpertAct, Gating, MoeConfig};
 use super::swiglu;
 
-/// The chosen experts of one row and their weights, in descending order of router probability
-/// (ties: the lower expert index first).
-pub fn route(logits: &[f32], cfg: &MoeConfig) -> Vec<(usize, f32)> {
-    // Softmax as ggml's: exp(x - max), summed in f64, then scaled by 1/sum in f32.
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut p: Vec<f32> = logits.iter().map(|&x| (x - max).exp()).collect();
-    let sum: f64 = p.iter().map(|&x| x as f64).sum();
-    let inv = (1.0 / sum) as f32;
-    for x in &mut p {
-        *x *= inv;
+/// Softmax as ggml's: exp(x - max), summed in f64, then scaled by 1/sum in f32.
+fn softmax_ggml(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
     }
-    let mut order: Vec<usize> = (0..p.len()).collect();
-    // NaN router outputs sort last rather than panic.
-    order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap_or(std::cmp::Ordering::Equal));
-    order.truncate(cfg.n_expert_used);
-    let mut chosen: Vec<(usize, f32)> = order.into_iter().map(|e| (e, p[e])).collect();
+    let sum: f64 = x.iter().map(|&v| v as f64).sum();
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// The `n` largest of `x` (descending; ties: the lower index first, NaN last).
+fn top(x: &[f32], n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..x.len()).collect();
+    order.sort_by(|&a, &b| x[b].partial_cmp(&x[a]).unwrap_or(std::cmp::Ordering::Equal));
+    order.truncate(n);
+    order
+}
+
+/// The chosen experts of one row and their weights, from the router's scores `logits`, in
+/// descending order of score.
+pub fn route(logits: &[f32], cfg: &MoeConfig) -> Vec<(usize, f32)> {
+    let mut chosen: Vec<(usize, f32)> = match cfg.gating {
+        Gating::Softmax => {
+            let mut p = logits.to_vec();
+            softmax_ggml(&mut p);
+            top(&p, cfg.n_expert_used)
+                .into_iter()
+                .map(|e| (e, p[e]))
+                .collect()
+        }
+        Gating::SoftmaxWeight => {
+            let e = top(logits, cfg.n_expert_used);
+            let mut w: Vec<f32> = e.iter().map(|&i| logits[i]).collect();
+            softmax_ggml(&mut w);
+            e.into_iter().zip(w).collect()
+        }
+    };
     if cfg.norm {
         // llama.cpp clamps the sum away from zero (at 2^-14) before dividing.
         let s = chosen.iter().map(|&(_, w)| w as f64).sum::<f64>() as f32;
@@ -77,7 +104,16 @@ pub fn forward(moe: &Moe, cfg: &MoeConfig, h: &[f32], n_embd: usize, segs: &[usi
         }
         let n = [rows.len()];
         let mut g = m.gate.forward(&hx, &n);
-        swiglu(&mut g, &m.up.forward(&hx, &n));
+        let u = m.up.forward(&hx, &n);
+        match cfg.act {
+            ExpertAct::Silu => swiglu(&mut g, &u),
+            ExpertAct::SwigluOai => {
+                let len = g.len() as f64;
+                profile::record("swiglu_oai", "ffn_act", 8.0 * len, 12.0 * len, || {
+                    ferrum_kernels::ops::swiglu_oai(&mut g, &u, 1.702, 7.0)
+                })
+            }
+        }
         let d = m.down.forward(&g, &n);
         for (&(r, slot), y) in rows.iter().zip(d.chunks_exact(n_embd)) {
             let w = routes[r * n_used + slot].1;
@@ -112,6 +148,8 @@ mod tests {
             n_expert_used: 2,
             n_ff_exp: 4,
             norm: true,
+            gating: Gating::Softmax,
+            act: ExpertAct::Silu,
         };
         let r = route(&[0.1, 2.0, -1.0, 1.5, 2.0], &cfg);
         assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 4]);
@@ -128,5 +166,17 @@ mod tests {
         let e = 1f64.exp();
         assert_eq!(raw[0].0, 1);
         assert!((raw[0].1 as f64 - e / (e + 2.0)).abs() < 1e-6);
+        // gpt-oss: the two largest scores, softmaxed between themselves.
+        let sw = route(
+            &[0.5, 3.0, -1.0, 2.0, 0.0],
+            &MoeConfig {
+                norm: false,
+                gating: Gating::SoftmaxWeight,
+                ..cfg
+            },
+        );
+        assert_eq!(sw.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3]);
+        let w = 1.0 / (1.0 + (-1f64).exp());
+        assert!((sw[0].1 as f64 - w).abs() < 1e-6 && (sw[1].1 as f64 - (1.0 - w)).abs() < 1e-6);
     }
 }

@@ -269,10 +269,20 @@ impl Weights {
                        name: &str,
                        n_in: usize,
                        n_out: usize,
-                       n: usize|
+                       n: usize,
+                       bias: bool|
          -> Result<Vec<Pending>> {
             let w = get(&format!("{name}.weight"))?;
             check(name, &w, &[n_in, n_out, n])?;
+            // Each expert's bias, [n_out, n_expert].
+            let biases = if bias {
+                let bn = format!("{name}.bias");
+                let b = get(&bn)?;
+                check(&bn, &b, &[n_out, n])?;
+                Some(b.to_f32())
+            } else {
+                None
+            };
             let rb = w.dtype.row_bytes(n_in).ok_or_else(|| {
                 Error::Shape(format!(
                     "tensor '{name}': row of {n_in} is not whole {} blocks",
@@ -288,7 +298,9 @@ impl Weights {
                             dims: vec![n_in, n_out],
                             data: w.data.slice(i * rb * n_out, rb * n_out)?,
                         },
-                        bias: None,
+                        bias: biases
+                            .as_ref()
+                            .map(|b| b[i * n_out..(i + 1) * n_out].to_vec()),
                         n_in,
                         n_out,
                     })
@@ -352,9 +364,9 @@ impl Weights {
                             items.push((p.kind, Read::Linear(p)));
                         }
                     }
-                    Shape::Experts { n_in, n_out } => {
+                    Shape::Experts { n_in, n_out, bias } => {
                         let n = super::arch::dim::EXPERTS(cfg);
-                        let v = experts(spec.gguf, &name, n_in(cfg), n_out(cfg), n)?;
+                        let v = experts(spec.gguf, &name, n_in(cfg), n_out(cfg), n, bias)?;
                         items.push((spec.gguf, Read::Experts(v)));
                     }
                 }
