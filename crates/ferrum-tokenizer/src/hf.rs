@@ -208,6 +208,12 @@ const GPT2_PATTERN: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// OpenAI's o200k_base (`gpt-4o`) split pattern.
+const O200K_PATTERN: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+);
 
 fn split(pattern: &str) -> Json {
     json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false})
@@ -240,6 +246,8 @@ pub fn hf_tokenizer_json_from_spec(spec: &TokenizerSpec) -> Result<String> {
             split(LLAMA3_PATTERN), byte_level(false)]}),
         PreTokenizer::Qwen2 => json!({"type": "Sequence", "pretokenizers": [
             split(QWEN2_PATTERN), byte_level(false)]}),
+        PreTokenizer::Gpt4o => json!({"type": "Sequence", "pretokenizers": [
+            split(O200K_PATTERN), byte_level(false)]}),
         PreTokenizer::Default => json!({"type": "Sequence", "pretokenizers": [
             split(r"[\p{P}\$\+<=>\^~\|]+"), split(GPT2_PATTERN), split(r"\p{N}+"),
             split("[0-9][0-9][0-9]"), byte_level(false)]}),

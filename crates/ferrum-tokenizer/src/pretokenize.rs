@@ -7,6 +7,10 @@
 //! the small helper patterns (`\p{N}`, `\p{N}+`, `[0-9][0-9][0-9]`, punctuation runs) run
 //! through `std::regex`. This module implements each stage as a matcher over `char`s with the
 //! same results, including llama.cpp's quirks (see [`crate::unicode`] for the flag semantics).
+//!
+//! The exception is the o200k_base (`gpt-4o`) pattern: llama.cpp has no hand-written matcher for
+//! it and runs an approximation through `std::regex` (see [`PreTokenizer::Gpt4o`]); here it is
+//! matched exactly as the original regex (tiktoken, Hugging Face `tokenizers`) does.
 
 use std::ops::Range;
 
@@ -30,6 +34,21 @@ pub enum PreTokenizer {
     Llama3,
     /// Qwen 2: the Llama 3 pattern with single digits (`\p{N}` instead of `\p{N}{1,3}`).
     Qwen2,
+    /// OpenAI's o200k_base (GPT-4o, gpt-oss; also Llama 4 and MiniMax-M2):
+    /// `[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|
+    /// [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|
+    /// \p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+`.
+    ///
+    /// Words split at case changes (`HelloWorld` → `Hello` `World`), keep their combining marks
+    /// and an (any-case) English contraction, and punctuation runs take following newlines and
+    /// slashes. This is the exact regex, as tiktoken and Hugging Face `tokenizers` apply it
+    /// (`(?i:'s)` also matches `'ſ`, by simple case folding). llama.cpp instead runs a
+    /// `std::regex` rewrite over its collapsed category bytes, which splits ASCII text the same
+    /// but differs on some non-ASCII text: every non-ASCII letter counts as both upper and
+    /// lower case (so `HelloÉcole` and `МоскваСити` stay one word), combining marks are not
+    /// part of words (`cafe\u{301}` → `cafe` `\u{301}`; Devanagari and Arabic vowel signs split
+    /// words), and its contractions are ASCII-only.
+    Gpt4o,
 }
 
 impl PreTokenizer {
@@ -53,10 +72,13 @@ impl PreTokenizer {
             }
             "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" | "hunyuan" | "solar-open"
             | "grok-2" | "kormo" => PreTokenizer::Qwen2,
+            // llama.cpp: LLAMA_VOCAB_PRE_TYPE_GPT4O, and MINIMAX_M2 (the same regex list)
+            "gpt-4o" | "llama4" | "kanana2" | "talkie" | "minimax-m2" => PreTokenizer::Gpt4o,
             other => {
                 return Err(Error::Unsupported(format!(
                     "BPE pre-tokenizer '{other}' (tokenizer.ggml.pre); supported: default, gpt2, \
-                     smollm/starcoder/refact/command-r, llama3/llama-bpe, qwen2 and their aliases"
+                     smollm/starcoder/refact/command-r, llama3/llama-bpe, qwen2, gpt-4o/llama4 \
+                     and their aliases"
                 )))
             }
         })
@@ -66,7 +88,8 @@ impl PreTokenizer {
     /// `tokenizer.ggml.add_bos_token`).
     pub fn default_add_bos(self, name: Option<&str>) -> bool {
         // llama.cpp sets add_bos for the llama3 family, tekken and chameleon; of the
-        // supported names only the llama3 family (minus the GLM/DBRX/Smaug aliases) qualifies.
+        // supported names only the llama3 family (minus the GLM/DBRX/Smaug aliases) qualifies
+        // (not gpt-4o and its aliases: add_bos stays false).
         matches!(
             name,
             Some(
@@ -83,7 +106,7 @@ impl PreTokenizer {
     }
 
     /// Whether a word that is itself a vocab entry is emitted without merging (llama.cpp's
-    /// `ignore_merges`, set for the Llama 3 family).
+    /// `ignore_merges`, set for the Llama 3 family; not for gpt-4o).
     pub fn ignore_merges(self, name: Option<&str>) -> bool {
         self.default_add_bos(name)
     }
@@ -108,6 +131,7 @@ impl PreTokenizer {
             ],
             PreTokenizer::Llama3 => &[Stage::Llama3 { max_digits: 3 }],
             PreTokenizer::Qwen2 => &[Stage::Llama3 { max_digits: 1 }],
+            PreTokenizer::Gpt4o => &[Stage::O200k],
         };
         for stage in stages {
             let mut out = Vec::with_capacity(segs.len() * 2);
@@ -149,6 +173,8 @@ enum Stage {
     Llama3 {
         max_digits: usize,
     },
+    /// The o200k_base pattern (see [`PreTokenizer::Gpt4o`]).
+    O200k,
 }
 
 struct Ctx<'a> {
@@ -201,6 +227,13 @@ impl Stage {
             }
             Stage::Gpt2 => gpt2(cx, start, end, e),
             Stage::Llama3 { max_digits } => llama3(cx, start, end, max_digits, e),
+            Stage::O200k => {
+                let mut pos = start;
+                while pos < end {
+                    pos = o200k_match(cx, pos, end);
+                    e.emit(pos);
+                }
+            }
         }
     }
 }
@@ -239,13 +272,31 @@ fn is_other(f: Flags) -> bool {
     f.any() && !f.is_whitespace() && !f.is_letter() && !f.is_number()
 }
 
-/// Length of an English contraction starting at `pos` (which holds `'`), or 0.
-/// `fold` lower-cases ASCII for the case-insensitive Llama 3 variant.
-fn contraction(cx: &Ctx, pos: usize, end: usize, fold: bool) -> usize {
-    if cx.chars[pos] != '\'' || pos + 1 >= end {
+/// How [`contraction`] compares letters.
+#[derive(Clone, Copy)]
+enum Case {
+    /// `'s|'t|...` (GPT-2).
+    Sensitive,
+    /// `'[sS]|'[tT]|...`: llama.cpp's rewrite of `(?i:...)` (Llama 3, Qwen 2).
+    Ascii,
+    /// `(?i:'s|'t|...)` with simple case folding, as real regex engines match it: also `'ſ`
+    /// (U+017F LATIN SMALL LETTER LONG S folds to `s`; no other non-ASCII letter folds to one
+    /// of `s t r e v m l d`).
+    Unicode,
+}
+
+/// Length of an English contraction starting at `pos` (which holds `'`) and ending by `end`,
+/// or 0.
+fn contraction(cx: &Ctx, pos: usize, end: usize, case: Case) -> usize {
+    if pos >= end || cx.chars[pos] != '\'' || pos + 1 >= end {
         return 0;
     }
-    let low = |c: char| if fold { c.to_ascii_lowercase() } else { c };
+    let low = |c: char| match case {
+        Case::Sensitive => c,
+        Case::Ascii => c.to_ascii_lowercase(),
+        Case::Unicode if c == 'ſ' => 's',
+        Case::Unicode => c.to_ascii_lowercase(),
+    };
     let n1 = low(cx.chars[pos + 1]);
     if matches!(n1, 's' | 't' | 'm' | 'd') {
         return 2;
@@ -281,7 +332,7 @@ fn gpt2(cx: &Ctx, start: usize, end: usize, e: &mut Emitter) {
     let mut pos = start;
     while pos < end {
         let c = cx.chars[pos];
-        let n = contraction(cx, pos, end, false);
+        let n = contraction(cx, pos, end, Case::Sensitive);
         if n > 0 {
             pos += n;
             e.emit(pos);
@@ -317,7 +368,7 @@ fn llama3(cx: &Ctx, start: usize, end: usize, max_digits: usize, e: &mut Emitter
     while pos < end {
         let c = cx.chars[pos];
         let f = cx.flags[pos];
-        let n = contraction(cx, pos, end, true);
+        let n = contraction(cx, pos, end, Case::Ascii);
         if n > 0 {
             pos += n;
             e.emit(pos);
@@ -362,21 +413,102 @@ fn llama3(cx: &Ctx, start: usize, end: usize, max_digits: usize, e: &mut Emitter
             e.emit(pos);
             continue;
         }
-        // \s*[\r\n]+
-        let mut n = 0;
-        let mut last_nl = None;
-        while flag_at(cx, pos + n, end).is_whitespace() {
-            if matches!(cx.chars[pos + n], '\r' | '\n') {
-                last_nl = Some(pos + n + 1);
-            }
-            n += 1;
-        }
-        pos = match last_nl {
-            Some(p) => p,
-            None => whitespace_or_single(cx, pos, end),
-        };
+        pos = newlines_or_whitespace(cx, pos, end);
         e.emit(pos);
     }
+}
+
+/// The tail shared by the Llama 3 and o200k patterns: `\s*[\r\n]+`, then `\s+(?!\S)`, `\s+`
+/// and a single unmatched code point (see [`whitespace_or_single`]). Returns the new position.
+fn newlines_or_whitespace(cx: &Ctx, pos: usize, end: usize) -> usize {
+    // \s* backtracks to the last newline of the whitespace run; [\r\n]+ then ends just after it
+    let mut n = 0;
+    let mut last_nl = None;
+    while flag_at(cx, pos + n, end).is_whitespace() {
+        if matches!(cx.chars[pos + n], '\r' | '\n') {
+            last_nl = Some(pos + n + 1);
+        }
+        n += 1;
+    }
+    match last_nl {
+        Some(p) => p,
+        None => whitespace_or_single(cx, pos, end),
+    }
+}
+
+/// The end of the o200k_base match at `pos` (`pos < end`): the alternatives in order, each
+/// with the backtracking a regex engine would do.
+fn o200k_match(cx: &Ctx, pos: usize, end: usize) -> usize {
+    let c = cx.chars[pos];
+    let f = cx.flags[pos];
+    // [^\r\n\p{L}\p{N}]?<word>(?i:'s|'t|'re|'ve|'m|'ll|'d)?, for the two word shapes in turn.
+    // The optional prefix is greedy: first try the word after it, then (when the prefix code
+    // point can start a word itself, i.e. is a mark) the word at `pos`.
+    let prefix = !(c == '\r' || c == '\n' || f.is_letter() || f.is_number());
+    for word in [word_ending_lower, word_upper] {
+        let at_prefix = if prefix { word(cx, pos + 1, end) } else { None };
+        if let Some(w) = at_prefix.or_else(|| word(cx, pos, end)) {
+            return w + contraction(cx, w, end, Case::Unicode);
+        }
+    }
+    // \p{N}{1,3}
+    if f.is_number() {
+        let mut p = pos + 1;
+        while p < pos + 3 && flag_at(cx, p, end).is_number() {
+            p += 1;
+        }
+        return p;
+    }
+    //  ?[^\s\p{L}\p{N}]+[\r\n/]*
+    let space = usize::from(c == ' ');
+    if is_other(flag_at(cx, pos + space, end)) {
+        let mut p = pos + space + 1;
+        while is_other(flag_at(cx, p, end)) {
+            p += 1;
+        }
+        while p < end && matches!(cx.chars[p], '\r' | '\n' | '/') {
+            p += 1;
+        }
+        return p;
+    }
+    newlines_or_whitespace(cx, pos, end)
+}
+
+/// `[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+` at `i`: the end of the match, if
+/// any. Marks and `Lm`/`Lo` letters belong to both classes, so when the greedy first run is
+/// not followed by a lowercase letter, the match backtracks to end just after the run's last
+/// code point that is in the second class.
+fn word_ending_lower(cx: &Ctx, i: usize, end: usize) -> Option<usize> {
+    let mut j = i;
+    while flag_at(cx, j, end).is_upper_or_uncased() {
+        j += 1;
+    }
+    if flag_at(cx, j, end).is_lower_or_uncased() {
+        while flag_at(cx, j, end).is_lower_or_uncased() {
+            j += 1;
+        }
+        return Some(j);
+    }
+    (i..j)
+        .rev()
+        .find(|&k| cx.flags[k].is_lower_or_uncased())
+        .map(|k| k + 1)
+}
+
+/// `[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*` at `i`: the end of the match, if
+/// any.
+fn word_upper(cx: &Ctx, i: usize, end: usize) -> Option<usize> {
+    let mut j = i;
+    while flag_at(cx, j, end).is_upper_or_uncased() {
+        j += 1;
+    }
+    if j == i {
+        return None;
+    }
+    while flag_at(cx, j, end).is_lower_or_uncased() {
+        j += 1;
+    }
+    Some(j)
 }
 
 #[cfg(test)]
@@ -425,6 +557,81 @@ mod tests {
         assert_eq!(pieces(p, "a \n b"), ["a", " \n", " b"]);
         let q = PreTokenizer::Qwen2;
         assert_eq!(pieces(q, "x 123"), ["x", " ", "1", "2", "3"]);
+    }
+
+    #[test]
+    fn gpt4o_words_and_case() {
+        let p = PreTokenizer::Gpt4o;
+        assert_eq!(pieces(p, "HelloWorld"), ["Hello", "World"]);
+        assert_eq!(pieces(p, "XMLHttpRequest"), ["XMLHttp", "Request"]);
+        assert_eq!(pieces(p, "HelloÉcole"), ["Hello", "École"]);
+        assert_eq!(pieces(p, "МоскваСити"), ["Москва", "Сити"]);
+        // titlecase letters are upper case
+        assert_eq!(pieces(p, "ǅungla"), ["ǅungla"]);
+        // the optional prefix: any code point but CR, LF, letters and numbers (so also tab)
+        assert_eq!(pieces(p, "\tword"), ["\tword"]);
+        assert_eq!(pieces(p, "path/to/file"), ["path", "/to", "/file"]);
+        assert_eq!(pieces(p, "  leading"), [" ", " leading"]);
+        // Lo letters are both upper and lower: CJK runs and CJK+Latin stay whole
+        assert_eq!(pieces(p, "東京は晴れ"), ["東京は晴れ"]);
+        assert_eq!(pieces(p, "東京Tower"), ["東京Tower"]);
+        assert_eq!(pieces(p, "😀 😀"), ["😀", " 😀"]);
+    }
+
+    #[test]
+    fn gpt4o_contractions() {
+        let p = PreTokenizer::Gpt4o;
+        assert_eq!(pieces(p, "DON'T stop"), ["DON'T", " stop"]);
+        assert_eq!(pieces(p, "don'T we'RE"), ["don'T", " we'RE"]);
+        assert_eq!(pieces(p, "I'M 12345 ok"), ["I'M", " ", "123", "45", " ok"]);
+        assert_eq!(pieces(p, "ΣΊΣΥΦΟΣ's"), ["ΣΊΣΥΦΟΣ's"]);
+        // simple case folding: 'ſ is 's
+        assert_eq!(pieces(p, "it'ſ"), ["it'ſ"]);
+        // a contraction only follows a word; alone, the apostrophe is a word prefix
+        assert_eq!(pieces(p, "'s x"), ["'s", " x"]);
+        assert_eq!(pieces(p, "a'x"), ["a", "'x"]);
+    }
+
+    #[test]
+    fn gpt4o_marks() {
+        let p = PreTokenizer::Gpt4o;
+        // combining marks belong to words (both letter classes)...
+        assert_eq!(pieces(p, "cafe\u{301} ok"), ["cafe\u{301}", " ok"]);
+        assert_eq!(pieces(p, "e\u{301}E\u{301}"), ["e\u{301}", "E\u{301}"]);
+        assert_eq!(pieces(p, "नमस्ते"), ["नमस्ते"]);
+        // ...but may also be the prefix; before an all-caps word the prefix+word alternative
+        // fails and the mark alone is a lowercase-ending word
+        assert_eq!(pieces(p, "\u{301}abc"), ["\u{301}abc"]);
+        assert_eq!(pieces(p, "\u{301}ABC"), ["\u{301}", "ABC"]);
+    }
+
+    #[test]
+    fn gpt4o_numbers_punctuation_whitespace() {
+        let p = PreTokenizer::Gpt4o;
+        assert_eq!(pieces(p, "12345"), ["123", "45"]);
+        assert_eq!(pieces(p, "٣٤٥٦٧"), ["٣٤٥", "٦٧"]);
+        assert_eq!(pieces(p, "hi!!\n\nthere"), ["hi", "!!\n\n", "there"]);
+        // punctuation runs take following CR, LF and slashes
+        assert_eq!(pieces(p, "a.b/\nc"), ["a", ".b", "/\n", "c"]);
+        assert_eq!(pieces(p, " !?\n/x"), [" !?\n/", "x"]);
+        assert_eq!(pieces(p, "x\n/y"), ["x", "\n", "/y"]);
+        assert_eq!(pieces(p, "a\r\n\r\nb"), ["a", "\r\n\r\n", "b"]);
+        assert_eq!(pieces(p, "x  \n\n  y"), ["x", "  \n\n", " ", " y"]);
+        assert_eq!(pieces(p, "a \u{3000}\n b"), ["a", " \u{3000}\n", " b"]);
+        assert_eq!(pieces(p, "x\u{a0}\u{a0}y"), ["x", "\u{a0}", "\u{a0}y"]);
+        assert_eq!(pieces(p, "a  b"), ["a", " ", " b"]);
+        assert_eq!(pieces(p, "end  "), ["end", "  "]);
+        assert_eq!(pieces(p, ""), Vec::<String>::new());
+    }
+
+    #[test]
+    fn gpt4o_names_and_defaults() {
+        for name in ["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"] {
+            let p = PreTokenizer::from_name(Some(name)).unwrap();
+            assert_eq!(p, PreTokenizer::Gpt4o, "{name}");
+            assert!(!p.default_add_bos(Some(name)), "{name}");
+            assert!(!p.ignore_merges(Some(name)), "{name}");
+        }
     }
 
     #[test]

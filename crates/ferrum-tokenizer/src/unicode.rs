@@ -5,7 +5,9 @@
 //! *non-zero* `UNDEFINED` bit, so "has any flag" means "is a code point inside the fragment",
 //! never "is assigned"; only the out-of-range sentinel has no flags at all. We compute the same
 //! word from the `unicode-general-category` tables and Rust's `char::is_whitespace` (which is
-//! the Unicode White_Space property).
+//! the Unicode White_Space property). On top of llama.cpp's bits, letters carry a case bit
+//! (`UPPER` for `Lu`/`Lt`, `LOWER` for `Ll`, none for `Lm`/`Lo`) for the o200k pattern's
+//! `[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]` / `[\p{Ll}\p{Lm}\p{Lo}\p{M}]` classes.
 //!
 //! Unicode version: llama.cpp's tables (`unicode-data.cpp`) are Unicode 15.1 — measured against
 //! llama.cpp: letters added in 15.1 (CJK Extension I) split as letters, letters added in 16.0
@@ -28,6 +30,10 @@ impl Flags {
     pub const SYMBOL: u16 = 0x0040;
     pub const CONTROL: u16 = 0x0080;
     pub const WHITESPACE: u16 = 0x0100;
+    /// Case of a letter: `Lu` or `Lt` (never set together with `LOWER`).
+    pub const UPPER: u16 = 0x0200;
+    /// Case of a letter: `Ll`.
+    pub const LOWER: u16 = 0x0400;
 
     /// The sentinel for a position outside the fragment being split: no flag at all.
     pub const NONE: Flags = Flags(0);
@@ -35,11 +41,9 @@ impl Flags {
     /// Flags of `c`.
     pub fn of(c: char) -> Flags {
         let cat = match general_category_15_1(c) {
-            Gc::UppercaseLetter
-            | Gc::LowercaseLetter
-            | Gc::TitlecaseLetter
-            | Gc::ModifierLetter
-            | Gc::OtherLetter => Self::LETTER,
+            Gc::UppercaseLetter | Gc::TitlecaseLetter => Self::LETTER | Self::UPPER,
+            Gc::LowercaseLetter => Self::LETTER | Self::LOWER,
+            Gc::ModifierLetter | Gc::OtherLetter => Self::LETTER,
             Gc::DecimalNumber | Gc::LetterNumber | Gc::OtherNumber => Self::NUMBER,
             Gc::NonspacingMark | Gc::SpacingMark | Gc::EnclosingMark => Self::MARK,
             Gc::ConnectorPunctuation
@@ -86,6 +90,21 @@ impl Flags {
     pub fn is_punctuation(self) -> bool {
         self.0 & Self::PUNCTUATION != 0
     }
+    /// `\p{M}`.
+    #[inline]
+    pub fn is_mark(self) -> bool {
+        self.0 & Self::MARK != 0
+    }
+    /// `[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]`: a letter that is not lowercase, or a mark.
+    #[inline]
+    pub fn is_upper_or_uncased(self) -> bool {
+        (self.is_letter() && self.0 & Self::LOWER == 0) || self.is_mark()
+    }
+    /// `[\p{Ll}\p{Lm}\p{Lo}\p{M}]`: a letter that is not upper- or titlecase, or a mark.
+    #[inline]
+    pub fn is_lower_or_uncased(self) -> bool {
+        (self.is_letter() && self.0 & Self::UPPER == 0) || self.is_mark()
+    }
 }
 
 /// The general category under Unicode 15.1: the 15.0 table plus 15.1's additions
@@ -122,5 +141,34 @@ mod tests {
         assert!(Flags::of('\u{31350}').is_letter()); // CJK Ext H, 15.0
         assert!(!Flags::of('\u{A7DA}').is_letter());
         assert_eq!(Flags::of('\u{A7DA}'), Flags(Flags::UNDEFINED));
+    }
+
+    #[test]
+    fn letter_case_classes() {
+        // (char, in [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}], in [\p{Ll}\p{Lm}\p{Lo}\p{M}])
+        let cases = [
+            ('A', true, false),
+            ('É', true, false),
+            ('Σ', true, false),
+            ('ǅ', true, false), // Lt
+            ('a', false, true),
+            ('é', false, true),
+            ('ſ', false, true),
+            ('ʰ', true, true),        // Lm
+            ('東', true, true),       // Lo
+            ('\u{0301}', true, true), // Mn
+            ('\u{0903}', true, true), // Mc
+            ('\u{20DD}', true, true), // Me
+            ('1', false, false),
+            ('_', false, false),
+            (' ', false, false),
+        ];
+        for (c, up, low) in cases {
+            let f = Flags::of(c);
+            assert_eq!(f.is_upper_or_uncased(), up, "{c:?}");
+            assert_eq!(f.is_lower_or_uncased(), low, "{c:?}");
+        }
+        assert!(Flags::of('\u{0301}').is_mark() && !Flags::of('\u{0301}').is_letter());
+        assert!(!Flags::NONE.is_upper_or_uncased() && !Flags::NONE.is_lower_or_uncased());
     }
 }
