@@ -291,6 +291,16 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             g /= 2;
         }
         let per_kv = group.div_ceil(g);
+        let max_keys = (0..n_q)
+            .map(|t| query_keys(p, seqs, &first, t).1.len())
+            .max()
+            .unwrap_or(0);
+        let cache_rows = seqs
+            .iter()
+            .map(|s| s.kv.k.n_rows(kv_row))
+            .max()
+            .unwrap_or(0);
+        prepare_scores(max_keys, cache_rows);
         let o_ptr = OutRows(out.as_mut_ptr());
         pool::parallel_for(tasks_for(g), |task| {
             let (t, rest) = (task / (nkv * per_kv), task % (nkv * per_kv));
@@ -397,9 +407,33 @@ fn has_avx512() -> bool {
     false
 }
 
-thread_local! {
-    /// Per-thread score buffer of the AVX-512 kernel (one query row's keys).
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+/// Score buffers of the AVX-512 kernel, one per task running at once: a task takes one and
+/// gives it back. [`prepare_scores`] sizes them on the calling thread before a parallel call, so
+/// whichever worker runs a task finds a buffer large enough: once a context's size is reached,
+/// no call allocates, however the tasks were scheduled before.
+static SCORES: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
+
+/// Score-buffer length a task of `n_keys` keys needs (H <= 4 rows, two values per key).
+fn scores_len(n_keys: usize) -> usize {
+    2 * 4 * n_keys
+}
+
+/// Makes every score buffer hold at least `scores_len(max_keys)` values, with room for every
+/// row of a cache of `cache_rows` rows (up to 8 MiB) so a growing context does not reallocate
+/// step after step; one buffer per thread that may run a task.
+fn prepare_scores(max_keys: usize, cache_rows: usize) {
+    let want = scores_len(max_keys);
+    let cap = (scores_len(cache_rows)).clamp(want, (2 << 20).max(want));
+    let mut free = SCORES.lock().unwrap_or_else(|e| e.into_inner());
+    let n = pool::threads() + 1;
+    if free.len() < n {
+        free.resize_with(n, Vec::new);
+    }
+    for b in free.iter_mut() {
+        if b.capacity() < want {
+            b.reserve_exact(cap - b.len());
+        }
+    }
 }
 
 /// [`attend_row`] with AVX-512 for `H` rows that share their key range: the same float
@@ -426,16 +460,12 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
     let mut acc = [[_mm512_setzero_ps(); NV]; H];
     let mut m = [f32::NEG_INFINITY; H];
     let mut s = [0f32; H];
-    let mut scores = SCORES.with_borrow_mut(std::mem::take);
+    // A buffer sized by `prepare_scores` (a fresh one only if this task is not part of a
+    // prepared call).
+    let taken = SCORES.lock().unwrap_or_else(|e| e.into_inner()).pop();
+    let mut scores = taken.unwrap_or_default();
     {
         scores.clear();
-        if scores.capacity() < 2 * H * n_keys {
-            // Room for every row of the cache at once (up to 8 MiB), so a growing context does
-            // not reallocate step after step.
-            let cache_rows = rows[0].k.len() / rows[0].kv_row.max(1);
-            let want = 2 * H * n_keys;
-            scores.reserve((8 * cache_rows).clamp(want, (2 << 20).max(want)));
-        }
         // Per row and key: the score (then the weight vs), and the rescale ms.
         scores.resize(2 * H * n_keys, 0.0);
         // Scores first: they do not depend on the running max and sum, so the Q.K products of
@@ -552,7 +582,10 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
             }
         }
     }
-    SCORES.with_borrow_mut(|sc| *sc = scores);
+    SCORES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(scores);
     for hi in 0..H {
         if let Some(ms) = join_sink(rows[hi].sink, m[hi], &mut s[hi]) {
             let msv = _mm512_set1_ps(ms);
