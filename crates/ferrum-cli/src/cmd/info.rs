@@ -116,13 +116,25 @@ pub fn run(a: Args) -> Result<()> {
                 println!("  rope scaling: {}", parts.join(", "));
             }
             if let Some(m) = &c.moe {
+                use ferrum_llm::model::config::{ExpertAct, Gating};
                 println!(
-                    "  experts {} ({} per token, expert feed-forward {}, weights {})",
+                    "  experts {} ({} per token, expert feed-forward {}, {}, weights {}, {})",
                     m.n_expert,
                     m.n_expert_used,
                     m.n_ff_exp,
-                    if m.norm { "renormalised" } else { "as routed" }
+                    match m.gating {
+                        Gating::Softmax => "softmax over all, then top k",
+                        Gating::SoftmaxWeight => "top k, then softmax over them",
+                    },
+                    if m.norm { "renormalised" } else { "as routed" },
+                    match m.act {
+                        ExpertAct::Silu => "SwiGLU",
+                        ExpertAct::SwigluOai => "clamped SwiGLU (alpha 1.702, limit 7)",
+                    }
                 );
+            }
+            if f.tensor("blk.0.attn_sinks.weight").is_some() {
+                println!("  attention sinks: one learned logit per head, every layer");
             }
             // What a position of context costs in the KV cache, per storage type.
             let per_token = |t: ferrum_core::DType| {
