@@ -1342,3 +1342,23 @@ fn moe_decode_reads_only_the_active_experts() {
         "{line}"
     );
 }
+
+/// `ferrum info` says what a gpt-oss file holds beyond a Llama: its routing, its clamped SwiGLU
+/// experts, its sinks and its alternating sliding window (tests/models/tiny/gptoss.mxfp4.gguf).
+#[test]
+fn info_describes_gpt_oss() {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/models/tiny/gptoss.mxfp4.gguf");
+    let out = ferrum(&["info", model.to_str().unwrap()], QUICK).ok();
+    for want in [
+        "architecture: gpt-oss",
+        "experts 8 (2 per token",
+        "top k, then softmax over them",
+        "clamped SwiGLU",
+        "attention sinks",
+        "sliding window 8 (one layer in 2 global",
+        "YaRN over original context 64",
+    ] {
+        assert!(out.stdout.contains(want), "{want}: {}", out.describe());
+    }
+}
