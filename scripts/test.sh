@@ -30,3 +30,6 @@ fi
 .venv/bin/python scripts/structured_output_test.py target/debug/ferrum
 # ONNX conformance of `ferrum run` against the committed baseline (fails if any suite's pass count drops).
 ./scripts/onnx_conformance.sh target/debug/ferrum
+# The Python package (ferrum.InferenceSession, ferrum.LLM): built into a git-ignored venv with
+# maturin (reusing target/debug), then its pytest suite.
+./scripts/python_test.sh target/debug/ferrum

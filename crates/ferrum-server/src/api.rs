@@ -531,7 +531,7 @@ async fn run(
                 });
             };
             match ev {
-                Event::Token { text, logprobs } => {
+                Event::Token { text, logprobs, .. } => {
                     texts[i].push_str(&text);
                     lps[i].extend(logprobs);
                 }
@@ -672,8 +672,9 @@ async fn run(
                 Event::Token {
                     text,
                     logprobs: None,
+                    ..
                 } if text.is_empty() => continue,
-                Event::Token { text, logprobs } => {
+                Event::Token { text, logprobs, .. } => {
                     let lp = match logprobs {
                         Some(l) => {
                             let v = logprobs_json(kind, std::slice::from_ref(&l), offsets[i]);

@@ -74,6 +74,9 @@ pub enum Event {
     Token {
         text: String,
         logprobs: Option<TokenLogprobs>,
+        /// The drawn token's id (`None` for text held back until the end, which has no token of
+        /// its own).
+        token: Option<u32>,
     },
     /// The request finished.
     Done {

@@ -544,6 +544,7 @@ fn sample_and_emit(tokenizer: &Tokenizer, s: &mut Seq, logits: &[f32], block_siz
         let ev = Event::Token {
             text: step.text,
             logprobs,
+            token: Some(id),
         };
         if s.req.events.send((choice, ev)).is_err() {
             return true; // the client is gone
@@ -561,6 +562,7 @@ fn sample_and_emit(tokenizer: &Tokenizer, s: &mut Seq, logits: &[f32], block_siz
                 let ev = Event::Token {
                     text: step.tail,
                     logprobs: None,
+                    token: None,
                 };
                 let _ = s.req.events.send((choice, ev));
             }
