@@ -151,6 +151,17 @@ impl Sampler {
     /// Picks the next token from a row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
+        if p.temperature <= 0.0 && !self.penalties_apply() {
+            // Greedy with nothing to penalise: the first maximum, without a candidate list
+            // (the same token as the chain below picks).
+            let mut best = 0;
+            for (i, &l) in logits.iter().enumerate() {
+                if l > logits[best] {
+                    best = i;
+                }
+            }
+            return best as u32;
+        }
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
@@ -203,11 +214,17 @@ impl Sampler {
         cand[cand.len() - 1].0
     }
 
-    fn apply_penalties(&self, cand: &mut [(u32, f32)]) {
+    /// Whether the penalties change any logit now.
+    fn penalties_apply(&self) -> bool {
         let p = &self.params;
         let active =
             p.repeat_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-        if !active || p.penalty_last_n == 0 || self.history.is_empty() {
+        active && p.penalty_last_n != 0 && !self.history.is_empty()
+    }
+
+    fn apply_penalties(&self, cand: &mut [(u32, f32)]) {
+        let p = &self.params;
+        if !self.penalties_apply() {
             return;
         }
         let start = self.history.len().saturating_sub(p.penalty_last_n);
@@ -291,6 +308,30 @@ mod tests {
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::new(SamplingParams::greedy());
         assert_eq!(s.sample(&[0.1, 2.0, 2.0, -1.0]), 1);
+        // The fast path (no penalties) and the full chain (a penalty on a token that is not the
+        // winner) agree with the first maximum on fresh random rows with ties.
+        let seed: u64 = rand::random();
+        let mut rng = Mt19937::new(seed as u32);
+        for _ in 0..200 {
+            let row: Vec<f32> = (0..500)
+                .map(|_| (rng.next_u32() % 64) as f32 / 8.0)
+                .collect();
+            let first_max = (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b });
+            let mut fast = Sampler::new(SamplingParams::greedy());
+            assert_eq!(fast.sample(&row) as usize, first_max, "seed {seed}");
+            let mut chain = Sampler::new(SamplingParams {
+                presence_penalty: 0.5,
+                ..SamplingParams::greedy()
+            });
+            let other = (first_max + 1) % row.len();
+            chain.accept(other as u32);
+            let want = if row[other] - 0.5 > row[first_max] {
+                other
+            } else {
+                first_max
+            };
+            assert_eq!(chain.sample(&row) as usize, want, "seed {seed}");
+        }
     }
 
     #[test]
