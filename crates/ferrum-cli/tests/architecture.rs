@@ -32,6 +32,16 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "ferrum-graph",
         ],
     ),
+    (
+        "ferrum-py",
+        &[
+            "ferrum-kernels",
+            "ferrum-graph",
+            "ferrum-llm",
+            "ferrum-tokenizer",
+            "ferrum-server",
+        ],
+    ),
 ];
 
 #[test]
