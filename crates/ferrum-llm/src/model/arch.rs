@@ -100,6 +100,37 @@ pub struct ArchDef {
 /// No adjustment ([`ArchDef::fixup`]).
 pub fn no_fixup(_: &mut Config) {}
 
+fn no_tensors(_: &Config) -> Vec<TensorSpec> {
+    Vec::new()
+}
+
+fn no_layer(_: &Config, t: &mut LayerTensors) -> Result<Box<dyn Layer>> {
+    Err(Error::msg(format!("{}: no layer defined", t.arch)))
+}
+
+/// What an architecture's definition says unless it says otherwise (`..BASE`): NeoX RoPE, RMSNorm
+/// epsilon 1e-6, no local layers, no experts, no biases, Hugging Face defaults of none and RoPE
+/// theta 10 000. Every definition names itself, its Hugging Face types, tensors and layer.
+pub const BASE: ArchDef = ArchDef {
+    name: "",
+    about: "",
+    hf_types: &[],
+    family: Family::Llama,
+    rope_style: RopeStyle::Neox,
+    rms_eps: 1e-6,
+    swa: Swa::Never,
+    swa_rope_base: false,
+    experts: Experts::Never,
+    qkv_bias: false,
+    hf_permute_qk: false,
+    hf_head_dim: None,
+    hf_vocab: None,
+    hf_rope_theta: 10_000.0,
+    fixup: no_fixup,
+    tensors: no_tensors,
+    build: no_layer,
+};
+
 /// An architecture of the [`REGISTRY`] (compared by name).
 #[derive(Clone, Copy)]
 pub struct Arch(&'static ArchDef);
@@ -481,6 +512,7 @@ mod tests {
                 });
             }
             let specs = (d.tensors)(&cfg);
+            assert!(!d.name.is_empty() && !specs.is_empty(), "{}", d.name);
             // The names the layer's tensors are taken by (a stacked matrix's parts).
             let names: Vec<&str> = specs
                 .iter()

@@ -14,9 +14,8 @@
 //! and the logits are soft-capped too.
 
 use ferrum_core::{Buf, Result};
-use ferrum_kernels::ops::RopeStyle;
 
-use super::arch::{dim, ArchDef, Experts, Family, Layer, LayerTensors, Swa, TensorSpec};
+use super::arch::{dim, ArchDef, Family, Layer, LayerTensors, Swa, TensorSpec, BASE};
 use super::blocks::{Attention, AttnOpts, Mlp, QkNorm, ATTENTION, MLP};
 use super::config::Config;
 use super::weights::Linear;
@@ -27,19 +26,13 @@ pub static ARCH: ArchDef = ArchDef {
     about: "Gemma 2",
     hf_types: &[("gemma2", "Gemma2ForCausalLM")],
     family: Family::Gemma,
-    rope_style: RopeStyle::Neox,
-    rms_eps: 1e-6,
     swa: Swa::Pattern(2),
-    swa_rope_base: false,
-    experts: Experts::Never,
-    qkv_bias: false,
-    hf_permute_qk: false,
     hf_head_dim: Some(256),
     hf_vocab: Some(256_000),
-    hf_rope_theta: 10_000.0,
     fixup,
     tensors,
     build,
+    ..BASE
 };
 
 /// llama.cpp scales Gemma 2 27B's (46 layers) queries by 1/sqrt(n_embd / n_head), its

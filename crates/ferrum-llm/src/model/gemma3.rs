@@ -8,9 +8,8 @@
 //!   q = RMSNorm_head(q) * q_norm;  k = RMSNorm_head(k) * k_norm
 
 use ferrum_core::{Buf, Result};
-use ferrum_kernels::ops::RopeStyle;
 
-use super::arch::{no_fixup, ArchDef, Experts, Family, Layer, LayerTensors, Swa, TensorSpec};
+use super::arch::{ArchDef, Family, Layer, LayerTensors, Swa, TensorSpec, BASE};
 use super::blocks::{QkNorm, ATTENTION, MLP, QK_NORM};
 use super::config::Config;
 use super::gemma2::{GemmaLayer, NORMS};
@@ -25,19 +24,14 @@ pub static ARCH: ArchDef = ArchDef {
         ("gemma3", "Gemma3ForConditionalGeneration"),
     ],
     family: Family::Gemma,
-    rope_style: RopeStyle::Neox,
-    rms_eps: 1e-6,
     swa: Swa::Pattern(6),
     swa_rope_base: true,
-    experts: Experts::Never,
-    qkv_bias: false,
-    hf_permute_qk: false,
     hf_head_dim: Some(256),
     hf_vocab: Some(262_208),
     hf_rope_theta: 1_000_000.0,
-    fixup: no_fixup,
     tensors,
     build,
+    ..BASE
 };
 
 fn tensors(_: &Config) -> Vec<TensorSpec> {

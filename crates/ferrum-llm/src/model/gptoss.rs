@@ -15,9 +15,8 @@
 //!       with SwiGLU_oai(g, u) = min(g, 7) σ(1.702 min(g, 7)) (clamp(u, -7, 7) + 1)
 
 use ferrum_core::{Buf, Result};
-use ferrum_kernels::ops::RopeStyle;
 
-use super::arch::{dim, ArchDef, Experts, Family, Layer, LayerTensors, Swa, TensorSpec};
+use super::arch::{dim, ArchDef, Experts, Layer, LayerTensors, Swa, TensorSpec, BASE};
 use super::blocks::{moe_tensors, Attention, AttnOpts, Moe, ATTENTION};
 use super::config::{Config, ExpertAct, Gating};
 use super::weights::Linear;
@@ -26,21 +25,15 @@ use super::{add, moe, rms_norm, trace, Step};
 pub static ARCH: ArchDef = ArchDef {
     name: "gpt-oss",
     about: "gpt-oss (20B, 120B)",
-    hf_types: &[],
-    family: Family::Llama,
-    rope_style: RopeStyle::Neox,
     rms_eps: 1e-5,
     swa: Swa::Pattern(2),
-    swa_rope_base: false,
     experts: Experts::Always,
     qkv_bias: true,
-    hf_permute_qk: false,
-    hf_head_dim: None,
-    hf_vocab: None,
     hf_rope_theta: 150_000.0,
     fixup,
     tensors,
     build,
+    ..BASE
 };
 
 /// Its routing and activation (llama.cpp: SOFTMAX_WEIGHT gating, no renormalisation,

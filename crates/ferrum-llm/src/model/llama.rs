@@ -15,7 +15,7 @@
 use ferrum_core::{Buf, Result};
 use ferrum_kernels::ops::RopeStyle;
 
-use super::arch::{dim, no_fixup, ArchDef, Experts, Family, Layer, LayerTensors, Swa, TensorSpec};
+use super::arch::{dim, ArchDef, Experts, Layer, LayerTensors, Swa, TensorSpec, BASE};
 use super::blocks::{moe_tensors, Attention, AttnOpts, Ffn, Moe, QkNorm, ATTENTION, MLP};
 use super::config::Config;
 use super::weights::Linear;
@@ -29,20 +29,14 @@ pub static ARCH: ArchDef = ArchDef {
         ("mistral", "MistralForCausalLM"),
         ("mixtral", "MixtralForCausalLM"),
     ],
-    family: Family::Llama,
     rope_style: RopeStyle::Norm,
     rms_eps: 1e-5,
     swa: Swa::EveryLayer,
-    swa_rope_base: false,
     experts: Experts::Optional,
-    qkv_bias: false,
     hf_permute_qk: true,
-    hf_head_dim: None,
-    hf_vocab: None,
-    hf_rope_theta: 10_000.0,
-    fixup: no_fixup,
     tensors,
     build,
+    ..BASE
 };
 
 /// The two norms of a pre-norm layer.

@@ -7,11 +7,8 @@
 //! Per layer: [q; k; v] = h W_qkv;  [g; u] = h W_gate_up;  otherwise as Llama.
 
 use ferrum_core::Result;
-use ferrum_kernels::ops::RopeStyle;
 
-use super::arch::{
-    dim, no_fixup, ArchDef, Dim, Experts, Family, Layer, LayerTensors, Swa, TensorSpec,
-};
+use super::arch::{dim, ArchDef, Dim, Layer, LayerTensors, Swa, TensorSpec, BASE};
 use super::config::Config;
 use super::llama::{DecoderLayer, NORMS};
 
@@ -19,20 +16,11 @@ pub static ARCH: ArchDef = ArchDef {
     name: "phi3",
     about: "Phi-3, Phi-3.5-mini, Phi-4-mini",
     hf_types: &[("phi3", "Phi3ForCausalLM")],
-    family: Family::Llama,
-    rope_style: RopeStyle::Neox,
     rms_eps: 1e-5,
     swa: Swa::EveryLayer,
-    swa_rope_base: false,
-    experts: Experts::Never,
-    qkv_bias: false,
-    hf_permute_qk: false,
-    hf_head_dim: None,
-    hf_vocab: None,
-    hf_rope_theta: 10_000.0,
-    fixup: no_fixup,
     tensors,
     build,
+    ..BASE
 };
 
 const QKV: &[(&str, Dim)] = &[("attn_q", dim::Q), ("attn_k", dim::KV), ("attn_v", dim::KV)];

@@ -5,9 +5,8 @@
 //! Per layer: q, k, v = h Wq + bq, h Wk + bk, h Wv + bv; the rest as Llama.
 
 use ferrum_core::Result;
-use ferrum_kernels::ops::RopeStyle;
 
-use super::arch::{no_fixup, ArchDef, Experts, Family, Layer, LayerTensors, Swa, TensorSpec};
+use super::arch::{ArchDef, Layer, LayerTensors, TensorSpec, BASE};
 use super::blocks::{ATTENTION, MLP};
 use super::config::Config;
 use super::llama::{DecoderLayer, NORMS};
@@ -16,21 +15,10 @@ pub static ARCH: ArchDef = ArchDef {
     name: "qwen2",
     about: "Qwen2, Qwen2.5, Qwen2.5-Coder",
     hf_types: &[("qwen2", "Qwen2ForCausalLM")],
-    family: Family::Llama,
-    rope_style: RopeStyle::Neox,
-    rms_eps: 1e-6,
-    // Qwen files may name a window that the model does not use (as llama.cpp, ignored).
-    swa: Swa::Never,
-    swa_rope_base: false,
-    experts: Experts::Never,
     qkv_bias: true,
-    hf_permute_qk: false,
-    hf_head_dim: None,
-    hf_vocab: None,
-    hf_rope_theta: 10_000.0,
-    fixup: no_fixup,
     tensors,
     build,
+    ..BASE
 };
 
 fn tensors(_: &Config) -> Vec<TensorSpec> {

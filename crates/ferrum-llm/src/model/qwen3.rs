@@ -10,9 +10,8 @@
 //!   x = x + SwiGLU block(RMSNorm(x) * ffn_norm)
 
 use ferrum_core::{Buf, Result};
-use ferrum_kernels::ops::RopeStyle;
 
-use super::arch::{no_fixup, ArchDef, Experts, Family, Layer, LayerTensors, Swa, TensorSpec};
+use super::arch::{ArchDef, Layer, LayerTensors, TensorSpec, BASE};
 use super::blocks::{Moe, QkNorm, ATTENTION, MLP, QK_NORM};
 use super::config::Config;
 use super::llama::{DecoderLayer, NORMS};
@@ -23,20 +22,9 @@ pub static ARCH: ArchDef = ArchDef {
     name: "qwen3",
     about: "Qwen3 dense",
     hf_types: &[("qwen3", "Qwen3ForCausalLM")],
-    family: Family::Llama,
-    rope_style: RopeStyle::Neox,
-    rms_eps: 1e-6,
-    swa: Swa::Never,
-    swa_rope_base: false,
-    experts: Experts::Never,
-    qkv_bias: false,
-    hf_permute_qk: false,
-    hf_head_dim: None,
-    hf_vocab: None,
-    hf_rope_theta: 10_000.0,
-    fixup: no_fixup,
     tensors,
     build,
+    ..BASE
 };
 
 fn tensors(_: &Config) -> Vec<TensorSpec> {

@@ -6,9 +6,8 @@
 //! Per layer: Qwen3's attention, then x = x + Σ_{e in top-k} w_e SwiGLU_e(RMSNorm(x) * ffn_norm).
 
 use ferrum_core::Result;
-use ferrum_kernels::ops::RopeStyle;
 
-use super::arch::{no_fixup, ArchDef, Experts, Family, Layer, LayerTensors, Swa, TensorSpec};
+use super::arch::{ArchDef, Experts, Layer, LayerTensors, TensorSpec, BASE};
 use super::blocks::{moe_tensors, ATTENTION, QK_NORM};
 use super::config::Config;
 use super::llama::NORMS;
@@ -18,20 +17,10 @@ pub static ARCH: ArchDef = ArchDef {
     name: "qwen3moe",
     about: "Qwen3 mixture of experts (30B-A3B, 235B-A22B)",
     hf_types: &[("qwen3_moe", "Qwen3MoeForCausalLM")],
-    family: Family::Llama,
-    rope_style: RopeStyle::Neox,
-    rms_eps: 1e-6,
-    swa: Swa::Never,
-    swa_rope_base: false,
     experts: Experts::Always,
-    qkv_bias: false,
-    hf_permute_qk: false,
-    hf_head_dim: None,
-    hf_vocab: None,
-    hf_rope_theta: 10_000.0,
-    fixup: no_fixup,
     tensors,
     build,
+    ..BASE
 };
 
 fn tensors(_: &Config) -> Vec<TensorSpec> {
