@@ -123,7 +123,7 @@ fn decode_raw(dt: DType, raw: &[u8]) -> Data {
                 .collect(),
         ),
         DType::I8 => Data::I8(raw.iter().map(|&b| b as i8).collect()),
-        DType::U8 => Data::U8(raw.to_vec()),
+        DType::U8 => Data::U8(raw.to_vec().into()),
         DType::I16 => Data::I16(le!(i16, 2)),
         DType::U16 => Data::U16(le!(u16, 2)),
         DType::I32 => Data::I32(le!(i32, 4)),
@@ -153,12 +153,12 @@ fn decode_typed(t: &TensorProto, dt: DType, n: usize) -> Result<Data> {
     }
     let i32s = &t.int32_data;
     Ok(match dt {
-        DType::F32 => Data::F32(t.float_data.clone()),
-        DType::F64 => Data::F64(t.double_data.clone()),
-        DType::I64 => Data::I64(t.int64_data.clone()),
-        DType::U64 => Data::U64(t.uint64_data.clone()),
+        DType::F32 => Data::F32(t.float_data.clone().into()),
+        DType::F64 => Data::F64(t.double_data.clone().into()),
+        DType::I64 => Data::I64(t.int64_data.clone().into()),
+        DType::U64 => Data::U64(t.uint64_data.clone().into()),
         DType::U32 => Data::U32(t.uint64_data.iter().map(|&x| x as u32).collect()),
-        DType::I32 => Data::I32(i32s.clone()),
+        DType::I32 => Data::I32(i32s.clone().into()),
         DType::I16 => Data::I16(i32s.iter().map(|&x| x as i16).collect()),
         DType::I8 => Data::I8(i32s.iter().map(|&x| x as i8).collect()),
         DType::U16 => Data::U16(i32s.iter().map(|&x| x as u16).collect()),

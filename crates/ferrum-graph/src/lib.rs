@@ -37,4 +37,4 @@ pub use error::{Error, Result};
 pub use ir::{Graph, Model, Node, ValueId};
 pub use ops::broadcast_shape;
 pub use session::{fmt_dims, Session};
-pub use tensor::{DType, Data, Tensor, Value};
+pub use tensor::{DType, Data, SharedElems, Store, Tensor, Value};

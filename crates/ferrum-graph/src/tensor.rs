@@ -184,22 +184,140 @@ impl fmt::Display for DType {
     }
 }
 
+/// A tensor's elements: owned, or shared with memory another owner keeps (a NumPy array handed
+/// to a session is read in place). Reading derefs to a slice either way; writing (`DerefMut`,
+/// [`Store::into_vec`]) first copies shared elements into an owned vector (copy on write), so
+/// the owner's memory is never written.
+pub struct Store<T: 'static>(Repr<T>);
+
+/// Memory a [`Store`] reads without owning it: whatever keeps the elements alive.
+pub type SharedElems<T> = std::sync::Arc<dyn AsRef<[T]> + Send + Sync + std::panic::RefUnwindSafe>;
+
+enum Repr<T: 'static> {
+    Owned(Vec<T>),
+    Shared(SharedElems<T>),
+}
+
+impl<T: Clone> Store<T> {
+    /// Elements read from `owner` without a copy. `owner.as_ref()` must return the same
+    /// elements for as long as the store (or a clone of it) lives.
+    pub fn shared(owner: SharedElems<T>) -> Self {
+        Store(Repr::Shared(owner))
+    }
+
+    /// Whether the elements are another owner's memory (not yet copied).
+    pub fn is_shared(&self) -> bool {
+        matches!(self.0, Repr::Shared(_))
+    }
+
+    /// The elements as an owned vector (shared elements are copied).
+    pub fn into_vec(self) -> Vec<T> {
+        match self.0 {
+            Repr::Owned(v) => v,
+            Repr::Shared(o) => (*o).as_ref().to_vec(),
+        }
+    }
+
+    /// The owned vector, copying shared elements into one first.
+    pub fn make_mut(&mut self) -> &mut Vec<T> {
+        if let Repr::Shared(o) = &self.0 {
+            self.0 = Repr::Owned((**o).as_ref().to_vec());
+        }
+        match &mut self.0 {
+            Repr::Owned(v) => v,
+            Repr::Shared(_) => unreachable!("made owned above"),
+        }
+    }
+}
+
+impl<T> std::ops::Deref for Store<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match &self.0 {
+            Repr::Owned(v) => v,
+            Repr::Shared(o) => (**o).as_ref(),
+        }
+    }
+}
+
+impl<T: Clone> std::ops::DerefMut for Store<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        self.make_mut()
+    }
+}
+
+impl<T: Clone> Clone for Store<T> {
+    /// Owned elements are copied; shared ones stay shared (no copy).
+    fn clone(&self) -> Self {
+        match &self.0 {
+            Repr::Owned(v) => Store(Repr::Owned(v.clone())),
+            Repr::Shared(o) => Store(Repr::Shared(std::sync::Arc::clone(o))),
+        }
+    }
+}
+
+impl<T: PartialEq> PartialEq for Store<T> {
+    fn eq(&self, o: &Self) -> bool {
+        **self == **o
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for Store<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        (**self).fmt(f)
+    }
+}
+
+impl<T> Default for Store<T> {
+    fn default() -> Self {
+        Store(Repr::Owned(Vec::new()))
+    }
+}
+
+impl<T> From<Vec<T>> for Store<T> {
+    fn from(v: Vec<T>) -> Self {
+        Store(Repr::Owned(v))
+    }
+}
+
+impl<T: Clone> FromIterator<T> for Store<T> {
+    fn from_iter<I: IntoIterator<Item = T>>(it: I) -> Self {
+        Store(Repr::Owned(it.into_iter().collect()))
+    }
+}
+
+impl<T: Clone> IntoIterator for Store<T> {
+    type Item = T;
+    type IntoIter = std::vec::IntoIter<T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.into_vec().into_iter()
+    }
+}
+
+impl<'a, T> IntoIterator for &'a Store<T> {
+    type Item = &'a T;
+    type IntoIter = std::slice::Iter<'a, T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
 /// The storage of a tensor, one variant per element type.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Data {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
-    I8(Vec<i8>),
-    I16(Vec<i16>),
-    I32(Vec<i32>),
-    I64(Vec<i64>),
-    U8(Vec<u8>),
-    U16(Vec<u16>),
-    U32(Vec<u32>),
-    U64(Vec<u64>),
-    Bool(Vec<bool>),
+    F32(Store<f32>),
+    F64(Store<f64>),
+    F16(Store<f16>),
+    BF16(Store<bf16>),
+    I8(Store<i8>),
+    I16(Store<i16>),
+    I32(Store<i32>),
+    I64(Store<i64>),
+    U8(Store<u8>),
+    U16(Store<u16>),
+    U32(Store<u32>),
+    U64(Store<u64>),
+    Bool(Store<bool>),
     Str(Vec<String>),
     /// A storage-only format: one code per element (see [`crate::small`]).
     Code(DType, Vec<u8>),
@@ -249,7 +367,7 @@ macro_rules! elem_impl {
                 }
             }
             fn into_data(v: Vec<Self>) -> Data {
-                Data::$dt(v)
+                Data::$dt(v.into())
             }
         }
     };
@@ -683,5 +801,48 @@ impl Value {
 impl From<Tensor> for Value {
     fn from(t: Tensor) -> Value {
         Value::Tensor(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// Memory a store borrows.
+    struct Outside(Vec<f32>);
+    impl AsRef<[f32]> for Outside {
+        fn as_ref(&self) -> &[f32] {
+            &self.0
+        }
+    }
+
+    #[test]
+    fn shared_store_reads_in_place_and_copies_on_write() {
+        let owner = Arc::new(Outside(vec![1.0, -2.0, 3.0]));
+        let mut s = Store::<f32>::shared(owner.clone());
+        assert!(s.is_shared());
+        assert_eq!(s.as_ptr(), owner.0.as_ptr(), "read in place");
+        // A clone shares the memory too.
+        let c = s.clone();
+        assert!(c.is_shared() && c.as_ptr() == owner.0.as_ptr());
+        // Writing copies first: the owner's memory is never written.
+        s[1] = 5.0;
+        assert!(!s.is_shared());
+        assert_eq!(&*s, &[1.0, 5.0, 3.0]);
+        assert_eq!(owner.0, vec![1.0, -2.0, 3.0]);
+        assert_eq!(&*c, &[1.0, -2.0, 3.0]);
+        // into_vec copies shared elements; owned ones are handed over.
+        assert_eq!(c.into_vec(), vec![1.0, -2.0, 3.0]);
+        let v = vec![7.0f32; 4];
+        let p = v.as_ptr();
+        assert_eq!(Store::from(v).into_vec().as_ptr(), p);
+        // A tensor over shared storage behaves as any other.
+        let t = Tensor::new(vec![3], Data::F32(Store::shared(owner.clone()))).unwrap();
+        assert_eq!(t.as_slice::<f32>().unwrap(), &[1.0, -2.0, 3.0]);
+        assert_eq!(
+            t,
+            Tensor::new(vec![3], Data::F32(vec![1.0, -2.0, 3.0].into())).unwrap()
+        );
     }
 }

@@ -1,16 +1,21 @@
 //! NumPy arrays to ferrum values and back.
 //!
-//! Inputs: a C-contiguous array of a native dtype is read with one copy of its buffer into the
-//! tensor's storage (ferrum's tensors own their data); any other layout is read element by
-//! element in logical (row-major) order. Python lists are sequences, `None` an empty optional.
-//! Outputs: numeric tensors hand their storage to NumPy without a copy.
+//! Inputs: a C-contiguous, aligned array of a native numeric dtype is read in place, without a
+//! copy: the tensor's storage borrows the array's buffer (and holds a reference to the array, so
+//! it outlives the run); an op that would write to it copies first (`ferrum_graph::Store`), so the
+//! caller's array is never modified. Booleans are copied (a byte other than 0 or 1 is not a Rust
+//! `bool`), and so is any other layout, element by element in logical (row-major) order. As with
+//! onnxruntime, an array another Python thread writes to while a run reads it gives undefined
+//! results for that run. Python lists are sequences, `None` an empty optional.
+//! Outputs: numeric tensors hand their storage to NumPy without a copy (an output that is an
+//! input's borrowed buffer, e.g. through Identity, is copied into a new array).
 //!
 //! The storage-only formats (bfloat16, float8, float4, float6, int4, int2) are the `ml_dtypes`
 //! NumPy types, as `onnx.numpy_helper` gives them: one element per byte (two for bfloat16), the
 //! byte holding the element's bit pattern.
 
 use ferrum_graph::ir::ValueType;
-use ferrum_graph::{DType, Data, Tensor, Value};
+use ferrum_graph::{DType, Data, Store, Tensor, Value};
 use half::{bf16, f16};
 use numpy::ndarray::{ArrayD, IxDyn};
 use numpy::{
@@ -138,6 +143,49 @@ fn read_typed<T: Element + Copy>(arr: &Bound<'_, PyUntypedArray>) -> PyResult<Ve
     Ok(ro.as_array().iter().copied().collect())
 }
 
+/// The elements of a C-contiguous, aligned NumPy array, read in place; the array is kept alive
+/// by the reference held here.
+struct NumpyElems<T> {
+    _array: Py<PyAny>,
+    ptr: *const T,
+    len: usize,
+}
+
+// SAFETY: the elements are plain numbers (`T` is Send + Sync) read through a shared slice, and
+// the array object is only reference-counted here (pyo3 defers a decref made without the GIL).
+unsafe impl<T: Send + Sync> Send for NumpyElems<T> {}
+// SAFETY: as above; nothing is written through the pointer.
+unsafe impl<T: Send + Sync> Sync for NumpyElems<T> {}
+impl<T> std::panic::RefUnwindSafe for NumpyElems<T> {}
+
+impl<T> AsRef<[T]> for NumpyElems<T> {
+    fn as_ref(&self) -> &[T] {
+        // SAFETY: `ptr` is the data pointer of a C-contiguous array of `len` elements of `T`
+        // (checked aligned and non-empty in `read_in_place`), and `_array` keeps the array, and
+        // so its buffer, alive for as long as `self`. NumPy cannot resize an array that has other
+        // references; every bit pattern is a valid `T` (numbers only: booleans are copied).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// A numeric array's elements: read in place when it is C-contiguous and aligned, else copied.
+fn read_in_place<T: Element + Copy + Send + Sync>(
+    arr: &Bound<'_, PyUntypedArray>,
+) -> PyResult<Store<T>> {
+    let typed = arr.cast::<PyArrayDyn<T>>()?;
+    let ptr = typed.data() as *const T;
+    let len = typed.len();
+    if typed.is_c_contiguous() && len > 0 && (ptr as usize).is_multiple_of(align_of::<T>()) {
+        let elems = NumpyElems {
+            _array: typed.clone().into_any().unbind(),
+            ptr,
+            len,
+        };
+        return Ok(Store::shared(std::sync::Arc::new(elems)));
+    }
+    Ok(read_typed(arr)?.into())
+}
+
 /// An array (or anything `numpy.asarray` takes) as a tensor.
 pub fn to_tensor(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let np = py.import("numpy")?;
@@ -191,18 +239,22 @@ pub fn to_tensor(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult
             let mask = ((1u16 << ferrum_graph::small::bits(dt)) - 1) as u8;
             Data::Code(dt, v.into_iter().map(|c| c & mask).collect())
         }
-        (None, b'b', 1) => Data::Bool(read_typed(arr)?),
-        (None, b'i', 1) => Data::I8(read_typed(arr)?),
-        (None, b'i', 2) => Data::I16(read_typed(arr)?),
-        (None, b'i', 4) => Data::I32(read_typed(arr)?),
-        (None, b'i', 8) => Data::I64(read_typed(arr)?),
-        (None, b'u', 1) => Data::U8(read_typed(arr)?),
-        (None, b'u', 2) => Data::U16(read_typed(arr)?),
-        (None, b'u', 4) => Data::U32(read_typed(arr)?),
-        (None, b'u', 8) => Data::U64(read_typed(arr)?),
-        (None, b'f', 2) => Data::F16(read_typed::<f16>(arr)?),
-        (None, b'f', 4) => Data::F32(read_typed(arr)?),
-        (None, b'f', 8) => Data::F64(read_typed(arr)?),
+        // A NumPy bool is a byte that may hold any value (through views): copied and checked.
+        (None, b'b', 1) => {
+            let v: Vec<u8> = read_typed(arr.call_method1("view", ("uint8",))?.cast()?)?;
+            Data::Bool(v.into_iter().map(|b| b != 0).collect())
+        }
+        (None, b'i', 1) => Data::I8(read_in_place(arr)?),
+        (None, b'i', 2) => Data::I16(read_in_place(arr)?),
+        (None, b'i', 4) => Data::I32(read_in_place(arr)?),
+        (None, b'i', 8) => Data::I64(read_in_place(arr)?),
+        (None, b'u', 1) => Data::U8(read_in_place(arr)?),
+        (None, b'u', 2) => Data::U16(read_in_place(arr)?),
+        (None, b'u', 4) => Data::U32(read_in_place(arr)?),
+        (None, b'u', 8) => Data::U64(read_in_place(arr)?),
+        (None, b'f', 2) => Data::F16(read_in_place::<f16>(arr)?),
+        (None, b'f', 4) => Data::F32(read_in_place(arr)?),
+        (None, b'f', 8) => Data::F64(read_in_place(arr)?),
         (None, b'O' | b'U' | b'S', _) => {
             let flat = arr.call_method0("ravel")?.call_method0("tolist")?;
             let mut v = Vec::with_capacity(arr.len());
@@ -231,12 +283,13 @@ pub fn to_tensor(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult
     Tensor::new(shape, data).map_err(|e| InvalidArgument::new_err(format!("input '{name}': {e}")))
 }
 
-fn array<'py, T: Element>(
+fn array<'py, T: Element + Clone>(
     py: Python<'py>,
     shape: &[usize],
-    v: Vec<T>,
+    v: Store<T>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let a = ArrayD::from_shape_vec(IxDyn(shape), v)
+    // Owned storage is handed over; an input's borrowed buffer is copied into a new array.
+    let a = ArrayD::from_shape_vec(IxDyn(shape), v.into_vec())
         .map_err(|e| crate::errors::FerrumError::new_err(format!("output shape: {e}")))?;
     Ok(a.into_pyarray(py).into_any())
 }
@@ -274,10 +327,10 @@ fn from_tensor(py: Python<'_>, t: Tensor) -> PyResult<Bound<'_, PyAny>> {
         Data::U64(v) => array(py, &shape, v),
         Data::Bool(v) => array(py, &shape, v),
         Data::BF16(v) => {
-            let bits: Vec<u16> = v.into_iter().map(bf16::to_bits).collect();
-            ml_view(py, array(py, &shape, bits)?, DType::BF16)
+            let bits: Vec<u16> = v.iter().map(|x| x.to_bits()).collect();
+            ml_view(py, array(py, &shape, bits.into())?, DType::BF16)
         }
-        Data::Code(dt, v) => ml_view(py, array(py, &shape, v)?, dt),
+        Data::Code(dt, v) => ml_view(py, array(py, &shape, v.into())?, dt),
         Data::Str(v) => {
             let np = py.import("numpy")?;
             let list = PyList::new(py, v)?;

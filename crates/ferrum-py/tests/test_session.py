@@ -122,6 +122,59 @@ def test_run_outputs_and_layouts(add_model):
     assert s.run(["y"], {"x": x})[0][0, 0] == 1
 
 
+def test_inputs_read_in_place_never_written(tmp_path):
+    """A contiguous input is read without a copy (peak memory does not grow by its size), ops
+    that may write their input in place leave the caller's array as it was, and unaligned,
+    strided, read-only and odd-boolean inputs still give the right values."""
+    import resource
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])
+    l_out = helper.make_tensor_value_info("l", TensorProto.FLOAT, [1])
+    r_out = helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N"])
+    i_out = helper.make_tensor_value_info("i", TensorProto.FLOAT, ["N"])
+    start = numpy_helper.from_array(np.array([-1], np.int64), "start")
+    end = numpy_helper.from_array(np.array([1 << 40], np.int64), "end")
+    last = ferrum.InferenceSession(_model([helper.make_node("Slice", ["x", "start", "end"], ["l"])],
+                                          [x], [l_out], inits=[start, end]))
+    # 256 MiB of input: a copy would raise the peak RSS by that much.
+    big = np.ones(64 << 20, np.float32)
+    big[-1] = 5
+    last.run(None, {"x": big[:1024]})  # warm-up
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    (tail,) = last.run(None, {"x": big})
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert tail.tolist() == [5.0]
+    assert grew < 64 << 10, f"peak RSS grew by {grew} KiB reading a 256 MiB input"
+    del big
+    sess = ferrum.InferenceSession(_model([helper.make_node("Relu", ["x"], ["r"]),
+                                           helper.make_node("Identity", ["x"], ["i"])],
+                                          [x], [r_out, i_out]))
+    # In-place candidates (Relu, Identity) leave the input as it was; outputs are new arrays.
+    a = np.array([-1.0, 2.0, -3.0, 4.0], np.float32)
+    keep = a.copy()
+    r, i = sess.run(["r", "i"], {"x": a})
+    np.testing.assert_array_equal(a, keep)
+    np.testing.assert_array_equal(r, np.maximum(keep, 0))
+    np.testing.assert_array_equal(i, keep)
+    i[0] = 99
+    assert a[0] == -1.0
+    # Read-only, strided and unaligned inputs.
+    ro = keep.copy()
+    ro.flags.writeable = False
+    np.testing.assert_array_equal(sess.run(["r"], {"x": ro})[0], np.maximum(keep, 0))
+    np.testing.assert_array_equal(sess.run(["r"], {"x": np.repeat(keep, 2)[::2]})[0], np.maximum(keep, 0))
+    raw = np.zeros(4 * 4 + 1, np.uint8)
+    unaligned = raw[1:].view(np.float32)
+    unaligned[:] = keep
+    assert unaligned.ctypes.data % 4 != 0
+    np.testing.assert_array_equal(sess.run(["i"], {"x": unaligned})[0], keep)
+    # A NumPy bool byte other than 0/1 (made through a view) reads as true.
+    b_in = helper.make_tensor_value_info("b", TensorProto.BOOL, [3])
+    b_out = helper.make_tensor_value_info("nb", TensorProto.BOOL, [3])
+    nb = ferrum.InferenceSession(_model([helper.make_node("Not", ["b"], ["nb"])], [b_in], [b_out]))
+    odd = np.array([0, 1, 7], np.uint8).view(np.bool_)
+    assert nb.run(None, {"b": odd})[0].tolist() == [True, False, False]
+
+
 def test_from_bytes_and_session_options(add_model):
     so = ferrum.SessionOptions()
     so.intra_op_num_threads = 1
