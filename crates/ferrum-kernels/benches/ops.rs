@@ -102,9 +102,10 @@ fn main() {
             let s = median_secs(|| attention(&p, black_box(&q), &k, &v, &positions, &mut out));
             let pairs: usize = positions.iter().map(|&pos| pos + 1).sum::<usize>() * nh;
             println!(
-                "| attention {label} | {n_q} queries, {nh}x{hd} heads, ctx {ctx} | {threads} | {:.3} | {:.1} GFLOP/s |",
+                "| attention {label} | {n_q} queries, {nh}x{hd} heads, ctx {ctx} | {threads} | {:.3} | {:.1} GFLOP/s, {:.1} ns per (row, key) and thread |",
                 s * 1e3,
-                (4 * hd * pairs) as f64 / s / 1e9
+                (4 * hd * pairs) as f64 / s / 1e9,
+                s * 1e9 * threads as f64 / pairs as f64
             );
         }
     }

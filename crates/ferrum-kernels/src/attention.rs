@@ -270,14 +270,18 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             sink: p.sinks.map(|sk| sk[h]),
         }
     };
+    // AVX2 without AVX-512: the same task split and three-pass structure, 256-bit registers.
+    let narrow = fast && !wide && matches!(hd, 64 | 128 | 256);
     #[cfg(target_arch = "x86_64")]
-    if wide {
+    if wide || narrow {
         // A task is one query's heads of one KV head, G at a time: they share their keys and
         // their K and V rows, so the kernel runs G rows together (each K and V row converted
         // once, the per-key dependency chains overlapping). G is as large as the registers allow
-        // (G x head_dim / 16 accumulators), but small enough that there are at least two tasks
-        // per thread (a one-token step must still split).
+        // (AVX-512: G x head_dim / 16 accumulators; AVX2 runs V.p in blocks of lanes, so 4 at any
+        // head_dim), but small enough that there are at least two tasks per thread (a one-token
+        // step must still split).
         let g_max = match hd {
+            _ if narrow => 4,
             64 => 4,
             128 => 2,
             _ => 1,
@@ -312,6 +316,19 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             // and the range lies inside `out` (t < n_q, h0 + n <= nh).
             let o = unsafe { std::slice::from_raw_parts_mut(o_ptr.at(r0 * hd), n * hd) };
             let rows: [Row; 4] = core::array::from_fn(|i| job(r0 + i.min(n - 1)));
+            if narrow {
+                // SAFETY (every call): `narrow` is true only when the CPU reports AVX2, FMA and
+                // F16C and head_dim is 64, 128 or 256, which is 8 * NV for the NV each call
+                // names.
+                unsafe {
+                    match hd {
+                        64 => attend_rows_avx2_n::<8>(&rows, n, o),
+                        128 => attend_rows_avx2_n::<16>(&rows, n, o),
+                        _ => attend_rows_avx2_n::<32>(&rows, n, o),
+                    }
+                }
+                return;
+            }
             // SAFETY (every call): `wide` is true only when the CPU reports AVX-512F and
             // head_dim is 64, 128 or 256, which is 16 * NV for the NV each call names; `o` holds
             // the H rows passed.
@@ -341,7 +358,7 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             unsafe { attend_row_avx2(&job, o) };
             return;
         }
-        let _ = (fast, wide);
+        let _ = (fast, wide, narrow);
         attend_row(&job, o);
     });
 }
@@ -407,9 +424,9 @@ fn has_avx512() -> bool {
     false
 }
 
-/// Score buffers of the AVX-512 kernel, one per task running at once: a task takes one and
-/// gives it back. [`prepare_scores`] sizes them on the calling thread before a parallel call, so
-/// whichever worker runs a task finds a buffer large enough: once a context's size is reached,
+/// Score buffers of the AVX-512 and AVX2 kernels, one per task running at once: a task takes one
+/// and gives it back. [`prepare_scores`] sizes them on the calling thread before a parallel call,
+/// so whichever worker runs a task finds a buffer large enough: once a context's size is reached,
 /// no call allocates, however the tasks were scheduled before.
 static SCORES: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
 
@@ -599,6 +616,212 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
             assert!(off + 16 <= o.len());
             // SAFETY: off + 16 <= o.len(), checked above.
             unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(off), _mm512_mul_ps(*av, inv)) };
+        }
+    }
+}
+
+/// [`attend_rows_avx2`] for the first `n` (1 to 4) of `rows`, which share their KV head; `o`
+/// holds the n output rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_rows_avx2_n<const NV: usize>(rows: &[Row; 4], n: usize, o: &mut [f32]) {
+    let r = |i: usize| &rows[i];
+    // SAFETY (every call): the caller's CPU has AVX2, FMA and F16C (this function's own
+    // requirement); the kernel checks head_dim = 8 * NV and the rows' sharing itself.
+    unsafe {
+        match n {
+            4 => attend_rows_avx2::<4, NV>(core::array::from_fn(r), o),
+            3 => attend_rows_avx2::<3, NV>(core::array::from_fn(r), o),
+            2 => attend_rows_avx2::<2, NV>(core::array::from_fn(r), o),
+            _ => attend_rows_avx2::<1, NV>([&rows[0]], o),
+        }
+    }
+}
+
+/// [`attend_row`] with AVX2 for `H` rows of one query that share a KV head (grouped-query
+/// attention): the same float operations in the same order per row, bit for bit, in three passes
+/// as [`attend_rows_avx512`] does. First every score (each K row converted from f16 once for the
+/// H rows; Q.K in `dot_f16_order`'s sixteen lanes held as two eight-lane halves, the same
+/// reduction tree); then per row the online softmax's factors (running max, rescale `ms`, weight
+/// `vs`, sum) with libm's `expf`; then V.p with the f16-rounded accumulator, eight lanes a
+/// register. The lanes of the accumulator are independent of each other, so that last pass runs
+/// the keys once per block of lanes, the H rows' accumulators of one block held in registers
+/// (enough independent chains of FMA and f16 rounding per key, no spills; any head_dim).
+/// `head_dim` must be 8 * NV with NV a multiple of 8 (64, 128, 256: no tail in Q.K); `o` holds
+/// the H output rows. No heap buffer per call once [`prepare_scores`] sized the score buffers.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // index loops over register arrays mirror the lanes
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_rows_avx2<const H: usize, const NV: usize>(rows: [&Row; H], o: &mut [f32]) {
+    use core::arch::x86_64::*;
+    let hd = rows[0].q.len();
+    assert!(
+        hd == 8 * NV && NV.is_multiple_of(8),
+        "attend_rows_avx2: head_dim"
+    );
+    assert_eq!(o.len(), H * hd, "attend_rows_avx2: out");
+    let r0 = rows[0];
+    // One query's heads of one KV head: the same keys, cache, table and KV head.
+    assert!(
+        rows.iter().all(|r| r.q.len() == hd
+            && r.keys == r0.keys
+            && r.at == r0.at
+            && core::ptr::eq(r.k, r0.k)
+            && core::ptr::eq(r.v, r0.v)
+            && core::ptr::eq(r.table, r0.table)
+            && r.shift == r0.shift
+            && r.kv_row == r0.kv_row),
+        "attend_rows_avx2: rows of one call share their KV head"
+    );
+    let keys = r0.keys.clone();
+    let n_keys = keys.len();
+    let round = |x: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+    // A buffer sized by `prepare_scores` (a fresh one only if this task is not part of a
+    // prepared call): per key and row the score, then the weight vs; after them the rescales ms.
+    let taken = SCORES.lock().unwrap_or_else(|e| e.into_inner()).pop();
+    let mut scores = taken.unwrap_or_default();
+    scores.clear();
+    scores.resize(2 * H * n_keys, 0.0);
+    let (vs_all, ms_all) = scores.split_at_mut(H * n_keys);
+
+    // Pass 1: the scores. Q rounded to f16, per row.
+    let q: [[__m256; NV]; H] = core::array::from_fn(|hi| {
+        core::array::from_fn(|c| {
+            // SAFETY: c * 8 + 8 <= hd = q.len().
+            round(unsafe { _mm256_loadu_ps(rows[hi].q.as_ptr().add(c * 8)) })
+        })
+    });
+    for (jj, j) in keys.clone().enumerate() {
+        let at = r0.offset(j);
+        let krow = &r0.k[at..at + hd];
+        // dot_f16_order's accumulator a (0..4) lane l (0..16) is slot 2a + l / 8 here, lane
+        // l % 8: eight-lane chunk c goes to slot c % 8, and the chunks of one slot are summed in
+        // order. Slot by slot, so only H running sums are live at a time.
+        let mut slot = [[_mm256_setzero_ps(); 8]; H];
+        for sl in 0..8 {
+            for g in 0..NV / 8 {
+                let c = g * 8 + sl;
+                // SAFETY: c * 8 + 8 <= hd = krow.len().
+                let k = _mm256_cvtph_ps(unsafe {
+                    _mm_loadu_si128(krow.as_ptr().add(c * 8) as *const __m128i)
+                });
+                for hi in 0..H {
+                    slot[hi][sl] = _mm256_fmadd_ps(q[hi][c], k, slot[hi][sl]);
+                }
+            }
+        }
+        for hi in 0..H {
+            let a = &slot[hi];
+            // (a0 + a2) + (a1 + a3) per half, then the halving tree over the 16 lanes.
+            let lo = _mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6]));
+            let hi8 = _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7]));
+            let t8 = _mm256_add_ps(lo, hi8);
+            let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+            let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4)); // [t0+t2, t1+t3, ..]
+            let dot = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+            vs_all[jj * H + hi] = capped(dot * rows[hi].scale, rows[hi].softcap);
+        }
+    }
+
+    // Pass 2: the online softmax's factors per row, from its scores alone (the same exp calls
+    // and sums as the one-pass recurrence): ms = e^(m_old - m) where a key raises the running
+    // max m (1 elsewhere), vs = e^(score - m) (1 where it raises it), s = fma(s, ms, vs).
+    let mut fin = [(None::<f32>, 0f32); H];
+    for hi in 0..H {
+        let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
+        for jj in 0..n_keys {
+            let i = jj * H + hi;
+            let score = vs_all[i];
+            let (ms, vs) = if score > m {
+                let ms = (m - score).exp();
+                m = score;
+                (ms, 1.0)
+            } else {
+                (1.0, (score - m).exp())
+            };
+            ms_all[i] = ms;
+            vs_all[i] = vs;
+            s = s.mul_add(ms, vs);
+        }
+        let sink = join_sink(rows[hi].sink, m, &mut s);
+        fin[hi] = (sink, 1.0 / s);
+    }
+
+    // Pass 3: V.p, a block of CB eight-lane chunks at a time (H * CB accumulators in registers).
+    let (vs_all, ms_all) = (&*vs_all, &*ms_all);
+    // SAFETY (every call): this function runs only where the CPU has AVX2, FMA and F16C; CB
+    // divides NV; the factors hold H values per key and `o` the H rows.
+    unsafe {
+        match H {
+            1 => v_pass::<H, NV, 8>(rows, vs_all, ms_all, &fin, o),
+            2 => v_pass::<H, NV, 4>(rows, vs_all, ms_all, &fin, o),
+            3 => v_pass::<H, NV, 4>(rows, vs_all, ms_all, &fin, o),
+            _ => v_pass::<H, NV, 2>(rows, vs_all, ms_all, &fin, o),
+        }
+    }
+    SCORES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(scores);
+}
+
+/// The V pass of [`attend_rows_avx2`] in blocks of CB chunks (CB divides NV): per block,
+/// per key, the rescale (where a row's ms is not 1; the accumulator holds f16 values, so a
+/// factor of 1 changes nothing) and the FMA of the V row by vs, each rounded to f16; then
+/// the sink's factor and 1/s into `o`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // index loops over register arrays mirror the lanes
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn v_pass<const H: usize, const NV: usize, const CB: usize>(
+    rows: [&Row; H],
+    vs_all: &[f32],
+    ms_all: &[f32],
+    fin: &[(Option<f32>, f32); H],
+    o: &mut [f32],
+) {
+    use core::arch::x86_64::*;
+    let round = |x: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+    let r0 = rows[0];
+    let hd = 8 * NV;
+    for b in (0..NV).step_by(CB) {
+        let mut acc = [[_mm256_setzero_ps(); CB]; H];
+        for (jj, j) in r0.keys.clone().enumerate() {
+            let at = r0.offset(j);
+            let vrow = &r0.v[at + b * 8..at + (b + CB) * 8];
+            let ms = &ms_all[jj * H..jj * H + H];
+            let vs = &vs_all[jj * H..jj * H + H];
+            if ms.iter().any(|&x| x != 1.0) {
+                for (a, &f) in acc.iter_mut().zip(ms) {
+                    let msv = _mm256_set1_ps(f);
+                    for av in a.iter_mut() {
+                        *av = round(_mm256_mul_ps(*av, msv));
+                    }
+                }
+            }
+            for c in 0..CB {
+                // SAFETY: c * 8 + 8 <= CB * 8 = vrow.len().
+                let x = _mm256_cvtph_ps(unsafe {
+                    _mm_loadu_si128(vrow.as_ptr().add(c * 8) as *const __m128i)
+                });
+                for hi in 0..H {
+                    let vsv = _mm256_set1_ps(vs[hi]);
+                    acc[hi][c] = round(_mm256_fmadd_ps(x, vsv, acc[hi][c]));
+                }
+            }
+        }
+        for hi in 0..H {
+            let (sink, inv) = fin[hi];
+            let inv = _mm256_set1_ps(inv);
+            for (c, &a) in acc[hi].iter().enumerate() {
+                let a = match sink {
+                    Some(f) => _mm256_mul_ps(a, _mm256_set1_ps(f)),
+                    None => a,
+                };
+                let dst = &mut o[hi * hd + (b + c) * 8..hi * hd + (b + c) * 8 + 8];
+                // SAFETY: `dst` holds 8 values.
+                unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_mul_ps(a, inv)) };
+            }
         }
     }
 }
@@ -968,6 +1191,103 @@ mod tests {
                     x.is_finite() && (x - y).abs() < 5e-3,
                     "seed {seed}: {x} vs {y}"
                 );
+            }
+        }
+    }
+
+    /// The AVX2 kernel against the portable one, bit for bit: head dims 64, 128 and 256, 1 to 8
+    /// query heads per KV head (run 1 to 4 at a time, as `run` splits them), 1 to 300 keys,
+    /// sliding windows, sinks, soft-capping, and paged caches of 16 or 32 rows a block with
+    /// shuffled tables. Large Q scales make the running max move often (many rescales).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_rows_match_portable_bits() {
+        use rand::seq::SliceRandom;
+        if !(is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("skipped: the CPU lacks AVX2, FMA or F16C");
+            return;
+        }
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for case in 0..300 {
+            let hd = [64, 128, 256][case % 3];
+            let group = rng.gen_range(1..=8);
+            let nkv = rng.gen_range(1..=2);
+            let nh = group * nkv;
+            let bs = [16usize, 32][rng.gen_range(0..2)];
+            let pos = rng.gen_range(0..300);
+            let n_blocks = pos / bs + 1;
+            let phys = n_blocks + rng.gen_range(0..3);
+            let mut table: Vec<u32> = (0..phys as u32).collect();
+            table.shuffle(&mut rng);
+            table.truncate(n_blocks);
+            let kv_row = nkv * hd;
+            let k: Vec<f16> = (0..phys * bs * kv_row)
+                .map(|_| f16::from_f32(rng.gen_range(-2.0..2.0)))
+                .collect();
+            let v: Vec<f16> = (0..phys * bs * kv_row)
+                .map(|_| f16::from_f32(rng.gen_range(-2.0..2.0)))
+                .collect();
+            let window = rng.gen_bool(0.3).then(|| rng.gen_range(1..=pos + 8));
+            let start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let softcap = rng.gen_bool(0.3).then(|| rng.gen_range(0.5..30.0f32));
+            let qs = [0.5f32, 2.0, 8.0][rng.gen_range(0..3)];
+            let q: Vec<f32> = (0..nh * hd).map(|_| rng.gen_range(-qs..qs)).collect();
+            let sinks: Option<Vec<f32>> = rng
+                .gen_bool(0.4)
+                .then(|| (0..nh).map(|_| rng.gen_range(-3.0..12.0)).collect());
+            let scale = 1.0 / (hd as f32).sqrt();
+            let row = |h: usize| Row {
+                q: &q[h * hd..(h + 1) * hd],
+                k: &k,
+                v: &v,
+                table: &table,
+                shift: bs.trailing_zeros(),
+                at: (h / group) * hd,
+                kv_row,
+                keys: start..pos + 1,
+                scale: softcap.map_or(scale, |c| scale / c),
+                softcap,
+                sink: sinks.as_ref().map(|s| s[h]),
+            };
+            for kvh in 0..nkv {
+                let mut h0 = kvh * group;
+                while h0 < (kvh + 1) * group {
+                    let n = rng.gen_range(1..=4).min((kvh + 1) * group - h0);
+                    let rows: [Row; 4] = core::array::from_fn(|i| row(h0 + i.min(n - 1)));
+                    let mut a = vec![f32::NAN; n * hd];
+                    // SAFETY: the CPU has AVX2, FMA and F16C (checked above); head_dim is 8 * NV.
+                    unsafe {
+                        match hd {
+                            64 => attend_rows_avx2_n::<8>(&rows, n, &mut a),
+                            128 => attend_rows_avx2_n::<16>(&rows, n, &mut a),
+                            _ => attend_rows_avx2_n::<32>(&rows, n, &mut a),
+                        }
+                    }
+                    for (i, a) in a.chunks_exact(hd).enumerate() {
+                        let mut b = vec![f32::NAN; hd];
+                        attend_row(&rows[i], &mut b);
+                        let bad = a
+                            .iter()
+                            .zip(&b)
+                            .position(|(x, y)| x.is_nan() || x.to_bits() != y.to_bits());
+                        assert!(
+                            bad.is_none(),
+                            "seed {seed}: case {case}: head_dim {hd}, group {group}, head {}, \
+                             keys {start}..={pos}, block {bs}, softcap {softcap:?}, sink {:?}: \
+                             lane {}: {} vs portable {}",
+                            h0 + i,
+                            rows[i].sink,
+                            bad.unwrap(),
+                            a[bad.unwrap()],
+                            b[bad.unwrap()]
+                        );
+                    }
+                    h0 += n;
+                }
             }
         }
     }
