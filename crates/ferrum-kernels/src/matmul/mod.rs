@@ -17,6 +17,8 @@
 //! epilogues); everything else runs one [`quant::vec_dot`]-family product per output.
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod kquant;
@@ -240,6 +242,15 @@ fn matmul_rows(w: &Src, x: &[f32], y: &mut [f32], orders: &[Order]) {
             // with the same bits: see benches/matmul.rs.)
             sc.prepared.fill(w.dtype, &sc.act, ab, t);
             matmul_tiles(w, &sc.prepared, t, y);
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::features().x86_simd()
+            && avx2::supports(w.dtype)
+            && orders.iter().all(|&o| o == Order::Vec)
+        {
+            // AVX2 tiers: several rows x tokens per kernel call, `vec_dot`'s bits.
+            avx2::matmul(w, &sc.act, ab, t, y);
             return;
         }
         #[cfg(target_arch = "x86_64")]
