@@ -276,16 +276,10 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
     if wide || narrow {
         // A task is one query's heads of one KV head, G at a time: they share their keys and
         // their K and V rows, so the kernel runs G rows together (each K and V row converted
-        // once, the per-key dependency chains overlapping). G is as large as the registers allow
-        // (AVX-512: G x head_dim / 16 accumulators; AVX2 runs V.p in blocks of lanes, so 4 at any
-        // head_dim), but small enough that there are at least two tasks per thread (a one-token
-        // step must still split).
-        let g_max = match hd {
-            _ if narrow => 4,
-            64 => 4,
-            128 => 2,
-            _ => 1,
-        };
+        // once, the per-key dependency chains overlapping). G is 4 at any head_dim (both kernels
+        // run V.p in blocks of lanes, so the accumulators stay in registers), but small enough
+        // that there are at least two tasks per thread (a one-token step must still split).
+        let g_max = 4;
         // Tasks: per query, per KV head, its query heads G at a time (rows of one task share
         // their K and V rows).
         let n_q = n_rows;
@@ -329,22 +323,14 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
                 }
                 return;
             }
-            // SAFETY (every call): `wide` is true only when the CPU reports AVX-512F and
-            // head_dim is 64, 128 or 256, which is 16 * NV for the NV each call names; `o` holds
-            // the H rows passed.
+            // SAFETY (every call): `wide` is true only when the CPU reports AVX-512F, AVX2,
+            // FMA and F16C and head_dim is 64, 128 or 256, which is 16 * NV for the NV each
+            // call names.
             unsafe {
-                match (hd, n) {
-                    (64, 4) => attend_rows_avx512::<4, 4>(core::array::from_fn(|i| &rows[i]), o),
-                    (64, 3) => attend_rows_avx512::<3, 4>(core::array::from_fn(|i| &rows[i]), o),
-                    (64, 2) => attend_rows_avx512::<2, 4>(core::array::from_fn(|i| &rows[i]), o),
-                    (64, _) => attend_rows_avx512::<1, 4>([&rows[0]], o),
-                    (128, 2) => attend_rows_avx512::<2, 8>(core::array::from_fn(|i| &rows[i]), o),
-                    (128, _) => attend_rows_avx512::<1, 8>([&rows[0]], o),
-                    _ => {
-                        for (r, oc) in rows[..n].iter().zip(o.chunks_exact_mut(hd)) {
-                            attend_rows_avx512::<1, 16>([r], oc);
-                        }
-                    }
+                match hd {
+                    64 => attend_rows_avx512_n::<4>(&rows, n, o),
+                    128 => attend_rows_avx512_n::<8>(&rows, n, o),
+                    _ => attend_rows_avx512_n::<16>(&rows, n, o),
                 }
             }
         });
@@ -430,9 +416,10 @@ fn has_avx512() -> bool {
 /// no call allocates, however the tasks were scheduled before.
 static SCORES: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
 
-/// Score-buffer length a task of `n_keys` keys needs (H <= 4 rows, two values per key).
+/// Score-buffer length a task of `n_keys` keys needs (H <= 4 rows, up to three values per key:
+/// the AVX-512 kernel keeps the scores apart from the weights and rescales).
 fn scores_len(n_keys: usize) -> usize {
-    2 * 4 * n_keys
+    3 * 4 * n_keys
 }
 
 /// Makes every score buffer hold at least `scores_len(max_keys)` values, with room for every
@@ -453,169 +440,296 @@ fn prepare_scores(max_keys: usize, cache_rows: usize) {
     }
 }
 
-/// [`attend_row`] with AVX-512 for `H` rows that share their key range: the same float
-/// operations in the same order per row (Q.K in ggml's AVX-512 `vec_dot_f16` lanes, f16 rounding
-/// of the V accumulator after every update), 16 lanes at a time, without heap buffers per call.
-/// The rows' per-key chains (exp, rescale, accumulate) are independent, so running them side by
-/// side overlaps their latencies. `head_dim` must be 16 * NV (NV fixed at compile time keeps
-/// the accumulators in registers); `o` holds the H output rows.
+/// [`attend_rows_avx512`] for the first `n` (1 to 4) of `rows`, which share their KV head; `o`
+/// holds the n output rows.
 #[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn attend_rows_avx512_n<const NV: usize>(rows: &[Row; 4], n: usize, o: &mut [f32]) {
+    let r = |i: usize| &rows[i];
+    // SAFETY (every call): the caller's CPU has AVX-512F, AVX2, FMA and F16C (this function's
+    // own requirement); the kernel checks head_dim = 16 * NV and the rows' sharing itself.
+    unsafe {
+        match n {
+            4 => attend_rows_avx512::<4, NV>(core::array::from_fn(r), o),
+            3 => attend_rows_avx512::<3, NV>(core::array::from_fn(r), o),
+            2 => attend_rows_avx512::<2, NV>(core::array::from_fn(r), o),
+            _ => attend_rows_avx512::<1, NV>([&rows[0]], o),
+        }
+    }
+}
+
+/// Asserts that the rows of one multi-row call are one query's heads of one KV head: the same
+/// head_dim `hd`, keys, cache, table and KV head.
+#[cfg(target_arch = "x86_64")]
+fn check_shared<const H: usize>(rows: [&Row; H], hd: usize, what: &str) {
+    let r0 = rows[0];
+    assert!(
+        rows.iter().all(|r| r.q.len() == hd
+            && r.keys == r0.keys
+            && r.at == r0.at
+            && core::ptr::eq(r.k, r0.k)
+            && core::ptr::eq(r.v, r0.v)
+            && core::ptr::eq(r.table, r0.table)
+            && r.shift == r0.shift
+            && r.kv_row == r0.kv_row),
+        "{what}: rows of one call share their KV head"
+    );
+}
+
+/// Pass 2 of the multi-row kernels: the online softmax's factors per row, from its scores alone
+/// (the same exp calls and sums as the one-pass recurrence of [`attend_row`]): ms = e^(m_old - m)
+/// where a key raises the running max m (1 elsewhere), vs = e^(score - m) (1 where it raises it),
+/// s = fma(s, ms, vs). The scores are `by_row` (row by row, n_keys a row) or else in `vs_all`;
+/// `vs_all` gets the weights and `ms_all` the rescales, key by key (H values a key). Returns per
+/// row the sink's factor and 1/s.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn softmax_factors<const H: usize>(
+    rows: [&Row; H],
+    by_row: Option<&[f32]>,
+    vs_all: &mut [f32],
+    ms_all: &mut [f32],
+) -> [(Option<f32>, f32); H] {
+    let n_keys = vs_all.len() / H;
+    let mut fin = [(None::<f32>, 0f32); H];
+    for hi in 0..H {
+        let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
+        for jj in 0..n_keys {
+            let i = jj * H + hi;
+            let score = match by_row {
+                Some(sc) => sc[hi * n_keys + jj],
+                None => vs_all[i],
+            };
+            let (ms, vs) = if score > m {
+                let ms = (m - score).exp();
+                m = score;
+                (ms, 1.0)
+            } else {
+                (1.0, (score - m).exp())
+            };
+            ms_all[i] = ms;
+            vs_all[i] = vs;
+            s = s.mul_add(ms, vs);
+        }
+        let sink = join_sink(rows[hi].sink, m, &mut s);
+        fin[hi] = (sink, 1.0 / s);
+    }
+    fin
+}
+
+/// [`attend_row`] with AVX-512 for `H` rows of one query that share a KV head (grouped-query
+/// attention): the same float operations in the same order per row, bit for bit, in the three
+/// passes of [`attend_rows_avx2`] with 16-lane registers. First every score (each K row
+/// converted from f16 once for the H rows; Q.K in ggml's AVX-512 `vec_dot_f16` lanes, i.e.
+/// `dot_f16_order`, natively, the final halving trees of 16 keys run together by [`hsum16`],
+/// the scores kept row by row); then per row the online softmax's factors
+/// ([`softmax_factors`]); then V.p with the f16-rounded accumulator, the keys run once per
+/// block of CB sixteen-lane chunks so the H * CB accumulators of a block stay in registers at
+/// any head_dim. `head_dim` must be 16 * NV with NV a multiple of 4 (64, 128, 256: no tail in
+/// Q.K); `o` holds the H output rows. No heap buffer per call once [`prepare_scores`] sized
+/// the score buffers.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // index loops over register arrays mirror the lanes
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o: &mut [f32]) {
     use core::arch::x86_64::*;
     let hd = rows[0].q.len();
-    assert_eq!(hd, 16 * NV, "attend_rows_avx512: head_dim");
-    let keys = rows[0].keys.clone();
+    assert!(
+        hd == 16 * NV && NV.is_multiple_of(4),
+        "attend_rows_avx512: head_dim"
+    );
+    assert_eq!(o.len(), H * hd, "attend_rows_avx512: out");
+    check_shared(rows, hd, "attend_rows_avx512");
+    let r0 = rows[0];
+    let keys = r0.keys.clone();
     let n_keys = keys.len();
     let round = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
-    let load_h = |row: &[f16], i: usize| -> __m512 {
-        // SAFETY: callers pass rows of hd f16 and i < hd / 16.
-        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(row.as_ptr().add(i * 16) as *const __m256i) })
-    };
-    // The scratch is borrowed for the scores only: the accumulators live in this frame (not
-    // captured by reference in a closure), so they stay in registers.
-    let mut acc = [[_mm512_setzero_ps(); NV]; H];
-    let mut m = [f32::NEG_INFINITY; H];
-    let mut s = [0f32; H];
     // A buffer sized by `prepare_scores` (a fresh one only if this task is not part of a
-    // prepared call).
+    // prepared call): the scores row by row; then per key and row the weight vs; then the
+    // rescales ms.
     let taken = SCORES.lock().unwrap_or_else(|e| e.into_inner()).pop();
     let mut scores = taken.unwrap_or_default();
-    {
-        scores.clear();
-        // Per row and key: the score (then the weight vs), and the rescale ms.
-        scores.resize(2 * H * n_keys, 0.0);
-        // Scores first: they do not depend on the running max and sum, so the Q.K products of
-        // many keys overlap; the pass below is then a short dependency chain per key.
-        // Q rounded to f16, per row.
-        let q: [[__m512; NV]; H] = core::array::from_fn(|hi| {
-            core::array::from_fn(|i| {
-                // SAFETY: i * 16 + 16 <= hd = q.len().
-                round(unsafe { _mm512_loadu_ps(rows[hi].q.as_ptr().add(i * 16)) })
-            })
-        });
-        // Q.K as ggml's AVX-512 vec_dot_f16 sums it: 4 accumulators over each 64 elements, then
-        // its reduction. (head_dim is 64, 128 or 256 here: no tail.)
-        let dot = |q: &[__m512; NV], k: &[__m512; NV]| -> f32 {
-            let mut a = [_mm512_setzero_ps(); 4];
-            for i in 0..NV {
-                a[i % 4] = _mm512_fmadd_ps(q[i], k[i], a[i % 4]);
-            }
-            let rsum = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
-            let t8 = _mm256_add_ps(
-                _mm512_castps512_ps256(rsum),
-                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(rsum))),
-            );
-            let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
-            let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4)); // [t0+t2, t1+t3, ..]
-            _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)))
-        };
-        // Rows of one KV head (grouped-query attention) read the same K and V rows: each is
-        // loaded and converted once for all of them.
-        let shared = rows.iter().all(|r| r.at == rows[0].at);
-        if shared {
-            let r0 = rows[0];
-            for (jj, j) in keys.clone().enumerate() {
-                let at = r0.offset(j);
-                let krow = &r0.k[at..at + hd];
-                let k: [__m512; NV] = core::array::from_fn(|i| load_h(krow, i));
+    scores.clear();
+    scores.resize(3 * H * n_keys, 0.0);
+    let (by_row, factors) = scores.split_at_mut(H * n_keys);
+    let (vs_all, ms_all) = factors.split_at_mut(H * n_keys);
+
+    // Pass 1: the scores. Q rounded to f16, per row.
+    let q: [[__m512; NV]; H] = core::array::from_fn(|hi| {
+        core::array::from_fn(|i| {
+            // SAFETY: i * 16 + 16 <= hd = q.len().
+            round(unsafe { _mm512_loadu_ps(rows[hi].q.as_ptr().add(i * 16)) })
+        })
+    });
+    // Per row the 16-lane sums (a0 + a2) + (a1 + a3) of 16 keys, reduced together.
+    let mut rs = [[_mm512_setzero_ps(); 16]; H];
+    for (jj, j) in keys.clone().enumerate() {
+        let at = r0.offset(j);
+        let krow = &r0.k[at..at + hd];
+        // dot_f16_order: chunk i of 16 lanes goes to accumulator i % 4, in order. Four chunks
+        // a step, so the accumulators' indices are constants (registers) even where the
+        // compiler keeps the loop over the steps.
+        let mut a = [[_mm512_setzero_ps(); 4]; H];
+        for i4 in (0..NV).step_by(4) {
+            for (ai, i) in (i4..i4 + 4).enumerate() {
+                // SAFETY: i * 16 + 16 <= hd = krow.len().
+                let k = _mm512_cvtph_ps(unsafe {
+                    _mm256_loadu_si256(krow.as_ptr().add(i * 16) as *const __m256i)
+                });
                 for hi in 0..H {
-                    scores[hi * n_keys + jj] =
-                        capped(dot(&q[hi], &k) * rows[hi].scale, rows[hi].softcap);
-                }
-            }
-        } else {
-            for (hi, r) in rows.iter().enumerate() {
-                for (jj, j) in keys.clone().enumerate() {
-                    let at = r.offset(j);
-                    let krow = &r.k[at..at + hd];
-                    let k: [__m512; NV] = core::array::from_fn(|i| load_h(krow, i));
-                    scores[hi * n_keys + jj] = capped(dot(&q[hi], &k) * r.scale, r.softcap);
+                    a[hi][ai] = _mm512_fmadd_ps(q[hi][i], k, a[hi][ai]);
                 }
             }
         }
-        // The online softmax's factors, per row and key, from the scores alone: the running max
-        // m, the rescale ms = e^(m_old - m) where a key raises it (1 elsewhere) and the weight
-        // vs = e^(score - m) (1 where it raises it). The same exp calls as the one-pass
-        // recurrence, but independent of each other, so they overlap; the V pass below is
-        // then one short chain per key.
-        let (vs_all, ms_all) = scores.split_at_mut(H * n_keys);
         for hi in 0..H {
-            for jj in 0..n_keys {
-                let score = vs_all[hi * n_keys + jj];
-                if score > m[hi] {
-                    ms_all[hi * n_keys + jj] = (m[hi] - score).exp();
-                    m[hi] = score;
-                    vs_all[hi * n_keys + jj] = 1.0;
-                } else {
-                    ms_all[hi * n_keys + jj] = 1.0;
-                    vs_all[hi * n_keys + jj] = (score - m[hi]).exp();
+            let a = &a[hi];
+            rs[hi][jj % 16] = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+        }
+        let n = jj % 16 + 1;
+        if n == 16 || jj + 1 == n_keys {
+            // The last n keys (up to 16): per row the halving tree of each key's sum at once,
+            // times the scale, into the row's scores.
+            let base = jj + 1 - n;
+            for hi in 0..H {
+                let dots = _mm512_mul_ps(hsum16(&rs[hi]), _mm512_set1_ps(rows[hi].scale));
+                let dst = &mut by_row[hi * n_keys + base..hi * n_keys + base + n];
+                // SAFETY: the mask writes the first n values, which `dst` holds.
+                unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), ((1u32 << n) - 1) as u16, dots) };
+                if let Some(c) = rows[hi].softcap {
+                    for x in dst.iter_mut() {
+                        *x = capped(*x, Some(c));
+                    }
                 }
             }
         }
-        // Rows of one call read the same positions of one cache (one query's heads; the
-        // caller groups them so): only the KV head's offset differs.
-        let same_cache = rows
-            .iter()
-            .all(|r| core::ptr::eq(r.v, rows[0].v) && core::ptr::eq(r.table, rows[0].table));
-        assert!(
-            same_cache,
-            "attend_rows_avx512: rows of one call share a cache"
-        );
-        let at: [usize; H] = core::array::from_fn(|hi| rows[hi].at);
-        let v = rows[0].v;
-        for (jj, j) in keys.clone().enumerate() {
-            let row_at = rows[0].offset(j) - rows[0].at;
-            let ms: [f32; H] = core::array::from_fn(|hi| ms_all[hi * n_keys + jj]);
-            let vs: [f32; H] = core::array::from_fn(|hi| vs_all[hi * n_keys + jj]);
-            if ms.iter().any(|&x| x != 1.0) {
-                // acc holds f16 values, so rows whose factor is exactly 1 are unchanged.
-                for (a, &f) in acc.iter_mut().zip(&ms) {
-                    let msv = _mm512_set1_ps(f);
-                    for av in a.iter_mut() {
-                        *av = round(_mm512_mul_ps(*av, msv));
-                    }
-                }
+    }
+
+    // Pass 2: the softmax factors.
+    let fin = softmax_factors(rows, Some(&*by_row), vs_all, ms_all);
+
+    // Pass 3: V.p, a block of CB sixteen-lane chunks at a time (H * CB accumulators in
+    // registers).
+    let (vs_all, ms_all) = (&*vs_all, &*ms_all);
+    // CB: 16 accumulators a block where H and NV allow (H = 3: 12), so there are enough
+    // independent chains per key to hide the FMA-and-rounding latency, without spills.
+    // SAFETY (every call): this function runs only where the CPU has AVX-512F, FMA and F16C;
+    // CB divides NV (4, 8 or 16); the factors hold H values per key and `o` the H rows.
+    unsafe {
+        match (H, NV) {
+            (1, 4) | (2, 4) | (3, _) | (4, _) => {
+                v_pass_avx512::<H, NV, 4>(rows, vs_all, ms_all, &fin, o)
             }
-            if shared {
-                let vrow = &v[row_at + at[0]..row_at + at[0] + hd];
-                let vv: [__m512; NV] = core::array::from_fn(|i| load_h(vrow, i));
-                for hi in 0..H {
-                    let vsv = _mm512_set1_ps(vs[hi]);
-                    for (av, &x) in acc[hi].iter_mut().zip(&vv) {
-                        *av = round(_mm512_fmadd_ps(x, vsv, *av));
-                    }
-                    s[hi] = s[hi].mul_add(ms[hi], vs[hi]);
-                }
-            } else {
-                for hi in 0..H {
-                    let vrow = &v[row_at + at[hi]..row_at + at[hi] + hd];
-                    let vsv = _mm512_set1_ps(vs[hi]);
-                    for (i, av) in acc[hi].iter_mut().enumerate() {
-                        *av = round(_mm512_fmadd_ps(load_h(vrow, i), vsv, *av));
-                    }
-                    s[hi] = s[hi].mul_add(ms[hi], vs[hi]);
-                }
-            }
+            (1, 8) | (2, _) => v_pass_avx512::<H, NV, 8>(rows, vs_all, ms_all, &fin, o),
+            _ => v_pass_avx512::<H, NV, 16>(rows, vs_all, ms_all, &fin, o),
         }
     }
     SCORES
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .push(scores);
-    for hi in 0..H {
-        if let Some(ms) = join_sink(rows[hi].sink, m[hi], &mut s[hi]) {
-            let msv = _mm512_set1_ps(ms);
-            for av in acc[hi].iter_mut() {
-                *av = _mm512_mul_ps(*av, msv);
+}
+
+/// The dot products of 16 keys from their 16-lane sums `r` (key k's in `r[k]`): lane k of the
+/// result is `dot_f16_order`'s halving tree over r[k]'s lanes (l + l+8, then l + l+4, then
+/// l + l+2, then l + l+1), the same additions of the same pairs, for the 16 keys in 4 x 3 + 1
+/// steps of two shuffles and an add each.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn hsum16(r: &[core::arch::x86_64::__m512; 16]) -> core::arch::x86_64::__m512 {
+    use core::arch::x86_64::*;
+    // Step 1, keys 2p and 2p+1: 128-bit blocks [a0+a2, a1+a3, b0+b2, b1+b3] (a = key 2p's
+    // blocks, b = key 2p+1's): each key's lanes l + l+8.
+    let s1: [__m512; 8] = core::array::from_fn(|p| {
+        let (a, b) = (r[2 * p], r[2 * p + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(a, b),
+            _mm512_shuffle_f32x4::<0xEE>(a, b),
+        )
+    });
+    // Step 2, lanes l + l+4: block k holds key 4p + k's four sums.
+    let s2: [__m512; 4] = core::array::from_fn(|p| {
+        let (x, y) = (s1[2 * p], s1[2 * p + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(x, y),
+            _mm512_shuffle_f32x4::<0xDD>(x, y),
+        )
+    });
+    // Step 3, lanes l + l+2: block k holds [key 8p+k's two sums, key 8p+4+k's two sums].
+    let s3: [__m512; 2] = core::array::from_fn(|p| {
+        let (x, y) = (s2[2 * p], s2[2 * p + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(x, y),
+            _mm512_shuffle_ps::<0xEE>(x, y),
+        )
+    });
+    // Step 4, lanes l + l+1: lane 4k + m holds key 4m + k; then keys in order.
+    let (x, y) = (s3[0], s3[1]);
+    let t = _mm512_add_ps(
+        _mm512_shuffle_ps::<0x88>(x, y),
+        _mm512_shuffle_ps::<0xDD>(x, y),
+    );
+    let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_ps(idx, t)
+}
+
+/// The V pass of [`attend_rows_avx512`] in blocks of CB sixteen-lane chunks (CB divides NV):
+/// per block, per key, the rescale (where a row's ms is not 1; the accumulator holds f16
+/// values, so a factor of 1 changes nothing) and the FMA of the V row by vs, each rounded to
+/// f16; then the sink's factor and 1/s into `o`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // index loops over register arrays mirror the lanes
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn v_pass_avx512<const H: usize, const NV: usize, const CB: usize>(
+    rows: [&Row; H],
+    vs_all: &[f32],
+    ms_all: &[f32],
+    fin: &[(Option<f32>, f32); H],
+    o: &mut [f32],
+) {
+    use core::arch::x86_64::*;
+    let round = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+    let r0 = rows[0];
+    let hd = 16 * NV;
+    for b in (0..NV).step_by(CB) {
+        let mut acc = [[_mm512_setzero_ps(); CB]; H];
+        for (jj, j) in r0.keys.clone().enumerate() {
+            let at = r0.offset(j);
+            let vrow = &r0.v[at + b * 16..at + (b + CB) * 16];
+            let ms = &ms_all[jj * H..jj * H + H];
+            let vs = &vs_all[jj * H..jj * H + H];
+            if ms.iter().any(|&x| x != 1.0) {
+                for (a, &f) in acc.iter_mut().zip(ms) {
+                    let msv = _mm512_set1_ps(f);
+                    for av in a.iter_mut() {
+                        *av = round(_mm512_mul_ps(*av, msv));
+                    }
+                }
+            }
+            for c in 0..CB {
+                // SAFETY: c * 16 + 16 <= CB * 16 = vrow.len().
+                let x = _mm512_cvtph_ps(unsafe {
+                    _mm256_loadu_si256(vrow.as_ptr().add(c * 16) as *const __m256i)
+                });
+                for hi in 0..H {
+                    let vsv = _mm512_set1_ps(vs[hi]);
+                    acc[hi][c] = round(_mm512_fmadd_ps(x, vsv, acc[hi][c]));
+                }
             }
         }
-        let inv = _mm512_set1_ps(1.0 / s[hi]);
-        for (i, av) in acc[hi].iter().enumerate() {
-            let off = hi * hd + i * 16;
-            assert!(off + 16 <= o.len());
-            // SAFETY: off + 16 <= o.len(), checked above.
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(off), _mm512_mul_ps(*av, inv)) };
+        for hi in 0..H {
+            let (sink, inv) = fin[hi];
+            let inv = _mm512_set1_ps(inv);
+            for (c, &a) in acc[hi].iter().enumerate() {
+                let a = match sink {
+                    Some(f) => _mm512_mul_ps(a, _mm512_set1_ps(f)),
+                    None => a,
+                };
+                let dst = &mut o[hi * hd + (b + c) * 16..hi * hd + (b + c) * 16 + 16];
+                // SAFETY: `dst` holds 16 values.
+                unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_mul_ps(a, inv)) };
+            }
         }
     }
 }
@@ -660,19 +774,9 @@ unsafe fn attend_rows_avx2<const H: usize, const NV: usize>(rows: [&Row; H], o: 
         "attend_rows_avx2: head_dim"
     );
     assert_eq!(o.len(), H * hd, "attend_rows_avx2: out");
-    let r0 = rows[0];
     // One query's heads of one KV head: the same keys, cache, table and KV head.
-    assert!(
-        rows.iter().all(|r| r.q.len() == hd
-            && r.keys == r0.keys
-            && r.at == r0.at
-            && core::ptr::eq(r.k, r0.k)
-            && core::ptr::eq(r.v, r0.v)
-            && core::ptr::eq(r.table, r0.table)
-            && r.shift == r0.shift
-            && r.kv_row == r0.kv_row),
-        "attend_rows_avx2: rows of one call share their KV head"
-    );
+    check_shared(rows, hd, "attend_rows_avx2");
+    let r0 = rows[0];
     let keys = r0.keys.clone();
     let n_keys = keys.len();
     let round = |x: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
@@ -723,29 +827,8 @@ unsafe fn attend_rows_avx2<const H: usize, const NV: usize>(rows: [&Row; H], o: 
         }
     }
 
-    // Pass 2: the online softmax's factors per row, from its scores alone (the same exp calls
-    // and sums as the one-pass recurrence): ms = e^(m_old - m) where a key raises the running
-    // max m (1 elsewhere), vs = e^(score - m) (1 where it raises it), s = fma(s, ms, vs).
-    let mut fin = [(None::<f32>, 0f32); H];
-    for hi in 0..H {
-        let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
-        for jj in 0..n_keys {
-            let i = jj * H + hi;
-            let score = vs_all[i];
-            let (ms, vs) = if score > m {
-                let ms = (m - score).exp();
-                m = score;
-                (ms, 1.0)
-            } else {
-                (1.0, (score - m).exp())
-            };
-            ms_all[i] = ms;
-            vs_all[i] = vs;
-            s = s.mul_add(ms, vs);
-        }
-        let sink = join_sink(rows[hi].sink, m, &mut s);
-        fin[hi] = (sink, 1.0 / s);
-    }
+    // Pass 2: the softmax factors.
+    let fin = softmax_factors(rows, None, vs_all, ms_all);
 
     // Pass 3: V.p, a block of CB eight-lane chunks at a time (H * CB accumulators in registers).
     let (vs_all, ms_all) = (&*vs_all, &*ms_all);
@@ -1195,14 +1278,10 @@ mod tests {
         }
     }
 
-    /// The AVX2 kernel against the portable one, bit for bit: head dims 64, 128 and 256, 1 to 8
-    /// query heads per KV head (run 1 to 4 at a time, as `run` splits them), 1 to 300 keys,
-    /// sliding windows, sinks, soft-capping, and paged caches of 16 or 32 rows a block with
-    /// shuffled tables. Large Q scales make the running max move often (many rescales).
+    /// The AVX2 kernel against the portable one, bit for bit (see [`rows_match_portable_bits`]).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_rows_match_portable_bits() {
-        use rand::seq::SliceRandom;
         if !(is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c"))
@@ -1210,6 +1289,52 @@ mod tests {
             eprintln!("skipped: the CPU lacks AVX2, FMA or F16C");
             return;
         }
+        rows_match_portable_bits("avx2", |rows, n, hd, o| {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); head_dim is 8 * NV.
+            unsafe {
+                match hd {
+                    64 => attend_rows_avx2_n::<8>(rows, n, o),
+                    128 => attend_rows_avx2_n::<16>(rows, n, o),
+                    _ => attend_rows_avx2_n::<32>(rows, n, o),
+                }
+            }
+        });
+    }
+
+    /// The AVX-512 kernel against the portable one, bit for bit (see
+    /// [`rows_match_portable_bits`]).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_rows_match_portable_bits() {
+        if !(is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("skipped: the CPU lacks AVX-512F, AVX2, FMA or F16C");
+            return;
+        }
+        rows_match_portable_bits("avx512", |rows, n, hd, o| {
+            // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked above); head_dim is
+            // 16 * NV.
+            unsafe {
+                match hd {
+                    64 => attend_rows_avx512_n::<4>(rows, n, o),
+                    128 => attend_rows_avx512_n::<8>(rows, n, o),
+                    _ => attend_rows_avx512_n::<16>(rows, n, o),
+                }
+            }
+        });
+    }
+
+    /// A multi-row kernel (`kernel(rows, n, head_dim, out)` runs the first n rows) against the
+    /// portable one, bit for bit: head dims 64, 128 and 256, 1 to 8 query heads per KV head (run
+    /// 1 to 4 at a time, as `run` splits them), 1 to 300 keys, sliding windows, sinks,
+    /// soft-capping, and paged caches of 16 or 32 rows a block with shuffled tables. Large Q
+    /// scales make the running max move often (many rescales).
+    #[cfg(target_arch = "x86_64")]
+    fn rows_match_portable_bits(name: &str, kernel: impl Fn(&[Row; 4], usize, usize, &mut [f32])) {
+        use rand::seq::SliceRandom;
         let seed: u64 = rand::random();
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         for case in 0..300 {
@@ -1259,14 +1384,7 @@ mod tests {
                     let n = rng.gen_range(1..=4).min((kvh + 1) * group - h0);
                     let rows: [Row; 4] = core::array::from_fn(|i| row(h0 + i.min(n - 1)));
                     let mut a = vec![f32::NAN; n * hd];
-                    // SAFETY: the CPU has AVX2, FMA and F16C (checked above); head_dim is 8 * NV.
-                    unsafe {
-                        match hd {
-                            64 => attend_rows_avx2_n::<8>(&rows, n, &mut a),
-                            128 => attend_rows_avx2_n::<16>(&rows, n, &mut a),
-                            _ => attend_rows_avx2_n::<32>(&rows, n, &mut a),
-                        }
-                    }
+                    kernel(&rows, n, hd, &mut a);
                     for (i, a) in a.chunks_exact(hd).enumerate() {
                         let mut b = vec![f32::NAN; hd];
                         attend_row(&rows[i], &mut b);
@@ -1276,7 +1394,7 @@ mod tests {
                             .position(|(x, y)| x.is_nan() || x.to_bits() != y.to_bits());
                         assert!(
                             bad.is_none(),
-                            "seed {seed}: case {case}: head_dim {hd}, group {group}, head {}, \
+                            "{name}: seed {seed}: case {case}: head_dim {hd}, group {group}, head {}, \
                              keys {start}..={pos}, block {bs}, softcap {softcap:?}, sink {:?}: \
                              lane {}: {} vs portable {}",
                             h0 + i,
