@@ -42,11 +42,11 @@ fn random_weights(t: DType, rows: usize, cols: usize, rng: &mut StdRng) -> Vec<u
     rng.fill(&mut b[..]);
     for blk in b.chunks_exact_mut(t.block_bytes()) {
         match t {
-            DType::Q4_1 => {
+            DType::Q4_1 | DType::Q5_1 => {
                 put_f16(blk, 0, rng.gen_range(0.001..0.1));
                 put_f16(blk, 2, rng.gen_range(-0.5..0.5));
             }
-            DType::Q8_0 | DType::Q5_0 => put_f16(blk, 0, rng.gen_range(0.0001..0.01)),
+            DType::Q8_0 | DType::Q5_0 | DType::Q4_0 => put_f16(blk, 0, rng.gen_range(0.0001..0.01)),
             DType::Q4_K => {
                 put_f16(blk, 0, rng.gen_range(0.0001..0.01));
                 put_f16(blk, 2, rng.gen_range(0.0001..0.01));
@@ -561,6 +561,95 @@ fn geglu_simd_equals_portable_bit_for_bit() {
                 !a.is_nan() && a.to_bits() == b.to_bits(),
                 "seed {seed}: len {len} element {i}: SIMD {a} vs portable {b}"
             );
+        }
+    }
+}
+
+/// The AVX2 tier's 4-row packed layout ([`Layout::X4`], whatever this process's tier): every
+/// "_0/_1" type, odd row counts; the packing round-trips exactly (whole matrix, single rows,
+/// embedding lookups), and products over it equal the row-major ones bit for bit (decode
+/// batches of 1..16 one-token sequences, prompts, mixes). On the AVX2 tiers
+/// (`FERRUM_NO_AVX512=1`) the products run the AVX2 tiles on the packed bytes in place; on the
+/// others (`FERRUM_FORCE_SCALAR=1`: the portable kernels) rows unpacked from the groups.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn x4_layout_round_trips_and_equals_row_major_bit_for_bit() {
+    use ferrum_kernels::matmul::{matmul_segments, Layout, PackedMatrix};
+    let seed = seed();
+    eprintln!("seed {seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let types = [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+    ];
+    let mut seg_sets: Vec<Vec<usize>> = (1..=16).map(|n| vec![1; n]).collect();
+    seg_sets.extend([
+        vec![2],
+        vec![3],
+        vec![5],
+        vec![12, 1, 1, 1],
+        vec![1, 20, 1],
+        vec![33],
+        vec![70],
+    ]);
+    for dtype in types {
+        for rows in [1usize, 3, 5, 18, 37, 64] {
+            let cols = 32 * rng.gen_range(1..=10);
+            let data = random_weights(dtype, rows, cols, &mut rng);
+            let n = PackedMatrix::stored_len(dtype, rows, cols, Layout::X4).unwrap();
+            assert_eq!(n, dtype.row_bytes(cols).unwrap() * rows.next_multiple_of(4));
+            let mut packed = vec![0u8; n];
+            PackedMatrix::pack_into(dtype, rows, cols, Layout::X4, &data, &mut packed).unwrap();
+            let m = PackedMatrix::from_parts(
+                dtype,
+                rows,
+                cols,
+                Layout::X4,
+                ferrum_core::Bytes::from_vec(packed),
+            )
+            .unwrap();
+            assert!(
+                m.to_row_major() == data,
+                "seed {seed}: {dtype} {rows}x{cols} X4 round trip"
+            );
+            let rb = dtype.row_bytes(cols).unwrap();
+            let (mut got, mut want) = (vec![0f32; cols], vec![0f32; cols]);
+            for r in 0..rows {
+                m.get_row(r, &mut got);
+                ferrum_kernels::quant::dequantize_row(dtype, &data[r * rb..][..rb], &mut want);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "seed {seed}: {dtype} X4 get_row {r}"
+                );
+            }
+            let w = WeightRef {
+                dtype,
+                rows,
+                cols,
+                data: &data,
+            };
+            for segs in &seg_sets {
+                let t: usize = segs.iter().sum();
+                let x: Vec<f32> = (0..t * cols).map(|_| rng.gen_range(-3.0..3.0)).collect();
+                let mut want = vec![f32::NAN; t * rows];
+                matmul_segments(&w, &x, &mut want, segs);
+                let mut got = vec![f32::NAN; t * rows];
+                m.matmul(&x, &mut got, segs);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        a.is_finite() && a.to_bits() == b.to_bits(),
+                        "seed {seed}: {dtype} {rows}x{cols} segs {segs:?} token {} row {}: \
+                         X4 {a} vs row-major {b}",
+                        i / rows,
+                        i % rows
+                    );
+                }
+            }
         }
     }
 }

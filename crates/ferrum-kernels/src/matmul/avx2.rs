@@ -1,5 +1,9 @@
-//! AVX2 tile kernels for the "_0/_1" block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) in the file's
-//! row-major layout: what a CPU without AVX-512 runs for their products.
+//! AVX2 tile kernels for the "_0/_1" block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): what a CPU
+//! without AVX-512 runs for their products. They read the weights in place in the file's
+//! row-major layout or in [`Layout::X4`] (what `PackedMatrix` stores on these tiers: groups of 4
+//! rows, the 4 rows' block `ib` side by side, then block `ib + 1`), each row given as its first
+//! block and a block stride (row-major: the block's bytes; X4: 4 blocks' bytes), so one kernel
+//! serves both; other layouts are unpacked to rows first.
 //!
 //! Each output is the dot product `quant::vec_dot` computes on the AVX2 tier (the AVX2 kernels of
 //! `quant/dot_avx2.rs`, llama.cpp's `ggml_vec_dot_*`), with the same float operations in the same
@@ -26,13 +30,16 @@
 //!
 //! Prompts (4 tokens or more) take [`tile`]; decode (1 to 3 tokens) takes [`tile_direct`],
 //! which converts the scales as it goes (a per-task conversion pass would cost as much as the
-//! product) and prefetches the rows two tiles ahead: four rows read side by side are four short
-//! streams the hardware prefetcher does not follow, unlike one row after another.
+//! product). Decode is bound by memory: four row-major rows read side by side are four short
+//! streams the hardware prefetcher does not follow, so row-major tiles prefetch two tiles ahead;
+//! an X4 group is one stream, which it follows (1 thread: SmolLM2 Q4_1 decode ~110 -> ~130
+//! tok/s, Gemma 3 270M ~37 -> ~65, Qwen2.5 0.5B ~26 -> ~35; an explicit prefetch on X4 measured
+//! no faster).
 //!
 //! Threading as the other row kernels: tasks of 16 weight rows ([`Src::with_rows16`]), each
 //! walking the tokens in blocks of [`TOKEN_BLOCK`] so their activations stay in L1/L2.
 
-use super::{OutPtr, Src, ROWS16};
+use super::{Layout, OutPtr, Src, ROWS16};
 use crate::pool;
 use core::arch::x86_64::*;
 use ferrum_core::DType;
@@ -55,6 +62,79 @@ const CHUNK: usize = 8;
 /// The weight types with a tile kernel here.
 pub(super) fn supports(dtype: DType) -> bool {
     kind_of(dtype).is_some()
+}
+
+/// Bytes of a `rows` x `cols` `dtype` matrix in [`Layout::X4`] (`None`: not a type here, or
+/// `cols` not whole blocks): groups of 4 rows (the last one padded by repeating the last row),
+/// each group block by block, the 4 rows' block `ib` one after another.
+pub(super) fn x4_len(dtype: DType, rows: usize, cols: usize) -> Option<usize> {
+    kind_of(dtype)?;
+    if rows == 0 || cols == 0 || !cols.is_multiple_of(32) {
+        return None;
+    }
+    dtype
+        .row_bytes(cols)?
+        .checked_mul(rows.next_multiple_of(TILE_R))
+}
+
+/// Writes groups `g0 ..` of the row-major `src` (`rows` x `cols`) into `dst` (whole groups) in
+/// [`Layout::X4`].
+pub(super) fn pack_x4_groups(
+    dtype: DType,
+    src: &[u8],
+    rows: usize,
+    cols: usize,
+    g0: usize,
+    dst: &mut [u8],
+) {
+    let rb = dtype.row_bytes(cols).expect("whole blocks");
+    let bw = rb / (cols / 32);
+    for (gi, group) in dst.chunks_exact_mut(TILE_R * rb).enumerate() {
+        let r0 = (g0 + gi) * TILE_R;
+        for (ib, cell) in group.chunks_exact_mut(TILE_R * bw).enumerate() {
+            for (j, blk) in cell.chunks_exact_mut(bw).enumerate() {
+                let r = (r0 + j).min(rows - 1);
+                blk.copy_from_slice(&src[r * rb + ib * bw..][..bw]);
+            }
+        }
+    }
+}
+
+/// Row `r` of an [`Layout::X4`] matrix in the file's layout, into `out` (`row_bytes` long).
+pub(super) fn unpack_row_x4(w: &Src, r: usize, out: &mut [u8]) {
+    let rb = w.row_bytes();
+    let bw = rb / (w.cols / 32);
+    let (row, stride) = x4_row(w, r);
+    for (ib, blk) in out.chunks_exact_mut(bw).enumerate() {
+        blk.copy_from_slice(&row[ib * stride..][..bw]);
+    }
+}
+
+/// Row `r` (`< rows`, or a padding row of the last group) of an [`Layout::X4`] matrix: its
+/// bytes from its first block to its group's end, and the stride between its blocks.
+fn x4_row<'a>(w: &Src<'a>, r: usize) -> (&'a [u8], usize) {
+    let rb = w.row_bytes();
+    let bw = rb / (w.cols / 32);
+    let glen = TILE_R * rb;
+    (
+        &w.data[r / TILE_R * glen + r % TILE_R * bw..][..glen - r % TILE_R * bw],
+        TILE_R * bw,
+    )
+}
+
+/// Runs `f` on a task's 16 rows from `r0` (rows past the end repeat the last row) as (first
+/// block, block stride): read in place for row-major and [`Layout::X4`] matrices, unpacked to
+/// the file's rows for other layouts ([`Src::with_rows16`]).
+fn with_task_rows<R>(w: &Src, r0: usize, f: impl FnOnce(&[&[u8]; ROWS16], usize) -> R) -> R {
+    let bw = w.row_bytes() / (w.cols / 32);
+    match w.layout {
+        Layout::X4 => {
+            let last = w.rows - 1;
+            let rows: [&[u8]; ROWS16] = core::array::from_fn(|i| x4_row(w, (r0 + i).min(last)).0);
+            f(&rows, TILE_R * bw)
+        }
+        _ => w.with_rows16(r0, |rws| f(rws, bw)),
+    }
 }
 
 // Kind codes (const generic parameters of the kernels).
@@ -175,7 +255,7 @@ fn run<const K: u8, const TT: usize>(w: &Src, act: &[u8], ab: usize, t: usize, y
                     }
                 }
             };
-            w.with_rows16(r_begin, |rws| {
+            with_task_rows(w, r_begin, |rws, stride| {
                 ROW_SCALES.with_borrow_mut(|rsc| {
                     // [16][nbp] d_w, then [nb][16] m_w ("_1" kinds).
                     let n_rows = (r_end - r_begin).next_multiple_of(TILE_R);
@@ -185,9 +265,9 @@ fn run<const K: u8, const TT: usize>(w: &Src, act: &[u8], ab: usize, t: usize, y
                     for (r, row) in rws[..n_rows].iter().enumerate() {
                         // SAFETY: AVX2+FMA+F16C were checked in `matmul`.
                         unsafe {
-                            gather_f16(row, block_bytes(K), 0, nb, &mut dw[r * nbp..], 1);
+                            gather_f16(row, stride, 0, nb, &mut dw[r * nbp..], 1);
                             if is_one(K) {
-                                gather_f16(row, block_bytes(K), 2, nb, &mut mw[r..], ROWS16);
+                                gather_f16(row, stride, 2, nb, &mut mw[r..], ROWS16);
                             }
                         }
                     }
@@ -201,6 +281,7 @@ fn run<const K: u8, const TT: usize>(w: &Src, act: &[u8], ab: usize, t: usize, y
                             let i = r0 - r_begin;
                             let wr = Rows {
                                 q: core::array::from_fn(|j| rws[i + j]),
+                                stride,
                                 d: core::array::from_fn(|j| &dw[(i + j) * nbp..][..nbp]),
                                 m: &mw[i..],
                             };
@@ -249,11 +330,11 @@ fn run<const K: u8, const TT: usize>(w: &Src, act: &[u8], ab: usize, t: usize, y
 /// inside [`tile_direct`]).
 const PREFETCH_ROWS: usize = 16;
 
-/// Prefetches the 4 row-major rows [`PREFETCH_ROWS`] after `r0` (nothing for packed layouts or
-/// past the end).
+/// Prefetches the 4 rows [`PREFETCH_ROWS`] after `r0` (row-major, or their X4 group: the same
+/// bytes, `r0` being a multiple of 4; nothing for other layouts or past the end).
 fn prefetch_ahead(w: &Src, r0: usize) {
     let r = r0 + PREFETCH_ROWS;
-    if w.layout == super::Layout::RowMajor && r + TILE_R <= w.rows {
+    if matches!(w.layout, Layout::RowMajor | Layout::X4) && r + TILE_R <= w.rows {
         let rb = w.row_bytes();
         super::avx512::prefetch(&w.data[r * rb..(r + TILE_R) * rb]);
     }
@@ -265,11 +346,13 @@ fn run_direct<const K: u8>(w: &Src, act: &[u8], ab: usize, t: usize, out: OutPtr
     pool::parallel_for(rows.div_ceil(ROWS16), |task| {
         let r_begin = task * ROWS16;
         let r_end = (r_begin + ROWS16).min(rows);
-        w.with_rows16(r_begin, |rws| {
+        with_task_rows(w, r_begin, |rws, stride| {
             // Row-major rows lie `rb` bytes apart: each tile prefetches, block by block, the
-            // same blocks two tiles further on.
+            // same blocks two tiles further on. An X4 group is one stream, which the hardware
+            // prefetcher follows (an explicit prefetch measured no faster: SmolLM2 Q4_1, Gemma
+            // 3 270M, Qwen2.5 0.5B at 1 thread).
             let pf = match w.layout {
-                super::Layout::RowMajor => 2 * TILE_R * w.row_bytes(),
+                Layout::RowMajor => 2 * TILE_R * w.row_bytes(),
                 _ => 0,
             };
             for r0 in (r_begin..r_end).step_by(TILE_R) {
@@ -280,7 +363,7 @@ fn run_direct<const K: u8>(w: &Src, act: &[u8], ab: usize, t: usize, out: OutPtr
                     ($n:literal) => {{
                         let a: [&[u8]; $n] = core::array::from_fn(|c| &act[c * ab..][..ab]);
                         // SAFETY: AVX2+FMA+F16C were checked in `matmul`.
-                        let v = unsafe { tile_direct::<K, $n>(quad, a, nb, pf) };
+                        let v = unsafe { tile_direct::<K, $n>(quad, stride, a, nb, pf) };
                         o[..$n].copy_from_slice(&v);
                     }};
                 }
@@ -308,6 +391,8 @@ fn run_direct<const K: u8>(w: &Src, act: &[u8], ab: usize, t: usize, out: OutPtr
 /// kinds) `m_w` as f32 laid out [block][16 rows], starting at the tile's first row.
 struct Rows<'a> {
     q: [&'a [u8]; TILE_R],
+    /// Bytes from one block of a row to its next.
+    stride: usize,
     d: [&'a [f32]; TILE_R],
     m: &'a [f32],
 }
@@ -454,7 +539,9 @@ unsafe fn tile<const K: u8, const T: usize>(
     let nbp = nb.next_multiple_of(CHUNK);
     for r in 0..TILE_R {
         assert!(
-            w.q[r].len() >= nb * bw && w.d[r].len() >= nbp,
+            w.stride >= bw
+                && w.q[r].len() >= (nb.max(1) - 1) * w.stride + bw
+                && w.d[r].len() >= nbp,
             "tile: short weight row"
         );
     }
@@ -490,7 +577,7 @@ unsafe fn tile<const K: u8, const T: usize>(
         }
         for j in 0..(nb - ib0).min(CHUNK) {
             let ib = ib0 + j;
-            let (wo, ao) = (ib * bw, ib * ba);
+            let (wo, ao) = (ib * w.stride, ib * ba);
             // SAFETY: `ib < nb`, so block `ib` of every row (`wo .. wo + bw`), of every
             // activation row (`ao .. ao + ba`), `s_x[ib]` and `m_w[ib * 16 .. + 4]` lie inside
             // the slices checked above.
@@ -543,14 +630,19 @@ unsafe fn tile<const K: u8, const T: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_direct<const K: u8, const T: usize>(
     rows: [&[u8]; TILE_R],
+    stride: usize,
     acts: [&[u8]; T],
     nb: usize,
     pf: usize,
 ) -> [[f32; TILE_R]; T] {
     let bw = block_bytes(K);
     let (ba, aqs) = act_block(K);
+    assert!(stride >= bw, "tile: block stride");
     for r in &rows {
-        assert!(r.len() >= nb * bw, "tile: short weight row");
+        assert!(
+            r.len() >= (nb.max(1) - 1) * stride + bw,
+            "tile: short weight row"
+        );
     }
     for a in &acts {
         assert!(a.len() >= nb * ba, "tile: short activation row");
@@ -562,7 +654,7 @@ unsafe fn tile_direct<const K: u8, const T: usize>(
     // "_1" kinds: per token, lane r holds row r's `summs`.
     let mut summs = [_mm_setzero_ps(); T];
     for ib in 0..nb {
-        let (wo, ao) = (ib * bw, ib * ba);
+        let (wo, ao) = (ib * stride, ib * ba);
         // SAFETY: `ib < nb`, so block `ib` of every row (`wo .. wo + bw`) and of every
         // activation row (`ao .. ao + ba`) lies inside the slices checked above.
         unsafe {
@@ -691,10 +783,28 @@ mod tests {
                     rows,
                     cols,
                     data: &w,
-                    layout: super::super::Layout::RowMajor,
+                    layout: Layout::RowMajor,
                 };
                 let rb = src.row_bytes();
-                for &t in &[1usize, 2, 3, 4, 5, 7, 16, 33, 64, 70] {
+                // The same rows in the 4-row packed layout (read in place by the tiles).
+                let mut w4 = vec![0u8; x4_len(dtype, rows, cols).unwrap()];
+                pack_x4_groups(dtype, &w, rows, cols, 0, &mut w4);
+                let src4 = Src {
+                    data: &w4,
+                    layout: Layout::X4,
+                    ..src
+                };
+                let mut back = vec![0u8; rb];
+                for r in 0..rows {
+                    unpack_row_x4(&src4, r, &mut back);
+                    assert_eq!(
+                        back,
+                        w[r * rb..][..rb],
+                        "{dtype:?} X4 row {r} (seed {seed})"
+                    );
+                }
+                let ts = (1usize..=16).chain([33, 64, 70]);
+                for (t, src) in ts.flat_map(|t| [(t, src), (t, src4)]) {
                     let act: Vec<u8> = (0..t)
                         .flat_map(|_| random_row(at, cols, &mut rng))
                         .collect();
@@ -712,8 +822,9 @@ mod tests {
                             let got = y[tok * rows + r];
                             assert!(
                                 !got.is_nan() && got.to_bits() == want.to_bits(),
-                                "{dtype:?} rows {rows} cols {cols} T {t}: y[{tok}, {r}] = {got:e}, \
-                                 vec_dot {want:e} (seed {seed}; rerun with QUANT_SEED={seed})"
+                                "{dtype:?} {} rows {rows} cols {cols} T {t}: y[{tok}, {r}] = {got:e}, \
+                                 vec_dot {want:e} (seed {seed}; rerun with QUANT_SEED={seed})",
+                                src.layout.name()
                             );
                         }
                     }

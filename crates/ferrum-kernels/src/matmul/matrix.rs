@@ -11,6 +11,10 @@
 //!   rows unpacked from the group, exactly, into per-thread scratch;
 //! - an embedding lookup unpacks one row.
 //!
+//! On the AVX2 tiers the "_0/_1" types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are stored in groups of 4
+//! rows, block by block ([`Layout::X4`]), which the AVX2 tiles read in place for prompts and
+//! decode alike (a decode step reads one contiguous stream); other kernels get rows unpacked.
+//!
 //! Types and tiers without a packed layout keep the file's row-major bytes (a window of the memory
 //! map: nothing is copied). Every path computes each output in the order llama.cpp would use for
 //! its sequence alone, so results do not depend on the layout, the batch, or the path.
@@ -18,7 +22,7 @@
 use ferrum_core::{Buf, Bytes, DType, Error, Result};
 
 #[cfg(target_arch = "x86_64")]
-use super::avx512;
+use super::{avx2, avx512};
 use super::{check_shapes, matmul_rows, orders_of, Order, Src, WeightRef};
 use crate::quant;
 
@@ -30,6 +34,11 @@ pub enum Layout {
     /// Groups of 16 rows, block by block, fields interleaved for AVX-512 ([`avx512::pack_x16`]).
     #[cfg(target_arch = "x86_64")]
     X16,
+    /// Groups of 4 rows, block by block (the 4 rows' block `ib`, then their block `ib + 1`, ...;
+    /// the last group padded by repeating the last row), for the AVX2 tiles of the "_0/_1"
+    /// types: a decode step reads one stream ([`avx2::x4_len`]).
+    #[cfg(target_arch = "x86_64")]
+    X4,
 }
 
 impl Layout {
@@ -38,6 +47,8 @@ impl Layout {
             Layout::RowMajor => "row-major",
             #[cfg(target_arch = "x86_64")]
             Layout::X16 => "x16",
+            #[cfg(target_arch = "x86_64")]
+            Layout::X4 => "x4",
         }
     }
 }
@@ -70,6 +81,13 @@ impl PackedMatrix {
         if avx512::available() && avx512::packed_len(dtype, rows, cols).is_some() {
             return Layout::X16;
         }
+        #[cfg(target_arch = "x86_64")]
+        if !avx512::available()
+            && crate::cpu::features().x86_simd()
+            && avx2::x4_len(dtype, rows, cols).is_some()
+        {
+            return Layout::X4;
+        }
         let _ = (dtype, rows, cols);
         Layout::RowMajor
     }
@@ -80,6 +98,8 @@ impl PackedMatrix {
             Layout::RowMajor => dtype.row_bytes(cols)?.checked_mul(rows),
             #[cfg(target_arch = "x86_64")]
             Layout::X16 => avx512::packed_len(dtype, rows, cols),
+            #[cfg(target_arch = "x86_64")]
+            Layout::X4 => avx2::x4_len(dtype, rows, cols),
         }
     }
 
@@ -116,6 +136,14 @@ impl PackedMatrix {
                 crate::pool::parallel_chunks_mut(dst, per_task * group_len, |ci, chunk| {
                     let ok = avx512::pack_x16_groups(dtype, src, rows, cols, ci * per_task, chunk);
                     assert!(ok, "pack_x16_groups: sizes were checked");
+                });
+            }
+            #[cfg(target_arch = "x86_64")]
+            Layout::X4 => {
+                let group_len = 4 * dtype.row_bytes(cols).expect("whole blocks");
+                let per_task = ((1 << 20) / group_len).max(1);
+                crate::pool::parallel_chunks_mut(dst, per_task * group_len, |ci, chunk| {
+                    avx2::pack_x4_groups(dtype, src, rows, cols, ci * per_task, chunk)
                 });
             }
         }
@@ -230,7 +258,7 @@ impl PackedMatrix {
                 quant::dequantize_row(self.dtype, &self.data[r * rb..(r + 1) * rb], out)
             }
             #[cfg(target_arch = "x86_64")]
-            Layout::X16 => ROW.with_borrow_mut(|buf| {
+            _ => ROW.with_borrow_mut(|buf| {
                 buf.resize(rb, 0);
                 self.src().copy_row(r, buf);
                 quant::dequantize_row(self.dtype, buf, out)

@@ -111,6 +111,15 @@ impl Src<'_> {
                     f(&rows)
                 })
             }
+            #[cfg(target_arch = "x86_64")]
+            Layout::X4 => GROUP_ROWS.with_borrow_mut(|buf| {
+                buf.resize(ROWS16 * rb, 0);
+                for (i, row) in buf.chunks_exact_mut(rb).enumerate() {
+                    avx2::unpack_row_x4(self, (r0 + i).min(last), row);
+                }
+                let rows: [&[u8]; ROWS16] = core::array::from_fn(|i| &buf[i * rb..][..rb]);
+                f(&rows)
+            }),
         }
     }
 
@@ -126,6 +135,8 @@ impl Src<'_> {
                 let group = &self.data[r / ROWS16 * nb * cell..][..nb * cell];
                 avx512::unpack_row_x16(self.dtype, group, nb, r % ROWS16, out);
             }
+            #[cfg(target_arch = "x86_64")]
+            Layout::X4 => avx2::unpack_row_x4(self, r, out),
         }
     }
 }
@@ -225,6 +236,8 @@ fn matmul_rows(w: &Src, x: &[f32], y: &mut [f32], orders: &[Order]) {
         Layout::RowMajor => rb * rows,
         #[cfg(target_arch = "x86_64")]
         Layout::X16 => avx512::packed_len(w.dtype, rows, cols).expect("packed shape"),
+        #[cfg(target_arch = "x86_64")]
+        Layout::X4 => avx2::x4_len(w.dtype, rows, cols).expect("packed shape"),
     };
     assert_eq!(w.data.len(), stored, "matmul: weight bytes");
     let act_type = quant::vec_dot_type(w.dtype);
