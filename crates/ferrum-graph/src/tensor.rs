@@ -836,7 +836,8 @@ mod tests {
         assert_eq!(c.into_vec(), vec![1.0, -2.0, 3.0]);
         let v = vec![7.0f32; 4];
         let p = v.as_ptr();
-        assert_eq!(Store::from(v).into_vec().as_ptr(), p);
+        let back = Store::from(v).into_vec();
+        assert_eq!(back.as_ptr(), p);
         // A tensor over shared storage behaves as any other.
         let t = Tensor::new(vec![3], Data::F32(Store::shared(owner.clone()))).unwrap();
         assert_eq!(t.as_slice::<f32>().unwrap(), &[1.0, -2.0, 3.0]);
