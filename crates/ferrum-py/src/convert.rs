@@ -209,6 +209,13 @@ pub fn to_tensor(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult
         let conv = np.call_method1("ascontiguousarray", (arr, native))?;
         return to_tensor(py, name, &conv);
     }
+    // An unaligned buffer (a view at an odd byte offset) cannot be read as a slice of its
+    // element type: NumPy copies it into an aligned array first.
+    let aligned: bool = arr.getattr("flags")?.getattr("aligned")?.extract()?;
+    if !aligned {
+        let conv = arr.call_method0("copy")?;
+        return to_tensor(py, name, &conv);
+    }
     let bad = || {
         InvalidArgument::new_err(format!(
             "input '{name}': arrays of dtype {} are not supported",
