@@ -1,9 +1,9 @@
 //! Convolutions (Conv, ConvInteger, ConvTranspose) and pooling (Max, Average, Lp, global).
 //! Reference loops over N-D spatial dims in f64.
 
-use crate::ops::fast;
 use crate::ops::nn::{f64_tensor, minus_zp};
 use crate::ops::shape::strides;
+use crate::ops::{fast, linear};
 use crate::ops::{unsupported, Ctx};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
@@ -165,7 +165,7 @@ fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
         .opt(2)
         .is_none_or(|b| b.dtype() == DType::F32 && b.len() == m);
     if kind == ConvKind::Float && nd == 2 && fast::all_f32(&[x, w]) && bias_f32 {
-        let geom2 = fast::Conv2d {
+        let geom2 = linear::Conv2d {
             group,
             k: [k[0], k[1]],
             s: [g.s[0], g.s[1]],
@@ -173,7 +173,7 @@ fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
             pad: [g.pad_begin[0], g.pad_begin[1]],
             out: [g.outs[0], g.outs[1]],
         };
-        return fast::conv2d(x, w, cx.opt(2), &geom2);
+        return linear::conv2d(x, w, cx.opt(2), &geom2);
     }
     let (xv, wv, bias) = match kind {
         // Weight zero points (and scales) are per output channel (dim 0).
@@ -449,7 +449,7 @@ fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
     };
     let include_pad = cx.ai("count_include_pad", 0) != 0;
     if kind == Pool::Max && nd == 2 && x.dtype() == DType::F32 && cx.node.outputs.len() < 2 {
-        let g2 = fast::Conv2d {
+        let g2 = linear::Conv2d {
             group: 1,
             k: [g.k[0], g.k[1]],
             s: [g.s[0], g.s[1]],

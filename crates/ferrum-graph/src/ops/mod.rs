@@ -12,6 +12,7 @@ mod elementwise;
 mod fast;
 mod gather;
 mod grid;
+mod linear;
 mod misc;
 mod ml;
 mod nn;

@@ -2,9 +2,9 @@
 //! Reference loops in f64; the result is rounded once to the output type.
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, cast};
-use crate::ops::fast;
 use crate::ops::shape::strides;
 use crate::ops::{axis, unsupported, Ctx};
+use crate::ops::{fast, linear};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
 
@@ -118,7 +118,7 @@ pub fn matmul_f64(
 fn matmul(cx: &Ctx) -> Result<Tensor> {
     let (a, b) = (cx.t(0)?, cx.t(1)?);
     if fast::all_f32(&[a, b]) {
-        return fast::matmul(a, b);
+        return linear::matmul(a, b);
     }
     let (shape, v) = matmul_f64(&a.to_f64_vec()?, a.shape(), &b.to_f64_vec()?, b.shape())?;
     f64_tensor(shape, v, a.dtype())
@@ -166,7 +166,7 @@ fn gemm(cx: &Ctx) -> Result<Tensor> {
         kbail!("Gemm inner dims differ: {:?} {:?}", a.shape(), b.shape());
     }
     if fast::all_f32(&[a, b]) && cx.opt(2).is_none_or(|c| c.dtype() == DType::F32) {
-        return fast::gemm_op(
+        return linear::gemm_op(
             a,
             b,
             cx.opt(2),

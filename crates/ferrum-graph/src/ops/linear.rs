@@ -1,0 +1,268 @@
+//! float32 products on `ferrum_kernels::gemm` (blocked, packed, threaded): MatMul, Gemm and
+//! 2-D Conv (im2col or direct GEMMs, a direct depthwise loop). They compute in f32 with f32
+//! accumulation (the reference kernels sum in f64), so results differ from the reference by f32
+//! rounding; other dtypes and forms stay on the reference loops.
+
+use ferrum_kernels::gemm::{gemm, Mat};
+use ferrum_kernels::pool;
+
+use crate::ops::elementwise::{broadcast_offsets, broadcast_to};
+use crate::tensor::Tensor;
+use crate::Result;
+
+/// numpy matmul of two f32 tensors (1-D operands promoted, batch dims broadcast).
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let super::nn::MatmulDims {
+        m,
+        k,
+        n,
+        abatch,
+        bbatch,
+        batch,
+        out_shape,
+    } = super::nn::MatmulDims::of(a.shape(), b.shape())?;
+    let nb: usize = batch.iter().product();
+    let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
+    let mut out = vec![0f32; nb * m * n];
+    if bbatch.iter().all(|&d| d == 1) {
+        // One shared B: A's batch rows stack into one tall GEMM.
+        let rows = out.len() / n.max(1);
+        gemm(
+            rows,
+            n,
+            k,
+            1.0,
+            Mat::row_major(av, k),
+            Mat::row_major(bv, n),
+            0.0,
+            &mut out,
+            n,
+        );
+    } else {
+        let offs = broadcast_offsets(&[&abatch, &bbatch], &batch);
+        for bi in 0..nb {
+            let (ao, bo) = (offs[0][bi] * m * k, offs[1][bi] * k * n);
+            gemm(
+                m,
+                n,
+                k,
+                1.0,
+                Mat::row_major(&av[ao..], k),
+                Mat::row_major(&bv[bo..], n),
+                0.0,
+                &mut out[bi * m * n..][..m * n],
+                n,
+            );
+        }
+    }
+    Tensor::from_vec(out_shape, out)
+}
+
+/// Gemm on f32: `alpha * op(A) * op(B) + beta * C` (C broadcast to `m x n`).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_op(
+    a: &Tensor,
+    b: &Tensor,
+    c: Option<&Tensor>,
+    ta: bool,
+    tb: bool,
+    alpha: f32,
+    beta: f32,
+    (m, n, k): (usize, usize, usize),
+) -> Result<Tensor> {
+    let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
+    let am = if ta {
+        Mat::transposed(av, m)
+    } else {
+        Mat::row_major(av, k)
+    };
+    let bm = if tb {
+        Mat::transposed(bv, k)
+    } else {
+        Mat::row_major(bv, n)
+    };
+    let mut out = vec![0f32; m * n];
+    let mut beta_eff = 0.0;
+    if let Some(c) = c {
+        // Added even when beta is 0, as the reference does (0 * inf is NaN).
+        let cv = c.as_slice::<f32>()?;
+        let offs = broadcast_to(c.shape(), &[m, n])?;
+        for (o, &ci) in out.iter_mut().zip(&offs) {
+            *o = beta * cv[ci];
+        }
+        beta_eff = 1.0;
+    }
+    gemm(m, n, k, alpha, am, bm, beta_eff, &mut out, n);
+    Tensor::from_vec(vec![m, n], out)
+}
+
+/// 2-D convolution geometry (NCHW).
+pub struct Conv2d {
+    pub group: usize,
+    pub k: [usize; 2],
+    pub s: [usize; 2],
+    pub d: [usize; 2],
+    pub pad: [usize; 2],
+    pub out: [usize; 2],
+}
+
+/// 2-D float32 Conv: grouped convolutions as one GEMM per image and group (`W_g` times the
+/// im2col matrix of the group's input channels, or the input itself for 1x1 / stride 1 / no
+/// padding), depthwise convolutions as a direct loop per channel.
+pub fn conv2d(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, g: &Conv2d) -> Result<Tensor> {
+    let (n, c, ih, iw) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let m = w.shape()[0];
+    let cg = w.shape()[1];
+    let [kh, kw] = g.k;
+    let [oh, ow] = g.out;
+    let (xv, wv) = (x.as_slice::<f32>()?, w.as_slice::<f32>()?);
+    let bv = bias.map(|b| b.as_slice::<f32>()).transpose()?;
+    let osp = oh * ow;
+    let isp = ih * iw;
+    let mut out = vec![0f32; n * m * osp];
+    if let Some(bv) = bv {
+        for (i, o) in out.chunks_mut(osp.max(1)).enumerate() {
+            o.fill(bv[i % m]);
+        }
+    }
+    let beta = if bv.is_some() { 1.0 } else { 0.0 };
+    if osp == 0 {
+        return Tensor::from_vec(vec![n, m, oh, ow], out);
+    }
+    if g.group == c && cg == 1 && m == c {
+        depthwise(xv, wv, &mut out, (ih, iw), g);
+        return Tensor::from_vec(vec![n, m, oh, ow], out);
+    }
+    let mpg = m / g.group;
+    let kk = cg * kh * kw;
+    let direct = kh == 1 && kw == 1 && g.s == [1, 1] && g.pad == [0, 0] && g.out == [ih, iw];
+    let mut col = if direct {
+        Vec::new()
+    } else {
+        vec![0f32; kk * osp]
+    };
+    for b in 0..n {
+        for grp in 0..g.group {
+            let xg = &xv[(b * c + grp * cg) * isp..][..cg * isp];
+            let bmat = if direct {
+                Mat::row_major(xg, isp)
+            } else {
+                im2col(xg, cg, (ih, iw), g, &mut col);
+                Mat::row_major(&col, osp)
+            };
+            let o = &mut out[(b * m + grp * mpg) * osp..][..mpg * osp];
+            gemm(
+                mpg,
+                osp,
+                kk,
+                1.0,
+                Mat::row_major(&wv[grp * mpg * kk..], kk),
+                bmat,
+                beta,
+                o,
+                osp,
+            );
+        }
+    }
+    Tensor::from_vec(vec![n, m, oh, ow], out)
+}
+
+/// The output columns `lo..hi` whose input column `o * s + t - pad` lies in `0..len`.
+pub(crate) fn valid_range(
+    len: usize,
+    out: usize,
+    s: usize,
+    t: usize,
+    pad: usize,
+) -> (usize, usize) {
+    // o * s + t >= pad  and  o * s + t < len + pad
+    let lo = if t >= pad { 0 } else { (pad - t).div_ceil(s) };
+    let hi = if len + pad > t {
+        ((len + pad - t).div_ceil(s)).min(out)
+    } else {
+        0
+    };
+    (lo.min(hi), hi)
+}
+
+/// Fills `col` (`cg * kh * kw` rows of `oh * ow`) with the patches of `x` (`cg` planes).
+fn im2col(x: &[f32], cg: usize, (ih, iw): (usize, usize), g: &Conv2d, col: &mut [f32]) {
+    let [kh, kw] = g.k;
+    let [oh, ow] = g.out;
+    let osp = oh * ow;
+    let rows = cg * kh * kw;
+    let per = rows.div_ceil(pool::threads() * 4).max(1);
+    pool::parallel_chunks_mut(&mut col[..rows * osp], per * osp, |ci, chunk| {
+        for (r, row) in chunk.chunks_mut(osp).enumerate() {
+            let idx = ci * per + r;
+            let (ch, ky, kx) = (idx / (kh * kw), (idx / kw) % kh, idx % kw);
+            let plane = &x[ch * ih * iw..][..ih * iw];
+            let (tx, ty) = (kx * g.d[1], ky * g.d[0]);
+            let (xlo, xhi) = valid_range(iw, ow, g.s[1], tx, g.pad[1]);
+            for oy in 0..oh {
+                let dst = &mut row[oy * ow..][..ow];
+                let iy = (oy * g.s[0] + ty) as isize - g.pad[0] as isize;
+                if iy < 0 || iy >= ih as isize {
+                    dst.fill(0.0);
+                    continue;
+                }
+                let src = &plane[iy as usize * iw..][..iw];
+                dst[..xlo].fill(0.0);
+                dst[xhi..].fill(0.0);
+                if g.s[1] == 1 {
+                    let start = xlo + tx - g.pad[1];
+                    dst[xlo..xhi].copy_from_slice(&src[start..start + (xhi - xlo)]);
+                } else {
+                    for (ox, v) in dst.iter_mut().enumerate().take(xhi).skip(xlo) {
+                        *v = src[ox * g.s[1] + tx - g.pad[1]];
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Depthwise convolution (one input and one output channel per group), accumulated into `out`
+/// (batch x channels planes, holding the bias): each plane is copied once into a zero-padded
+/// buffer, so every tap is a plain (or strided) multiply-add over output rows.
+fn depthwise(x: &[f32], w: &[f32], out: &mut [f32], (ih, iw): (usize, usize), g: &Conv2d) {
+    let [kh, kw] = g.k;
+    let [oh, ow] = g.out;
+    let (osp, isp) = (oh * ow, ih * iw);
+    let c = w.len() / (kh * kw);
+    // The padded extent every tap reads.
+    let hp = (oh - 1) * g.s[0] + (kh - 1) * g.d[0] + 1;
+    let wp = (ow - 1) * g.s[1] + (kw - 1) * g.d[1] + 1;
+    pool::parallel_chunks_mut(out, osp, |p, o| {
+        let plane = &x[p * isp..][..isp];
+        let wk = &w[(p % c) * kh * kw..][..kh * kw];
+        let mut xp = vec![0f32; hp * wp];
+        for y in 0..ih {
+            let py = y + g.pad[0];
+            if py >= hp {
+                break;
+            }
+            let cols = iw.min(wp.saturating_sub(g.pad[1]));
+            xp[py * wp + g.pad[1]..][..cols].copy_from_slice(&plane[y * iw..][..cols]);
+        }
+        for oy in 0..oh {
+            let orow = &mut o[oy * ow..][..ow];
+            for ky in 0..kh {
+                let src = &xp[(oy * g.s[0] + ky * g.d[0]) * wp..][..wp];
+                for kx in 0..kw {
+                    let wv = wk[ky * kw + kx];
+                    let off = kx * g.d[1];
+                    if g.s[1] == 1 {
+                        for (d, &v) in orow.iter_mut().zip(&src[off..off + ow]) {
+                            *d += wv * v;
+                        }
+                    } else {
+                        for (ox, d) in orow.iter_mut().enumerate() {
+                            *d += wv * src[off + ox * g.s[1]];
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
