@@ -8,7 +8,7 @@ use clap::Args as ClapArgs;
 use ferrum_graph::fmt_dims;
 use ferrum_graph::ir::{Attr, ValueType};
 use ferrum_graph::onnx::{value_from_bytes, value_to_bytes};
-use ferrum_graph::{DType, Data, Session, Tensor, Value};
+use ferrum_graph::{DType, Data, OptLevel, Session, SessionOptions, Tensor, Value};
 
 /// Exit status for unsupported ops and types (the conformance runner reports these apart).
 pub const EXIT_UNSUPPORTED: i32 = 3;
@@ -42,15 +42,30 @@ pub struct RunArgs {
     /// and file I/O excluded).
     #[arg(long, default_value_t = 0)]
     pub repeat: usize,
-    /// With --repeat: also print the time spent per op type over the timed runs.
+    /// With --repeat: also print the time spent per op type over the timed runs (fused nodes
+    /// under their fused name, e.g. com.ferrum.FusedConv).
     #[arg(long)]
     pub profile: bool,
+    /// Graph optimisation level, as ONNX Runtime's: 0 runs the graph as imported; 1 folds
+    /// constants, removes Identity/Dropout and dead nodes, and folds BatchNormalization (and
+    /// constant Add/Mul) into the preceding Conv; 2 also fuses GELU, biases, residual adds and
+    /// activations into the Conv/Gemm/MatMul that produces them; 3 (the default) is everything.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=3))]
+    pub opt_level: u32,
 }
 
 #[derive(ClapArgs, Debug)]
 pub struct InspectArgs {
     /// The ONNX model (.onnx) to describe.
     pub model: PathBuf,
+    /// Describe the graph as it runs, after the optimisation passes (see --opt-level), with
+    /// the node count before and after and what was fused where; without it, the graph as
+    /// imported.
+    #[arg(long)]
+    pub optimized: bool,
+    /// With --optimized: the optimisation level (0-3, as `ferrum run --opt-level`).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=3))]
+    pub opt_level: u32,
 }
 
 /// Runs `f`, and exits with status 3 when it failed on an unsupported op or type.
@@ -72,7 +87,10 @@ pub fn run(a: RunArgs) -> Result<()> {
 
 fn run_inner(a: RunArgs) -> Result<()> {
     crate::common::set_threads(a.threads)?;
-    let session = Session::from_file(&a.model)?;
+    let opts = SessionOptions {
+        opt_level: OptLevel::from_number(a.opt_level),
+    };
+    let session = Session::from_file_with(&a.model, &opts)?;
     let model = session.model();
     let g = &model.graph;
     let runtime = g.runtime_inputs();
@@ -385,7 +403,12 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
 }
 
 fn inspect_inner(a: InspectArgs) -> Result<()> {
-    let session = Session::from_file(&a.model)?;
+    let level = if a.optimized {
+        OptLevel::from_number(a.opt_level)
+    } else {
+        OptLevel::Disabled
+    };
+    let session = Session::from_file_with(&a.model, &SessionOptions { opt_level: level })?;
     let m = session.model();
     let g = &m.graph;
     println!("model: {}", a.model.display());
@@ -451,5 +474,21 @@ fn inspect_inner(a: InspectArgs) -> Result<()> {
     }
     let total: f64 = flops.values().sum();
     println!("{:<28} {:>6} {:>12}", "total", g.nodes.len(), human(total));
+    if a.optimized {
+        let r = session.optimization_report();
+        println!(
+            "\noptimised at level {} ({:?}): {} nodes before, {} after",
+            r.level as u32, r.level, r.nodes_before, r.nodes_after
+        );
+        for (pass, n) in &r.passes {
+            println!("  {pass:<28} {n:>5} rewrites");
+        }
+        if !r.fused.is_empty() {
+            println!("\nrewrites:");
+            for f in &r.fused {
+                println!("  {f}");
+            }
+        }
+    }
     Ok(())
 }

@@ -110,6 +110,14 @@ pub fn run_graph<'a>(
         .collect()
 }
 
+/// Runs one node on the given inputs, outside any graph (constant folding at load time). A
+/// kernel panic becomes an error.
+pub(crate) fn eval_node(node: &Node, ins: &[Option<&Value>]) -> Result<Vec<Value>> {
+    let env = Env::new(None);
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ops::run(node, ins, &env)))
+        .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
+}
+
 fn run_node(node: &Node, env: &Env) -> Result<Vec<Option<Value>>> {
     let mut ins = Vec::with_capacity(node.inputs.len());
     for i in &node.inputs {

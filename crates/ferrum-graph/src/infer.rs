@@ -10,6 +10,7 @@ use crate::ops::broadcast_shape;
 use crate::tensor::{Tensor, Value};
 
 /// Known shapes (and small constant integer values, for Reshape targets) by value.
+#[derive(Default)]
 pub struct Shapes {
     pub shapes: HashMap<ValueId, Vec<usize>>,
     consts: HashMap<ValueId, Vec<i64>>,
@@ -84,10 +85,20 @@ fn ints(n: &Node, name: &str) -> Option<Vec<i64>> {
     }
 }
 
+/// The standard op a fused `com.ferrum` node computes the shape of.
+fn base_op(n: &Node) -> &str {
+    match (n.domain.as_str(), n.op.as_str()) {
+        (crate::passes::DOMAIN, "FusedConv") => "Conv",
+        (crate::passes::DOMAIN, "FusedGemm") => "Gemm",
+        (crate::passes::DOMAIN, "FusedMatMul") => "MatMul",
+        (_, op) => op,
+    }
+}
+
 fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
     let inp = |i: usize| s.get(n.inputs.get(i).copied().flatten()).cloned();
     let x = inp(0);
-    match n.op.as_str() {
+    match base_op(n) {
         "ConstantOfShape" => {
             let dims = s.consts.get(&n.inputs.first().copied().flatten()?)?;
             Some(dims.iter().map(|&d| d.max(0) as usize).collect())
@@ -157,34 +168,51 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
         }
         "Gemm" => {
             let (a, b) = (x?, inp(1)?);
-            let m = if ai(n, "transA", 0) != 0 { a[1] } else { a[0] };
-            let nn = if ai(n, "transB", 0) != 0 { b[0] } else { b[1] };
-            Some(vec![m, nn])
+            let ([a0, a1], [b0, b1]) = (a.as_slice(), b.as_slice()) else {
+                return None;
+            };
+            let m = if ai(n, "transA", 0) != 0 { a1 } else { a0 };
+            let nn = if ai(n, "transB", 0) != 0 { b0 } else { b1 };
+            Some(vec![*m, *nn])
         }
         "Conv" | "MaxPool" | "AveragePool" => {
             let x = x?;
             let nd = x.len().checked_sub(2)?;
-            let k: Vec<usize> = if n.op == "Conv" {
-                inp(1)?[2..].to_vec()
+            let k: Vec<usize> = if base_op(n) == "Conv" {
+                inp(1)?.get(2..)?.to_vec()
             } else {
                 ints(n, "kernel_shape")?
                     .iter()
-                    .map(|&v| v as usize)
-                    .collect()
+                    .map(|&v| usize::try_from(v).ok())
+                    .collect::<Option<_>>()?
             };
-            let st = ints(n, "strides").unwrap_or(vec![1; nd]);
-            let dl = ints(n, "dilations").unwrap_or(vec![1; nd]);
-            let pads = ints(n, "pads").unwrap_or(vec![0; 2 * nd]);
+            let pos = |v: Vec<i64>, len: usize, min: i64| -> Option<Vec<usize>> {
+                (v.len() == len && v.iter().all(|&x| x >= min))
+                    .then(|| v.iter().map(|&x| x as usize).collect())
+            };
+            let st = pos(ints(n, "strides").unwrap_or(vec![1; nd]), nd, 1)?;
+            let dl = pos(ints(n, "dilations").unwrap_or(vec![1; nd]), nd, 1)?;
+            let pads = pos(ints(n, "pads").unwrap_or(vec![0; 2 * nd]), 2 * nd, 0)?;
+            if k.len() != nd || k.contains(&0) {
+                return None;
+            }
             let auto =
                 matches!(n.attrs.get("auto_pad"), Some(Attr::Str(v)) if v.starts_with(b"SAME"));
-            let mut out = vec![x[0], if n.op == "Conv" { inp(1)?[0] } else { x[1] }];
+            let mut out = vec![
+                x[0],
+                if base_op(n) == "Conv" {
+                    *inp(1)?.first()?
+                } else {
+                    x[1]
+                },
+            ];
             for i in 0..nd {
                 let o = if auto {
-                    x[i + 2].div_ceil(st[i] as usize)
+                    x[i + 2].div_ceil(st[i])
                 } else {
-                    let ek = (k[i] - 1) * dl[i] as usize + 1;
-                    (x[i + 2] + pads[i] as usize + pads[i + nd] as usize).checked_sub(ek)?
-                        / st[i] as usize
+                    let ek = (k[i] - 1).checked_mul(dl[i])? + 1;
+                    (x[i + 2].checked_add(pads[i])?.checked_add(pads[i + nd])?).checked_sub(ek)?
+                        / st[i]
                         + 1
                 };
                 out.push(o);
@@ -193,7 +221,7 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
         }
         "GlobalAveragePool" | "GlobalMaxPool" => {
             let x = x?;
-            let mut o = x[..2].to_vec();
+            let mut o = x.get(..2)?.to_vec();
             o.extend(std::iter::repeat_n(1, x.len() - 2));
             Some(o)
         }
@@ -201,8 +229,11 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             let x = x?;
             let a = ai(n, "axis", 1);
             let a = if a < 0 { a + x.len() as i64 } else { a } as usize;
-            let outer: usize = x[..a.min(x.len())].iter().product();
-            Some(vec![outer, x.iter().product::<usize>() / outer.max(1)])
+            let all = x.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+            let outer = x[..a.min(x.len())]
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))?;
+            Some(vec![outer, all / outer.max(1)])
         }
         "Transpose" => {
             let x = x?;
@@ -227,7 +258,9 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
                 }
             }
             if let Some(i) = infer {
-                out[i] = x.iter().product::<usize>() / out.iter().product::<usize>().max(1);
+                let all = x.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+                let known = out.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+                out[i] = all / known.max(1);
             }
             Some(out)
         }
@@ -236,7 +269,7 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             let a = ai(n, "axis", 0);
             let a = if a < 0 { a + acc.len() as i64 } else { a } as usize;
             for i in 1..n.inputs.len() {
-                acc[a] += inp(i)?.get(a)?;
+                *acc.get_mut(a)? += inp(i)?.get(a)?;
             }
             Some(acc)
         }
@@ -248,20 +281,24 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
 pub fn node_flops(n: &Node, s: &Shapes) -> Option<f64> {
     let inp = |i: usize| s.get(n.inputs.get(i).copied().flatten());
     let out = s.get(n.outputs.first().copied().flatten());
-    let numel = |v: &Vec<usize>| v.iter().product::<usize>() as f64;
-    match n.op.as_str() {
+    let numel = |v: &Vec<usize>| v.iter().map(|&d| d as f64).product::<f64>();
+    match base_op(n) {
         "MatMul" => {
             let a = inp(0)?;
             Some(2.0 * numel(out?) * *a.last()? as f64)
         }
         "Gemm" => {
             let a = inp(0)?;
-            let k = if ai(n, "transA", 0) != 0 { a[0] } else { a[1] };
-            Some(2.0 * numel(out?) * k as f64)
+            let k = if ai(n, "transA", 0) != 0 {
+                a.first()?
+            } else {
+                a.get(1)?
+            };
+            Some(2.0 * numel(out?) * *k as f64)
         }
         "Conv" => {
             let w = inp(1)?;
-            Some(2.0 * numel(out?) * w[1..].iter().product::<usize>() as f64)
+            Some(2.0 * numel(out?) * w.get(1..)?.iter().map(|&d| d as f64).product::<f64>())
         }
         "MaxPool" | "AveragePool" => {
             let k: usize = ints(n, "kernel_shape")?

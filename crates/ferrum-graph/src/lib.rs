@@ -5,6 +5,7 @@
 //! - [`ir`]: [`Model`], [`Graph`], [`Node`]: values by id, nodes in execution order.
 //! - [`tensor`]: [`Tensor`] (dtype, shape, contiguous data) and [`Value`] (tensor, sequence,
 //!   optional).
+//! - [`passes`]: graph rewrites run when a session is created (folding, fusion), by level.
 //! - [`exec`]: the executor; `ops`: the kernels.
 //! - [`Session`]: load a model once, run it many times.
 //!
@@ -28,6 +29,7 @@ pub mod infer;
 pub mod ir;
 pub mod onnx;
 mod ops;
+pub mod passes;
 pub mod proto;
 mod session;
 pub mod small;
@@ -36,5 +38,6 @@ pub mod tensor;
 pub use error::{Error, Result};
 pub use ir::{Graph, Model, Node, ValueId};
 pub use ops::broadcast_shape;
-pub use session::{fmt_dims, Session};
+pub use passes::OptLevel;
+pub use session::{fmt_dims, Session, SessionOptions};
 pub use tensor::{DType, Data, SharedElems, Store, Tensor, Value};

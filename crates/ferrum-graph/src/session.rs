@@ -4,31 +4,58 @@ use std::path::Path;
 
 use crate::exec::run_graph;
 use crate::ir::{Dim, Model, ValueType};
+use crate::passes::{optimize, OptLevel, Report};
 use crate::tensor::Value;
 use crate::{Error, Result};
+
+/// How a session is prepared.
+#[derive(Clone, Debug, Default)]
+pub struct SessionOptions {
+    /// Which graph passes run when the session is created (default: all).
+    pub opt_level: OptLevel,
+}
 
 /// A model ready to run.
 pub struct Session {
     model: Model,
+    report: Report,
 }
 
 impl Session {
-    /// Loads and imports an `.onnx` file (external data is read from its folder).
+    /// Loads and imports an `.onnx` file (external data is read from its folder), then optimises
+    /// it at the default level.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Session> {
-        Ok(Session {
-            model: crate::onnx::load_model(path.as_ref())?,
-        })
+        Session::from_file_with(path, &SessionOptions::default())
     }
 
-    /// Imports a model from memory (external data is refused).
+    /// [`Session::from_file`] with options.
+    pub fn from_file_with(path: impl AsRef<Path>, opts: &SessionOptions) -> Result<Session> {
+        Session::prepare(crate::onnx::load_model(path.as_ref())?, opts)
+    }
+
+    /// Imports a model from memory (external data is refused), optimised at the default level.
     pub fn from_bytes(bytes: &[u8]) -> Result<Session> {
-        Ok(Session {
-            model: crate::onnx::load_model_bytes(bytes, None)?,
-        })
+        Session::from_bytes_with(bytes, &SessionOptions::default())
     }
 
+    /// [`Session::from_bytes`] with options.
+    pub fn from_bytes_with(bytes: &[u8], opts: &SessionOptions) -> Result<Session> {
+        Session::prepare(crate::onnx::load_model_bytes(bytes, None)?, opts)
+    }
+
+    fn prepare(mut model: Model, opts: &SessionOptions) -> Result<Session> {
+        let report = optimize(&mut model, opts.opt_level)?;
+        Ok(Session { model, report })
+    }
+
+    /// The model as it runs (after the graph passes).
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// What the graph passes did when the session was created.
+    pub fn optimization_report(&self) -> &Report {
+        &self.report
     }
 
     /// Names of the inputs a caller feeds, in graph order (initializer-backed inputs excluded).

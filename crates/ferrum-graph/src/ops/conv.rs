@@ -1,6 +1,7 @@
 //! Convolutions (Conv, ConvInteger, ConvTranspose) and pooling (Max, Average, Lp, global).
 //! Reference loops over N-D spatial dims in f64.
 
+use crate::ops::fused::Epi;
 use crate::ops::nn::{f64_tensor, minus_zp};
 use crate::ops::shape::strides;
 use crate::ops::{fast, linear};
@@ -137,6 +138,15 @@ fn per_channel(w: &Tensor, zp: Option<&Tensor>, scale: Option<&Tensor>) -> Resul
 }
 
 fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
+    conv_epi(cx, kind, Epi::default())
+}
+
+/// `FusedConv`: Conv (float) followed by the residual and activation of `epi`.
+pub(crate) fn conv_fused(cx: &Ctx, epi: Epi) -> Result<Tensor> {
+    conv_epi(cx, ConvKind::Float, epi)
+}
+
+fn conv_epi(cx: &Ctx, kind: ConvKind, epi: Epi) -> Result<Tensor> {
     let (x, w) = (
         cx.t(0)?,
         cx.t(if kind == ConvKind::QLinear { 3 } else { 1 })?,
@@ -173,7 +183,7 @@ fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
             pad: [g.pad_begin[0], g.pad_begin[1]],
             out: [g.outs[0], g.outs[1]],
         };
-        return linear::conv2d(x, w, cx.opt(2), &geom2);
+        return linear::conv2d(x, w, cx.opt(2), &geom2, epi);
     }
     let (xv, wv, bias) = match kind {
         // Weight zero points (and scales) are per output channel (dim 0).
@@ -272,7 +282,7 @@ fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
     let mut shape = vec![n, m];
     shape.extend_from_slice(&g.outs);
     match kind {
-        ConvKind::Float => f64_tensor(shape, out, x.dtype()),
+        ConvKind::Float => epi.finish(f64_tensor(shape, out, x.dtype())?),
         ConvKind::Integer => f64_tensor(shape, out, DType::I32),
         ConvKind::QLinear => {
             let ys = cx.t(6)?.scalar_f64()?;

@@ -7,7 +7,8 @@ use ferrum_kernels::gemm::{gemm, Mat};
 use ferrum_kernels::pool;
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_to};
-use crate::tensor::Tensor;
+use crate::ops::fused::{Act, Epi};
+use crate::tensor::{DType, Tensor};
 use crate::Result;
 
 /// numpy matmul of two f32 tensors (1-D operands promoted, batch dims broadcast).
@@ -56,6 +57,36 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         }
     }
     Tensor::from_vec(out_shape, out)
+}
+
+/// `FusedMatMul`: `act(A B + bias)` with the bias along the last axis (numpy broadcasting when
+/// it is not a plain row of the output's width).
+pub fn matmul_bias_act(a: &Tensor, b: &Tensor, bias: Option<&Tensor>, act: Act) -> Result<Tensor> {
+    let y = matmul(a, b)?;
+    let n = *y.shape().last().unwrap_or(&1);
+    let row = bias.filter(|t| {
+        t.dtype() == DType::F32
+            && t.len() == n
+            && t.rank() <= y.rank()
+            && t.shape().iter().rev().skip(1).all(|&d| d == 1)
+    });
+    let (Some(bt), true) = (row, n > 0) else {
+        return Epi { z: bias, act }.finish(y);
+    };
+    let bv = bt.as_slice::<f32>()?;
+    let shape = y.shape().to_vec();
+    let mut v = match y.into_data() {
+        crate::tensor::Data::F32(s) => s.into_vec(),
+        _ => unreachable!("matmul of float32 is float32"),
+    };
+    let rows_per = (64 * 1024 / n).max(1);
+    pool::parallel_chunks_mut(&mut v, rows_per * n, |_, chunk| {
+        for r in chunk.chunks_mut(n) {
+            r.iter_mut().zip(bv).for_each(|(x, b)| *x += b);
+        }
+        act.apply_here(chunk);
+    });
+    Tensor::from_vec(shape, v)
 }
 
 /// Gemm on f32: `alpha * op(A) * op(B) + beta * C` (C broadcast to `m x n`).
@@ -109,7 +140,13 @@ pub struct Conv2d {
 /// 2-D float32 Conv: grouped convolutions as one GEMM per image and group (`W_g` times the
 /// im2col matrix of the group's input channels, or the input itself for 1x1 / stride 1 / no
 /// padding), depthwise convolutions as a direct loop per channel.
-pub fn conv2d(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, g: &Conv2d) -> Result<Tensor> {
+pub fn conv2d(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    g: &Conv2d,
+    epi: Epi,
+) -> Result<Tensor> {
     let (n, c, ih, iw) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
     let m = w.shape()[0];
     let cg = w.shape()[1];
@@ -119,19 +156,38 @@ pub fn conv2d(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, g: &Conv2d) -> Resu
     let bv = bias.map(|b| b.as_slice::<f32>()).transpose()?;
     let osp = oh * ow;
     let isp = ih * iw;
-    let mut out = vec![0f32; n * m * osp];
+    let shape = vec![n, m, oh, ow];
+    // The output starts as the residual (when it has the output's shape) plus the bias, and the
+    // products accumulate into it.
+    let z = epi.z_exact(&shape);
+    let mut out = match z {
+        Some(z) => z.to_vec(),
+        None => vec![0f32; n * m * osp],
+    };
     if let Some(bv) = bv {
         for (i, o) in out.chunks_mut(osp.max(1)).enumerate() {
-            o.fill(bv[i % m]);
+            if z.is_some() {
+                o.iter_mut().for_each(|v| *v += bv[i % m]);
+            } else {
+                o.fill(bv[i % m]);
+            }
         }
     }
-    let beta = if bv.is_some() { 1.0 } else { 0.0 };
+    let rest = Epi {
+        z: if z.is_some() { None } else { epi.z },
+        act: epi.act,
+    };
+    let beta = if bv.is_some() || z.is_some() {
+        1.0
+    } else {
+        0.0
+    };
     if osp == 0 {
-        return Tensor::from_vec(vec![n, m, oh, ow], out);
+        return rest.finish(Tensor::from_vec(shape, out)?);
     }
     if g.group == c && cg == 1 && m == c {
         depthwise(xv, wv, &mut out, (ih, iw), g);
-        return Tensor::from_vec(vec![n, m, oh, ow], out);
+        return rest.finish(Tensor::from_vec(shape, out)?);
     }
     let mpg = m / g.group;
     let kk = cg * kh * kw;
@@ -164,7 +220,7 @@ pub fn conv2d(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, g: &Conv2d) -> Resu
             );
         }
     }
-    Tensor::from_vec(vec![n, m, oh, ow], out)
+    rest.finish(Tensor::from_vec(shape, out)?)
 }
 
 /// The output columns `lo..hi` whose input column `o * s + t - pad` lies in `0..len`.

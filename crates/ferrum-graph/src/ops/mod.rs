@@ -10,6 +10,7 @@ mod conv;
 mod dsp;
 mod elementwise;
 mod fast;
+mod fused;
 mod gather;
 mod grid;
 mod linear;
@@ -118,6 +119,9 @@ pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>>
     let cx = Ctx { node, ins, env };
     if node.domain == "ai.onnx.preview.training" && node.op != "Gradient" {
         return training::run(&cx);
+    }
+    if node.domain == crate::passes::DOMAIN {
+        return fused::run(&cx);
     }
     if node.domain == "ai.onnx.ml" {
         return ml::run(&cx);

@@ -145,7 +145,7 @@ pub(super) fn minus_zp(x: &Tensor, zp: Option<&Tensor>, per_col: bool) -> Result
     Ok(v)
 }
 
-fn gemm(cx: &Ctx) -> Result<Tensor> {
+pub(crate) fn gemm(cx: &Ctx) -> Result<Tensor> {
     let (a, b) = (cx.t(0)?, cx.t(1)?);
     let (ta, tb) = (cx.ai("transA", 0) != 0, cx.ai("transB", 0) != 0);
     let (alpha, beta) = (cx.af("alpha", 1.0) as f64, cx.af("beta", 1.0) as f64);

@@ -1,0 +1,257 @@
+//! ferrum's fused ops (domain `com.ferrum`), made by the graph passes ([`crate::passes`]):
+//! `FusedConv`, `FusedGemm`, `FusedMatMul` and `Gelu`.
+//!
+//! Each is its unfused chain computed at once: the product, then (Conv) a residual `Z` or
+//! (MatMul) a bias along the last axis, then an activation. Activations give the bits their
+//! reference op gives on a float32 value (the transcendental ones computed in f64 and rounded
+//! once, as the reference kernels do), except GELU, which is computed in f32 as PyTorch's
+//! exported chain `x * 0.5 * (1 + erf(x / sqrt 2))` is, with the float32 Erf kernel.
+
+use ferrum_kernels::pool;
+
+use crate::ops::elementwise::{broadcast_offsets, broadcast_shape};
+use crate::ops::{unsupported, Ctx};
+use crate::tensor::{DType, Tensor, Value};
+use crate::{kbail, Result};
+
+/// The activation applied to a fused product's output.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum Act {
+    #[default]
+    Identity,
+    Relu,
+    /// `min(max(x, lo), hi)`, NaN kept.
+    Clip(f32, f32),
+    LeakyRelu(f32),
+    Sigmoid,
+    /// `clamp(alpha * x + beta, 0, 1)`.
+    HardSigmoid(f32, f32),
+    HardSwish,
+    Tanh,
+    /// GELU, erf form.
+    Gelu,
+    /// GELU, tanh approximation.
+    GeluTanh,
+}
+
+impl Act {
+    /// The activation named by a fused node's `activation` / `activation_params` attributes.
+    pub fn from_node(cx: &Ctx) -> Result<Act> {
+        let p = cx.afloats_vec("activation_params").unwrap_or_default();
+        let p = |i: usize| -> Result<f32> {
+            match p.get(i) {
+                Some(v) => Ok(*v as f32),
+                None => kbail!("activation_params has no value #{i}"),
+            }
+        };
+        Ok(match cx.astr("activation", "Identity").as_str() {
+            "Identity" => Act::Identity,
+            "Relu" => Act::Relu,
+            "Clip" => Act::Clip(p(0)?, p(1)?),
+            "LeakyRelu" => Act::LeakyRelu(p(0)?),
+            "Sigmoid" => Act::Sigmoid,
+            "HardSigmoid" => Act::HardSigmoid(p(0)?, p(1)?),
+            "HardSwish" => Act::HardSwish,
+            "Tanh" => Act::Tanh,
+            "Gelu" => Act::Gelu,
+            "GeluTanh" => Act::GeluTanh,
+            other => return Err(unsupported(format!("activation '{other}'"))),
+        })
+    }
+
+    /// The activation of one value.
+    #[inline]
+    pub fn apply1(self, x: f32) -> f32 {
+        match self {
+            Act::Identity => x,
+            Act::Relu => {
+                if x > 0.0 {
+                    x
+                } else {
+                    0.0
+                }
+            }
+            Act::Clip(lo, hi) => {
+                let y = if x < lo { lo } else { x };
+                if y > hi {
+                    hi
+                } else {
+                    y
+                }
+            }
+            Act::LeakyRelu(a) => {
+                if x >= 0.0 {
+                    x
+                } else {
+                    a * x
+                }
+            }
+            Act::Sigmoid => {
+                let x = x as f64;
+                (if x >= 0.0 {
+                    1.0 / (1.0 + (-x).exp())
+                } else {
+                    let e = x.exp();
+                    e / (1.0 + e)
+                }) as f32
+            }
+            Act::HardSigmoid(a, b) => (a as f64 * x as f64 + b as f64).clamp(0.0, 1.0) as f32,
+            Act::HardSwish => {
+                let x = x as f64;
+                (x * (x / 6.0 + 0.5).clamp(0.0, 1.0)) as f32
+            }
+            Act::Tanh => (x as f64).tanh() as f32,
+            Act::Gelu => {
+                let e = crate::ops::fast::erf_f32(x / std::f32::consts::SQRT_2);
+                x * (1.0 + e) * 0.5
+            }
+            Act::GeluTanh => {
+                let v = x as f64;
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                (0.5 * v * (1.0 + (c * (v + 0.044715 * v * v * v)).tanh())) as f32
+            }
+        }
+    }
+
+    /// Applies the activation to every value, in place, over the pool's threads when large.
+    /// Each activation gets its own loop (the compiler vectorises the simple ones).
+    pub fn apply(self, v: &mut [f32]) {
+        self.apply_with(v, true)
+    }
+
+    /// [`Act::apply`] on the calling thread only (for use inside a pool task).
+    pub fn apply_here(self, v: &mut [f32]) {
+        self.apply_with(v, false)
+    }
+
+    fn apply_with(self, v: &mut [f32], par: bool) {
+        match self {
+            Act::Identity => {}
+            Act::Relu => each(v, par, |x| if x > 0.0 { x } else { 0.0 }),
+            Act::Clip(lo, hi) => each(v, par, move |x| {
+                let y = if x < lo { lo } else { x };
+                if y > hi {
+                    hi
+                } else {
+                    y
+                }
+            }),
+            Act::LeakyRelu(a) => each(v, par, move |x| if x >= 0.0 { x } else { a * x }),
+            Act::Gelu => each(v, par, |x| {
+                let e = crate::ops::fast::erf_f32(x / std::f32::consts::SQRT_2);
+                x * (1.0 + e) * 0.5
+            }),
+            other => each(v, par, move |x| other.apply1(x)),
+        }
+    }
+}
+
+/// `f` over every value in place, in chunks over the pool's threads when large (and `par`).
+#[inline(always)]
+fn each(v: &mut [f32], par: bool, f: impl Fn(f32) -> f32 + Sync + Copy) {
+    let per = (v.len().div_ceil(pool::threads() * 4)).max(16 * 1024);
+    if !par || v.len() <= per {
+        v.iter_mut().for_each(|x| *x = f(*x));
+        return;
+    }
+    pool::parallel_chunks_mut(v, per, |_, c| c.iter_mut().for_each(|x| *x = f(*x)));
+}
+
+/// What follows a product: a residual added (broadcast), then the activation.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Epi<'a> {
+    pub z: Option<&'a Tensor>,
+    pub act: Act,
+}
+
+impl Epi<'_> {
+    /// True when nothing follows.
+    pub fn is_identity(&self) -> bool {
+        self.z.is_none() && self.act == Act::Identity
+    }
+
+    /// The residual as a slice, when it has exactly `shape` (so it can be added in place).
+    pub fn z_exact(&self, shape: &[usize]) -> Option<&[f32]> {
+        let z = self.z?;
+        (z.dtype() == DType::F32 && z.shape() == shape)
+            .then(|| z.as_slice::<f32>().ok())
+            .flatten()
+    }
+
+    /// `act(y + z)` for a computed float32 product `y` (numpy broadcasting for `z`).
+    pub fn finish(&self, y: Tensor) -> Result<Tensor> {
+        if self.is_identity() {
+            return Ok(y);
+        }
+        if y.dtype() != DType::F32 {
+            return Err(unsupported(format!(
+                "fused epilogue on {} (float32 only)",
+                y.dtype()
+            )));
+        }
+        let shape = y.shape().to_vec();
+        let mut y = match (self.z, self.z_exact(&shape)) {
+            (None, _) => y,
+            (Some(_), Some(z)) => {
+                let mut v = into_f32(y)?;
+                v.iter_mut().zip(z).for_each(|(a, b)| *a += b);
+                Tensor::from_vec(shape, v)?
+            }
+            (Some(z), None) => add_broadcast(&y, z)?,
+        };
+        let shape = y.shape().to_vec();
+        let mut v = into_f32(std::mem::replace(&mut y, Tensor::scalar(0f32)))?;
+        self.act.apply(&mut v);
+        Tensor::from_vec(shape, v)
+    }
+}
+
+fn into_f32(t: Tensor) -> Result<Vec<f32>> {
+    match t.into_data() {
+        crate::tensor::Data::F32(s) => Ok(s.into_vec()),
+        other => kbail!("expected float32, got {}", other.dtype()),
+    }
+}
+
+/// `a + b` with numpy broadcasting (float32).
+fn add_broadcast(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if b.dtype() != DType::F32 {
+        kbail!("the residual must be float32, got {}", b.dtype());
+    }
+    let out = broadcast_shape(a.shape(), b.shape())?;
+    let offs = broadcast_offsets(&[a.shape(), b.shape()], &out);
+    let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
+    let v = offs[0]
+        .iter()
+        .zip(&offs[1])
+        .map(|(&i, &j)| av[i] + bv[j])
+        .collect();
+    Tensor::from_vec(out, v)
+}
+
+/// Runs a `com.ferrum` node.
+pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
+    let act = Act::from_node(cx)?;
+    let t = match cx.node.op.as_str() {
+        "FusedConv" => crate::ops::conv::conv_fused(cx, Epi { z: cx.opt(3), act })?,
+        "FusedGemm" => Epi { z: None, act }.finish(crate::ops::nn::gemm(cx)?)?,
+        "FusedMatMul" => {
+            let (a, b) = (cx.t(0)?, cx.t(1)?);
+            if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+                return Err(unsupported("FusedMatMul on non-float32 inputs"));
+            }
+            crate::ops::linear::matmul_bias_act(a, b, cx.opt(2), act)?
+        }
+        "Gelu" => {
+            let x = cx.t(0)?;
+            if x.dtype() != DType::F32 {
+                return Err(unsupported("com.ferrum Gelu on non-float32 input"));
+            }
+            let mut v = x.as_slice::<f32>()?.to_vec();
+            Act::Gelu.apply(&mut v);
+            Tensor::from_vec(x.shape().to_vec(), v)?
+        }
+        _ => return Err(unsupported("op not implemented")),
+    };
+    Ok(vec![Value::Tensor(t)])
+}

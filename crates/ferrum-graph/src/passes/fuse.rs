@@ -1,0 +1,477 @@
+//! Folding into weights (level 1) and fusion into producing products (level 2).
+
+use std::collections::HashSet;
+
+use crate::infer::static_shapes;
+use crate::ir::{Attr, Model, Node, ValueId};
+use crate::passes::{
+    add_initializer, attr_f, attr_i, const_f32, const_scalar, constant, is_op, remove_nodes, Uses,
+    DOMAIN,
+};
+use crate::tensor::{DType, Tensor};
+
+/// The Conv at `i` when its weights (and bias, if any) are float32 constants: (W, B, out
+/// channels).
+fn const_conv(model: &Model, n: &Node) -> Option<(Tensor, Option<Vec<f32>>, usize)> {
+    let g = &model.graph;
+    if !is_op(n, "Conv") || n.outputs.len() != 1 {
+        return None;
+    }
+    let w = constant(g, n.inputs.get(1).copied().flatten()?)?;
+    if w.dtype() != DType::F32 || w.rank() < 3 {
+        return None;
+    }
+    let m = w.shape()[0];
+    let b = match n.inputs.get(2).copied().flatten() {
+        None => None,
+        Some(b) => {
+            let b = const_f32(g, Some(b))?;
+            if b.len() != m {
+                return None;
+            }
+            Some(b.to_vec())
+        }
+    };
+    Some((w.clone(), b, m))
+}
+
+/// Replaces the Conv's weights by `w * scale[c]` and its bias by `b * scale[c] + shift[c]`
+/// (per output channel `c`, computed in f64 and rounded once), reading `out` from now on.
+fn rescale_conv(
+    model: &mut Model,
+    conv: usize,
+    (w, b, m): (Tensor, Option<Vec<f32>>, usize),
+    scale: &[f64],
+    shift: &[f64],
+    out: ValueId,
+) {
+    let per = w.len() / m.max(1);
+    let wv = w.as_slice::<f32>().expect("f32 weights");
+    let nw: Vec<f32> = wv
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| (x as f64 * scale[i / per]) as f32)
+        .collect();
+    let nb: Vec<f32> = (0..m)
+        .map(|c| (b.as_ref().map_or(0.0, |b| b[c] as f64) * scale[c] + shift[c]) as f32)
+        .collect();
+    let name = model.graph.nodes[conv].name.clone();
+    let wt = Tensor::from_vec(w.shape().to_vec(), nw).expect("same shape");
+    let bt = Tensor::from_vec(vec![m], nb).expect("m values");
+    let wid = add_initializer(model, &format!("{name}.weight"), wt);
+    let bid = add_initializer(model, &format!("{name}.bias"), bt);
+    let n = &mut model.graph.nodes[conv];
+    n.inputs.resize(3, None);
+    n.inputs[1] = Some(wid);
+    n.inputs[2] = Some(bid);
+    n.outputs[0] = Some(out);
+}
+
+/// Conv followed by BatchNormalization (inference form, constant statistics) becomes one Conv
+/// with rescaled weights and a shifted bias.
+pub fn conv_batchnorm(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let uses = Uses::of(&model.graph);
+    let mut dead = HashSet::new();
+    for bi in 0..model.graph.nodes.len() {
+        let g = &model.graph;
+        let bn = &g.nodes[bi];
+        if !is_op(bn, "BatchNormalization")
+            || attr_i(bn, "training_mode", 0) != 0
+            || attr_i(bn, "spatial", 1) != 1
+            || bn
+                .outputs
+                .iter()
+                .skip(1)
+                .flatten()
+                .any(|o| uses.pinned.contains(o) || uses.readers.contains_key(o))
+        {
+            continue;
+        }
+        let (Some(Some(x)), Some(Some(y))) = (bn.inputs.first(), bn.outputs.first()) else {
+            continue;
+        };
+        let Some(&ci) = uses.producer.get(x) else {
+            continue;
+        };
+        if uses.sole_reader(*x) != Some(bi) || dead.contains(&ci) {
+            continue;
+        }
+        let Some(conv) = const_conv(model, &g.nodes[ci]) else {
+            continue;
+        };
+        let m = conv.2;
+        let p: Vec<&[f32]> = (1..5)
+            .filter_map(|i| const_f32(g, bn.inputs.get(i).copied().flatten()))
+            .collect();
+        if p.len() != 4 || p.iter().any(|v| v.len() != m) {
+            continue;
+        }
+        let eps = attr_f(bn, "epsilon", 1e-5) as f64;
+        let scale: Vec<f64> = (0..m)
+            .map(|c| p[0][c] as f64 / (p[3][c] as f64 + eps).sqrt())
+            .collect();
+        let shift: Vec<f64> = (0..m)
+            .map(|c| p[1][c] as f64 - p[2][c] as f64 * scale[c])
+            .collect();
+        log.push(format!(
+            "{} + {} -> Conv (batch norm folded into the weights)",
+            g.nodes[ci].name, bn.name
+        ));
+        let y = *y;
+        rescale_conv(model, ci, conv, &scale, &shift, y);
+        dead.insert(bi);
+    }
+    remove_nodes(&mut model.graph, &dead);
+    dead.len()
+}
+
+/// Conv followed by an Add or Mul of a per-output-channel constant (shape `[M, 1, ..]` or
+/// `[1, M, 1, ..]`, or one value) becomes one Conv with adjusted bias (and weights, for Mul).
+pub fn conv_add_bias(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let uses = Uses::of(&model.graph);
+    let mut dead = HashSet::new();
+    for ai in 0..model.graph.nodes.len() {
+        let g = &model.graph;
+        let op = &g.nodes[ai];
+        let mul = is_op(op, "Mul");
+        if !(is_op(op, "Add") || mul) || op.opset < 7 || op.inputs.len() != 2 {
+            continue;
+        }
+        let Some(Some(y)) = op.outputs.first() else {
+            continue;
+        };
+        for side in 0..2 {
+            let (Some(x), Some(c)) = (op.inputs[side], op.inputs[1 - side]) else {
+                continue;
+            };
+            let Some(&ci) = uses.producer.get(&x) else {
+                continue;
+            };
+            if uses.sole_reader(x) != Some(ai) || dead.contains(&ci) {
+                continue;
+            }
+            let Some(conv) = const_conv(model, &g.nodes[ci]) else {
+                continue;
+            };
+            let (rank, m) = (conv.0.rank(), conv.2);
+            let Some(ct) = constant(g, c).filter(|t| t.dtype() == DType::F32) else {
+                continue;
+            };
+            // Broadcast against [N, M, spatial..]: every dim 1 except (optionally) the channel.
+            let s = ct.shape();
+            let ch = s.len().checked_sub(rank - 1);
+            let fits = s.len() <= rank
+                && s.iter().enumerate().all(|(i, &d)| {
+                    d == 1 || (Some(i) == ch && d == m) || (s.len() == rank && i == 1 && d == m)
+                });
+            if !fits {
+                continue;
+            }
+            let cv = ct.as_slice::<f32>().expect("f32");
+            let per_c = |c: usize| cv[if cv.len() == 1 { 0 } else { c }] as f64;
+            let (scale, shift): (Vec<f64>, Vec<f64>) = if mul {
+                ((0..m).map(per_c).collect(), vec![0.0; m])
+            } else {
+                (vec![1.0; m], (0..m).map(per_c).collect())
+            };
+            log.push(format!(
+                "{} + {} -> Conv ({} folded into the {})",
+                g.nodes[ci].name,
+                op.name,
+                if mul { "scale" } else { "constant" },
+                if mul { "weights and bias" } else { "bias" }
+            ));
+            let y = *y;
+            rescale_conv(model, ci, conv, &scale, &shift, y);
+            dead.insert(ai);
+            break;
+        }
+    }
+    remove_nodes(&mut model.graph, &dead);
+    dead.len()
+}
+
+fn near(v: Option<f32>, target: f64) -> bool {
+    v.is_some_and(|v| ((v as f64) - target).abs() <= 1e-4 * target.abs())
+}
+
+/// The erf form of GELU as PyTorch exports it, `x * 0.5 * (1 + erf(x / sqrt 2))` (Div by sqrt 2
+/// or Mul by 1/sqrt 2; the halving before or after the product with x), becomes one `Gelu`.
+pub fn gelu(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let g = &model.graph;
+    let uses = Uses::of(g);
+    let node = |i: usize| &g.nodes[i];
+    let other = |n: &Node, v: ValueId| -> Option<ValueId> {
+        match n.inputs.as_slice() {
+            [Some(a), Some(b)] if *a == v => Some(*b),
+            [Some(a), Some(b)] if *b == v => Some(*a),
+            _ => None,
+        }
+    };
+    let out = |n: &Node| n.outputs.first().copied().flatten();
+    let mut dead = HashSet::new();
+    let mut rewrites: Vec<(usize, ValueId)> = Vec::new();
+    for (ei, erf) in g.nodes.iter().enumerate() {
+        if !is_op(erf, "Erf") {
+            continue;
+        }
+        let found = (|| {
+            let e_in = erf.inputs.first().copied().flatten()?;
+            let di = *uses.producer.get(&e_in)?;
+            let d = node(di);
+            let x = d.inputs.first().copied().flatten()?;
+            let c = const_scalar(g, d.inputs.get(1).copied().flatten());
+            let scaled = (is_op(d, "Div") && near(c, std::f64::consts::SQRT_2))
+                || (is_op(d, "Mul") && near(c, std::f64::consts::FRAC_1_SQRT_2));
+            if !scaled || uses.sole_reader(e_in) != Some(ei) {
+                return None;
+            }
+            let e_out = out(erf)?;
+            let ai = uses.sole_reader(e_out)?;
+            let add = node(ai);
+            if !is_op(add, "Add") || !near(const_scalar(g, other(add, e_out)), 1.0) {
+                return None;
+            }
+            let a_out = out(add)?;
+            let m1i = uses.sole_reader(a_out)?;
+            let m1 = node(m1i);
+            if !is_op(m1, "Mul") {
+                return None;
+            }
+            let m1_out = out(m1)?;
+            let o = other(m1, a_out)?;
+            let mut chain = vec![di, ei, ai, m1i];
+            let last = if o == x {
+                // (x * (1 + erf)) * 0.5
+                let m2i = uses.sole_reader(m1_out)?;
+                let m2 = node(m2i);
+                if !is_op(m2, "Mul") || !near(const_scalar(g, other(m2, m1_out)), 0.5) {
+                    return None;
+                }
+                chain.push(m2i);
+                m2i
+            } else if near(const_scalar(g, Some(o)), 0.5) {
+                // x * ((1 + erf) * 0.5)
+                let m2i = uses.sole_reader(m1_out)?;
+                let m2 = node(m2i);
+                if !is_op(m2, "Mul") || other(m2, m1_out) != Some(x) {
+                    return None;
+                }
+                chain.push(m2i);
+                m2i
+            } else {
+                // (x * 0.5) * (1 + erf)
+                let hi = *uses.producer.get(&o)?;
+                let h = node(hi);
+                if !is_op(h, "Mul")
+                    || uses.sole_reader(o) != Some(m1i)
+                    || other(h, x).is_none()
+                    || !near(const_scalar(g, other(h, x)), 0.5)
+                {
+                    return None;
+                }
+                chain.push(hi);
+                m1i
+            };
+            Some((chain, last, x))
+        })();
+        let Some((chain, last, x)) = found else {
+            continue;
+        };
+        if chain.iter().any(|i| dead.contains(i)) {
+            continue;
+        }
+        log.push(format!(
+            "{} .. {} -> Gelu",
+            g.nodes[chain[0]].name, g.nodes[last].name
+        ));
+        for &i in &chain {
+            if i != last {
+                dead.insert(i);
+            }
+        }
+        rewrites.push((last, x));
+    }
+    let count = rewrites.len();
+    for (i, x) in rewrites {
+        let n = &mut model.graph.nodes[i];
+        n.op = "Gelu".into();
+        n.domain = DOMAIN.into();
+        n.inputs = vec![Some(x)];
+        n.attrs.clear();
+        n.name = format!("{}/gelu", n.name);
+    }
+    remove_nodes(&mut model.graph, &dead);
+    count
+}
+
+/// An activation node's name and parameters, in the form the fused ops take.
+fn activation(model: &Model, n: &Node) -> Option<(&'static str, Vec<f32>)> {
+    let g = &model.graph;
+    if n.domain == DOMAIN && n.op == "Gelu" {
+        return Some(("Gelu", vec![]));
+    }
+    if !(n.domain.is_empty() || n.domain == "ai.onnx") || n.inputs.is_empty() {
+        return None;
+    }
+    match n.op.as_str() {
+        "Relu" => Some(("Relu", vec![])),
+        "Sigmoid" => Some(("Sigmoid", vec![])),
+        "Tanh" => Some(("Tanh", vec![])),
+        "HardSwish" => Some(("HardSwish", vec![])),
+        "LeakyRelu" => Some(("LeakyRelu", vec![attr_f(n, "alpha", 0.01)])),
+        "HardSigmoid" => Some((
+            "HardSigmoid",
+            vec![attr_f(n, "alpha", 0.2), attr_f(n, "beta", 0.5)],
+        )),
+        "Gelu" => match n.attrs.get("approximate") {
+            Some(Attr::Str(s)) if s.as_slice() == b"tanh" => Some(("GeluTanh", vec![])),
+            _ => Some(("Gelu", vec![])),
+        },
+        "Clip" => {
+            let (lo, hi) = if n.opset < 11 {
+                (
+                    n.attrs.get("min").map(|_| attr_f(n, "min", 0.0)),
+                    n.attrs.get("max").map(|_| attr_f(n, "max", 0.0)),
+                )
+            } else {
+                let bound = |i: usize| -> Option<Option<f32>> {
+                    match n.inputs.get(i).copied().flatten() {
+                        None => Some(None),
+                        Some(v) => const_scalar(g, Some(v)).map(Some),
+                    }
+                };
+                (bound(1)?, bound(2)?)
+            };
+            Some((
+                "Clip",
+                vec![lo.unwrap_or(f32::NEG_INFINITY), hi.unwrap_or(f32::INFINITY)],
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// Bias (MatMul), residual Add (Conv) and an activation fused into the float32 Conv, Gemm or
+/// MatMul producing their input: `FusedConv`, `FusedGemm`, `FusedMatMul`. The fused node takes
+/// the place of the last node it absorbs (so a residual computed after the product is ready).
+pub fn activations(model: &mut Model, log: &mut Vec<String>) -> usize {
+    // Shapes only decide whether a residual is worth fusing (the fused kernel broadcasts as
+    // Add would when they are wrong); a model whose attributes make the estimate fail gets none.
+    let shapes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| static_shapes(model)))
+        .unwrap_or_default();
+    let g = &model.graph;
+    let uses = Uses::of(g);
+    let out = |n: &Node| n.outputs.first().copied().flatten();
+    let mut dead = HashSet::new();
+    // (producer, last absorbed node, fused node)
+    let mut fused: Vec<(usize, usize, Node)> = Vec::new();
+    for (pi, p) in g.nodes.iter().enumerate() {
+        let kind = if const_conv(model, p).is_some() {
+            "FusedConv"
+        } else if is_op(p, "Gemm") && const_f32(g, p.inputs.get(1).copied().flatten()).is_some() {
+            "FusedGemm"
+        } else if is_op(p, "MatMul")
+            && constant(
+                g,
+                p.inputs
+                    .get(1)
+                    .copied()
+                    .flatten()
+                    .unwrap_or(ValueId(u32::MAX)),
+            )
+            .is_some_and(|b| b.dtype() == DType::F32 && b.rank() == 2)
+        {
+            "FusedMatMul"
+        } else {
+            continue;
+        };
+        let Some(mut cur) = out(p) else { continue };
+        let mut inputs = p.inputs.clone();
+        let mut act: Option<(&str, Vec<f32>)> = None;
+        let mut absorbed: Vec<usize> = Vec::new();
+        let mut what: Vec<&str> = Vec::new();
+        while let Some(ri) = uses.sole_reader(cur) {
+            let r = &g.nodes[ri];
+            if act.is_none() && absorbed.is_empty() && is_op(r, "Add") && r.opset >= 7 {
+                let Some(o) = (match r.inputs.as_slice() {
+                    [Some(a), Some(b)] if *a == cur && *b != cur => Some(*b),
+                    [Some(a), Some(b)] if *b == cur && *a != cur => Some(*a),
+                    _ => None,
+                }) else {
+                    break;
+                };
+                if kind == "FusedMatMul" {
+                    // A bias along the last axis, as long as B's columns.
+                    let n = constant(g, inputs[1].expect("B")).expect("const B").shape()[1];
+                    let Some(bt) = constant(g, o) else { break };
+                    let s = bt.shape();
+                    if bt.dtype() != DType::F32
+                        || s.last() != Some(&n)
+                        || s.iter().rev().skip(1).any(|&d| d != 1)
+                        || s.len() > shapes.get(Some(cur)).map_or(2, |v| v.len())
+                    {
+                        break;
+                    }
+                    inputs.resize(2, None);
+                    inputs.push(Some(o));
+                    what.push("bias");
+                } else if kind == "FusedConv" {
+                    // A residual of the product's own (static) shape.
+                    let (Some(a), Some(b)) = (shapes.get(Some(cur)), shapes.get(Some(o))) else {
+                        break;
+                    };
+                    if a != b {
+                        break;
+                    }
+                    inputs.resize(3, None);
+                    inputs.push(Some(o));
+                    what.push("residual add");
+                } else {
+                    break;
+                }
+            } else if act.is_none() {
+                let Some(a) = activation(model, r) else { break };
+                what.push(a.0);
+                act = Some(a);
+            } else {
+                break;
+            }
+            absorbed.push(ri);
+            let Some(next) = out(r) else { break };
+            cur = next;
+            if act.is_some() {
+                break;
+            }
+        }
+        let Some(&last) = absorbed.last() else {
+            continue;
+        };
+        if absorbed.iter().any(|i| dead.contains(i)) || dead.contains(&pi) {
+            continue;
+        }
+        let mut n = p.clone();
+        n.domain = DOMAIN.into();
+        n.op = kind.into();
+        n.inputs = inputs;
+        n.outputs = vec![Some(cur)];
+        let (name, params) = act.unwrap_or(("Identity", vec![]));
+        n.attrs
+            .insert("activation".into(), Attr::Str(name.as_bytes().to_vec()));
+        n.attrs
+            .insert("activation_params".into(), Attr::Floats(params));
+        log.push(format!("{} + {} -> {kind}", p.name, what.join(" + ")));
+        dead.insert(pi);
+        for &i in &absorbed {
+            dead.insert(i);
+        }
+        fused.push((pi, last, n));
+    }
+    let count = fused.len();
+    for (_, last, n) in fused {
+        model.graph.nodes[last] = n;
+        dead.remove(&last);
+    }
+    remove_nodes(&mut model.graph, &dead);
+    count
+}

@@ -1,0 +1,503 @@
+//! The graph passes: each rewrite fires on the pattern PyTorch exports (the graph after the
+//! passes has the expected nodes) and leaves the outputs unchanged (the same model at level 0,
+//! on fresh random inputs). Tolerance: |optimised - unoptimised| <= 1e-5 * (1 + max |output|)
+//! for rewrites that change float rounding (weights folded, f32 epilogues), exact equality for
+//! the others. NaN never passes.
+
+use ferrum_graph::proto::build::{attr_int, f32_tensor, model, node, value};
+use ferrum_graph::proto::{encode, AttributeProto, ModelProto, NodeProto, TensorProto};
+use ferrum_graph::{OptLevel, Session, SessionOptions, Tensor, Value};
+use rand::{Rng, SeedableRng};
+
+type Rng64 = rand::rngs::StdRng;
+
+fn rng() -> Rng64 {
+    let seed: u64 = rand::random();
+    eprintln!("seed {seed}");
+    Rng64::seed_from_u64(seed)
+}
+
+fn randv(rng: &mut Rng64, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+}
+
+fn attr_f(name: &str, f: f32) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        f,
+        r#type: 1,
+        ..Default::default()
+    }
+}
+
+fn attr_s(name: &str, s: &str) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        s: s.as_bytes().to_vec(),
+        r#type: 3,
+        ..Default::default()
+    }
+}
+
+fn constant(out: &str, dims: &[i64], v: &[f32]) -> NodeProto {
+    node(
+        "Constant",
+        &[],
+        &[out],
+        vec![AttributeProto {
+            name: "value".into(),
+            t: Some(f32_tensor("", dims, v)),
+            r#type: 4,
+            ..Default::default()
+        }],
+    )
+}
+
+fn session(mp: &ModelProto, level: OptLevel) -> Session {
+    Session::from_bytes_with(&encode(mp), &SessionOptions { opt_level: level }).unwrap()
+}
+
+/// The optimised graph's ops, `domain.op` for fused ones.
+fn ops(s: &Session) -> Vec<String> {
+    s.model()
+        .graph
+        .nodes
+        .iter()
+        .map(|n| {
+            if n.domain.is_empty() {
+                n.op.clone()
+            } else {
+                format!("{}.{}", n.domain, n.op)
+            }
+        })
+        .collect()
+}
+
+fn outputs(s: &Session, feeds: &[(&str, Vec<usize>, Vec<f32>)]) -> Vec<Vec<f32>> {
+    let feeds = feeds
+        .iter()
+        .map(|(n, s, v)| {
+            (
+                n.to_string(),
+                Value::Tensor(Tensor::from_vec(s.clone(), v.clone()).unwrap()),
+            )
+        })
+        .collect();
+    s.run(feeds)
+        .unwrap()
+        .into_iter()
+        .map(|(_, v)| v.tensor().unwrap().as_slice::<f32>().unwrap().to_vec())
+        .collect()
+}
+
+/// Runs `mp` at level 0 and at `level`, checks the optimised graph's ops and that the outputs
+/// agree (exactly when `tol` is 0).
+fn check(
+    mp: &ModelProto,
+    level: OptLevel,
+    feeds: &[(&str, Vec<usize>, Vec<f32>)],
+    want_ops: &[&str],
+    tol: f32,
+) {
+    let plain = session(mp, OptLevel::Disabled);
+    let opt = session(mp, level);
+    assert_eq!(ops(&opt), want_ops, "graph after the passes");
+    let (a, b) = (outputs(&plain, feeds), outputs(&opt, feeds));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.len(), y.len());
+        let scale = 1.0 + x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (i, (u, v)) in x.iter().zip(y).enumerate() {
+            let err = (u - v).abs();
+            assert!(
+                if tol == 0.0 {
+                    u.to_bits() == v.to_bits()
+                } else {
+                    err <= tol * scale
+                },
+                "output element {i}: unoptimised {u}, optimised {v}"
+            );
+        }
+    }
+}
+
+fn f32_in(name: &str, dims: &[i64]) -> ferrum_graph::proto::ValueInfoProto {
+    value(name, 1, &dims.iter().map(|&d| Some(d)).collect::<Vec<_>>())
+}
+
+fn f32_out(name: &str) -> ferrum_graph::proto::ValueInfoProto {
+    let mut v = value(name, 1, &[]);
+    v.r#type = None;
+    v
+}
+
+fn init(name: &str, dims: &[i64], v: Vec<f32>) -> TensorProto {
+    f32_tensor(name, dims, &v)
+}
+
+#[test]
+fn level_zero_leaves_the_graph_as_imported() {
+    let mp = model(
+        vec![
+            constant("c", &[1], &[2.0]),
+            node("Identity", &["x"], &["i"], vec![]),
+            node("Mul", &["i", "c"], &["y"], vec![]),
+        ],
+        vec![f32_in("x", &[4])],
+        vec![f32_out("y")],
+        vec![],
+        17,
+    );
+    let s = session(&mp, OptLevel::Disabled);
+    assert_eq!(ops(&s), ["Constant", "Identity", "Mul"]);
+    assert_eq!(s.optimization_report().nodes_after, 3);
+}
+
+#[test]
+fn constants_fold_and_identities_and_dead_nodes_go() {
+    let mut r = rng();
+    // y = Relu(Identity(x) * (c1 + c2)); an unused Sigmoid(x) branch; z = Identity(x) is a graph
+    // output and stays.
+    let mp = model(
+        vec![
+            constant("c1", &[3], &[1.0, 2.0, 3.0]),
+            constant("c2", &[3], &[0.5, -4.0, 0.25]),
+            node("Add", &["c1", "c2"], &["c"], vec![]),
+            node("Identity", &["x"], &["i"], vec![]),
+            node("Mul", &["i", "c"], &["m"], vec![]),
+            node("Sigmoid", &["x"], &["unused"], vec![]),
+            node("Dropout", &["m"], &["d"], vec![]),
+            node("Relu", &["d"], &["y"], vec![]),
+            node("Identity", &["x"], &["z"], vec![]),
+        ],
+        vec![f32_in("x", &[2, 3])],
+        vec![f32_out("y"), f32_out("z")],
+        vec![],
+        17,
+    );
+    let feeds = [("x", vec![2, 3], randv(&mut r, 6))];
+    check(
+        &mp,
+        OptLevel::Basic,
+        &feeds,
+        &["Mul", "Relu", "Identity"],
+        0.0,
+    );
+}
+
+#[test]
+fn dropout_in_training_mode_stays() {
+    let mp = model(
+        vec![node("Dropout", &["x", "r", "t"], &["y"], vec![])],
+        vec![f32_in("x", &[8]), f32_in("r", &[]), value("t", 9, &[])],
+        vec![f32_out("y")],
+        vec![],
+        17,
+    );
+    assert_eq!(ops(&session(&mp, OptLevel::All)), ["Dropout"]);
+}
+
+/// A Conv's nodes and initializers: x [1, c, h, w] -> name's output, 3x3 pad 1.
+fn conv(
+    r: &mut Rng64,
+    name: &str,
+    x: &str,
+    out: &str,
+    (c, m): (usize, usize),
+    bias: bool,
+    inits: &mut Vec<TensorProto>,
+) -> NodeProto {
+    let w = format!("{name}.w");
+    let b = format!("{name}.b");
+    inits.push(init(&w, &[m as i64, c as i64, 3, 3], randv(r, m * c * 9)));
+    let mut ins = vec![x.to_string(), w];
+    if bias {
+        inits.push(init(&b, &[m as i64], randv(r, m)));
+        ins.push(b);
+    }
+    let ins: Vec<&str> = ins.iter().map(String::as_str).collect();
+    node(
+        "Conv",
+        &ins,
+        &[out],
+        vec![ferrum_graph::proto::build::attr_ints("pads", &[1, 1, 1, 1])],
+    )
+}
+
+#[test]
+fn batch_norm_and_channel_constants_fold_into_the_conv() {
+    let mut r = rng();
+    let (c, m) = (3, 5);
+    let mut inits = Vec::new();
+    let bias = r.gen_bool(0.5);
+    let cv = conv(&mut r, "c0", "x", "a", (c, m), bias, &mut inits);
+    inits.push(init("s", &[m as i64], randv(&mut r, m)));
+    inits.push(init("bb", &[m as i64], randv(&mut r, m)));
+    inits.push(init("mean", &[m as i64], randv(&mut r, m)));
+    inits.push(init(
+        "var",
+        &[m as i64],
+        (0..m).map(|_| r.gen_range(0.1f32..2.0)).collect(),
+    ));
+    inits.push(init("k", &[m as i64, 1, 1], randv(&mut r, m)));
+    inits.push(init("q", &[1, m as i64, 1, 1], randv(&mut r, m)));
+    let mp = model(
+        vec![
+            cv,
+            node(
+                "BatchNormalization",
+                &["a", "s", "bb", "mean", "var"],
+                &["n"],
+                vec![attr_f("epsilon", 1e-3)],
+            ),
+            node("Mul", &["n", "k"], &["p"], vec![]),
+            node("Add", &["q", "p"], &["y"], vec![]),
+        ],
+        vec![f32_in("x", &[1, c as i64, 6, 7])],
+        vec![f32_out("y")],
+        inits,
+        17,
+    );
+    let feeds = [("x", vec![1, c, 6, 7], randv(&mut r, c * 42))];
+    check(&mp, OptLevel::Basic, &feeds, &["Conv"], 1e-5);
+}
+
+#[test]
+fn residual_add_and_relu_fuse_into_the_conv_as_in_resnet() {
+    let mut r = rng();
+    let c = 4;
+    let mut inits = Vec::new();
+    // a = Relu(conv1(x)); b = conv2(a); y = Relu(b + x)   (the residual exists before conv2)
+    // d = conv3(x) computed after e = conv4(x): f = Relu(d + e)  (the residual comes later)
+    let nodes = vec![
+        conv(&mut r, "c1", "x", "a0", (c, c), true, &mut inits),
+        node("Relu", &["a0"], &["a"], vec![]),
+        conv(&mut r, "c2", "a", "b", (c, c), false, &mut inits),
+        node("Add", &["b", "x"], &["s"], vec![]),
+        node("Relu", &["s"], &["y"], vec![]),
+        conv(&mut r, "c3", "y", "d", (c, c), true, &mut inits),
+        conv(&mut r, "c4", "y", "e", (c, c), true, &mut inits),
+        node("Add", &["e", "d"], &["f0"], vec![]),
+        node("Relu", &["f0"], &["f"], vec![]),
+    ];
+    let mp = model(
+        nodes,
+        vec![f32_in("x", &[1, c as i64, 5, 6])],
+        vec![f32_out("f")],
+        inits,
+        17,
+    );
+    let feeds = [("x", vec![1, c, 5, 6], randv(&mut r, c * 30))];
+    let fc = "com.ferrum.FusedConv";
+    // c4 stays a Conv: the Add it feeds went to c3, which moves after it.
+    check(&mp, OptLevel::Extended, &feeds, &[fc, fc, "Conv", fc], 1e-5);
+    // The fusions record what they absorbed.
+    let s = session(&mp, OptLevel::All);
+    let log = &s.optimization_report().fused;
+    assert!(
+        log.iter().any(|l| l.contains("residual add + Relu")),
+        "{log:?}"
+    );
+    // At level 1 nothing fuses.
+    let s = session(&mp, OptLevel::Basic);
+    assert_eq!(ops(&s).iter().filter(|o| o.as_str() == "Conv").count(), 4);
+}
+
+#[test]
+fn every_activation_fuses_into_conv_and_gemm() {
+    let mut r = rng();
+    let c = 3;
+    let acts: Vec<(Vec<NodeProto>, Vec<TensorProto>)> = vec![
+        (
+            vec![node("Clip", &["a", "lo", "hi"], &["y"], vec![])],
+            vec![init("lo", &[], vec![0.0]), init("hi", &[], vec![0.3])],
+        ),
+        (
+            vec![node("Clip", &["a", "", "hi"], &["y"], vec![])],
+            vec![init("hi", &[], vec![0.1])],
+        ),
+        (
+            vec![node(
+                "LeakyRelu",
+                &["a"],
+                &["y"],
+                vec![attr_f("alpha", 0.2)],
+            )],
+            vec![],
+        ),
+        (vec![node("Sigmoid", &["a"], &["y"], vec![])], vec![]),
+        (
+            vec![node(
+                "HardSigmoid",
+                &["a"],
+                &["y"],
+                vec![attr_f("alpha", 0.3)],
+            )],
+            vec![],
+        ),
+        (vec![node("HardSwish", &["a"], &["y"], vec![])], vec![]),
+        (vec![node("Tanh", &["a"], &["y"], vec![])], vec![]),
+        (vec![node("Relu", &["a"], &["y"], vec![])], vec![]),
+    ];
+    for (act, extra) in acts {
+        let op = act[0].op_type.clone();
+        // Conv
+        let mut inits = extra.clone();
+        let mut nodes = vec![conv(&mut r, "c", "x", "a", (c, 4), true, &mut inits)];
+        nodes.extend(act.clone());
+        let mp = model(
+            nodes,
+            vec![f32_in("x", &[2, c as i64, 4, 5])],
+            vec![f32_out("y")],
+            inits,
+            17,
+        );
+        let feeds = [("x", vec![2, c, 4, 5], randv(&mut r, 2 * c * 20))];
+        eprintln!("Conv + {op}");
+        check(&mp, OptLevel::All, &feeds, &["com.ferrum.FusedConv"], 1e-5);
+        // Gemm (transB, with C)
+        let mut inits = extra.clone();
+        inits.push(init("w", &[6, 5], randv(&mut r, 30)));
+        inits.push(init("cc", &[6], randv(&mut r, 6)));
+        let mut nodes = vec![node(
+            "Gemm",
+            &["x", "w", "cc"],
+            &["a"],
+            vec![attr_int("transB", 1)],
+        )];
+        nodes.extend(act);
+        let mp = model(
+            nodes,
+            vec![f32_in("x", &[3, 5])],
+            vec![f32_out("y")],
+            inits,
+            17,
+        );
+        let feeds = [("x", vec![3, 5], randv(&mut r, 15))];
+        eprintln!("Gemm + {op}");
+        check(&mp, OptLevel::All, &feeds, &["com.ferrum.FusedGemm"], 1e-5);
+    }
+}
+
+/// BERT's feed-forward as PyTorch exports it: MatMul, bias Add, then the erf GELU in one of its
+/// three arrangements.
+#[test]
+fn matmul_bias_and_erf_gelu_fuse_as_in_bert() {
+    let mut r = rng();
+    let (k, n) = (16, 24);
+    for form in 0..3 {
+        let mut inits = vec![
+            init("w", &[k as i64, n as i64], randv(&mut r, k * n)),
+            init("b", &[n as i64], randv(&mut r, n)),
+            init("sqrt2", &[], vec![std::f32::consts::SQRT_2]),
+            init("one", &[], vec![1.0]),
+            init("half", &[], vec![0.5]),
+        ];
+        let mut nodes = vec![
+            node("MatMul", &["x", "w"], &["mm"], vec![]),
+            node("Add", &["b", "mm"], &["h"], vec![]),
+        ];
+        if form == 1 {
+            inits.push(init("rsqrt2", &[], vec![std::f32::consts::FRAC_1_SQRT_2]));
+            nodes.push(node("Mul", &["h", "rsqrt2"], &["d"], vec![]));
+        } else {
+            nodes.push(node("Div", &["h", "sqrt2"], &["d"], vec![]));
+        }
+        nodes.push(node("Erf", &["d"], &["e"], vec![]));
+        nodes.push(node("Add", &["e", "one"], &["p"], vec![]));
+        match form {
+            0 | 1 => {
+                nodes.push(node("Mul", &["h", "p"], &["q"], vec![]));
+                nodes.push(node("Mul", &["q", "half"], &["y"], vec![]));
+            }
+            _ => {
+                nodes.push(node("Mul", &["h", "half"], &["hh"], vec![]));
+                nodes.push(node("Mul", &["hh", "p"], &["y"], vec![]));
+            }
+        }
+        let mp = model(
+            nodes,
+            vec![f32_in("x", &[2, 7, k as i64])],
+            vec![f32_out("y")],
+            inits,
+            17,
+        );
+        let feeds = [("x", vec![2, 7, k], randv(&mut r, 14 * k))];
+        eprintln!("form {form}");
+        check(
+            &mp,
+            OptLevel::All,
+            &feeds,
+            &["com.ferrum.FusedMatMul"],
+            1e-5,
+        );
+        // Level 1 keeps the chain.
+        assert_eq!(session(&mp, OptLevel::Basic).model().graph.nodes.len(), 7);
+    }
+}
+
+#[test]
+fn a_product_read_twice_or_a_standalone_gelu_is_not_fused_wrongly() {
+    let mut r = rng();
+    let c = 2;
+    let mut inits = vec![
+        init("sqrt2", &[], vec![std::f32::consts::SQRT_2]),
+        init("one", &[], vec![1.0]),
+        init("half", &[], vec![0.5]),
+    ];
+    // The conv's output is a graph output as well as the Relu's input: no fusion.
+    let nodes = vec![
+        conv(&mut r, "c", "x", "a", (c, c), true, &mut inits),
+        node("Relu", &["a"], &["y"], vec![]),
+        // A GELU of a graph input: becomes one Gelu node.
+        node("Div", &["x", "sqrt2"], &["d"], vec![]),
+        node("Erf", &["d"], &["e"], vec![]),
+        node("Add", &["one", "e"], &["p"], vec![]),
+        node("Mul", &["x", "p"], &["q"], vec![]),
+        node("Mul", &["half", "q"], &["g"], vec![]),
+    ];
+    let mp = model(
+        nodes,
+        vec![f32_in("x", &[1, c as i64, 3, 3])],
+        vec![f32_out("a"), f32_out("y"), f32_out("g")],
+        inits,
+        17,
+    );
+    let feeds = [("x", vec![1, c, 3, 3], randv(&mut r, c * 9))];
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &["Conv", "Relu", "com.ferrum.Gelu"],
+        1e-5,
+    );
+}
+
+/// The standard Gelu op (opset 20), tanh form, fuses with its MatMul and bias too.
+#[test]
+fn opset20_gelu_fuses_into_the_matmul() {
+    let mut r = rng();
+    let (k, n) = (8, 12);
+    let mp = model(
+        vec![
+            node("MatMul", &["x", "w"], &["mm"], vec![]),
+            node("Add", &["mm", "b"], &["h"], vec![]),
+            node("Gelu", &["h"], &["y"], vec![attr_s("approximate", "tanh")]),
+        ],
+        vec![f32_in("x", &[5, k as i64])],
+        vec![f32_out("y")],
+        vec![
+            init("w", &[k as i64, n as i64], randv(&mut r, k * n)),
+            init("b", &[1, n as i64], randv(&mut r, n)),
+        ],
+        20,
+    );
+    let feeds = [("x", vec![5, k], randv(&mut r, 5 * k))];
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &["com.ferrum.FusedMatMul"],
+        1e-5,
+    );
+}
