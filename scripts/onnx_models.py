@@ -51,7 +51,8 @@ def ferrum_time(ferrum, model, inputs, threads, repeat):
          "--threads", str(threads), "--repeat", str(repeat)],
         check=True, capture_output=True, text=True).stdout
     m = re.search(r"time: median ([0-9.]+) ms", out)
-    return float(m.group(1))
+    c = re.search(r"session: ([0-9.]+) ms", out)
+    return float(m.group(1)), float(c.group(1))
 
 
 def ort_session(model, threads):
@@ -63,14 +64,16 @@ def ort_session(model, threads):
 
 
 def ort_time(model, feeds, threads, repeat):
+    t = time.perf_counter()
     sess = ort_session(model, threads)
+    created = (time.perf_counter() - t) * 1e3
     sess.run(None, feeds)
     ts = []
     for _ in range(repeat):
         t = time.perf_counter()
         sess.run(None, feeds)
         ts.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(ts))
+    return float(np.median(ts)), created
 
 
 def main():
@@ -108,25 +111,27 @@ def main():
         ort_vs_torch = diffs(ort_out, torch_out, rtol, atol)
         passed = vs_torch[2] <= 1.0
         times = {}
+        created = {}
         for t in threads:
-            times[("ferrum", t)] = ferrum_time(a.ferrum, model, ds, t, a.repeat)
-            times[("ort", t)] = ort_time(model, feeds, t, a.repeat)
+            times[("ferrum", t)], created["ferrum"] = ferrum_time(a.ferrum, model, ds, t, a.repeat)
+            times[("ort", t)], created["ort"] = ort_time(model, feeds, t, a.repeat)
         gflops = info.get(name, {}).get("gflops", float("nan"))
-        rows.append((name, gflops, times, vs_ort, vs_torch, ort_vs_torch, passed, atol))
+        rows.append((name, gflops, times, created, vs_ort, vs_torch, ort_vs_torch, passed, atol))
         print(f"{name}: done", flush=True)
     head = "| model | GFLOPs | " + " | ".join(
         f"ferrum {t}t ms | ORT {t}t ms" for t in threads) + \
-        " | vs ORT max abs / rel | vs torch max abs / rel | worst diff/tol vs torch (ORT's) | atol | pass |"
+        " | session ferrum / ORT ms | vs ORT max abs / rel | vs torch max abs / rel | worst diff/tol vs torch (ORT's) | atol | pass |"
     print()
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
-    for name, gflops, times, vo, vt, ot, passed, atol in rows:
+    for name, gflops, times, created, vo, vt, ot, passed, atol in rows:
         cells = " | ".join(f"{times[('ferrum', t)]:.1f} | {times[('ort', t)]:.1f}" for t in threads)
-        print(f"| {name} | {gflops:.2f} | {cells} | {vo[0]:.2e} / {vo[1]:.2e} | "
+        print(f"| {name} | {gflops:.2f} | {cells} | {created['ferrum']:.0f} / {created['ort']:.0f} | {vo[0]:.2e} / {vo[1]:.2e} | "
               f"{vt[0]:.2e} / {vt[1]:.2e} | {vt[2]:.3f} ({ot[2]:.3f}) | {atol:g} | "
               f"{'pass' if passed else 'FAIL'} |")
     print(f"\nonnxruntime {ort.__version__}, onnx {onnx.__version__}; medians of {a.repeat} runs "
-          "after one warm-up; rel = max |diff| / max |reference|.")
+          "after one warm-up; rel = max |diff| / max |reference|; session = creating the session "
+          "(load, import, graph passes; the last thread count's).")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ pub struct RunArgs {
     pub threads: Option<usize>,
     /// After the first run (a warm-up, whose outputs are written), run the model N more times on
     /// the same inputs and print the median, minimum and mean time of those runs (model loading
-    /// and file I/O excluded).
+    /// and file I/O excluded), after a line with the session creation time (load, import, graph
+    /// passes).
     #[arg(long, default_value_t = 0)]
     pub repeat: usize,
     /// With --repeat: also print the time spent per op type over the timed runs (fused nodes
@@ -90,7 +91,9 @@ fn run_inner(a: RunArgs) -> Result<()> {
     let opts = SessionOptions {
         opt_level: OptLevel::from_number(a.opt_level),
     };
+    let created = std::time::Instant::now();
     let session = Session::from_file_with(&a.model, &opts)?;
+    let created = created.elapsed().as_secs_f64() * 1e3;
     let model = session.model();
     let g = &model.graph;
     let runtime = g.runtime_inputs();
@@ -139,6 +142,11 @@ fn run_inner(a: RunArgs) -> Result<()> {
             ms.push(t.elapsed().as_secs_f64() * 1e3);
             drop(o);
         }
+        println!(
+            "session: {created:.1} ms (load, import and graph passes, {} -> {} nodes)",
+            session.optimization_report().nodes_before,
+            session.optimization_report().nodes_after
+        );
         println!("{}", timing_line(&ms));
         if a.profile {
             let prof = ferrum_graph::exec::op_profile();

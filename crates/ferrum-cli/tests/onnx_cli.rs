@@ -225,6 +225,20 @@ fn inspect_lists_io_ops_parameters_and_flops() {
     ] {
         assert!(s.contains(part), "{s} lacks {part}");
     }
+    assert!(!s.contains("optimised at level"), "{s}");
+    let out = ferrum(&["inspect", "--optimized", m.to_str().unwrap()]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("optimised at level 3 (All)"), "{s}");
+    assert!(s.contains("constant folding"), "{s}");
+    let bad = ferrum(&[
+        "inspect",
+        "--optimized",
+        "--opt-level",
+        "4",
+        m.to_str().unwrap(),
+    ]);
+    assert!(!bad.status.success());
 }
 
 #[test]
@@ -256,7 +270,9 @@ fn run_repeat_prints_timing_and_profile_and_keeps_outputs() {
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        stdout.contains("time: median ") && stdout.contains("over 3 runs, 2 threads"),
+        stdout.contains("time: median ")
+            && stdout.contains("over 3 runs, 2 threads")
+            && stdout.contains("session: "),
         "{stdout}"
     );
     assert!(

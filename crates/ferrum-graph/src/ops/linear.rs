@@ -25,7 +25,10 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let nb: usize = batch.iter().product();
     let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
     let mut out = vec![0f32; nb * m * n];
-    if bbatch.iter().all(|&d| d == 1) {
+    if bbatch.iter().all(|&d| d == 1) && out.len() == n && n > 0 {
+        // One row against one B: a matrix-vector product.
+        gemv(av, bv, false, k, n, &mut out);
+    } else if bbatch.iter().all(|&d| d == 1) {
         // One shared B: A's batch rows stack into one tall GEMM.
         let rows = out.len() / n.max(1);
         gemm(
@@ -123,8 +126,60 @@ pub fn gemm_op(
         }
         beta_eff = 1.0;
     }
-    gemm(m, n, k, alpha, am, bm, beta_eff, &mut out, n);
+    if m == 1 {
+        // One row (a classifier head): a matrix-vector product, B read once, no packing.
+        let mut y = vec![0f32; n];
+        gemv(av, bv, tb, k, n, &mut y);
+        for (o, v) in out.iter_mut().zip(y) {
+            *o = if beta_eff == 0.0 {
+                alpha * v
+            } else {
+                *o + alpha * v
+            };
+        }
+    } else {
+        gemm(m, n, k, alpha, am, bm, beta_eff, &mut out, n);
+    }
     Tensor::from_vec(vec![m, n], out)
+}
+
+/// `y[j] = sum_p x[p] * B(p, j)` for one row `x` of `k` values, where `B(p, j)` is
+/// `b[j * k + p]` (`bt`: B given as its transpose, `n x k`) or `b[p * n + j]` (`k x n`). Columns
+/// are split over the pool's threads; each sum runs in f32 over 16 lanes.
+pub fn gemv(x: &[f32], b: &[f32], bt: bool, k: usize, n: usize, y: &mut [f32]) {
+    let per = n.div_ceil(pool::threads()).max(64);
+    pool::parallel_chunks_mut(&mut y[..n], per, |ci, ys| {
+        let j0 = ci * per;
+        if bt {
+            for (j, yj) in ys.iter_mut().enumerate() {
+                *yj = dot16(x, &b[(j0 + j) * k..][..k]);
+            }
+        } else {
+            for (p, &xp) in x[..k].iter().enumerate() {
+                let row = &b[p * n + j0..][..ys.len()];
+                ys.iter_mut().zip(row).for_each(|(o, &v)| *o += xp * v);
+            }
+        }
+    });
+}
+
+/// A dot product summed in 16 interleaved f32 lanes (which the compiler vectorises), then the
+/// lanes and the tail.
+fn dot16(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..16 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// 2-D convolution geometry (NCHW).
