@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use ferrum_graph::ir::{Dim, ValueType};
-use ferrum_graph::{Session, Value};
+use ferrum_graph::{OptLevel, Session, Value};
 use prost::Message;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -50,7 +50,9 @@ pub struct SessionOptions {
     /// Threads that run independent nodes at once (accepted; ferrum runs nodes in order).
     #[pyo3(get, set)]
     pub inter_op_num_threads: usize,
-    /// Graph optimization level (accepted; see `GraphOptimizationLevel`).
+    /// Graph optimization level: `ORT_DISABLE_ALL` runs the graph as imported, `ORT_ENABLE_BASIC`
+    /// folds constants and BatchNormalization, `ORT_ENABLE_EXTENDED` and above also fuse
+    /// activations, biases, residual adds and GELU into the products (`ferrum run --opt-level`).
     #[pyo3(get, set)]
     pub graph_optimization_level: GraphOptimizationLevel,
     /// Sequential or parallel node execution (accepted; ferrum is sequential).
@@ -357,11 +359,20 @@ impl InferenceSession {
         if options.intra_op_num_threads > 0 {
             ferrum_kernels::pool::set_threads(Some(options.intra_op_num_threads));
         }
+        let opts = ferrum_graph::SessionOptions {
+            opt_level: match options.graph_optimization_level {
+                GraphOptimizationLevel::ORT_DISABLE_ALL => OptLevel::Disabled,
+                GraphOptimizationLevel::ORT_ENABLE_BASIC => OptLevel::Basic,
+                GraphOptimizationLevel::ORT_ENABLE_EXTENDED => OptLevel::Extended,
+                GraphOptimizationLevel::ORT_ENABLE_LAYOUT
+                | GraphOptimizationLevel::ORT_ENABLE_ALL => OptLevel::All,
+            },
+        };
         let loaded: Result<(Session, ModelMetadata), ferrum_graph::Error> = if let Ok(b) =
             path_or_bytes.cast::<PyBytes>()
         {
             let bytes = b.as_bytes().to_vec();
-            py.detach(|| Session::from_bytes(&bytes).map(|s| (s, metadata(&bytes))))
+            py.detach(|| Session::from_bytes_with(&bytes, &opts).map(|s| (s, metadata(&bytes))))
         } else {
             let os = py.import("os")?;
             let path: std::path::PathBuf = os
@@ -371,7 +382,7 @@ impl InferenceSession {
                 })?
                 .extract()?;
             py.detach(|| {
-                let s = Session::from_file(&path)?;
+                let s = Session::from_file_with(&path, &opts)?;
                 let meta = std::fs::read(&path)
                     .map(|b| metadata(&b))
                     .unwrap_or_default();

@@ -189,6 +189,26 @@ def test_from_bytes_and_session_options(add_model):
     assert ferrum.get_available_providers() == ["CPUExecutionProvider"]
 
 
+def test_every_optimization_level_agrees_with_onnxruntime():
+    """Conv + Relu (fused into one node from ORT_ENABLE_EXTENDED on) at every level: onnxruntime's result."""
+    rng = np.random.default_rng()
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    m = _model([helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+                helper.make_node("Relu", ["c"], ["y"])], [x], [y], [w, b])
+    feed = {"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    import onnxruntime as ort
+    want = ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    L = ferrum.GraphOptimizationLevel
+    for level in (L.ORT_DISABLE_ALL, L.ORT_ENABLE_BASIC, L.ORT_ENABLE_EXTENDED, L.ORT_ENABLE_ALL):
+        so = ferrum.SessionOptions()
+        so.graph_optimization_level = level
+        got = ferrum.InferenceSession(m, so).run(None, feed)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(level))
+
+
 def test_dtypes_round_trip(tmp_path):
     """Identity over many element types: inputs go in and come back as the same arrays."""
     import ml_dtypes
