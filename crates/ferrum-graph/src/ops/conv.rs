@@ -472,6 +472,12 @@ fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
         shape.extend_from_slice(&g.outs);
         return Ok(vec![Value::Tensor(Tensor::from_vec(shape, v)?)]);
     }
+    if kind == Pool::Avg && global && x.dtype() == DType::F32 && !ins.contains(&0) {
+        let v = fast::global_avg_pool_f32(x.as_slice::<f32>()?, ins.iter().product());
+        let mut shape = vec![n, c];
+        shape.extend_from_slice(&g.outs);
+        return Ok(vec![Value::Tensor(Tensor::from_vec(shape, v)?)]);
+    }
     let xv = x.to_f64_vec()?;
     let osp: usize = g.outs.iter().product();
     let isp: usize = ins.iter().product();

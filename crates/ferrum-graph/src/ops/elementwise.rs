@@ -619,6 +619,7 @@ fn unary_attr(cx: &Ctx) -> Result<Option<Tensor>> {
             }
             dispatch!(x.dtype(), int, go, x)?
         }
+        "IsNaN" if x.dtype() == DType::F32 => crate::ops::fast::isnan_f32(x)?,
         "IsNaN" => map_pred(x, &f64::is_nan)?,
         "IsInf" => {
             let (neg, pos) = (

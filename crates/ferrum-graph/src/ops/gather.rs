@@ -2,7 +2,7 @@
 
 use crate::ops::shape::{strides, take};
 use crate::ops::{axis, Ctx};
-use crate::tensor::{DType, Num, Tensor, Value};
+use crate::tensor::{DType, Data, Elem, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
 fn norm_index(i: i64, d: usize) -> Result<usize> {
@@ -27,6 +27,25 @@ fn gather(cx: &Ctx) -> Result<Tensor> {
         .iter()
         .map(|&i| norm_index(i, d))
         .collect::<Result<_>>()?;
+    if !matches!(x.data(), Data::Code(..)) {
+        // Whole runs of `inner` elements at a time (a memcpy each for plain types).
+        fn go<T: Elem>(
+            x: &Tensor,
+            idx: &[usize],
+            (outer, d, inner): (usize, usize, usize),
+            shape: Vec<usize>,
+        ) -> Result<Tensor> {
+            let v = x.as_slice::<T>()?;
+            let mut out = Vec::with_capacity(outer * idx.len() * inner);
+            for o in 0..outer {
+                for &i in idx {
+                    out.extend_from_slice(&v[(o * d + i) * inner..][..inner]);
+                }
+            }
+            Tensor::from_vec(shape, out)
+        }
+        return dispatch!(x.dtype(), all, go, x, &idx, (outer, d, inner), shape);
+    }
     let mut offs = Vec::with_capacity(outer * idx.len() * inner);
     for o in 0..outer {
         for &i in &idx {

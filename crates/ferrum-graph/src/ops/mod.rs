@@ -25,6 +25,7 @@ mod sequence_models;
 mod shape;
 mod text;
 mod training;
+mod vecmath;
 
 pub use elementwise::broadcast_shape;
 

@@ -1,0 +1,747 @@
+//! float32 loops written for the compiler's vectoriser (fixed lanes, selects instead of branches,
+//! no bounds checks in the inner loops), each compiled three times: portable, AVX2 and AVX-512,
+//! picked at run time from [`ferrum_kernels::cpu::features`]. No loop here uses `mul_add`, and
+//! Rust never contracts `a * b + c`, so every tier gives the same bits.
+//!
+//! The transcendental lanes ([`exp_lane`], [`erf_lane`]) are polynomial approximations; their
+//! accuracy is stated on each and checked by the tests at the end against the f64 reference.
+
+use std::mem::MaybeUninit;
+
+/// Lanes of the manual reductions (a multiple of every vector width used).
+const L: usize = 16;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Isa {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+/// The widest instruction set the loops here are compiled for that this process may use.
+pub fn isa() -> Isa {
+    let f = ferrum_kernels::cpu::features();
+    if f.avx512f && f.avx512bw && f.avx512vl && f.avx2 && f.fma {
+        Isa::Avx512
+    } else if f.avx2 && f.fma {
+        Isa::Avx2
+    } else {
+        Isa::Portable
+    }
+}
+
+/// Defines `fn $name` whose body is compiled for the portable target, AVX2 and AVX-512, and run
+/// as the widest one [`isa`] allows.
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$m])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn imp($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                fn wide($($arg: $ty),*) $(-> $ret)? {
+                    imp($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    imp($($arg),*)
+                }
+                match isa() {
+                    // SAFETY: `isa` reports Avx512 only when the CPU (and the process's
+                    // overrides) allow AVX-512 F/BW/VL, AVX2 and FMA.
+                    Isa::Avx512 => return unsafe { wide($($arg),*) },
+                    // SAFETY: `isa` reports Avx2 only when the CPU allows AVX2 and FMA.
+                    Isa::Avx2 => return unsafe { avx2($($arg),*) },
+                    Isa::Portable => {}
+                }
+            }
+            imp($($arg),*)
+        }
+    };
+}
+
+const MAGIC: f32 = 12582912.0; // 1.5 * 2^23: adding it rounds to an integer
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4; // 0.693359375: few bits, so n * LN2_HI is exact
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Below this exp gives 0 (e^-87 is still a normal float32, 2^n stays a normal scale).
+const EXP_LO: f32 = -87.0;
+/// Above this exp gives +inf (e^88.72 overflows float32).
+const EXP_HI: f32 = 88.7;
+
+/// e^(d + err) for a float32 `d` and a small correction `err` (the rounding error of the
+/// subtraction that produced `d`, or 0): Cody-Waite reduction by ln 2, Cephes' degree-7
+/// polynomial, scaling by 2^n through the exponent bits. Within 2 ulp of the true value for
+/// `d` in [-87, 88.7]; 0 below, +inf above, NaN for NaN.
+#[inline(always)]
+pub fn exp_lane(d: f32, err: f32) -> f32 {
+    let c = if d < EXP_LO { EXP_LO } else { d };
+    let c = if c > EXP_HI { EXP_HI } else { c };
+    let z = c * LOG2E + MAGIC;
+    let n = z - MAGIC;
+    let r = ((c - n * LN2_HI) + err) - n * LN2_LO;
+    let r2 = r * r;
+    let p = 1.987_569_2e-4;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 0.166_666_65;
+    let p = p * r + 0.5;
+    let y = p * r2 + r + 1.0;
+    // z's low mantissa bits hold n + 2^22; the exponent field of 2^n is n + 127.
+    let bits = (z.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
+    let scale = f32::from_bits((bits.wrapping_add(127) << 23) as u32);
+    let e = y * scale;
+    let e = if d < EXP_LO { 0.0 } else { e };
+    if d > EXP_HI {
+        f32::INFINITY
+    } else {
+        e
+    }
+}
+
+/// e^(x - m), the subtraction's rounding error carried into the reduction (TwoSum), so the
+/// result is within 2 ulp of e^(x - m) however large |x - m| is.
+#[inline(always)]
+pub fn exp_diff_lane(x: f32, m: f32) -> f32 {
+    let d = x - m;
+    let bv = d - x;
+    let av = d - bv;
+    let err = (x - av) + (-m - bv);
+    exp_lane(d, err)
+}
+
+/// erf(x) = x * P(x^2) on [0, 1) (relative error of the fit 1.3e-9).
+const ERF_A: [f32; 7] = [
+    std::f32::consts::FRAC_2_SQRT_PI,
+    -0.376_126_26,
+    0.112_835_82,
+    -0.026_853_691,
+    0.005_188_099,
+    -8.008_189e-4,
+    7.847_259e-5,
+];
+/// erfc(x) * e^(x^2) on [1, 4] as a polynomial in u = (x - 2.5) / 1.5 (relative error of the fit
+/// 6e-9).
+const ERF_B: [f32; 13] = [
+    0.210_806_36,
+    -0.111_521_01,
+    0.056_110_517,
+    -0.027_005_67,
+    0.012_489_176,
+    -0.005_567_65,
+    0.002_404_004_4,
+    -0.001_016_381_3,
+    4.099_893_4e-4,
+    -1.446_941e-4,
+    5.902_049_5e-5,
+    -3.665_495e-5,
+    1.244_564_9e-5,
+];
+
+/// `ERF_A[0]` and `ERF_B[0]` in f64, for the last step of each polynomial.
+const ERF_A0: f64 = std::f64::consts::FRAC_2_SQRT_PI;
+const ERF_B0: f64 = 0.210_806_363_689_416_7;
+
+/// erf for float32 without branches: `x * P(x^2)` below |x| = 1, `1 - e^(-x^2) R(x)` up to 4,
+/// +-1 from 4 on (erf(4) rounds to 1 in float32). The polynomials run in float32 up to their
+/// last step, which (with the products and the final subtraction) runs in f64 and is rounded
+/// once, so the result is within 1 ulp of the f64 reference rounded to float32 (checked by
+/// `erf_lane_matches_f64_erf`). NaN stays NaN, -0 stays -0.
+#[inline(always)]
+pub fn erf_lane(x: f32) -> f32 {
+    let ax = x.abs();
+    let t = x * x;
+    let mut p = ERF_A[6];
+    for &a in ERF_A[1..6].iter().rev() {
+        p = p * t + a;
+    }
+    let xd = x as f64;
+    let small = (xd * (ERF_A0 + xd * xd * p as f64)) as f32;
+    let xb = if ax < 1.0 { 1.0 } else { ax };
+    let xb = if xb > 4.0 { 4.0 } else { xb };
+    let u = (xb - 2.5) * (1.0 / 1.5);
+    let mut q = ERF_B[12];
+    for &b in ERF_B[1..12].iter().rev() {
+        q = q * u + b;
+    }
+    let r = ERF_B0 + u as f64 * q as f64;
+    // x^2 exactly as a float32 and its rounding error.
+    let xx = xb as f64 * xb as f64;
+    let xx32 = xx as f32;
+    let e = exp_lane(-xx32, (xx32 as f64 - xx) as f32);
+    let big = ((1.0 - e as f64 * r) as f32).copysign(x);
+    let y = if ax < 1.0 { small } else { big };
+    if ax >= 4.0 {
+        1f32.copysign(x)
+    } else {
+        y
+    }
+}
+
+multiversion! {
+    /// Softmax of each row of `d` elements of `x` into `out` (the same length, a multiple of
+    /// `d`): the row's max (NaN ignored, as the reference), e^(x - max) by [`exp_diff_lane`],
+    /// their sum in f64 lanes, each exponential times the sum's f64 reciprocal rounded once. A row
+    /// holding NaN or +inf, or only -inf, comes out all NaN, as in the reference.
+    pub fn softmax_rows(x: &[f32], out: &mut [MaybeUninit<f32>], d: usize) {
+        assert!(d > 0 && x.len() == out.len() && x.len().is_multiple_of(d));
+        let mut e = vec![0f32; d];
+        for (row, orow) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            let mut acc = [f32::NEG_INFINITY; L];
+            let mut ch = row.chunks_exact(L);
+            for c in &mut ch {
+                let c: &[f32; L] = c.try_into().unwrap();
+                for j in 0..L {
+                    if c[j] > acc[j] {
+                        acc[j] = c[j];
+                    }
+                }
+            }
+            let mut m = f32::NEG_INFINITY;
+            for &v in acc.iter().chain(ch.remainder()) {
+                if v > m {
+                    m = v;
+                }
+            }
+            for (o, &v) in e.iter_mut().zip(row) {
+                *o = exp_diff_lane(v, m);
+            }
+            let inv = 1.0 / sum_f64(&e, |v| v);
+            for (o, &v) in orow.iter_mut().zip(&e) {
+                o.write((v as f64 * inv) as f32);
+            }
+        }
+    }
+}
+
+/// Sum of `f(x[i])` over a slice in f64 lanes.
+#[inline(always)]
+fn sum_f64(x: &[f32], f: impl Fn(f64) -> f64) -> f64 {
+    let mut acc = [0f64; L];
+    let mut ch = x.chunks_exact(L);
+    for c in &mut ch {
+        let c: &[f32; L] = c.try_into().unwrap();
+        for j in 0..L {
+            acc[j] += f(c[j] as f64);
+        }
+    }
+    let mut s = 0f64;
+    for &v in ch.remainder() {
+        s += f(v as f64);
+    }
+    s + acc.iter().sum::<f64>()
+}
+
+multiversion! {
+    /// LayerNormalization of each row of `scale.len()` elements: f64 mean and variance (summed
+    /// in lanes), then `(x - mean) * inv * scale + bias` in f64 rounded once to float32, the
+    /// reference's formula; only the summation order differs from it.
+    pub fn layer_norm_rows(x: &[f32], out: &mut [MaybeUninit<f32>], eps: f64, scale: &[f32], bias: Option<&[f32]>) {
+        let n = scale.len();
+        assert!(n > 0 && x.len() == out.len() && x.len().is_multiple_of(n));
+        assert!(bias.is_none_or(|b| b.len() == n));
+        for (row, orow) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+            let mean = sum_f64(row, |v| v) / n as f64;
+            let var = sum_f64(row, |v| (v - mean) * (v - mean)) / n as f64;
+            let inv = 1.0 / (var + eps).sqrt();
+            match bias {
+                Some(b) => {
+                    for (((o, &e), &s), &b) in orow.iter_mut().zip(row).zip(scale).zip(b) {
+                        o.write(((e as f64 - mean) * inv * s as f64 + b as f64) as f32);
+                    }
+                }
+                None => {
+                    for ((o, &e), &s) in orow.iter_mut().zip(row).zip(scale) {
+                        o.write(((e as f64 - mean) * inv * s as f64) as f32);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The binary arithmetic ops of the fast paths.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Bin {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+#[inline(always)]
+fn bin_loop(op: Bin, a: &[f32], b: &[f32], out: &mut [MaybeUninit<f32>]) {
+    assert!(a.len() == out.len() && b.len() == out.len());
+    match op {
+        Bin::Add => {
+            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                o.write(x + y);
+            }
+        }
+        Bin::Sub => {
+            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                o.write(x - y);
+            }
+        }
+        Bin::Mul => {
+            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                o.write(x * y);
+            }
+        }
+        Bin::Div => {
+            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                o.write(x / y);
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn bin_scalar_loop(op: Bin, a: &[f32], y: f32, out: &mut [MaybeUninit<f32>]) {
+    assert_eq!(a.len(), out.len());
+    match op {
+        Bin::Add => {
+            for (o, &x) in out.iter_mut().zip(a) {
+                o.write(x + y);
+            }
+        }
+        Bin::Sub => {
+            for (o, &x) in out.iter_mut().zip(a) {
+                o.write(x - y);
+            }
+        }
+        Bin::Mul => {
+            for (o, &x) in out.iter_mut().zip(a) {
+                o.write(x * y);
+            }
+        }
+        Bin::Div => {
+            for (o, &x) in out.iter_mut().zip(a) {
+                o.write(x / y);
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn scalar_bin_loop(op: Bin, x: f32, b: &[f32], out: &mut [MaybeUninit<f32>]) {
+    assert_eq!(b.len(), out.len());
+    match op {
+        Bin::Add => {
+            for (o, &y) in out.iter_mut().zip(b) {
+                o.write(x + y);
+            }
+        }
+        Bin::Sub => {
+            for (o, &y) in out.iter_mut().zip(b) {
+                o.write(x - y);
+            }
+        }
+        Bin::Mul => {
+            for (o, &y) in out.iter_mut().zip(b) {
+                o.write(x * y);
+            }
+        }
+        Bin::Div => {
+            for (o, &y) in out.iter_mut().zip(b) {
+                o.write(x / y);
+            }
+        }
+    }
+}
+
+/// How one operand of a binary op is read along an output row.
+#[derive(Clone, Copy)]
+pub enum Operand<'a> {
+    /// The row itself (as long as the output's).
+    Row(&'a [f32]),
+    /// One value repeated along the row.
+    Scalar(f32),
+}
+
+multiversion! {
+    /// `out[i] = a[i] op b[i]` with either side possibly one repeated value; every element of
+    /// `out` is written (a row operand must be as long as `out`).
+    pub fn bin_row(op: Bin, a: Operand, b: Operand, out: &mut [MaybeUninit<f32>]) {
+        match (a, b) {
+            (Operand::Row(a), Operand::Row(b)) => bin_loop(op, a, b, out),
+            (Operand::Row(a), Operand::Scalar(y)) => bin_scalar_loop(op, a, y, out),
+            (Operand::Scalar(x), Operand::Row(b)) => scalar_bin_loop(op, x, b, out),
+            (Operand::Scalar(x), Operand::Scalar(y)) => {
+                let v = match op {
+                    Bin::Add => x + y,
+                    Bin::Sub => x - y,
+                    Bin::Mul => x * y,
+                    Bin::Div => x / y,
+                };
+                out.fill(MaybeUninit::new(v));
+            }
+        }
+    }
+}
+
+/// The unary ops of the fast paths.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Unary {
+    Relu,
+    Sqrt,
+    Erf,
+    /// Clip to [lo, hi]: below lo -> lo, then above hi -> hi; NaN stays.
+    Clip(f32, f32),
+}
+
+multiversion! {
+    /// `out[i] = op(x[i])`, every element of `out` written (`x` as long as `out`).
+    pub fn unary_slice(op: Unary, x: &[f32], out: &mut [MaybeUninit<f32>]) {
+        assert_eq!(x.len(), out.len());
+        // Plain `for` loops: an iterator's `for_each` would leave the body in a generic `fold`
+        // compiled once, without this function's target features.
+        match op {
+            Unary::Relu => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    o.write(if v > 0.0 { v } else { 0.0 });
+                }
+            }
+            Unary::Sqrt => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    o.write(v.sqrt());
+                }
+            }
+            Unary::Erf => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    o.write(erf_lane(v));
+                }
+            }
+            Unary::Clip(lo, hi) => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    let y = if v < lo { lo } else { v };
+                    o.write(if y > hi { hi } else { y });
+                }
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `out[i] = x[i].is_nan()`, every element of `out` written (`x` as long as `out`).
+    pub fn isnan_slice(x: &[f32], out: &mut [MaybeUninit<bool>]) {
+        assert_eq!(x.len(), out.len());
+        for (o, &v) in out.iter_mut().zip(x) {
+            o.write(v.is_nan());
+        }
+    }
+}
+
+/// How one input of Where is read along an output row.
+#[derive(Clone, Copy)]
+pub enum Pick<'a, T> {
+    Row(&'a [T]),
+    Scalar(T),
+}
+
+multiversion! {
+    /// One output row of Where: `out[i] = if c[i] { x[i] } else { y[i] }`, each input a row or
+    /// one repeated value; every element of `out` written (rows as long as `out`).
+    pub fn where_row(c: Pick<bool>, x: Pick<f32>, y: Pick<f32>, out: &mut [MaybeUninit<f32>]) {
+        let n = out.len();
+        for p in [x, y] {
+            if let Pick::Row(v) = p {
+                assert_eq!(v.len(), n);
+            }
+        }
+        if let Pick::Row(c) = c {
+            assert_eq!(c.len(), n);
+        }
+        match (c, x, y) {
+            (Pick::Scalar(c), x, y) => match if c { x } else { y } {
+                Pick::Row(v) => {
+                    for (o, &v) in out.iter_mut().zip(v) {
+                        o.write(v);
+                    }
+                }
+                Pick::Scalar(v) => out.fill(MaybeUninit::new(v)),
+            },
+            (Pick::Row(c), Pick::Row(x), Pick::Row(y)) => {
+                for (((o, &c), &x), &y) in out.iter_mut().zip(c).zip(x).zip(y) {
+                    o.write(if c { x } else { y });
+                }
+            }
+            (Pick::Row(c), Pick::Row(x), Pick::Scalar(y)) => {
+                for ((o, &c), &x) in out.iter_mut().zip(c).zip(x) {
+                    o.write(if c { x } else { y });
+                }
+            }
+            (Pick::Row(c), Pick::Scalar(x), Pick::Row(y)) => {
+                for ((o, &c), &y) in out.iter_mut().zip(c).zip(y) {
+                    o.write(if c { x } else { y });
+                }
+            }
+            (Pick::Row(c), Pick::Scalar(x), Pick::Scalar(y)) => {
+                for (o, &c) in out.iter_mut().zip(c) {
+                    o.write(if c { x } else { y });
+                }
+            }
+        }
+    }
+}
+
+/// The max-pool combination: `v` replaces `best` when larger, or when NaN and `best` is not
+/// (so the first NaN, else the first largest value, in visiting order wins).
+#[inline(always)]
+fn pool_max(best: f32, v: f32) -> f32 {
+    if v > best || (v.is_nan() && !best.is_nan()) {
+        v
+    } else {
+        best
+    }
+}
+
+/// `acc[i] = pool_max(acc[i], v[i])`.
+#[inline(always)]
+fn max_into(acc: &mut [f32], v: &[f32]) {
+    for (a, &v) in acc.iter_mut().zip(v) {
+        *a = pool_max(*a, v);
+    }
+}
+
+/// The geometry of a 2-D pooling: input size, kernel, strides (>= 1), dilations (>= 1), leading
+/// padding and output size, each as (rows, columns).
+#[derive(Clone, Copy, Debug)]
+pub struct PoolGeom {
+    pub input: [usize; 2],
+    pub k: [usize; 2],
+    pub s: [usize; 2],
+    pub d: [usize; 2],
+    pub pad: [usize; 2],
+    pub out: [usize; 2],
+}
+
+multiversion! {
+    /// 2-D MaxPool of whole planes (`x`: planes of `input`, `out`: as many planes of `out`,
+    /// filled with -inf by the caller), separably: each input row's max over the kernel's
+    /// columns (the row padded with -inf and split into its stride's phases, so every step reads
+    /// contiguously), then each output row's max over the kernel's rows. The first largest value
+    /// (or first NaN) of a window in row-major order wins either way, so the bits are the
+    /// reference's, which visits the window row by row.
+    pub fn maxpool_planes(x: &[f32], out: &mut [f32], g: &PoolGeom) {
+        let ([ih, iw], [kh, kw], [sh, sw], [dh, dw], [ph, pw], [oh, ow]) =
+            (g.input, g.k, g.s, g.d, g.pad, g.out);
+        // Columns of the padded row that any window reaches.
+        let wp = ((ow - 1) * sw + (kw.max(1) - 1) * dw + 1).max(pw + iw);
+        let nph = wp.div_ceil(sw);
+        let mut padded = vec![f32::NEG_INFINITY; nph * sw];
+        let mut phases = vec![f32::NEG_INFINITY; nph * sw];
+        let mut h = vec![f32::NEG_INFINITY; ih * ow];
+        for (plane, oplane) in x.chunks_exact(ih * iw).zip(out.chunks_exact_mut(oh * ow)) {
+            for (src, hrow) in plane.chunks_exact(iw).zip(h.chunks_exact_mut(ow)) {
+                padded[pw..pw + iw].copy_from_slice(src);
+                let ph_src: &[f32] = if sw == 1 {
+                    &padded
+                } else {
+                    split_phases(&padded, sw, &mut phases);
+                    &phases
+                };
+                hrow.fill(f32::NEG_INFINITY);
+                for kx in 0..kw {
+                    let t = kx * dw;
+                    let at = (t % sw) * nph + t / sw;
+                    max_into(hrow, &ph_src[at..at + ow]);
+                }
+            }
+            for (oy, orow) in oplane.chunks_exact_mut(ow).enumerate() {
+                for ky in 0..kh {
+                    let iy = (oy * sh + ky * dh) as isize - ph as isize;
+                    if iy < 0 || iy >= ih as isize {
+                        continue;
+                    }
+                    max_into(orow, &h[iy as usize * ow..][..ow]);
+                }
+            }
+        }
+    }
+}
+
+/// `phases[p * n + j] = src[j * s + p]` with `n = src.len() / s` (`src.len()` a multiple of `s`).
+#[inline(always)]
+fn split_phases(src: &[f32], s: usize, phases: &mut [f32]) {
+    let n = src.len() / s;
+    if s == 2 {
+        let (p0, p1) = phases.split_at_mut(n);
+        for ((a, b), c) in p0.iter_mut().zip(p1.iter_mut()).zip(src.chunks_exact(2)) {
+            *a = c[0];
+            *b = c[1];
+        }
+        return;
+    }
+    for (j, c) in src.chunks_exact(s).enumerate() {
+        for (p, &v) in c.iter().enumerate() {
+            phases[p * n + j] = v;
+        }
+    }
+}
+
+multiversion! {
+    /// Sum of a slice, in f64 lanes.
+    pub fn sum_slice_f64(x: &[f32]) -> f64 {
+        sum_f64(x, |v| v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::elementwise::erf;
+
+    /// Distance in float32 steps (ulp) between two finite values of the same sign or zero.
+    fn ulps(a: f32, b: f32) -> u32 {
+        let key = |v: f32| {
+            let i = v.to_bits() as i32;
+            if i < 0 {
+                i32::MIN.wrapping_sub(i) as i64
+            } else {
+                i as i64
+            }
+        };
+        (key(a) - key(b)).unsigned_abs() as u32
+    }
+
+    fn rng(seed: u64) -> impl FnMut() -> f64 {
+        let mut s = seed;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 11) as f64 / (1u64 << 53) as f64
+        }
+    }
+
+    #[test]
+    fn exp_lane_matches_f64_exp() {
+        let mut r = rng(0x9e37_79b9_7f4a_7c15);
+        let mut worst = 0;
+        for i in 0..400_000 {
+            let x = if i % 2 == 0 {
+                (r() * 175.0 - 87.0) as f32
+            } else {
+                (r() * 2.0 - 1.0) as f32
+            };
+            let want = (x as f64).exp() as f32;
+            let got = exp_lane(x, 0.0);
+            worst = worst.max(ulps(got, want));
+        }
+        assert!(worst <= 2, "exp: {worst} ulp");
+        assert_eq!(exp_lane(f32::NEG_INFINITY, 0.0), 0.0);
+        assert_eq!(exp_lane(-100.0, 0.0), 0.0);
+        assert_eq!(exp_lane(f32::INFINITY, 0.0), f32::INFINITY);
+        assert!(exp_lane(f32::NAN, 0.0).is_nan());
+        assert_eq!(exp_lane(0.0, 0.0), 1.0);
+    }
+
+    #[test]
+    fn exp_diff_lane_carries_the_subtraction_error() {
+        let mut r = rng(7);
+        let mut worst = 0;
+        for _ in 0..200_000 {
+            let m = (r() * 200.0 - 100.0) as f32;
+            let x = m - (r() * 80.0) as f32;
+            let want = (x as f64 - m as f64).exp() as f32;
+            worst = worst.max(ulps(exp_diff_lane(x, m), want));
+        }
+        assert!(worst <= 2, "exp(x - m): {worst} ulp");
+    }
+
+    #[test]
+    fn erf_lane_matches_f64_erf() {
+        let mut r = rng(42);
+        let mut worst = 0;
+        for i in 0..400_000 {
+            let x = match i % 4 {
+                0 => (r() * 10.0 - 5.0) as f32,
+                1 => (r() * 2.0 - 1.0) as f32,
+                2 => ((r() * 2.0 - 1.0) * 1e-3) as f32,
+                _ => (r() * 2.0 + 0.5) as f32,
+            };
+            let want = erf(x as f64) as f32;
+            let got = erf_lane(x);
+            worst = worst.max(ulps(got, want));
+        }
+        assert!(worst <= 1, "erf: {worst} ulp");
+        for v in [0.0f32, -0.0, 1e-40, -1e-40, 1.0, -1.0, 4.0, -4.0, 3.99] {
+            let (got, want) = (erf_lane(v), erf(v as f64) as f32);
+            assert!(ulps(got, want) <= 1, "erf({v}) = {got}, want {want}");
+            assert_eq!(got.is_sign_negative(), v.is_sign_negative());
+        }
+        assert_eq!(erf_lane(f32::INFINITY), 1.0);
+        assert_eq!(erf_lane(f32::NEG_INFINITY), -1.0);
+        assert!(erf_lane(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn every_tier_gives_the_same_erf_bits() {
+        let mut r = rng(3);
+        let x: Vec<f32> = (0..4099).map(|_| (r() * 12.0 - 6.0) as f32).collect();
+        let mut a = vec![MaybeUninit::new(0f32); x.len()];
+        unary_slice(Unary::Erf, &x, &mut a);
+        for (&v, y) in x.iter().zip(&a) {
+            // SAFETY: every element was initialised (with 0, then by the kernel).
+            let y = unsafe { y.assume_init() };
+            assert_eq!(erf_lane(v).to_bits(), y.to_bits());
+        }
+    }
+
+    /// Timings of the kernels on the shapes of BERT / ViT / ResNet-50 (`--ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn kernel_timings() {
+        fn time(name: &str, elems: usize, mut f: impl FnMut()) {
+            f();
+            let mut best = f64::MAX;
+            for _ in 0..20 {
+                let t = std::time::Instant::now();
+                f();
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            println!(
+                "{name:12} {:8.1} us {:6.3} ns/elem",
+                best * 1e6,
+                best * 1e9 / elems as f64
+            );
+        }
+        let mut r = rng(1);
+        let x: Vec<f32> = (0..160 * 3072).map(|_| (r() * 8.0 - 4.0) as f32).collect();
+        let mut o = vec![MaybeUninit::new(0f32); x.len()];
+        time("erf", x.len(), || unary_slice(Unary::Erf, &x, &mut o));
+        time("relu", x.len(), || unary_slice(Unary::Relu, &x, &mut o));
+        let y = x.clone();
+        time("add", x.len(), || {
+            bin_row(Bin::Add, Operand::Row(&x), Operand::Row(&y), &mut o)
+        });
+        let n = 12 * 197 * 197;
+        time("softmax", n, || softmax_rows(&x[..n], &mut o[..n], 197));
+        let n = 197 * 768;
+        let sc = vec![1.5f32; 768];
+        time("layernorm", n, || {
+            layer_norm_rows(&x[..n], &mut o[..n], 1e-5, &sc, Some(&sc))
+        });
+        let g = PoolGeom {
+            input: [112, 112],
+            k: [3, 3],
+            s: [2, 2],
+            d: [1, 1],
+            pad: [1, 1],
+            out: [56, 56],
+        };
+        let xp: Vec<f32> = (0..64 * 112 * 112).map(|_| r() as f32).collect();
+        let mut op = vec![f32::NEG_INFINITY; 64 * 56 * 56];
+        time("maxpool", xp.len(), || maxpool_planes(&xp, &mut op, &g));
+        let c: Vec<bool> = x.iter().map(|&v| v > 0.0).collect();
+        time("where", x.len(), || {
+            where_row(Pick::Row(&c), Pick::Row(&x), Pick::Scalar(0.0), &mut o)
+        });
+        let mut b = vec![MaybeUninit::new(false); x.len()];
+        time("isnan", x.len(), || isnan_slice(&x, &mut b));
+    }
+}
