@@ -274,12 +274,6 @@ fn zip_f32(a: &Tensor, b: &Tensor, op: Bin) -> Result<Tensor> {
     Tensor::from_vec(out_shape, out)
 }
 
-/// erf for one float32, the lane function of the Erf fast path ([`vecmath::erf_lane`]: within 2
-/// ulp of the f64 reference, NaN and the signs of zero kept).
-pub fn erf_f32(x: f32) -> f32 {
-    vecmath::erf_lane(x)
-}
-
 /// 2-D MaxPool of float32 planes (`planes` x `ih` x `iw`) into `oh` x `ow` with the geometry of
 /// `g` (`group` unused): the largest value inside each window (padding never wins), NaN
 /// propagating, the same bits as the reference ([`vecmath::maxpool_planes`]).

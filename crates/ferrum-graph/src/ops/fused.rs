@@ -10,6 +10,7 @@
 use ferrum_kernels::pool;
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape};
+use crate::ops::vecmath::{self, Unary};
 use crate::ops::{unsupported, Ctx};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
@@ -102,8 +103,9 @@ impl Act {
             }
             Act::Tanh => (x as f64).tanh() as f32,
             Act::Gelu => {
-                let e = crate::ops::fast::erf_f32(x / std::f32::consts::SQRT_2);
-                x * (1.0 + e) * 0.5
+                let mut v = [x];
+                vecmath::unary_inplace(Unary::Gelu, &mut v);
+                v[0]
             }
             Act::GeluTanh => {
                 let v = x as f64;
@@ -125,36 +127,25 @@ impl Act {
     }
 
     fn apply_with(self, v: &mut [f32], par: bool) {
-        match self {
-            Act::Identity => {}
-            Act::Relu => each(v, par, |x| if x > 0.0 { x } else { 0.0 }),
-            Act::Clip(lo, hi) => each(v, par, move |x| {
-                let y = if x < lo { lo } else { x };
-                if y > hi {
-                    hi
-                } else {
-                    y
-                }
-            }),
-            Act::LeakyRelu(a) => each(v, par, move |x| if x >= 0.0 { x } else { a * x }),
-            Act::Gelu => each(v, par, |x| {
-                let e = crate::ops::fast::erf_f32(x / std::f32::consts::SQRT_2);
-                x * (1.0 + e) * 0.5
-            }),
-            other => each(v, par, move |x| other.apply1(x)),
+        let simd = match self {
+            Act::Identity => return,
+            Act::Relu => Some(Unary::Relu),
+            Act::Clip(lo, hi) => Some(Unary::Clip(lo, hi)),
+            Act::LeakyRelu(a) => Some(Unary::LeakyRelu(a)),
+            Act::Gelu => Some(Unary::Gelu),
+            _ => None,
+        };
+        let per = (v.len().div_ceil(pool::threads() * 4)).max(16 * 1024);
+        let go = move |c: &mut [f32]| match simd {
+            Some(op) => vecmath::unary_inplace(op, c),
+            None => c.iter_mut().for_each(|x| *x = self.apply1(*x)),
+        };
+        if !par || v.len() <= per {
+            go(v);
+        } else {
+            pool::parallel_chunks_mut(v, per, |_, c| go(c));
         }
     }
-}
-
-/// `f` over every value in place, in chunks over the pool's threads when large (and `par`).
-#[inline(always)]
-fn each(v: &mut [f32], par: bool, f: impl Fn(f32) -> f32 + Sync + Copy) {
-    let per = (v.len().div_ceil(pool::threads() * 4)).max(16 * 1024);
-    if !par || v.len() <= per {
-        v.iter_mut().for_each(|x| *x = f(*x));
-        return;
-    }
-    pool::parallel_chunks_mut(v, per, |_, c| c.iter_mut().for_each(|x| *x = f(*x)));
 }
 
 /// What follows a product: a residual added (broadcast), then the activation.

@@ -8,6 +8,7 @@ use ferrum_kernels::pool;
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_to};
 use crate::ops::fused::{Act, Epi};
+use crate::ops::vecmath;
 use crate::tensor::{DType, Tensor};
 use crate::Result;
 
@@ -334,46 +335,50 @@ fn im2col(x: &[f32], cg: usize, (ih, iw): (usize, usize), g: &Conv2d, col: &mut 
 }
 
 /// Depthwise convolution (one input and one output channel per group), accumulated into `out`
-/// (batch x channels planes, holding the bias): each plane is copied once into a zero-padded
-/// buffer, so every tap is a plain (or strided) multiply-add over output rows.
+/// (batch x channels planes, holding the bias or residual): each plane is copied once into a
+/// zero-padded buffer whose columns are split by phase modulo the stride (phase `r` holds padded
+/// columns `r, r + s, r + 2s, ..`), so every tap reads consecutive values; each run of 16 outputs
+/// sums its taps in registers, in (ky, kx) order.
 fn depthwise(x: &[f32], w: &[f32], out: &mut [f32], (ih, iw): (usize, usize), g: &Conv2d) {
     let [kh, kw] = g.k;
     let [oh, ow] = g.out;
     let (osp, isp) = (oh * ow, ih * iw);
     let c = w.len() / (kh * kw);
-    // The padded extent every tap reads.
+    let s1 = g.s[1];
+    // The padded extent every tap reads, and the width of one phase.
     let hp = (oh - 1) * g.s[0] + (kh - 1) * g.d[0] + 1;
-    let wp = (ow - 1) * g.s[1] + (kw - 1) * g.d[1] + 1;
+    let wp = (ow - 1) * s1 + (kw - 1) * g.d[1] + 1;
+    let wph = wp.div_ceil(s1);
     pool::parallel_chunks_mut(out, osp, |p, o| {
         let plane = &x[p * isp..][..isp];
         let wk = &w[(p % c) * kh * kw..][..kh * kw];
-        let mut xp = vec![0f32; hp * wp];
+        // L values of slack: a row's last block of outputs may read past the row's end (into
+        // the next row, or here), for lanes that are not stored.
+        let mut xp = vec![0f32; s1 * hp * wph + vecmath::DW_LANES];
         for y in 0..ih {
             let py = y + g.pad[0];
             if py >= hp {
                 break;
             }
+            let row = &plane[y * iw..][..iw];
             let cols = iw.min(wp.saturating_sub(g.pad[1]));
-            xp[py * wp + g.pad[1]..][..cols].copy_from_slice(&plane[y * iw..][..cols]);
-        }
-        for oy in 0..oh {
-            let orow = &mut o[oy * ow..][..ow];
-            for ky in 0..kh {
-                let src = &xp[(oy * g.s[0] + ky * g.d[0]) * wp..][..wp];
-                for kx in 0..kw {
-                    let wv = wk[ky * kw + kx];
-                    let off = kx * g.d[1];
-                    if g.s[1] == 1 {
-                        for (d, &v) in orow.iter_mut().zip(&src[off..off + ow]) {
-                            *d += wv * v;
-                        }
-                    } else {
-                        for (ox, d) in orow.iter_mut().enumerate() {
-                            *d += wv * src[off + ox * g.s[1]];
-                        }
-                    }
+            if s1 == 1 {
+                xp[py * wph + g.pad[1]..][..cols].copy_from_slice(&row[..cols]);
+            } else {
+                for (x, &v) in row[..cols].iter().enumerate() {
+                    let px = x + g.pad[1];
+                    xp[((px % s1) * hp + py) * wph + px / s1] = v;
                 }
             }
         }
+        // (phase row offset, column offset, weight) of each tap, relative to an output row.
+        let taps: Vec<(usize, usize, f32)> = (0..kh * kw)
+            .map(|t| {
+                let (ky, kx) = (t / kw, t % kw);
+                let off = kx * g.d[1];
+                ((off % s1) * hp + ky * g.d[0], off / s1, wk[t])
+            })
+            .collect();
+        vecmath::depthwise_rows(&xp, wph, &taps, o, oh, ow, g.s[0]);
     });
 }

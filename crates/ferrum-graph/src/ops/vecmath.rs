@@ -391,6 +391,88 @@ pub enum Unary {
     Erf,
     /// Clip to [lo, hi]: below lo -> lo, then above hi -> hi; NaN stays.
     Clip(f32, f32),
+    /// `x` when `x >= 0`, else `alpha * x`.
+    LeakyRelu(f32),
+    /// GELU, erf form, as PyTorch's exported chain computes it in float32:
+    /// `x * (1 + erf(x / sqrt 2)) * 0.5`.
+    Gelu,
+}
+
+/// One value of a [`Unary`] op.
+#[inline(always)]
+fn unary_lane(op: Unary, v: f32) -> f32 {
+    match op {
+        Unary::Relu => {
+            if v > 0.0 {
+                v
+            } else {
+                0.0
+            }
+        }
+        Unary::Sqrt => v.sqrt(),
+        Unary::Erf => erf_lane(v),
+        Unary::Clip(lo, hi) => {
+            let y = if v < lo { lo } else { v };
+            if y > hi {
+                hi
+            } else {
+                y
+            }
+        }
+        Unary::LeakyRelu(a) => {
+            if v >= 0.0 {
+                v
+            } else {
+                a * v
+            }
+        }
+        Unary::Gelu => v * (1.0 + erf_lane(v / std::f32::consts::SQRT_2)) * 0.5,
+    }
+}
+
+multiversion! {
+    /// `v[i] = op(v[i])` in place.
+    pub fn unary_inplace(op: Unary, v: &mut [f32]) {
+        // One loop per op, so each body is vectorised on its own.
+        match op {
+            Unary::Relu => for x in v.iter_mut() { *x = unary_lane(Unary::Relu, *x) },
+            Unary::Sqrt => for x in v.iter_mut() { *x = unary_lane(Unary::Sqrt, *x) },
+            Unary::Erf => for x in v.iter_mut() { *x = unary_lane(Unary::Erf, *x) },
+            Unary::Clip(lo, hi) => for x in v.iter_mut() { *x = unary_lane(Unary::Clip(lo, hi), *x) },
+            Unary::LeakyRelu(a) => for x in v.iter_mut() { *x = unary_lane(Unary::LeakyRelu(a), *x) },
+            Unary::Gelu => for x in v.iter_mut() { *x = unary_lane(Unary::Gelu, *x) },
+        }
+    }
+}
+
+/// Lanes of the depthwise kernel's output blocks.
+pub const DW_LANES: usize = L;
+
+multiversion! {
+    /// One depthwise-convolution output plane `o` (`oh x ow`, holding its starting values)
+    /// from a zero-padded input split by column phase, `xp` (rows of `wph` values, at least
+    /// [`DW_LANES`] values of slack at the end). `taps` holds each tap's (phase row offset,
+    /// column offset, weight); output row `oy` reads phase rows from `oy * s0`. Each block of
+    /// `L` outputs of a row adds its taps in order in registers; a short last block computes
+    /// all lanes and stores the valid ones.
+    pub fn depthwise_rows(xp: &[f32], wph: usize, taps: &[(usize, usize, f32)], o: &mut [f32], oh: usize, ow: usize, s0: usize) {
+        for oy in 0..oh {
+            let orow = &mut o[oy * ow..][..ow];
+            let base = oy * s0;
+            for ox0 in (0..ow).step_by(L) {
+                let n = L.min(ow - ox0);
+                let mut acc = [0f32; L];
+                acc[..n].copy_from_slice(&orow[ox0..ox0 + n]);
+                for &(r, b, wv) in taps {
+                    let src = &xp[(r + base) * wph + b + ox0..][..L];
+                    for l in 0..L {
+                        acc[l] += wv * src[l];
+                    }
+                }
+                orow[ox0..ox0 + n].copy_from_slice(&acc[..n]);
+            }
+        }
+    }
 }
 
 multiversion! {
@@ -419,6 +501,16 @@ multiversion! {
                 for (o, &v) in out.iter_mut().zip(x) {
                     let y = if v < lo { lo } else { v };
                     o.write(if y > hi { hi } else { y });
+                }
+            }
+            Unary::LeakyRelu(a) => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    o.write(unary_lane(Unary::LeakyRelu(a), v));
+                }
+            }
+            Unary::Gelu => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    o.write(unary_lane(Unary::Gelu, v));
                 }
             }
         }
