@@ -1,23 +1,82 @@
-//! f32 GEMM throughput (GFLOP/s) on square and network-shaped problems, per microkernel and
-//! thread count: `cargo bench -p ferrum-kernels --bench gemm [-- THREADS]`.
+//! f32 GEMM throughput (GFLOP/s) on square and network-shaped problems, per thread count:
+//! `cargo bench -p ferrum-kernels --bench gemm [-- THREADS... [--all-isas | --isa NAME]
+//! [--reps N] [--shape MxNxK]...]`.
+//!
+//! Each figure is the median of `--reps` timed runs (default 9) after one warm-up run; by default
+//! only the best microkernel ([`isa`]) is measured, `--all-isas` measures every one this CPU runs.
+//! Without `--shape`, every shape below and the batched attention products.
 
 use std::time::Instant;
 
-use ferrum_kernels::gemm::{available_isas, gemm_with, Mat};
+use ferrum_kernels::gemm::{
+    available_isas, gemm_batch_with, gemm_ex_with, gemm_with, isa, Act, Bias, Epilogue, Isa, Lhs,
+    Mat, PackedB, Rhs,
+};
+
+/// Median seconds of `reps` runs of `f` after one warm-up run (and the fastest, with
+/// `FERRUM_BENCH_MIN=1`: the better estimate on a machine shared with other work).
+fn time(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut times: Vec<f64> = (0..reps)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    if std::env::var_os("FERRUM_BENCH_MIN").is_some() {
+        times[0]
+    } else {
+        times[reps / 2]
+    }
+}
 
 fn main() {
-    let threads: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let all_isas = args.iter().any(|a| a == "--all-isas");
+    let reps = args
+        .iter()
+        .position(|a| a == "--reps")
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+        .unwrap_or(9usize);
+    let threads: Vec<usize> = args
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i == 0 || !args[i - 1].starts_with("--"))
+        .filter_map(|(_, a)| a.parse().ok())
         .collect();
     let threads = if threads.is_empty() {
         vec![1, 2]
     } else {
         threads
     };
-    // (m, n, k): square, ResNet-50 convs as im2col GEMMs (Cout x OH*OW x Cin*kh*kw), BERT's
-    // projections (tokens x out x in).
-    let shapes = [
+    let named = args
+        .windows(2)
+        .find(|w| w[0] == "--isa")
+        .map(|w| w[1].to_lowercase());
+    let isas = if all_isas {
+        available_isas()
+    } else if let Some(name) = named {
+        available_isas()
+            .into_iter()
+            .filter(|i| format!("{i:?}").to_lowercase() == name)
+            .collect()
+    } else {
+        vec![isa()]
+    };
+    // (m, n, k): square; ResNet-50 convs as im2col GEMMs (Cout x OH*OW x Cin*kh*kw); BERT-base
+    // projections (tokens x out x in) and attention products (QK^T, PV); ViT-B/16 projections;
+    // MobileNetV2 1x1 convs.
+    let only: Vec<(usize, usize, usize)> = args
+        .windows(2)
+        .filter(|w| w[0] == "--shape")
+        .filter_map(|w| {
+            let d: Vec<usize> = w[1].split('x').filter_map(|x| x.parse().ok()).collect();
+            (d.len() == 3).then(|| (d[0], d[1], d[2]))
+        })
+        .collect();
+    let all_shapes = [
         (1024, 1024, 1024),
         (64, 12544, 147),
         (64, 3136, 576),
@@ -25,15 +84,27 @@ fn main() {
         (2048, 49, 512),
         (128, 768, 768),
         (128, 3072, 768),
+        (128, 128, 64),
+        (128, 64, 128),
+        (197, 768, 768),
+        (197, 3072, 768),
+        (96, 12544, 16),
+        (24, 3136, 144),
+        (960, 49, 160),
     ];
+    let shapes = if only.is_empty() {
+        all_shapes.to_vec()
+    } else {
+        only.clone()
+    };
     for &t in &threads {
         ferrum_kernels::pool::set_threads(Some(t));
-        for isa in available_isas() {
+        for &isa in &isas {
             for &(m, n, k) in &shapes {
                 let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
                 let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.1).collect();
                 let mut c = vec![0f32; m * n];
-                let run = |c: &mut [f32]| {
+                let s = time(reps, || {
                     gemm_with(
                         isa,
                         t,
@@ -44,24 +115,76 @@ fn main() {
                         Mat::row_major(&a, k),
                         Mat::row_major(&b, n),
                         0.0,
-                        c,
+                        &mut c,
                         n,
                     )
-                };
-                run(&mut c);
-                let mut times = Vec::new();
-                for _ in 0..7 {
-                    let s = Instant::now();
-                    run(&mut c);
-                    times.push(s.elapsed().as_secs_f64());
-                }
-                times.sort_by(f64::total_cmp);
-                let gf = 2.0 * (m * n * k) as f64 / times[3] / 1e9;
+                });
+                let gf = 2.0 * (m * n * k) as f64 / s / 1e9;
                 println!(
                     "{t} threads {isa:?} {m}x{n}x{k}: {:.3} ms, {gf:.1} GFLOP/s",
-                    times[3] * 1e3
+                    s * 1e3
                 );
+            }
+            if only.is_empty() {
+                extras(isa, t, reps);
             }
         }
     }
+}
+
+/// BERT-base attention per layer: 12 heads of `Q K^T` (128 x 128 x 64) and of `P V`
+/// (128 x 64 x 128), one product after another and as one batch; and BERT's FFN up-projection
+/// (128 x 3072 x 768) with its bias and GELU, plain and with the weights packed ahead, the
+/// epilogue fused.
+fn extras(isa: Isa, t: usize, reps: usize) {
+    let count = 12;
+    for (m, n, k) in [(128, 128, 64), (128, 64, 128)] {
+        let a: Vec<f32> = (0..count * m * k).map(|i| (i % 7) as f32 * 0.1).collect();
+        let b: Vec<f32> = (0..count * k * n).map(|i| (i % 5) as f32 * 0.1).collect();
+        let mut c = vec![0f32; count * m * n];
+        let av = |i: usize| Mat::row_major(&a[i * m * k..][..m * k], k);
+        let bv = |i: usize| Mat::row_major(&b[i * k * n..][..k * n], n);
+        let one_by_one = time(reps, || {
+            for (i, ci) in c.chunks_mut(m * n).enumerate() {
+                gemm_with(isa, t, m, n, k, 1.0, av(i), bv(i), 0.0, ci, n);
+            }
+        });
+        let batched = time(reps, || {
+            gemm_batch_with(isa, t, count, m, n, k, 1.0, &av, &bv, &mut c)
+        });
+        let flop = 2.0 * (count * m * n * k) as f64;
+        println!(
+            "{t} threads {isa:?} {count}x {m}x{n}x{k}: one by one {:.1} GFLOP/s, batched {:.1} GFLOP/s",
+            flop / one_by_one / 1e9,
+            flop / batched / 1e9
+        );
+    }
+    let (m, n, k) = (128, 3072, 768);
+    // Products of a few units either side of 0, where GELU is not a step.
+    let a: Vec<f32> = (0..m * k).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| ((i % 5) as f32 - 2.0) * 0.1).collect();
+    let bias: Vec<f32> = (0..n).map(|i| (i % 3) as f32 * 0.1).collect();
+    let mut c = vec![0f32; m * n];
+    let (av, bv) = (Mat::row_major(&a, k), Mat::row_major(&b, n));
+    let packed = PackedB::new(k, n, bv);
+    let epi = Epilogue {
+        bias: Bias::Col(&bias),
+        act: Act::Gelu,
+    };
+    let mut run = |rhs: Rhs, epi: &Epilogue| {
+        time(reps, || {
+            gemm_ex_with(isa, t, m, n, k, 1.0, Lhs::Mat(av), rhs, 0.0, &mut c, n, epi)
+        })
+    };
+    let plain = run(Rhs::Mat(bv), &Epilogue::NONE);
+    let fused = run(Rhs::Mat(bv), &epi);
+    let prepacked = run(Rhs::Packed(&packed), &epi);
+    let flop = 2.0 * (m * n * k) as f64;
+    println!(
+        "{t} threads {isa:?} {m}x{n}x{k}: plain {:.1} GFLOP/s, bias + GELU fused {:.1}, \
+         and B packed ahead {:.1}",
+        flop / plain / 1e9,
+        flop / fused / 1e9,
+        flop / prepacked / 1e9
+    );
 }

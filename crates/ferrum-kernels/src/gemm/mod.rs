@@ -1,35 +1,68 @@
-//! Blocked, packed f32 GEMM: `C = alpha * A * B + beta * C`, for the graph runtime's float32
-//! MatMul, Gemm and Conv.
+//! Blocked, packed f32 GEMM: `C = act(alpha * A * B + beta * C + bias)`, for the graph runtime's
+//! float32 MatMul, Gemm and Conv.
 //!
 //! The loop nest is the usual one (Goto / BLIS): the columns of B in blocks of [`NC`], the inner
-//! dimension in blocks of [`KC`] (B's block packed once into panels of `NR` columns), the rows of
-//! A in blocks of [`MC`] (packed into panels of `MR` rows, `alpha` folded in), and a register-tiled
-//! microkernel that keeps an `MR x NR` tile of C in registers over the whole `KC` block. A and B
-//! are read through strides ([`Mat`]), so transposed operands and im2col views cost nothing extra:
+//! dimension in blocks of [`KC`] (B's block packed into panels of `NR` columns), the rows of A in
+//! blocks of about [`MC`] (packed into panels of `MR` rows), and a register-tiled microkernel
+//! that keeps an `MR x NR` tile of C in registers over the whole `KC` block and then writes it:
+//! `alpha` applied, the old C added (after the first K block, or when `beta != 0`), and on the
+//! last K block the [`Epilogue`]'s bias and activation, while the tile is in cache. A and B are
+//! read through strides ([`Mat`]), so transposed operands and im2col views cost nothing extra:
 //! packing reads them in whatever order they lie.
 //!
-//! Microkernels ([`Isa`], picked once at run time with `is_x86_feature_detected!`): AVX-512F
-//! (`12 x 32`, or `8 x 32` when 8 divides the row count better), AVX2 + FMA (`6 x 16`), and a portable scalar one (`4 x 8`); `FERRUM_NO_AVX512=1`
-//! and `FERRUM_FORCE_SCALAR=1` step down as in the other kernels. [`gemm_ref`] is the plain
-//! reference (f64 accumulation) the randomized tests compare every path with.
+//! Both operands are packed the same way: an operand `X` (A, or B transposed) of `rows x k`
+//! becomes, for each K block `pc` of height `kc`, panels of `w` rows (zero-padded), panel `q`
+//! step `p` lane `r` at `pc * pad + q * kc * w + p * w + r` (`pad`: rows rounded up to `w`).
+//! [`PackedA`] and [`PackedB`] hold an operand in exactly that layout, so products with them skip
+//! its packing.
 //!
-//! Threads: [`gemm`] splits C into one column range (or row range, when C is taller than wide)
-//! per pool thread; each task packs its own operands and writes only its own part of C. The
-//! float order of an output element depends on the block sizes only, not on the split or the
-//! thread count; the AVX-512 and AVX2 kernels sum alike (one FMA chain per output, `KC` steps at
-//! a time, added to C), so they give the same bits too.
+//! Microkernels ([`Isa`], picked once at run time): AVX-512F (`12 x 32`, with kernels for every
+//! edge row count and for 16-column edges), AVX2 + FMA (`6 x 16`), and a portable scalar one
+//! (`4 x 8`); `FERRUM_NO_AVX512=1` and `FERRUM_FORCE_SCALAR=1` step down as in the other
+//! kernels. [`gemm_ref`] is the plain reference (f64 accumulation) the randomized tests compare
+//! every path with.
+//!
+//! A short product with wide K and many rows (`n` small, late CNN layers: 7x7 outputs) is
+//! computed as `C^T = B^T A^T` (the operands swap roles, C is written through a column stride),
+//! so that the small dimension falls on the kernel's rows, where edges cost nothing.
+//!
+//! [`PackedA`] and [`PackedB`] are packed for the kernel of [`isa`]; when a product needs another
+//! width (another ISA, or the transposed product, where A is the right-hand side), the operand is
+//! repacked from its own data on first use and kept.
+//!
+//! Threads: C is split into a grid of ranges, one per task, chosen by a cost model (usually row
+//! ranges for a tall C, column ranges for a wide one). An operand that several tasks read in full
+//! (B for a row split, A for a column split) is packed first, once, by all threads together; each
+//! task then packs only its own part of the other. [`gemm_batch`] spreads independent products over
+//! the threads. The float order of an output element depends on the block sizes only, not on the
+//! split or the thread count; the AVX-512 and AVX2 kernels sum alike (one FMA chain per output,
+//! `KC` steps at a time, added to C), so they give the same bits too.
 
+mod epilogue;
+#[cfg(test)]
+mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+use std::cell::RefCell;
+use std::sync::{Mutex, OnceLock};
+
+pub use epilogue::{Act, Bias, Epilogue};
+
 use crate::pool;
 
-/// Inner-dimension block: one packed B panel (`KC x NR`) stays in L1.
+/// Inner-dimension block: a packed B panel (`KC x NR`) is reused from L1 across a row block.
 pub const KC: usize = 256;
-/// Row block of A packed at once (`MC x KC` floats stay in L2); a multiple of every `MR`.
+/// Rows of A packed at once (about `MC x KC` floats stay in L2); a multiple of every `MR`.
 pub const MC: usize = 120;
 /// Column block of B packed at once; a multiple of every `NR`.
 pub const NC: usize = 1024;
+
+/// Rows of the AVX-512 kernel's panels.
+const AVX512_MR: usize = 12;
+
+/// Multiply-adds below which a product is not worth another thread.
+const MIN_TASK_MACS: usize = 1 << 19;
 
 /// A read-only matrix view: element `(i, j)` is `data[i * rs + j * cs]`.
 #[derive(Clone, Copy, Debug)]
@@ -55,6 +88,15 @@ impl<'a> Mat<'a> {
             data,
             rs: 1,
             cs: ld,
+        }
+    }
+
+    /// The transposed view (free: the strides swap).
+    fn t(self) -> Mat<'a> {
+        Mat {
+            data: self.data,
+            rs: self.cs,
+            cs: self.rs,
         }
     }
 
@@ -126,6 +168,29 @@ pub enum Isa {
     Scalar,
 }
 
+impl Isa {
+    /// Rows and columns of the kernel's tile (the packed panels' widths of A and B).
+    fn tile(self) -> (usize, usize) {
+        match self {
+            Isa::Avx512 => (AVX512_MR, 32),
+            Isa::Avx2 => (6, 16),
+            Isa::Scalar => (4, 8),
+        }
+    }
+
+    /// Columns that an edge tile of `n` columns costs: the AVX-512 kernel has a 16-column one.
+    fn padded_cols(self, n: usize) -> usize {
+        let nr = self.tile().1;
+        let rem = n % nr;
+        n - rem
+            + match (self, rem) {
+                (_, 0) => 0,
+                (Isa::Avx512, 1..=16) => 16,
+                _ => nr,
+            }
+    }
+}
+
 /// The best microkernel this CPU runs (detected once), unless the environment steps down.
 pub fn isa() -> Isa {
     let f = crate::cpu::features();
@@ -151,17 +216,79 @@ pub fn available_isas() -> Vec<Isa> {
     v
 }
 
-/// A register-tiled kernel: `MR x NR` outputs from an A panel (`kc x MR`, row index fastest)
-/// and a B panel (`kc x NR`, column index fastest).
+/// Where and how a kernel writes its tile of C.
+pub(crate) struct Out {
+    /// The tile's first element.
+    pub c: *mut f32,
+    /// Row and column strides of C.
+    pub rsc: usize,
+    pub csc: usize,
+    /// Multiplies the product.
+    pub alpha: f32,
+    /// Add C's old contents (else overwrite them).
+    pub acc: bool,
+    /// On the last K block, unless the epilogue is empty.
+    pub epi: Option<TileEpi>,
+}
+
+/// The epilogue for one tile: bias pointers at the tile's first row / column (null when absent).
+#[derive(Clone, Copy)]
+pub(crate) struct TileEpi {
+    pub row: *const f32,
+    pub col: *const f32,
+    pub act: Act,
+}
+
+/// Writes the `rows x cols` tile in `buf` (row stride `ldb`) per `out`, element by element:
+/// `act(alpha * x + old + bias)`.
+///
+/// # Safety
+/// `out` addresses a `rows x cols` tile of writable floats, and its bias pointers `rows` and
+/// `cols` values; `buf` holds the tile.
+unsafe fn write_tile(buf: &[f32], ldb: usize, rows: usize, cols: usize, out: &Out) {
+    let one = |r: usize, j: usize| {
+        let mut v = buf[r * ldb + j];
+        if out.alpha != 1.0 {
+            v *= out.alpha;
+        }
+        // SAFETY: r < rows, j < cols: inside the tile (and bias extents) the caller vouched for.
+        unsafe {
+            let p = out.c.add(r * out.rsc + j * out.csc);
+            if out.acc {
+                v += *p;
+            }
+            if let Some(e) = &out.epi {
+                if !e.row.is_null() {
+                    v += *e.row.add(r);
+                }
+                if !e.col.is_null() {
+                    v += *e.col.add(j);
+                }
+                v = e.act.apply(v);
+            }
+            *p = v;
+        }
+    };
+    if out.csc == 1 {
+        (0..rows).for_each(|r| (0..cols).for_each(|j| one(r, j)));
+    } else {
+        // Column-strided C: walk each column of the tile (contiguous in C when rsc is 1).
+        (0..cols).for_each(|j| (0..rows).for_each(|r| one(r, j)));
+    }
+}
+
+/// A register-tiled kernel: a `rows x cols` tile (at most `MR x NR`) from an A panel (`kc x MR`,
+/// row index fastest) and a B panel (`kc x NR`, column index fastest).
 trait Micro {
     const MR: usize;
     const NR: usize;
-    /// Writes (or, with `accumulate`, adds) the `MR x NR` tile to `c` (row stride `ldc`).
+    /// Computes the tile and writes it per `out`.
     ///
     /// # Safety
-    /// `a` holds `kc * MR` floats, `b` holds `kc * NR`, `c` addresses an `MR x NR` tile with row
-    /// stride `ldc`, and the CPU has the kernel's features.
-    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, acc: bool);
+    /// `a` holds `kc * MR` floats, `b` holds `kc * NR`, `rows <= MR`, `cols <= NR`, `out`
+    /// addresses a `rows x cols` tile (bias pointers: `rows` and `cols` values), and the CPU has
+    /// the kernel's features.
+    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out);
 }
 
 /// The portable kernel (4 x 8), plain Rust: a separate multiply and add (`mul_add` would be a
@@ -171,7 +298,7 @@ struct Scalar;
 impl Micro for Scalar {
     const MR: usize = 4;
     const NR: usize = 8;
-    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, acc: bool) {
+    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out) {
         // SAFETY: the caller guarantees the panel sizes (kc * MR, kc * NR).
         let (a, b) = unsafe {
             (
@@ -179,79 +306,285 @@ impl Micro for Scalar {
                 std::slice::from_raw_parts(b, kc * 8),
             )
         };
-        let mut t = [[0f32; 8]; 4];
+        let mut t = [0f32; 32];
         for (ap, bp) in a.chunks_exact(4).zip(b.chunks_exact(8)) {
             for r in 0..4 {
                 for j in 0..8 {
-                    t[r][j] += ap[r] * bp[j];
+                    t[r * 8 + j] += ap[r] * bp[j];
                 }
             }
         }
-        for (r, row) in t.iter().enumerate() {
-            for (j, v) in row.iter().enumerate() {
-                // SAFETY: the caller guarantees `c` addresses a 4 x 8 tile with row stride `ldc`.
-                unsafe {
-                    let p = c.add(r * ldc + j);
-                    *p = if acc { *p + v } else { *v };
-                }
-            }
-        }
+        // SAFETY: forwarded from the caller.
+        unsafe { write_tile(&t, 8, rows, cols, out) };
     }
 }
 
-/// Packs rows `0..mc` x columns `0..kc` of `a` into panels of `MR` rows (zero-padded), scaled by
-/// `alpha`: panel `q`, step `p`, row `r` at `q * kc * MR + p * MR + r`.
-fn pack_a(a: Mat, mc: usize, kc: usize, mr: usize, alpha: f32, out: &mut Vec<f32>) {
-    let panels = mc.div_ceil(mr);
-    out.clear();
-    out.resize(panels * kc * mr, 0.0);
-    for q in 0..panels {
-        let rows = mr.min(mc - q * mr);
-        let dst = &mut out[q * kc * mr..][..kc * mr];
-        for r in 0..rows {
-            let i = q * mr + r;
-            if a.cs == 1 {
-                let src = &a.data[i * a.rs..][..kc];
-                for (p, &v) in src.iter().enumerate() {
-                    dst[p * mr + r] = v * alpha;
-                }
-            } else {
-                for p in 0..kc {
-                    dst[p * mr + r] = a.at(i, p) * alpha;
-                }
+/// Packs `rows x kc` of `x` into panels of `w` rows (zero-padded to whole panels): panel `q`,
+/// step `p`, lane `r` at `q * kc * w + p * w + r`. Writes every float of those panels.
+fn pack(x: Mat, rows: usize, kc: usize, w: usize, dst: &mut [f32]) {
+    let panels = rows.div_ceil(w);
+    if x.rs == 1 {
+        // Each step's lanes are contiguous: read the operand step by step (one row of B at a
+        // time), copying each panel's share.
+        let full = rows / w;
+        let lanes = rows - full * w;
+        for p in 0..kc {
+            let src = &x.data[p * x.cs..];
+            for q in 0..full {
+                copy_lanes(&mut dst[q * kc * w + p * w..][..w], &src[q * w..][..w]);
+            }
+            if lanes > 0 {
+                let o = &mut dst[full * kc * w + p * w..][..w];
+                o[..lanes].copy_from_slice(&src[full * w..][..lanes]);
+                o[lanes..].fill(0.0);
             }
         }
+        return;
     }
-}
-
-/// Packs rows `0..kc` x columns `0..nc` of `b` into panels of `NR` columns (zero-padded): panel
-/// `q`, step `p`, column `j` at `q * kc * NR + p * NR + j`.
-fn pack_b(b: Mat, kc: usize, nc: usize, nr: usize, out: &mut Vec<f32>) {
-    let panels = nc.div_ceil(nr);
-    out.clear();
-    out.resize(panels * kc * nr, 0.0);
     for q in 0..panels {
-        let cols = nr.min(nc - q * nr);
-        let dst = &mut out[q * kc * nr..][..kc * nr];
-        if b.cs == 1 {
-            for p in 0..kc {
-                let src = &b.data[p * b.rs + q * nr..][..cols];
-                dst[p * nr..][..cols].copy_from_slice(src);
+        let r0 = q * w;
+        let lanes = w.min(rows - r0);
+        let out = &mut dst[q * kc * w..][..kc * w];
+        if lanes < w {
+            out.fill(0.0);
+        }
+        if x.cs == 1 && kc >= 16 && transposed_panel(x, r0, lanes, kc, w, out) {
+            // Transposed in registers.
+        } else if x.cs == 1 {
+            // Each lane is contiguous along K: transpose it in.
+            for r in 0..lanes {
+                let src = &x.data[(r0 + r) * x.rs..][..kc];
+                for (o, &v) in out.chunks_exact_mut(w).zip(src) {
+                    o[r] = v;
+                }
             }
         } else {
-            for j in 0..cols {
-                let col = q * nr + j;
-                if b.rs == 1 {
-                    let src = &b.data[col * b.cs..][..kc];
-                    for (p, &v) in src.iter().enumerate() {
-                        dst[p * nr + j] = v;
-                    }
-                } else {
+            for (p, o) in out.chunks_exact_mut(w).enumerate() {
+                for (r, v) in o[..lanes].iter_mut().enumerate() {
+                    *v = x.at(r0 + r, p);
+                }
+            }
+        }
+    }
+}
+
+/// Packs one panel of `lanes` rows from `r0` of `x` (`cs == 1`) with the AVX-512 transpose, if
+/// the CPU has it.
+fn transposed_panel(x: Mat, r0: usize, lanes: usize, kc: usize, w: usize, out: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::pack_transposed(&x.data[r0 * x.rs..], x.rs, lanes, kc, w, out)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (x, r0, lanes, kc, w, out);
+        false
+    }
+}
+
+/// `dst = src` for one step of a panel (`w` floats): a fixed-size copy for the kernels' widths.
+#[inline]
+fn copy_lanes(dst: &mut [f32], src: &[f32]) {
+    fn fixed<const W: usize>(dst: &mut [f32], src: &[f32]) {
+        let (d, s): (&mut [f32; W], &[f32; W]) = (dst.try_into().unwrap(), src.try_into().unwrap());
+        *d = *s;
+    }
+    match dst.len() {
+        32 => fixed::<32>(dst, src),
+        16 => fixed::<16>(dst, src),
+        12 => fixed::<12>(dst, src),
+        _ => dst.copy_from_slice(src),
+    }
+}
+
+/// Floats of an operand of `rows x k` packed whole in panels of `w`.
+fn packed_len(rows: usize, k: usize, w: usize) -> usize {
+    rows.next_multiple_of(w) * k
+}
+
+/// Packs all of `x` (`rows x k`) into `dst` in the blocked layout (see the module docs), on up to
+/// `threads` tasks that each write their own panels.
+fn pack_whole(x: Mat, rows: usize, k: usize, w: usize, threads: usize, dst: &mut [f32]) {
+    let pad = rows.next_multiple_of(w);
+    let panels = pad / w;
+    if pad * k == 0 {
+        return;
+    }
+    let groups = if threads > 1 {
+        panels.min(2 * threads)
+    } else {
+        1
+    };
+    let per = panels.div_ceil(groups);
+    // One region per (K block, panel group), each a disjoint slice of `dst`.
+    struct Region<'a, 'b> {
+        x: Mat<'a>,
+        lanes: usize,
+        kc: usize,
+        out: &'b mut [f32],
+    }
+    let mut regions: Vec<Mutex<Region>> = Vec::new();
+    let mut rest = &mut dst[..pad * k];
+    for pc in (0..k).step_by(KC) {
+        let kc = KC.min(k - pc);
+        for g in (0..panels).step_by(per) {
+            let n = per.min(panels - g);
+            let (head, tail) = rest.split_at_mut(n * kc * w);
+            rest = tail;
+            let r0 = g * w;
+            regions.push(Mutex::new(Region {
+                x: x.offset(r0, pc),
+                lanes: (n * w).min(rows - r0),
+                kc,
+                out: head,
+            }));
+        }
+    }
+    let run = |t: usize| {
+        let mut g = regions[t].lock().unwrap();
+        let r = &mut *g;
+        pack(r.x, r.lanes, r.kc, w, r.out);
+    };
+    if groups > 1 {
+        pool::parallel_for(regions.len(), run);
+    } else {
+        (0..regions.len()).for_each(run);
+    }
+}
+
+/// An operand `X` (`rows x k`) packed whole, in panels of any of the kernels' widths: the
+/// width it was packed for up front, others (for another ISA, or the other side of a transposed
+/// product) converted on first use and kept.
+struct Packed {
+    rows: usize,
+    k: usize,
+    by_width: [OnceLock<Vec<f32>>; WIDTHS.len()],
+}
+
+/// Every panel width a kernel uses (`MR`s and `NR`s).
+const WIDTHS: [usize; 6] = [4, 6, 8, 12, 16, 32];
+
+fn width_index(w: usize) -> usize {
+    WIDTHS
+        .iter()
+        .position(|&x| x == w)
+        .expect("gemm: panel width")
+}
+
+impl Packed {
+    fn new(x: Mat, rows: usize, k: usize, w: usize) -> Packed {
+        x.check(rows, k, "packed operand");
+        let mut data = vec![0f32; packed_len(rows, k, w)];
+        pack_whole(x, rows, k, w, pool::threads(), &mut data);
+        let p = Packed {
+            rows,
+            k,
+            by_width: Default::default(),
+        };
+        let _ = p.by_width[width_index(w)].set(data);
+        p
+    }
+
+    /// The operand in panels of `w`.
+    fn get(&self, w: usize) -> &[f32] {
+        self.by_width[width_index(w)].get_or_init(|| {
+            let (sw, src) = WIDTHS
+                .iter()
+                .zip(&self.by_width)
+                .find_map(|(&sw, s)| Some((sw, s.get()?)))
+                .expect("gemm: a packed operand has one layout");
+            let (spad, pad) = (
+                self.rows.next_multiple_of(sw),
+                self.rows.next_multiple_of(w),
+            );
+            let mut out = vec![0f32; pad * self.k];
+            for pc in (0..self.k).step_by(KC) {
+                let kc = KC.min(self.k - pc);
+                let (s, d) = (&src[pc * spad..], &mut out[pc * pad..]);
+                for i in 0..self.rows {
+                    let (so, doff) = ((i / sw) * kc * sw + i % sw, (i / w) * kc * w + i % w);
                     for p in 0..kc {
-                        dst[p * nr + j] = b.at(p, col);
+                        d[doff + p * w] = s[so + p * sw];
                     }
                 }
             }
+            out
+        })
+    }
+}
+
+/// The left operand `A` (`m x k`) packed once for the kernel in use ([`isa`]), so products
+/// with it skip packing it (conv weights). `alpha` is not folded in.
+pub struct PackedA(Packed);
+
+impl PackedA {
+    pub fn new(m: usize, k: usize, a: Mat) -> PackedA {
+        PackedA(Packed::new(a, m, k, isa().tile().0))
+    }
+
+    /// Rows (`m`).
+    pub fn m(&self) -> usize {
+        self.0.rows
+    }
+
+    /// Columns (`k`).
+    pub fn k(&self) -> usize {
+        self.0.k
+    }
+}
+
+/// The right operand `B` (`k x n`) packed once for the kernel in use ([`isa`]), so products
+/// with it skip packing it (MatMul / Gemm weights).
+pub struct PackedB(Packed);
+
+impl PackedB {
+    pub fn new(k: usize, n: usize, b: Mat) -> PackedB {
+        PackedB(Packed::new(b.t(), n, k, isa().tile().1))
+    }
+
+    /// Rows (`k`).
+    pub fn k(&self) -> usize {
+        self.0.k
+    }
+
+    /// Columns (`n`).
+    pub fn n(&self) -> usize {
+        self.0.rows
+    }
+}
+
+/// The left operand of [`gemm_ex`].
+#[derive(Clone, Copy)]
+pub enum Lhs<'a> {
+    Mat(Mat<'a>),
+    Packed(&'a PackedA),
+}
+
+/// The right operand of [`gemm_ex`].
+#[derive(Clone, Copy)]
+pub enum Rhs<'a> {
+    Mat(Mat<'a>),
+    Packed(&'a PackedB),
+}
+
+/// One operand as the blocked loop reads it: `X` (`rows x k`; A, or B transposed).
+#[derive(Clone, Copy)]
+enum Side<'a> {
+    /// Packed block by block as the loop goes.
+    Raw(Mat<'a>),
+    /// Packed whole in the kernel's width (`pad` = rows rounded up to it).
+    Whole(&'a [f32], usize),
+    /// A packed operand, in whatever width the side needs.
+    Pre(&'a Packed),
+}
+
+impl<'a> Side<'a> {
+    /// The whole-packed data in width `w`, if it is.
+    fn whole(self, rows: usize, w: usize) -> Option<(&'a [f32], usize)> {
+        match self {
+            Side::Raw(_) => None,
+            Side::Whole(d, pad) => Some((d, pad)),
+            Side::Pre(p) => Some((p.get(w), rows.next_multiple_of(w))),
         }
     }
 }
@@ -259,129 +592,245 @@ fn pack_b(b: Mat, kc: usize, nc: usize, nr: usize, out: &mut Vec<f32>) {
 /// A raw pointer to C that tasks may share: each task writes a disjoint part.
 #[derive(Clone, Copy)]
 struct CPtr(*mut f32);
-// SAFETY: tasks write disjoint regions of C (different rows or columns), and `gemm` keeps C
-// borrowed mutably until every task has finished.
+// SAFETY: tasks write disjoint regions of C (different rows or columns), and the entry points
+// keep C borrowed mutably until every task has finished.
 unsafe impl Send for CPtr {}
 // SAFETY: as above.
 unsafe impl Sync for CPtr {}
 
-impl CPtr {
-    /// The pointer `off` elements further.
-    ///
-    /// # Safety
-    /// The result must stay inside C.
-    unsafe fn add(self, off: usize) -> CPtr {
-        // SAFETY: forwarded from the caller.
-        CPtr(unsafe { self.0.add(off) })
-    }
-}
-
-/// One thread's GEMM over an `m x n` part of C at `c` (row stride `ldc`), `beta` already applied
-/// (`accumulate`: add to C, else overwrite it).
-///
-/// # Safety
-/// `c` addresses `m` rows of `n` writable floats with row stride `ldc`, not written by anyone
-/// else during the call; `a` and `b` are checked for `m x k` and `k x n`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn blocked<K: Micro>(
+/// A product as the blocked loop runs it (possibly the transposed one): C through strides,
+/// `beta` already applied (`acc`: add to C), the bias in this product's rows and columns.
+#[derive(Clone, Copy)]
+struct Prob<'a> {
     m: usize,
     n: usize,
     k: usize,
     alpha: f32,
-    a: Mat,
-    b: Mat,
+    a: Side<'a>,
+    b: Side<'a>,
     c: CPtr,
-    ldc: usize,
-    accumulate: bool,
-) {
+    rsc: usize,
+    csc: usize,
+    acc: bool,
+    row_bias: Option<&'a [f32]>,
+    col_bias: Option<&'a [f32]>,
+    act: Act,
+    has_epi: bool,
+}
+
+thread_local! {
+    /// Each thread's packing buffers for A and B blocks, kept between calls.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// The calling thread's buffers for operands (A, B) packed whole for all tasks.
+    static SHARED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Grows `v` to at least `n` floats (contents unspecified: the packers write every float).
+fn at_least(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+/// One task's share of the product: rows `i0..i1` and columns `j0..j1` of C. Where a side is
+/// packed whole, the range on it starts on a panel boundary.
+///
+/// # Safety
+/// `p.c` addresses the product's C (rows `m`, columns `n`, strides `rsc`, `csc`) and nobody
+/// else writes this range during the call; the CPU supports `K`.
+unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usize) {
     let (mr, nr) = (K::MR, K::NR);
-    let mut ap = Vec::new();
-    let mut bp = Vec::new();
-    let mut edge = vec![0f32; mr * nr];
-    for jc in (0..n).step_by(NC) {
-        let nc = NC.min(n - jc);
-        for pc in (0..k).step_by(KC) {
-            let kc = KC.min(k - pc);
-            let acc = accumulate || pc > 0;
-            pack_b(b.offset(pc, jc), kc, nc, nr, &mut bp);
-            // Row blocks of equal size (whole MR panels), at most MC + MR - 1 rows.
-            let mcb = m.div_ceil(m.div_ceil(MC)).next_multiple_of(mr);
-            for ic in (0..m).step_by(mcb) {
-                let mc = mcb.min(m - ic);
-                pack_a(a.offset(ic, pc), mc, kc, mr, alpha, &mut ap);
-                for (qj, jr) in (0..nc).step_by(nr).enumerate() {
+    let (mut sa, mut sb) = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let a_whole = p.a.whole(p.m, mr);
+    let b_whole = p.b.whole(p.n, nr);
+    let rows = i1 - i0;
+    // Row blocks of equal size (whole MR panels), at most MC + MR - 1 rows.
+    let mcb = rows.div_ceil(rows.div_ceil(MC)).next_multiple_of(mr);
+    for jc in (j0..j1).step_by(NC) {
+        let nc = NC.min(j1 - jc);
+        for pc in (0..p.k).step_by(KC) {
+            let kc = KC.min(p.k - pc);
+            let last = pc + kc == p.k;
+            let acc = p.acc || pc > 0;
+            let bp: &[f32] = match (b_whole, p.b) {
+                (Some((d, pad)), _) => &d[pc * pad + jc * kc..],
+                (None, Side::Raw(x)) => {
+                    let buf = at_least(&mut sb, nc.next_multiple_of(nr) * kc);
+                    pack(x.offset(jc, pc), nc, kc, nr, buf);
+                    buf
+                }
+                (None, _) => unreachable!(),
+            };
+            for ic in (i0..i1).step_by(mcb) {
+                let mc = mcb.min(i1 - ic);
+                let ap: &[f32] = match (a_whole, p.a) {
+                    (Some((d, pad)), _) => &d[pc * pad + ic * kc..],
+                    (None, Side::Raw(x)) => {
+                        let buf = at_least(&mut sa, mc.next_multiple_of(mr) * kc);
+                        pack(x.offset(ic, pc), mc, kc, mr, buf);
+                        buf
+                    }
+                    (None, _) => unreachable!(),
+                };
+                for jr in (0..nc).step_by(nr) {
                     let cols = nr.min(nc - jr);
-                    let bpanel = bp[qj * kc * nr..].as_ptr();
-                    for (qi, ir) in (0..mc).step_by(mr).enumerate() {
-                        let rows = mr.min(mc - ir);
-                        let apanel = ap[qi * kc * mr..].as_ptr();
-                        // SAFETY: the caller guarantees C's extent; (ic + ir, jc + jr) is inside
-                        // the m x n part.
-                        let ct = unsafe { c.0.add((ic + ir) * ldc + jc + jr) };
-                        if rows == mr && cols == nr {
-                            // SAFETY: the panels hold kc * MR and kc * NR floats; the tile lies
-                            // inside C; the ISA was checked when this kernel was chosen.
-                            unsafe { K::tile(kc, apanel, bpanel, ct, ldc, acc) };
-                        } else {
-                            // SAFETY: as above, with `edge` (MR x NR, row stride NR) as the tile.
-                            unsafe { K::tile(kc, apanel, bpanel, edge.as_mut_ptr(), nr, false) };
-                            for r in 0..rows {
-                                for j in 0..cols {
-                                    // SAFETY: r < rows and j < cols keep the element in C.
-                                    unsafe {
-                                        let p = ct.add(r * ldc + j);
-                                        let v = edge[r * nr + j];
-                                        *p = if acc { *p + v } else { v };
-                                    }
-                                }
-                            }
-                        }
+                    let j = jc + jr;
+                    let bpanel = bp[jr * kc..][..kc * nr].as_ptr();
+                    for ir in (0..mc).step_by(mr) {
+                        let rws = mr.min(mc - ir);
+                        let i = ic + ir;
+                        let apanel = ap[ir * kc..][..kc * mr].as_ptr();
+                        let epi = (last && p.has_epi).then(|| TileEpi {
+                            row: p.row_bias.map_or(std::ptr::null(), |v| v[i..].as_ptr()),
+                            col: p.col_bias.map_or(std::ptr::null(), |v| v[j..].as_ptr()),
+                            act: p.act,
+                        });
+                        let out = Out {
+                            // SAFETY: (i, j) lies inside the product's C (the caller's extent).
+                            c: unsafe { p.c.0.add(i * p.rsc + j * p.csc) },
+                            rsc: p.rsc,
+                            csc: p.csc,
+                            alpha: p.alpha,
+                            acc,
+                            epi,
+                        };
+                        // SAFETY: the panels were sliced to kc * MR and kc * NR floats; the
+                        // rws x cols tile lies inside this task's range of C, and the bias
+                        // slices were checked to cover every row and column; the ISA was
+                        // checked by the caller.
+                        unsafe { K::tile(kc, apanel, bpanel, rws, cols, &out) };
                     }
                 }
             }
         }
     }
+    SCRATCH.with(|s| *s.borrow_mut() = (sa, sb));
 }
 
-/// Rows of the AVX-512 kernel for an `m`-row product: 8 when that pads fewer rows than 12 (and
-/// always for small `m`), else 12 (more accumulators per B load).
-fn avx512_rows(m: usize) -> usize {
-    if m.next_multiple_of(8) < m.next_multiple_of(12) || m <= 96 {
-        8
-    } else {
-        12
-    }
+/// How a product is split among tasks: a grid of `tm x tn` ranges of `per_m` rows and `per_n`
+/// columns (the last of each shorter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Split {
+    tm: usize,
+    tn: usize,
+    per_m: usize,
+    per_n: usize,
 }
 
-/// Dispatches [`blocked`] to the microkernel for `isa`.
-///
-/// # Safety
-/// As [`blocked`]; `isa` must be supported by this CPU.
-#[allow(clippy::too_many_arguments)]
-unsafe fn blocked_isa(
-    isa: Isa,
+/// The split of an `m x n` product into at most `tasks` ranges that costs least: the largest
+/// range's multiply-adds (rows counted in kernel rows, columns in the kernel's padded columns)
+/// plus about 4 multiply-adds per float packed up front for sharing (a row split shares B,
+/// `n x k`, a column split A, `m x k`). `a_pre` / `b_pre`: the side is already packed whole (its
+/// ranges start on panel boundaries).
+fn plan_split<K: Micro>(
     m: usize,
     n: usize,
     k: usize,
-    alpha: f32,
-    a: Mat,
-    b: Mat,
-    c: CPtr,
-    ldc: usize,
-    accumulate: bool,
-) {
+    tasks: usize,
+    a_pre: bool,
+    b_pre: bool,
+) -> Split {
+    let (mr, nr) = (K::MR, K::NR);
+    // An edge tile of r < MR rows costs r rows, but at least 4 (shorter ones wait on latency).
+    let row_cost = |r: usize| {
+        r - r % mr
+            + if r.is_multiple_of(mr) {
+                0
+            } else {
+                (r % mr).max(4)
+            }
+    };
+    let col_cost = |c: usize| {
+        let rem = c % nr;
+        c - rem
+            + match rem {
+                0 => 0,
+                // The AVX-512 kernel has a 16-column edge.
+                r if nr == 32 && r <= 16 => 16,
+                _ => nr,
+            }
+    };
+    let mut best: Option<(usize, Split)> = None;
+    for tm in (1..=tasks).filter(|tm| tasks.is_multiple_of(*tm)) {
+        let tn = tasks / tm;
+        // Ranges on a side that is packed whole (ahead, or for sharing) start on its panels.
+        let step_m = if a_pre || tn > 1 { mr } else { 4 };
+        let step_n = if b_pre || tm > 1 { nr } else { nr / 2 };
+        let per_m = m.div_ceil(tm).next_multiple_of(step_m).min(m);
+        let per_n = n.div_ceil(tn).next_multiple_of(step_n).min(n);
+        let shared =
+            if tm > 1 && !b_pre { n * k } else { 0 } + if tn > 1 && !a_pre { m * k } else { 0 };
+        let cost = row_cost(per_m) * col_cost(per_n) * k + 4 * shared;
+        let split = Split {
+            tm,
+            tn,
+            per_m,
+            per_n,
+        };
+        if best.is_none_or(|(c, _)| cost < c) {
+            best = Some((cost, split));
+        }
+    }
+    best.expect("gemm: a split").1
+}
+
+/// Runs the product on up to `threads` tasks with kernel `K`.
+///
+/// # Safety
+/// As [`run_block`] for the whole product.
+unsafe fn run_product<K: Micro>(p: &Prob, threads: usize) {
+    let (mr, nr) = (K::MR, K::NR);
+    let work = p.m * p.n * p.k;
+    let tasks = threads.min(work / MIN_TASK_MACS).max(1);
+    if tasks == 1 {
+        // SAFETY: forwarded from the caller.
+        return unsafe { run_block::<K>(p, 0, p.m, 0, p.n) };
+    }
+    let a_pre = !matches!(p.a, Side::Raw(_));
+    let b_pre = !matches!(p.b, Side::Raw(_));
+    let sp = plan_split::<K>(p.m, p.n, p.k, tasks, a_pre, b_pre);
+    let (mut sa, mut sb) = SHARED.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let mut q = *p;
+    // Every task in a column of the grid reads all of its B range, every task in a row all of
+    // its A range: pack what is shared once, together.
+    if let (Side::Raw(x), true) = (p.b, sp.tm > 1) {
+        let buf = at_least(&mut sb, packed_len(p.n, p.k, nr));
+        pack_whole(x, p.n, p.k, nr, tasks, buf);
+        q.b = Side::Whole(buf, p.n.next_multiple_of(nr));
+    }
+    if let (Side::Raw(x), true) = (p.a, sp.tn > 1) {
+        let buf = at_least(&mut sa, packed_len(p.m, p.k, mr));
+        pack_whole(x, p.m, p.k, mr, tasks, buf);
+        q.a = Side::Whole(buf, p.m.next_multiple_of(mr));
+    }
+    let (gm, gn) = (p.m.div_ceil(sp.per_m), p.n.div_ceil(sp.per_n));
+    let q = &q;
+    pool::parallel_for(gm * gn, |t| {
+        let (i0, j0) = (t / gn * sp.per_m, t % gn * sp.per_n);
+        let (i1, j1) = ((i0 + sp.per_m).min(q.m), (j0 + sp.per_n).min(q.n));
+        // SAFETY: tasks write disjoint ranges of C; ranges on a side packed whole start on its
+        // panels (`plan_split`); forwarded from the caller.
+        unsafe { run_block::<K>(q, i0, i1, j0, j1) };
+    });
+    // Keep the buffers for the next call unless they are large.
+    let keep = |v: Vec<f32>| if v.len() <= 1 << 22 { v } else { Vec::new() };
+    SHARED.with(|s| *s.borrow_mut() = (keep(sa), keep(sb)));
+}
+
+/// Dispatches [`run_product`] to the microkernel for `isa`.
+///
+/// # Safety
+/// As [`run_product`]; `isa` must be supported by this CPU.
+unsafe fn run_isa(isa: Isa, p: &Prob, threads: usize) {
     // SAFETY: forwarded from the caller.
     unsafe {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if avx512_rows(m) == 8 => {
-                blocked::<x86::Avx512<8>>(m, n, k, alpha, a, b, c, ldc, accumulate)
-            }
+            Isa::Avx512 => run_product::<x86::Avx512<AVX512_MR>>(p, threads),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => blocked::<x86::Avx512<12>>(m, n, k, alpha, a, b, c, ldc, accumulate),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => blocked::<x86::Avx2>(m, n, k, alpha, a, b, c, ldc, accumulate),
-            _ => blocked::<Scalar>(m, n, k, alpha, a, b, c, ldc, accumulate),
+            Isa::Avx2 => run_product::<x86::Avx2>(p, threads),
+            _ => run_product::<Scalar>(p, threads),
         }
     }
 }
@@ -420,6 +869,72 @@ pub fn gemm_with(
     c: &mut [f32],
     ldc: usize,
 ) {
+    gemm_ex_with(
+        isa,
+        threads,
+        m,
+        n,
+        k,
+        alpha,
+        Lhs::Mat(a),
+        Rhs::Mat(b),
+        beta,
+        c,
+        ldc,
+        &Epilogue::NONE,
+    )
+}
+
+/// `C = act(alpha * A * B + beta * C + bias)` (see [`Epilogue`]) for an `m x k` A and a `k x n`
+/// B, either of them packed ahead, into a row-major `m x n` C with row stride `ldc`, on the
+/// pool's threads with the best microkernel. `beta == 0` ignores C's old contents. Panics when a
+/// view, a packed operand or a bias does not fit the shape.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_ex(
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: Lhs<'_>,
+    b: Rhs<'_>,
+    beta: f32,
+    c: &mut [f32],
+    ldc: usize,
+    epi: &Epilogue<'_>,
+) {
+    gemm_ex_with(
+        isa(),
+        pool::threads(),
+        m,
+        n,
+        k,
+        alpha,
+        a,
+        b,
+        beta,
+        c,
+        ldc,
+        epi,
+    )
+}
+
+/// [`gemm_ex`] with a chosen microkernel family and at most `threads` tasks. Panics when `isa`
+/// is not supported by this CPU.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_ex_with(
+    isa: Isa,
+    threads: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: Lhs<'_>,
+    b: Rhs<'_>,
+    beta: f32,
+    c: &mut [f32],
+    ldc: usize,
+    epi: &Epilogue<'_>,
+) {
     assert!(available_isas().contains(&isa), "gemm: {isa:?} unsupported");
     if m == 0 || n == 0 {
         return;
@@ -430,115 +945,181 @@ pub fn gemm_with(
         "gemm: C ({m} x {n}, ldc {ldc}) exceeds its {} elements",
         c.len()
     );
-    a.check(m, k, "A");
-    b.check(k, n, "B");
+    // Both operands as X (rows x k): A, and B transposed.
+    let xa = match a {
+        Lhs::Mat(v) => {
+            v.check(m, k, "A");
+            Side::Raw(v)
+        }
+        Lhs::Packed(p) => {
+            assert!(p.0.rows == m && p.0.k == k, "gemm: PackedA shape");
+            Side::Pre(&p.0)
+        }
+    };
+    let xb = match b {
+        Rhs::Mat(v) => {
+            v.check(k, n, "B");
+            Side::Raw(v.t())
+        }
+        Rhs::Packed(p) => {
+            assert!(p.0.rows == n && p.0.k == k, "gemm: PackedB shape");
+            Side::Pre(&p.0)
+        }
+    };
+    let (row_bias, col_bias) = match epi.bias {
+        Bias::None => (None, None),
+        Bias::Row(v) => {
+            assert!(v.len() >= m, "gemm: row bias of {} for {m} rows", v.len());
+            (Some(&v[..m]), None)
+        }
+        Bias::Col(v) => {
+            assert!(
+                v.len() >= n,
+                "gemm: column bias of {} for {n} columns",
+                v.len()
+            );
+            (None, Some(&v[..n]))
+        }
+    };
     // beta: 0 overwrites C (first K block), 1 accumulates, anything else scales C first.
-    let accumulate = beta != 0.0;
+    let acc = beta != 0.0;
     if beta != 0.0 && beta != 1.0 {
         for i in 0..m {
             c[i * ldc..][..n].iter_mut().for_each(|v| *v *= beta);
         }
     }
     if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                c[i * ldc..][..n].fill(0.0);
-            }
-        }
-        return;
-    }
-    // A short, wide-K product with many rows (late CNN layers: 7x7 outputs): the NR-wide
-    // panels would be mostly padding, so compute C^T = B^T A^T (the views swap for free) and
-    // transpose it into C.
-    let nr_of = |isa: Isa| match isa {
-        Isa::Avx512 => 32,
-        Isa::Avx2 => 16,
-        Isa::Scalar => 8,
-    };
-    let util = |x: usize| x as f64 / x.next_multiple_of(nr_of(isa)) as f64;
-    if n < 128 && m >= 2 * n && util(m) > util(n) + 0.1 {
-        let mut t = vec![0f32; n * m];
-        let at = Mat {
-            data: a.data,
-            rs: a.cs,
-            cs: a.rs,
-        };
-        let bt = Mat {
-            data: b.data,
-            rs: b.cs,
-            cs: b.rs,
-        };
-        gemm_with(isa, threads, n, m, k, alpha, bt, at, 0.0, &mut t, m);
         for i in 0..m {
-            let row = &mut c[i * ldc..][..n];
-            for (j, v) in row.iter_mut().enumerate() {
-                let x = t[j * m + i];
-                *v = if accumulate { *v + x } else { x };
+            for (j, v) in c[i * ldc..][..n].iter_mut().enumerate() {
+                let x = if acc { *v } else { 0.0 };
+                let bias = row_bias.map_or(0.0, |b| b[i]) + col_bias.map_or(0.0, |b| b[j]);
+                *v = if epi.is_none() {
+                    x
+                } else {
+                    epi.act.apply(x + bias)
+                };
             }
         }
         return;
     }
-    let (mr, nr) = match isa {
-        Isa::Avx512 => (avx512_rows(m), 32),
-        Isa::Avx2 => (6, 16),
-        Isa::Scalar => (4, 8),
+    let mut p = Prob {
+        m,
+        n,
+        k,
+        alpha,
+        a: xa,
+        b: xb,
+        c: CPtr(c.as_mut_ptr()),
+        rsc: ldc,
+        csc: 1,
+        acc,
+        row_bias,
+        col_bias,
+        act: epi.act,
+        has_epi: !epi.is_none(),
     };
-    // Splits worth a thread: at least ~1M multiply-adds each.
-    let work = m * n * k;
-    let tasks = threads.min(work / (1 << 20)).max(1);
-    let cp = CPtr(c.as_mut_ptr());
-    if tasks == 1 {
-        // SAFETY: C's extent was checked above and C is borrowed mutably; the ISA is supported.
-        unsafe { blocked_isa(isa, m, n, k, alpha, a, b, cp, ldc, accumulate) };
+    // A short, wide-K product with many rows (late CNN layers: 7x7 outputs): the NR-wide panels
+    // would be mostly padding, so compute C^T = B^T A^T (the operands swap roles, C is written
+    // through a column stride).
+    let util = |x: usize| x as f64 / isa.padded_cols(x) as f64;
+    if n < 128 && m >= 2 * n && util(m) > util(n) + 0.1 {
+        p = Prob {
+            m: n,
+            n: m,
+            a: xb,
+            b: xa,
+            rsc: 1,
+            csc: ldc,
+            row_bias: col_bias,
+            col_bias: row_bias,
+            ..p
+        };
+    }
+    // SAFETY: C's extent was checked above and C is borrowed mutably until the call returns;
+    // the bias slices cover the rows and columns; the ISA is supported.
+    unsafe { run_isa(isa, &p, threads) };
+}
+
+/// `count` independent products `C_i = alpha * A_i B_i` (`A_i = a(i)`, `m x k`; `B_i = b(i)`,
+/// `k x n`), product `i` written row-major into `c[i * m * n..][..m * n]`, spread over the pool's
+/// threads (across the batch, and within products when there are fewer than threads). Attention
+/// heads: many products each too small to split.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_batch<'a>(
+    count: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: &(dyn Fn(usize) -> Mat<'a> + Sync),
+    b: &(dyn Fn(usize) -> Mat<'a> + Sync),
+    c: &mut [f32],
+) {
+    gemm_batch_with(isa(), pool::threads(), count, m, n, k, alpha, a, b, c)
+}
+
+/// [`gemm_batch`] with a chosen microkernel family and at most `threads` tasks at a time.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_batch_with<'a>(
+    isa: Isa,
+    threads: usize,
+    count: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: &(dyn Fn(usize) -> Mat<'a> + Sync),
+    b: &(dyn Fn(usize) -> Mat<'a> + Sync),
+    c: &mut [f32],
+) {
+    let size = m * n;
+    assert!(
+        c.len() >= count * size,
+        "gemm_batch: C holds {} floats, {count} products of {m} x {n} need {}",
+        c.len(),
+        count * size
+    );
+    if count == 0 || size == 0 {
         return;
     }
-    if n >= m {
-        // Column ranges, whole NR panels each.
-        let per = n.div_ceil(nr).div_ceil(tasks) * nr;
-        let count = n.div_ceil(per);
-        pool::parallel_for(count, |t| {
-            let j0 = t * per;
-            let w = per.min(n - j0);
-            // SAFETY: tasks write disjoint column ranges j0..j0 + w of C (checked above), which
-            // stays borrowed until parallel_for returns; the ISA is supported.
-            unsafe {
-                blocked_isa(
-                    isa,
-                    m,
-                    w,
-                    k,
-                    alpha,
-                    a,
-                    b.offset(0, j0),
-                    cp.add(j0),
-                    ldc,
-                    accumulate,
-                )
-            };
-        });
+    let threads = threads.max(1);
+    let tasks_max = threads.min((count * size * k) / MIN_TASK_MACS).max(1);
+    // Row chunks per product: whole products when they divide evenly among the threads (or are
+    // many), else each product split so that every thread gets a share of each.
+    let split = if tasks_max == 1 || count.is_multiple_of(tasks_max) || count >= 4 * tasks_max {
+        1
     } else {
-        // Row ranges, whole MR panels each.
-        let per = m.div_ceil(mr).div_ceil(tasks) * mr;
-        let count = m.div_ceil(per);
-        pool::parallel_for(count, |t| {
-            let i0 = t * per;
-            let h = per.min(m - i0);
-            // SAFETY: tasks write disjoint row ranges i0..i0 + h of C (checked above), which
-            // stays borrowed until parallel_for returns; the ISA is supported.
-            unsafe {
-                blocked_isa(
-                    isa,
-                    h,
-                    n,
-                    k,
-                    alpha,
-                    a.offset(i0, 0),
-                    b,
-                    cp.add(i0 * ldc),
-                    ldc,
-                    accumulate,
-                )
-            };
-        });
+        tasks_max.min(m.div_ceil(8)).max(1)
+    };
+    let rows = m.div_ceil(split);
+    let mut parts: Vec<Mutex<(usize, usize, &mut [f32])>> = Vec::new();
+    for (i, ci) in c[..count * size].chunks_mut(size).enumerate() {
+        for (r, cr) in ci.chunks_mut(rows * n).enumerate() {
+            parts.push(Mutex::new((i, r * rows, cr)));
+        }
+    }
+    let run = |t: usize| {
+        let mut g = parts[t].lock().unwrap();
+        let (i, r0, ref mut ct) = *g;
+        let h = ct.len() / n;
+        gemm_ex_with(
+            isa,
+            1,
+            h,
+            n,
+            k,
+            alpha,
+            Lhs::Mat(a(i).offset(r0, 0)),
+            Rhs::Mat(b(i)),
+            0.0,
+            ct,
+            n,
+            &Epilogue::NONE,
+        );
+    };
+    if tasks_max > 1 {
+        pool::parallel_for(parts.len(), run);
+    } else {
+        (0..parts.len()).for_each(run);
     }
 }

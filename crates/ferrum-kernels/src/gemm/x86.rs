@@ -1,83 +1,280 @@
-//! x86-64 microkernels for [`super`]: AVX-512F (12 x 32, and 8 x 32 for row counts that 8
-//! divides better) and AVX2 + FMA (6 x 16). Each keeps its tile of C in registers (24, 16 and 12
-//! accumulators) over a packed K block: per step, the B panel's row is loaded once and every A
-//! value is broadcast against it.
+//! x86-64 microkernels for [`super`]: AVX-512F (`MR x 32`, with kernels for every row count up to
+//! `MR` and for 16-column edges, so edge tiles cost what their size does) and AVX2 + FMA
+//! (`6 x 16`). Each keeps its tile of C in registers over a packed K block: per step, the B
+//! panel's row is loaded once and every A value is broadcast against it.
+//!
+//! The AVX-512 kernel writes its tile straight into C (masked at the right edge, or transposed in
+//! registers for a C stored transposed), applying `alpha`, the old C, the bias and the vectorised
+//! activations in registers; the AVX2 kernel goes through [`super::write_tile`]. The AVX-512
+//! transpose also packs operands whose rows are contiguous along K ([`pack_transposed`]).
 
 use std::arch::x86_64::*;
 
-use super::Micro;
+use super::{write_tile, Act, Micro, Out};
 
-/// The AVX-512 kernel with `MR` rows (12 or 8) and 32 columns.
+/// The AVX-512 kernel: panels of `MR` rows and 32 columns.
 pub struct Avx512<const MR: usize>;
 
 impl<const MR: usize> Micro for Avx512<MR> {
     const MR: usize = MR;
     const NR: usize = 32;
     #[inline]
-    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, acc: bool) {
-        // SAFETY: forwarded from the caller (panel sizes, tile extent, AVX-512F present).
-        unsafe { tile_avx512::<MR>(kc, a, b, c, ldc, acc) }
+    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out) {
+        macro_rules! by_rows {
+            ($nv:literal, $($r:literal)*) => {
+                match rows {
+                    // SAFETY: forwarded from the caller (panel sizes, tile extent, AVX-512F);
+                    // `rows <= MR` is checked by the match arm's bound.
+                    $($r if $r <= MR => unsafe { tile_avx512::<MR, $r, $nv>(kc, a, b, cols, out) },)*
+                    _ => unreachable!("gemm: {rows} rows in an AVX-512 tile of {MR}"),
+                }
+            };
+        }
+        if cols <= 16 {
+            by_rows!(1, 1 2 3 4 5 6 7 8 9 10 11 12 13 14)
+        } else {
+            by_rows!(2, 1 2 3 4 5 6 7 8 9 10 11 12 13 14)
+        }
     }
 }
 
+/// The `R x 16*NV` tile of `a`'s panel (row stride `MR`) times `b`'s panel (row stride 32),
+/// written per `out` for its first `cols` columns.
+///
 /// # Safety
-/// `a` holds `kc * MR` floats, `b` holds `kc * 32`, `c` addresses an MR x 32 tile with row
-/// stride `ldc`, and the CPU supports AVX-512F.
+/// `a` holds `kc * MR` floats, `b` holds `kc * 32`, `R <= MR`, `cols <= 16 * NV`, `out` addresses
+/// an `R x cols` tile (and its bias pointers `R` and `cols` values), and the CPU supports
+/// AVX-512F.
 #[target_feature(enable = "avx512f")]
-unsafe fn tile_avx512<const MR: usize>(
+unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize>(
     kc: usize,
     a: *const f32,
     b: *const f32,
-    c: *mut f32,
-    ldc: usize,
-    acc: bool,
+    cols: usize,
+    out: &Out,
 ) {
-    let mut t = [[_mm512_setzero_ps(); 2]; MR];
+    let mut t = [[_mm512_setzero_ps(); NV]; R];
     for p in 0..kc {
-        // SAFETY: p < kc, so the loads stay inside the panels the caller vouched for.
+        // SAFETY: p < kc and R <= MR, so the loads stay inside the panels the caller vouched for.
         unsafe {
-            let b0 = _mm512_loadu_ps(b.add(p * 32));
-            let b1 = _mm512_loadu_ps(b.add(p * 32 + 16));
+            let bp = b.add(p * 32);
+            let mut bv = [_mm512_setzero_ps(); NV];
+            for (v, x) in bv.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(bp.add(16 * v));
+            }
             let ap = a.add(p * MR);
             for (r, row) in t.iter_mut().enumerate() {
                 let av = _mm512_set1_ps(*ap.add(r));
-                row[0] = _mm512_fmadd_ps(av, b0, row[0]);
-                row[1] = _mm512_fmadd_ps(av, b1, row[1]);
+                for (acc, &x) in row.iter_mut().zip(&bv) {
+                    *acc = _mm512_fmadd_ps(av, x, *acc);
+                }
             }
         }
     }
-    for (r, row) in t.iter().enumerate() {
-        // SAFETY: r < MR and 32 columns stay inside the tile the caller vouched for.
-        unsafe {
-            let p = c.add(r * ldc);
-            let (mut v0, mut v1) = (row[0], row[1]);
-            if acc {
-                v0 = _mm512_add_ps(_mm512_loadu_ps(p), v0);
-                v1 = _mm512_add_ps(_mm512_loadu_ps(p.add(16)), v1);
+    if out.csc != 1 {
+        if out.rsc == 1 {
+            // SAFETY: forwarded from the caller.
+            return unsafe { write_transposed_avx512::<R, NV>(t, cols, out) };
+        }
+        // Any other strides: through a row-major buffer.
+        let mut buf = [0f32; 14 * 32];
+        for (r, row) in t.iter().enumerate() {
+            for (v, &x) in row.iter().enumerate() {
+                // SAFETY: r < R <= 14 and v < NV <= 2 keep the store inside `buf`.
+                unsafe { _mm512_storeu_ps(buf.as_mut_ptr().add(r * 32 + 16 * v), x) };
             }
-            _mm512_storeu_ps(p, v0);
-            _mm512_storeu_ps(p.add(16), v1);
+        }
+        // SAFETY: forwarded from the caller (`out` addresses R x cols).
+        unsafe { write_tile(&buf, 32, R, cols, out) };
+        return;
+    }
+    if out.alpha == 1.0 && out.epi.is_none() && cols == 16 * NV {
+        // The common tile: whole, overwritten or added to.
+        for (r, row) in t.iter().enumerate() {
+            for (v, &x) in row.iter().enumerate() {
+                // SAFETY: r < R rows and 16 * NV == cols columns lie in the tile the caller
+                // vouched for.
+                unsafe {
+                    let p = out.c.add(r * out.rsc + 16 * v);
+                    let x = if out.acc {
+                        _mm512_add_ps(x, _mm512_loadu_ps(p))
+                    } else {
+                        x
+                    };
+                    _mm512_storeu_ps(p, x);
+                }
+            }
+        }
+        return;
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { write_avx512::<R, NV>(t, cols, out) };
+}
+
+/// Writes a tile per `out` on the general path: `alpha`, a masked right edge, the epilogue.
+/// Kept out of line so that the common path keeps the tile in registers.
+///
+/// # Safety
+/// As [`tile_avx512`]: `out` addresses an `R x cols` tile (`csc == 1`) and its bias values.
+#[inline(never)]
+#[target_feature(enable = "avx512f")]
+unsafe fn write_avx512<const R: usize, const NV: usize>(
+    t: [[__m512; NV]; R],
+    cols: usize,
+    out: &Out,
+) {
+    let alpha = _mm512_set1_ps(out.alpha);
+    let tail: __mmask16 = {
+        let left = cols - 16 * (NV - 1);
+        if left >= 16 {
+            0xffff
+        } else {
+            (1u16 << left) - 1
+        }
+    };
+    for (r, row) in t.iter().enumerate() {
+        for (v, &x) in row.iter().enumerate() {
+            let mask = if v == NV - 1 { tail } else { 0xffff };
+            // SAFETY: r < R rows and the masked columns (< cols) lie in the tile the caller
+            // vouched for; masked-off lanes are neither read nor written.
+            unsafe {
+                let p = out.c.add(r * out.rsc + 16 * v);
+                let mut x = x;
+                if out.alpha != 1.0 {
+                    x = _mm512_mul_ps(x, alpha);
+                }
+                if out.acc {
+                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, p));
+                }
+                if let Some(e) = &out.epi {
+                    if !e.row.is_null() {
+                        x = _mm512_add_ps(x, _mm512_set1_ps(*e.row.add(r)));
+                    }
+                    if !e.col.is_null() {
+                        x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, e.col.add(16 * v)));
+                    }
+                    x = act_avx512(e.act, x);
+                }
+                if mask == 0xffff {
+                    _mm512_storeu_ps(p, x);
+                } else {
+                    _mm512_mask_storeu_ps(p, mask, x);
+                }
+            }
+        }
+    }
+    if let Some(e) = &out.epi {
+        if !e.act.is_vector() {
+            for r in 0..R {
+                for j in 0..cols {
+                    // SAFETY: r < R and j < cols stay inside the tile the caller vouched for.
+                    unsafe {
+                        let p = out.c.add(r * out.rsc + j);
+                        *p = e.act.apply(*p);
+                    }
+                }
+            }
         }
     }
 }
 
+/// Writes a tile into a C stored transposed (`rsc == 1`: each of the tile's columns is `R`
+/// contiguous floats, `csc` apart), transposing it in registers: as [`write_avx512`] otherwise.
+///
+/// # Safety
+/// As [`tile_avx512`]: `out` addresses an `R x cols` tile with `rsc == 1`, and its bias values.
+#[inline(never)]
+#[target_feature(enable = "avx512f")]
+unsafe fn write_transposed_avx512<const R: usize, const NV: usize>(
+    t: [[__m512; NV]; R],
+    cols: usize,
+    out: &Out,
+) {
+    let alpha = _mm512_set1_ps(out.alpha);
+    let mask: __mmask16 = (1u16 << R) - 1;
+    for v in 0..NV {
+        let mut rows = [_mm512_setzero_ps(); 16];
+        for (x, row) in rows.iter_mut().zip(&t) {
+            *x = row[v];
+        }
+        let tr = transpose16(&rows);
+        for (c, &x) in tr.iter().enumerate().take(cols.saturating_sub(16 * v)) {
+            let j = 16 * v + c;
+            // SAFETY: column j < cols of the tile, its R rows contiguous (rsc == 1), lie in the
+            // tile the caller vouched for, as do the bias values; masked-off lanes are neither
+            // read nor written.
+            unsafe {
+                let p = out.c.add(j * out.csc);
+                let mut x = x;
+                if out.alpha != 1.0 {
+                    x = _mm512_mul_ps(x, alpha);
+                }
+                if out.acc {
+                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, p));
+                }
+                if let Some(e) = &out.epi {
+                    if !e.row.is_null() {
+                        x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, e.row));
+                    }
+                    if !e.col.is_null() {
+                        x = _mm512_add_ps(x, _mm512_set1_ps(*e.col.add(j)));
+                    }
+                    x = act_avx512(e.act, x);
+                }
+                _mm512_mask_storeu_ps(p, mask, x);
+                if let Some(e) = &out.epi {
+                    if !e.act.is_vector() {
+                        for r in 0..R {
+                            *p.add(r) = e.act.apply(*p.add(r));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The vectorised activations, bit for bit as [`Act::apply`]; the others pass `x` through (the
+/// caller applies them per element).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn act_avx512(act: Act, x: __m512) -> __m512 {
+    match act {
+        // `max(a, b)` is `a > b ? a : b`: NaN gives 0, as `Act::apply`.
+        Act::Relu => _mm512_max_ps(x, _mm512_setzero_ps()),
+        // `x < lo ? lo : x`, then `y > hi ? hi : y`: NaN stays.
+        Act::Clip { lo, hi } => {
+            _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x))
+        }
+        Act::LeakyRelu(s) => {
+            let ge = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_setzero_ps());
+            _mm512_mask_blend_ps(ge, _mm512_mul_ps(x, _mm512_set1_ps(s)), x)
+        }
+        _ => x,
+    }
+}
+
+/// The AVX2 kernel (6 x 16).
 pub struct Avx2;
 
 impl Micro for Avx2 {
     const MR: usize = 6;
     const NR: usize = 16;
     #[inline]
-    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, acc: bool) {
+    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out) {
         // SAFETY: forwarded from the caller (panel sizes, tile extent, AVX2 and FMA present).
-        unsafe { tile_avx2(kc, a, b, c, ldc, acc) }
+        unsafe { tile_avx2(kc, a, b, rows, cols, out) };
     }
 }
 
+/// The full 6 x 16 product of the panels, written per `out` for its first `rows x cols`: whole
+/// tiles without an epilogue straight from registers, others through [`write_tile`].
+///
 /// # Safety
-/// `a` holds `kc * 6` floats, `b` holds `kc * 16`, `c` addresses a 6 x 16 tile with row stride
-/// `ldc`, and the CPU supports AVX2 and FMA.
+/// `a` holds `kc * 6` floats, `b` holds `kc * 16`, `out` addresses a `rows x cols` tile (and its
+/// bias values), and the CPU supports AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, acc: bool) {
+unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out) {
     let mut t = [[_mm256_setzero_ps(); 2]; 6];
     for p in 0..kc {
         // SAFETY: p < kc, so the loads stay inside the panels the caller vouched for.
@@ -92,17 +289,130 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: u
             }
         }
     }
-    for (r, row) in t.iter().enumerate() {
-        // SAFETY: r < 6 and 16 columns stay inside the tile the caller vouched for.
-        unsafe {
-            let p = c.add(r * ldc);
-            let (mut v0, mut v1) = (row[0], row[1]);
-            if acc {
-                v0 = _mm256_add_ps(_mm256_loadu_ps(p), v0);
-                v1 = _mm256_add_ps(_mm256_loadu_ps(p.add(8)), v1);
+    if rows == 6 && cols == 16 && out.csc == 1 && out.alpha == 1.0 && out.epi.is_none() {
+        for (r, row) in t.iter().enumerate() {
+            // SAFETY: r < 6 rows and 16 columns lie in the tile the caller vouched for.
+            unsafe {
+                let p = out.c.add(r * out.rsc);
+                let (mut v0, mut v1) = (row[0], row[1]);
+                if out.acc {
+                    v0 = _mm256_add_ps(v0, _mm256_loadu_ps(p));
+                    v1 = _mm256_add_ps(v1, _mm256_loadu_ps(p.add(8)));
+                }
+                _mm256_storeu_ps(p, v0);
+                _mm256_storeu_ps(p.add(8), v1);
             }
-            _mm256_storeu_ps(p, v0);
-            _mm256_storeu_ps(p.add(8), v1);
+        }
+        return;
+    }
+    let mut buf = [0f32; 6 * 16];
+    for (r, row) in t.iter().enumerate() {
+        // SAFETY: r < 6, so both 8-float stores stay inside the 96 floats of `buf`.
+        unsafe {
+            _mm256_storeu_ps(buf.as_mut_ptr().add(r * 16), row[0]);
+            _mm256_storeu_ps(buf.as_mut_ptr().add(r * 16 + 8), row[1]);
+        }
+    }
+    // SAFETY: forwarded from the caller (`out` addresses rows x cols).
+    unsafe { write_tile(&buf, 16, rows, cols, out) };
+}
+
+/// The 16 x 16 transpose of `r` (row `i` in `r[i]`): column `c` in the result's `c`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
+    // Pairs of rows interleaved by element, then by element pair: u[4q + s] holds rows
+    // 4q..4q+4 of columns s, s + 4, s + 8, s + 12 (one per 128-bit lane).
+    let mut u = [_mm512_setzero_ps(); 16];
+    for q in 0..4 {
+        let lo01 = _mm512_unpacklo_ps(r[4 * q], r[4 * q + 1]);
+        let hi01 = _mm512_unpackhi_ps(r[4 * q], r[4 * q + 1]);
+        let lo23 = _mm512_unpacklo_ps(r[4 * q + 2], r[4 * q + 3]);
+        let hi23 = _mm512_unpackhi_ps(r[4 * q + 2], r[4 * q + 3]);
+        let pd = _mm512_castps_pd;
+        let ps = _mm512_castpd_ps;
+        u[4 * q] = ps(_mm512_unpacklo_pd(pd(lo01), pd(lo23)));
+        u[4 * q + 1] = ps(_mm512_unpackhi_pd(pd(lo01), pd(lo23)));
+        u[4 * q + 2] = ps(_mm512_unpacklo_pd(pd(hi01), pd(hi23)));
+        u[4 * q + 3] = ps(_mm512_unpackhi_pd(pd(hi01), pd(hi23)));
+    }
+    // Gather the 128-bit lanes: column s + 4l takes lane l of u[s], u[4 + s], u[8 + s],
+    // u[12 + s].
+    let mut out = [_mm512_setzero_ps(); 16];
+    for s in 0..4 {
+        let v0 = _mm512_shuffle_f32x4::<0x88>(u[s], u[4 + s]);
+        let v1 = _mm512_shuffle_f32x4::<0xdd>(u[s], u[4 + s]);
+        let v2 = _mm512_shuffle_f32x4::<0x88>(u[8 + s], u[12 + s]);
+        let v3 = _mm512_shuffle_f32x4::<0xdd>(u[8 + s], u[12 + s]);
+        out[s] = _mm512_shuffle_f32x4::<0x88>(v0, v2);
+        out[s + 8] = _mm512_shuffle_f32x4::<0xdd>(v0, v2);
+        out[s + 4] = _mm512_shuffle_f32x4::<0x88>(v1, v3);
+        out[s + 12] = _mm512_shuffle_f32x4::<0xdd>(v1, v3);
+    }
+    out
+}
+
+/// Packs one panel from `lanes` rows that are contiguous along K (row `r` at
+/// `src[r * rs..][..kc]`): `out[p * w + r]`, zero for `r >= lanes`. Returns false (and writes
+/// nothing) when the CPU lacks AVX-512F.
+pub fn pack_transposed(
+    src: &[f32],
+    rs: usize,
+    lanes: usize,
+    kc: usize,
+    w: usize,
+    out: &mut [f32],
+) -> bool {
+    if !is_x86_feature_detected!("avx512f") {
+        return false;
+    }
+    assert!(lanes >= 1 && lanes <= w && out.len() >= kc * w);
+    assert!((lanes - 1) * rs + kc <= src.len());
+    // SAFETY: AVX-512F is present; the asserts bound every read and write made.
+    unsafe { pack_transposed_avx512(src.as_ptr(), rs, lanes, kc, w, out.as_mut_ptr()) };
+    true
+}
+
+/// # Safety
+/// `src` holds `(lanes - 1) * rs + kc` floats, `out` holds `kc * w`, `lanes <= w`, and the CPU
+/// supports AVX-512F.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_transposed_avx512(
+    src: *const f32,
+    rs: usize,
+    lanes: usize,
+    kc: usize,
+    w: usize,
+    out: *mut f32,
+) {
+    let full = kc - kc % 16;
+    for g in (0..w).step_by(16) {
+        let gl = 16.min(w - g);
+        let live = lanes.saturating_sub(g).min(gl);
+        let mask: __mmask16 = if gl == 16 { 0xffff } else { (1 << gl) - 1 };
+        for p0 in (0..full).step_by(16) {
+            let mut r = [_mm512_setzero_ps(); 16];
+            for (i, v) in r.iter_mut().enumerate().take(live) {
+                // SAFETY: row g + i < lanes, columns p0..p0 + 16 <= kc: inside `src`.
+                *v = unsafe { _mm512_loadu_ps(src.add((g + i) * rs + p0)) };
+            }
+            let t = transpose16(&r);
+            for (c, &v) in t.iter().enumerate() {
+                // SAFETY: step p0 + c < kc, lanes g..g + gl <= w: inside `out`.
+                unsafe { _mm512_mask_storeu_ps(out.add((p0 + c) * w + g), mask, v) };
+            }
+        }
+        for p in full..kc {
+            for i in 0..gl {
+                // SAFETY: as above, one element at a time.
+                unsafe {
+                    *out.add(p * w + g + i) = if i < live {
+                        *src.add((g + i) * rs + p)
+                    } else {
+                        0.0
+                    };
+                }
+            }
         }
     }
 }

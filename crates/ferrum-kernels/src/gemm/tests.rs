@@ -1,0 +1,595 @@
+//! [`gemm_ex`] (epilogues, packed operands), [`gemm_batch`] and the activations against the f64
+//! reference [`gemm_ref`], on fresh random inputs each run, for every microkernel this CPU runs
+//! and one to three threads.
+//!
+//! Tolerances: the product as in `tests/gemm.rs`, `|got - want| <= 1e-5 * (sum over p of
+//! |alpha a_ip b_pj| + |beta c_ij| + |bias|)`; after an activation, 1.5 times that (every
+//! activation here is 1.5-Lipschitz or better) plus 2^-22 of the result's size (its rounding).
+//! A NaN passes only where the reference is NaN too.
+
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+const ACTS: [Act; 10] = [
+    Act::Identity,
+    Act::Relu,
+    Act::Clip { lo: -0.25, hi: 0.5 },
+    Act::LeakyRelu(0.1),
+    Act::Sigmoid,
+    Act::HardSigmoid {
+        alpha: 0.2,
+        beta: 0.5,
+    },
+    Act::HardSwish,
+    Act::Silu,
+    Act::Gelu,
+    Act::GeluTanh,
+];
+
+fn rng() -> rand::rngs::StdRng {
+    rand::rngs::StdRng::seed_from_u64(rand::random())
+}
+
+fn random_vec(rng: &mut impl Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()
+}
+
+/// A random dimension: tiny, small, around `block`, or up to twice it.
+fn random_dim(rng: &mut impl Rng, block: usize) -> usize {
+    match rng.gen_range(0..4) {
+        0 => rng.gen_range(1..8),
+        1 => rng.gen_range(1..80),
+        2 => (block as isize + rng.gen_range(-2..3)).max(1) as usize,
+        _ => rng.gen_range(1..2 * block + 5),
+    }
+}
+
+/// An `rows x cols` operand, row-major or transposed, with a leading dimension with slack.
+struct Operand {
+    data: Vec<f32>,
+    ld: usize,
+    transposed: bool,
+}
+
+impl Operand {
+    fn new(rng: &mut impl Rng, rows: usize, cols: usize) -> Operand {
+        let transposed = rng.gen();
+        let ld = if transposed { rows } else { cols } + rng.gen_range(0..3);
+        let data = random_vec(rng, ld * if transposed { cols } else { rows });
+        Operand {
+            data,
+            ld,
+            transposed,
+        }
+    }
+
+    fn mat(&self) -> Mat<'_> {
+        if self.transposed {
+            Mat::transposed(&self.data, self.ld)
+        } else {
+            Mat::row_major(&self.data, self.ld)
+        }
+    }
+}
+
+struct Case {
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    beta: f32,
+    /// 0: none, 1: row, 2: column.
+    bias: usize,
+    act: Act,
+    packed_a: bool,
+    packed_b: bool,
+}
+
+/// Checks `got` against `want` (the reference before the activation) elementwise, with `abs`
+/// the absolute sums that bound the rounding.
+#[allow(clippy::too_many_arguments)]
+fn check(
+    what: &str,
+    m: usize,
+    n: usize,
+    ldc: usize,
+    got: &[f32],
+    pre: &[f64],
+    abs: &[f64],
+    act: Act,
+) {
+    for i in 0..m {
+        for j in 0..n {
+            let w = act.apply(pre[i * n + j] as f32) as f64;
+            let g = got[i * ldc + j] as f64;
+            let tol = 1.5 * 1e-5 * abs[i * n + j] + w.abs() * 2f64.powi(-22) + 1e-30;
+            if w.is_nan() {
+                assert!(g.is_nan(), "{what}: C[{i}][{j}] = {g}, want NaN");
+                continue;
+            }
+            let err = (g - w).abs();
+            assert!(
+                err <= tol,
+                "{what}: C[{i}][{j}] = {g}, want {w} (err {err:e}, tol {tol:e})"
+            );
+        }
+    }
+}
+
+fn run_case(rng: &mut impl Rng, cs: &Case, isa: Isa, threads: usize) {
+    let Case {
+        m,
+        n,
+        k,
+        alpha,
+        beta,
+        ..
+    } = *cs;
+    let a = Operand::new(rng, m, k);
+    let b = Operand::new(rng, k, n);
+    let ldc = n + rng.gen_range(0..3);
+    let c0 = random_vec(rng, ldc * m);
+    let bias_v = random_vec(rng, m.max(n));
+    let bias = match cs.bias {
+        1 => Bias::Row(&bias_v[..m]),
+        2 => Bias::Col(&bias_v[..n]),
+        _ => Bias::None,
+    };
+    let epi = Epilogue { bias, act: cs.act };
+    // The reference: f64 sums, then the bias, then (in `check`) the activation.
+    let mut pre = vec![0f64; m * n];
+    let mut abs = vec![0f64; m * n];
+    let (av, bv) = (a.mat(), b.mat());
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s, mut t) = (0f64, 0f64);
+            for p in 0..k {
+                let x = alpha as f64 * av.at(i, p) as f64 * bv.at(p, j) as f64;
+                s += x;
+                t += x.abs();
+            }
+            if beta != 0.0 {
+                let o = beta as f64 * c0[i * ldc + j] as f64;
+                s += o;
+                t += o.abs();
+            }
+            let bb = match cs.bias {
+                1 => bias_v[i] as f64,
+                2 => bias_v[j] as f64,
+                _ => 0.0,
+            };
+            pre[i * n + j] = s + bb;
+            abs[i * n + j] = t + bb.abs();
+        }
+    }
+    let pa = cs.packed_a.then(|| PackedA::new(m, k, av));
+    let pb = cs.packed_b.then(|| PackedB::new(k, n, bv));
+    let lhs = pa.as_ref().map_or(Lhs::Mat(av), Lhs::Packed);
+    let rhs = pb.as_ref().map_or(Rhs::Mat(bv), Rhs::Packed);
+    let mut got = c0.clone();
+    gemm_ex_with(
+        isa, threads, m, n, k, alpha, lhs, rhs, beta, &mut got, ldc, &epi,
+    );
+    let what = format!(
+        "{isa:?} t{threads} m{m} n{n} k{k} ta{} tb{} alpha {alpha} beta {beta} bias {} {:?} \
+         packed {} {}",
+        a.transposed, b.transposed, cs.bias, cs.act, cs.packed_a, cs.packed_b
+    );
+    check(&what, m, n, ldc, &got, &pre, &abs, cs.act);
+    // Columns past n (the slack of ldc) are never written.
+    for i in 0..m {
+        for j in n..ldc {
+            if i * ldc + j < got.len() {
+                assert_eq!(
+                    got[i * ldc + j].to_bits(),
+                    c0[i * ldc + j].to_bits(),
+                    "{what}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gemm_ex_random_epilogues_and_packed_operands_match_the_f64_reference() {
+    let mut rng = rng();
+    for isa in available_isas() {
+        for case in 0..60 {
+            let c = Case {
+                m: random_dim(&mut rng, MC),
+                n: random_dim(&mut rng, 64),
+                k: if case % 17 == 0 {
+                    0
+                } else {
+                    random_dim(&mut rng, KC)
+                },
+                alpha: [1.0, 0.75, -1.5][case % 3],
+                beta: [0.0, 1.0, -0.5][case % 4 % 3],
+                bias: rng.gen_range(0..3),
+                act: ACTS[rng.gen_range(0..ACTS.len())],
+                packed_a: rng.gen(),
+                packed_b: rng.gen(),
+            };
+            run_case(&mut rng, &c, isa, 1 + case % 3);
+        }
+    }
+}
+
+#[test]
+fn gemm_ex_transposed_and_threaded_shapes() {
+    let mut rng = rng();
+    // Short wide-K products (computed transposed), threaded splits by rows, by columns and both,
+    // and K spanning several blocks.
+    let shapes = [
+        (130, 100, 300),
+        (300, 20, 300),
+        (257, 49, 130),
+        (97, 7, 513),
+        (64, 777, 147),
+        (301, 67, 600),
+        (200, 150, 257),
+    ];
+    for isa in available_isas() {
+        for (s, &(m, n, k)) in shapes.iter().enumerate() {
+            // Four tasks: a 2 x 2 grid where the product allows.
+            for threads in 1..=4 {
+                let c = Case {
+                    m,
+                    n,
+                    k,
+                    alpha: if s % 2 == 0 { 1.0 } else { 0.5 },
+                    beta: [0.0, 1.0, 2.0, 0.0][threads - 1],
+                    bias: (s + threads) % 3,
+                    act: ACTS[(s * 3 + threads) % ACTS.len()],
+                    packed_a: (s + threads) % 2 == 0,
+                    packed_b: s % 3 == 0,
+                };
+                run_case(&mut rng, &c, isa, threads);
+            }
+        }
+    }
+}
+
+#[test]
+fn vector_activations_give_the_bits_of_act_apply() {
+    // The kernels' activations (vectorised or not, C stored directly or transposed) against the
+    // scalar definition, on biases full of NaN, infinities, signed zeros and values at the clip
+    // bounds.
+    let mut rng = rng();
+    let specials = [
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        -0.25,
+        0.5,
+        1e30,
+        -1e30,
+    ];
+    // (29, 77): direct; (150, 20): computed transposed.
+    for (m, n, k) in [(29, 77, 40), (150, 20, 40)] {
+        let a = random_vec(&mut rng, m * k);
+        let b = random_vec(&mut rng, k * n);
+        let bias: Vec<f32> = (0..m.max(n))
+            .map(|j| {
+                if j % 3 == 0 {
+                    specials[j / 3 % specials.len()]
+                } else {
+                    rng.gen_range(-2.0..2.0)
+                }
+            })
+            .collect();
+        let (av, bv) = (Mat::row_major(&a, k), Mat::row_major(&b, n));
+        for isa in available_isas() {
+            for by_row in [false, true] {
+                let bias = if by_row {
+                    Bias::Row(&bias[..m])
+                } else {
+                    Bias::Col(&bias[..n])
+                };
+                let mut plain = vec![0f32; m * n];
+                let with_bias = Epilogue {
+                    bias,
+                    act: Act::Identity,
+                };
+                gemm_ex_with(
+                    isa,
+                    1,
+                    m,
+                    n,
+                    k,
+                    1.0,
+                    Lhs::Mat(av),
+                    Rhs::Mat(bv),
+                    0.0,
+                    &mut plain,
+                    n,
+                    &with_bias,
+                );
+                for act in ACTS {
+                    let mut fused = vec![0f32; m * n];
+                    gemm_ex_with(
+                        isa,
+                        2,
+                        m,
+                        n,
+                        k,
+                        1.0,
+                        Lhs::Mat(av),
+                        Rhs::Mat(bv),
+                        0.0,
+                        &mut fused,
+                        n,
+                        &Epilogue { bias, act },
+                    );
+                    for (i, (&p, &f)) in plain.iter().zip(&fused).enumerate() {
+                        let w = act.apply(p);
+                        assert!(
+                            w.to_bits() == f.to_bits() || (w.is_nan() && f.is_nan()),
+                            "{isa:?} m{m} n{n} {act:?} row bias {by_row} at {i}: {f} != \
+                             apply({p}) = {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_operands_give_the_bits_of_plain_views() {
+    let mut rng = rng();
+    for isa in available_isas() {
+        for &(m, n, k) in &[(37, 300, 301), (250, 33, 90), (13, 5, 7), (130, 200, 520)] {
+            let a = Operand::new(&mut rng, m, k);
+            let b = Operand::new(&mut rng, k, n);
+            let (av, bv) = (a.mat(), b.mat());
+            let (pa, pb) = (PackedA::new(m, k, av), PackedB::new(k, n, bv));
+            let mut want = vec![0f32; m * n];
+            gemm_ex_with(
+                isa,
+                1,
+                m,
+                n,
+                k,
+                0.5,
+                Lhs::Mat(av),
+                Rhs::Mat(bv),
+                0.0,
+                &mut want,
+                n,
+                &Epilogue::NONE,
+            );
+            for (threads, lhs, rhs) in [
+                (1, Lhs::Packed(&pa), Rhs::Mat(bv)),
+                (2, Lhs::Mat(av), Rhs::Packed(&pb)),
+                (3, Lhs::Packed(&pa), Rhs::Packed(&pb)),
+            ] {
+                let mut got = vec![f32::NAN; m * n];
+                gemm_ex_with(
+                    isa,
+                    threads,
+                    m,
+                    n,
+                    k,
+                    0.5,
+                    lhs,
+                    rhs,
+                    0.0,
+                    &mut got,
+                    n,
+                    &Epilogue::NONE,
+                );
+                assert!(
+                    want.iter()
+                        .zip(&got)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{isa:?} m{m} n{n} k{k} t{threads}: packed operands change the result"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_types_are_send_and_sync_and_take_empty_shapes() {
+    fn is<T: Send + Sync + 'static>() {}
+    is::<PackedA>();
+    is::<PackedB>();
+    let pa = PackedA::new(0, 5, Mat::row_major(&[], 5));
+    let pb = PackedB::new(0, 3, Mat::row_major(&[], 3));
+    assert_eq!((pa.m(), pa.k(), pb.k(), pb.n()), (0, 5, 0, 3));
+    // k = 0: C = act(beta C + bias).
+    let pa = PackedA::new(2, 0, Mat::row_major(&[], 0));
+    let mut c = vec![1.0, -2.0, 3.0, -4.0, 5.0, -6.0];
+    let epi = Epilogue {
+        bias: Bias::Row(&[0.5, -0.5]),
+        act: Act::Relu,
+    };
+    gemm_ex(
+        2,
+        3,
+        0,
+        1.0,
+        Lhs::Packed(&pa),
+        Rhs::Packed(&pb),
+        2.0,
+        &mut c,
+        3,
+        &epi,
+    );
+    assert_eq!(c, [2.5, 0.0, 6.5, 0.0, 9.5, 0.0]);
+}
+
+#[test]
+fn gemm_batch_matches_the_f64_reference() {
+    let mut rng = rng();
+    for isa in available_isas() {
+        for case in 0..24 {
+            let count = [0, 1, 2, 3, 5, 12][case % 6];
+            let (m, n, k) = match case % 4 {
+                0 => (128, 64, 128),
+                1 => (
+                    rng.gen_range(1..40),
+                    rng.gen_range(1..70),
+                    rng.gen_range(0..90),
+                ),
+                2 => (
+                    rng.gen_range(1..200),
+                    rng.gen_range(1..20),
+                    rng.gen_range(1..300),
+                ),
+                _ => (
+                    rng.gen_range(1..9),
+                    rng.gen_range(1..9),
+                    rng.gen_range(1..9),
+                ),
+            };
+            let threads = 1 + case % 3;
+            let alpha = if case % 2 == 0 { 1.0 } else { -0.5 };
+            let a: Vec<Operand> = (0..count).map(|_| Operand::new(&mut rng, m, k)).collect();
+            let b: Vec<Operand> = (0..count).map(|_| Operand::new(&mut rng, k, n)).collect();
+            let mut got = vec![f32::NAN; count * m * n + 3];
+            gemm_batch_with(
+                isa,
+                threads,
+                count,
+                m,
+                n,
+                k,
+                alpha,
+                &|i| a[i].mat(),
+                &|i| b[i].mat(),
+                &mut got,
+            );
+            for i in 0..count {
+                let mut want = vec![0f32; m * n];
+                gemm_ref(m, n, k, alpha, a[i].mat(), b[i].mat(), 0.0, &mut want, n);
+                let (av, bv) = (a[i].mat(), b[i].mat());
+                for r in 0..m {
+                    for j in 0..n {
+                        let abs: f64 = (0..k)
+                            .map(|p| (alpha as f64 * av.at(r, p) as f64 * bv.at(p, j) as f64).abs())
+                            .sum();
+                        let (g, w) = (got[i * m * n + r * n + j] as f64, want[r * n + j] as f64);
+                        let tol = 1e-5 * abs + 1e-30;
+                        assert!(
+                            (g - w).abs() <= tol,
+                            "{isa:?} t{threads} batch {count} m{m} n{n} k{k}: product {i} \
+                             C[{r}][{j}] = {g}, want {w}"
+                        );
+                    }
+                }
+            }
+            // Past the batch, C is untouched.
+            assert!(got[count * m * n..].iter().all(|v| v.is_nan()));
+        }
+    }
+}
+
+#[test]
+fn activations_match_their_f64_definitions() {
+    // erf / erfc against tabulated values (Abramowitz and Stegun; erfc(5) from mpmath).
+    for (z, want) in [
+        (0.0, 0.0),
+        (0.1, 0.112_462_916_018_284_9),
+        (0.5, 0.520_499_877_813_046_5),
+        (1.0, 0.842_700_792_949_714_9),
+        (2.0, 0.995_322_265_018_952_7),
+        (2.5, 0.999_593_047_982_555),
+        (3.0, 0.999_977_909_503_001_4),
+        (-1.0, -0.842_700_792_949_714_9),
+    ] {
+        let got = epilogue::erf(z);
+        assert!((got - want).abs() <= 1e-13, "erf({z}) = {got}, want {want}");
+    }
+    // The series and the continued fraction meet at 2.5.
+    let (below, at) = (epilogue::erf(2.5 - 1e-12), epilogue::erf(2.5));
+    assert!(
+        (at - below).abs() <= 1e-14,
+        "erf jumps at 2.5: {below} {at}"
+    );
+    for (z, want) in [
+        (2.5, 4.069_520_174_449_59e-4),
+        (3.0, 2.209_049_699_858_544e-5),
+        (5.0, 1.537_459_794_428_035e-12),
+        (10.0, 2.088_487_583_762_545e-45),
+    ] {
+        let got = epilogue::erfc(z);
+        assert!(
+            ((got - want) / want).abs() <= 1e-11,
+            "erfc({z}) = {got:e}, want {want:e}"
+        );
+    }
+    let g = |x: f32| Act::Gelu.apply(x) as f64;
+    assert_eq!(g(0.0), 0.0);
+    assert!((g(1.0) - 0.841_344_746_068_543).abs() <= 1e-7);
+    assert!((g(-3.0) - -0.004_049_694_094_890_3).abs() <= 1e-9);
+    assert!((Act::GeluTanh.apply(1.0) - 0.841_192).abs() <= 1e-6);
+    assert!((Act::Sigmoid.apply(2.0) - 0.880_797_1).abs() <= 1e-7);
+    assert!((Act::Silu.apply(-1.0) - -0.268_941_43).abs() <= 1e-7);
+    assert_eq!(Act::HardSwish.apply(1.0), 1.0 * (1.0 / 6.0 + 0.5) as f32);
+    assert_eq!(Act::HardSwish.apply(-4.0), 0.0);
+    assert_eq!(Act::Relu.apply(f32::NAN), 0.0);
+    assert!(Act::Clip { lo: 0.0, hi: 6.0 }.apply(f32::NAN).is_nan());
+    assert_eq!(Act::Clip { lo: 0.0, hi: 6.0 }.apply(7.0), 6.0);
+    assert!(Act::Gelu.apply(f32::NAN).is_nan());
+    assert!(Act::Sigmoid.apply(f32::NAN).is_nan());
+}
+
+#[test]
+fn gemm_pack_writes_the_panel_layout() {
+    // Every packing path (contiguous lanes, the transposing loops and the AVX-512 transpose,
+    // strided) against the layout's definition, padding included.
+    let mut rng = rng();
+    for w in WIDTHS {
+        for _ in 0..6 {
+            let rows = rng.gen_range(1..3 * w);
+            let kc = rng.gen_range(1..70);
+            let x = Operand::new(&mut rng, rows, kc);
+            let xv = x.mat();
+            let strided = Mat {
+                data: &x.data,
+                rs: xv.rs * 2,
+                cs: xv.cs * 2,
+            };
+            for (v, r) in [(xv, rows), (strided, rows / 2)] {
+                if r == 0 || (r - 1) * v.rs + (kc - 1) * v.cs >= v.data.len() {
+                    continue;
+                }
+                let mut out = vec![f32::NAN; r.next_multiple_of(w) * kc];
+                pack(v, r, kc, w, &mut out);
+                for q in 0..r.div_ceil(w) {
+                    for p in 0..kc {
+                        for l in 0..w {
+                            let i = q * w + l;
+                            let want = if i < r { v.at(i, p) } else { 0.0 };
+                            let got = out[q * kc * w + p * w + l];
+                            assert_eq!(got.to_bits(), want.to_bits(), "w{w} rows{r} kc{kc}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gemm_split_plans_balance_the_tasks() {
+    type K = Scalar;
+    // Tall: rows; wide: columns; more tasks: ranges that cover the product.
+    let s = plan_split::<K>(1000, 40, 50, 2, false, false);
+    assert_eq!((s.tm, s.tn), (2, 1));
+    let s = plan_split::<K>(40, 1000, 50, 2, false, false);
+    assert_eq!((s.tm, s.tn), (1, 2));
+    for (m, n) in [(512, 512), (9, 9), (24, 700)] {
+        let s = plan_split::<K>(m, n, 64, 4, false, false);
+        assert!(s.tm * s.tn <= 4 && s.per_m >= 1 && s.per_n >= 1);
+        assert!(m.div_ceil(s.per_m) <= s.tm && n.div_ceil(s.per_n) <= s.tn);
+    }
+    // Ranges on a side packed ahead start on its panels.
+    let s = plan_split::<K>(1001, 40, 50, 3, true, false);
+    assert_eq!(s.per_m % K::MR, 0);
+}
