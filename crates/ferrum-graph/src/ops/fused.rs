@@ -121,11 +121,6 @@ impl Act {
         self.apply_with(v, true)
     }
 
-    /// [`Act::apply`] on the calling thread only (for use inside a pool task).
-    pub fn apply_here(self, v: &mut [f32]) {
-        self.apply_with(v, false)
-    }
-
     fn apply_with(self, v: &mut [f32], par: bool) {
         let simd = match self {
             Act::Identity => return,

@@ -3,7 +3,9 @@
 //! accumulation (the reference kernels sum in f64), so results differ from the reference by f32
 //! rounding; other dtypes and forms stay on the reference loops.
 
-use ferrum_kernels::gemm::{gemm, Mat};
+use ferrum_kernels::gemm::{
+    gemm, gemm_batch, gemm_ex, Act as GemmAct, Bias, Epilogue, Lhs, Mat, Rhs,
+};
 use ferrum_kernels::pool;
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_to};
@@ -43,22 +45,12 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             &mut out,
             n,
         );
-    } else {
+    } else if m > 0 && n > 0 {
+        // A batch of products (attention heads): the threads split across them.
         let offs = broadcast_offsets(&[&abatch, &bbatch], &batch);
-        for bi in 0..nb {
-            let (ao, bo) = (offs[0][bi] * m * k, offs[1][bi] * k * n);
-            gemm(
-                m,
-                n,
-                k,
-                1.0,
-                Mat::row_major(&av[ao..], k),
-                Mat::row_major(&bv[bo..], n),
-                0.0,
-                &mut out[bi * m * n..][..m * n],
-                n,
-            );
-        }
+        let a_of = |bi: usize| Mat::row_major(&av[offs[0][bi] * m * k..], k);
+        let b_of = |bi: usize| Mat::row_major(&bv[offs[1][bi] * k * n..], n);
+        gemm_batch(nb, m, n, k, 1.0, &a_of, &b_of, &mut out);
     }
     Tensor::from_vec(out_shape, out)
 }
@@ -66,31 +58,51 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// `FusedMatMul`: `act(A B + bias)` with the bias along the last axis (numpy broadcasting when
 /// it is not a plain row of the output's width).
 pub fn matmul_bias_act(a: &Tensor, b: &Tensor, bias: Option<&Tensor>, act: Act) -> Result<Tensor> {
-    let y = matmul(a, b)?;
-    let n = *y.shape().last().unwrap_or(&1);
+    let n = *b.shape().last().unwrap_or(&1);
     let row = bias.filter(|t| {
         t.dtype() == DType::F32
             && t.len() == n
-            && t.rank() <= y.rank()
+            && t.rank() <= a.rank().max(2)
             && t.shape().iter().rev().skip(1).all(|&d| d == 1)
     });
-    let (Some(bt), true) = (row, n > 0) else {
-        return Epi { z: bias, act }.finish(y);
-    };
-    let bv = bt.as_slice::<f32>()?;
-    let shape = y.shape().to_vec();
-    let mut v = match y.into_data() {
-        crate::tensor::Data::F32(s) => s.into_vec(),
-        _ => unreachable!("matmul of float32 is float32"),
-    };
-    let rows_per = (64 * 1024 / n).max(1);
-    pool::parallel_chunks_mut(&mut v, rows_per * n, |_, chunk| {
-        for r in chunk.chunks_mut(n) {
-            r.iter_mut().zip(bv).for_each(|(x, b)| *x += b);
+    // A (rows x k, any leading dims) times a 2-D B, bias along the columns: one GEMM whose tiles
+    // get the bias (and a simple activation) as they are written.
+    if let (Some(bt), 2, true) = (row, b.rank(), a.rank() >= 2 && n > 0) {
+        let k = b.shape()[0];
+        if a.shape().last() == Some(&k) {
+            let rows = a.len() / k.max(1);
+            let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
+            let (in_gemm, after) = match gemm_act(act) {
+                Some(g) => (g, Act::Identity),
+                None => (GemmAct::Identity, act),
+            };
+            let mut out = vec![0f32; rows * n];
+            if rows > 0 {
+                // (k = 0 gives act(bias), as the unfused nodes would.)
+                gemm_ex(
+                    rows,
+                    n,
+                    k,
+                    1.0,
+                    Lhs::Mat(Mat::row_major(av, k)),
+                    Rhs::Mat(Mat::row_major(bv, n)),
+                    0.0,
+                    &mut out,
+                    n,
+                    &Epilogue {
+                        bias: Bias::Col(bt.as_slice::<f32>()?),
+                        act: in_gemm,
+                    },
+                );
+            }
+            after.apply(&mut out);
+            let mut shape = a.shape().to_vec();
+            *shape.last_mut().expect("rank >= 2") = n;
+            return Tensor::from_vec(shape, out);
         }
-        act.apply_here(chunk);
-    });
-    Tensor::from_vec(shape, v)
+    }
+    let y = matmul(a, b)?;
+    Epi { z: bias, act }.finish(y)
 }
 
 /// Gemm on f32: `alpha * op(A) * op(B) + beta * C` (C broadcast to `m x n`).
@@ -213,38 +225,37 @@ pub fn conv2d(
     let osp = oh * ow;
     let isp = ih * iw;
     let shape = vec![n, m, oh, ow];
-    // The output starts as the residual (when it has the output's shape) plus the bias, and the
-    // products accumulate into it.
+    // The output starts as the residual when that has the output's shape (the products
+    // accumulate into it); a residual of another shape is added by broadcasting at the end.
     let z = epi.z_exact(&shape);
     let mut out = match z {
         Some(z) => z.to_vec(),
         None => vec![0f32; n * m * osp],
     };
-    if let Some(bv) = bv {
-        for (i, o) in out.chunks_mut(osp.max(1)).enumerate() {
-            if z.is_some() {
+    let rest_z = if z.is_some() { None } else { epi.z };
+    if osp == 0 || (g.group == c && cg == 1 && m == c) {
+        // Depthwise: the bias joins the starting values, the activation follows.
+        if let Some(bv) = bv {
+            for (i, o) in out.chunks_mut(osp.max(1)).enumerate() {
                 o.iter_mut().for_each(|v| *v += bv[i % m]);
-            } else {
-                o.fill(bv[i % m]);
             }
         }
-    }
-    let rest = Epi {
-        z: if z.is_some() { None } else { epi.z },
-        act: epi.act,
-    };
-    let beta = if bv.is_some() || z.is_some() {
-        1.0
-    } else {
-        0.0
-    };
-    if osp == 0 {
+        if osp > 0 {
+            depthwise(xv, wv, &mut out, (ih, iw), g);
+        }
+        let rest = Epi {
+            z: rest_z,
+            act: epi.act,
+        };
         return rest.finish(Tensor::from_vec(shape, out)?);
     }
-    if g.group == c && cg == 1 && m == c {
-        depthwise(xv, wv, &mut out, (ih, iw), g);
-        return rest.finish(Tensor::from_vec(shape, out)?);
-    }
+    // The GEMM adds the bias and applies the simple activations as it writes each tile; the
+    // others (and any activation that must follow a broadcast residual) come after.
+    let (in_gemm, after) = match (rest_z, gemm_act(epi.act)) {
+        (None, Some(a)) => (a, Act::Identity),
+        _ => (GemmAct::Identity, epi.act),
+    };
+    let beta = if z.is_some() { 1.0 } else { 0.0 };
     let mpg = m / g.group;
     let kk = cg * kh * kw;
     let direct = kh == 1 && kw == 1 && g.s == [1, 1] && g.pad == [0, 0] && g.out == [ih, iw];
@@ -263,20 +274,41 @@ pub fn conv2d(
                 Mat::row_major(&col, osp)
             };
             let o = &mut out[(b * m + grp * mpg) * osp..][..mpg * osp];
-            gemm(
+            let epi_g = Epilogue {
+                bias: bv.map_or(Bias::None, |bv| Bias::Row(&bv[grp * mpg..][..mpg])),
+                act: in_gemm,
+            };
+            gemm_ex(
                 mpg,
                 osp,
                 kk,
                 1.0,
-                Mat::row_major(&wv[grp * mpg * kk..], kk),
-                bmat,
+                Lhs::Mat(Mat::row_major(&wv[grp * mpg * kk..], kk)),
+                Rhs::Mat(bmat),
                 beta,
                 o,
                 osp,
+                &epi_g,
             );
         }
     }
+    let rest = Epi {
+        z: rest_z,
+        act: after,
+    };
     rest.finish(Tensor::from_vec(shape, out)?)
+}
+
+/// The GEMM epilogue's form of an activation it applies in registers, bit for bit as
+/// [`Act::apply1`] (Relu, Clip, LeakyRelu); `None` for the others.
+fn gemm_act(a: Act) -> Option<GemmAct> {
+    match a {
+        Act::Identity => Some(GemmAct::Identity),
+        Act::Relu => Some(GemmAct::Relu),
+        Act::Clip(lo, hi) => Some(GemmAct::Clip { lo, hi }),
+        Act::LeakyRelu(s) => Some(GemmAct::LeakyRelu(s)),
+        _ => None,
+    }
 }
 
 /// The output columns `lo..hi` whose input column `o * s + t - pad` lies in `0..len`.
