@@ -108,9 +108,15 @@ fn conv2d_matches_the_reference() {
         };
         let kh = [1, 3, 5, 7][rng.gen_range(0..4)];
         let kw = [1, 2, 3][rng.gen_range(0..3)];
-        let d = [1 + (case % 7 == 6) as i64, 1];
+        // Depthwise cases also get wide rows (whole 16-output blocks) and column dilation.
+        let d = [
+            1 + (case % 7 == 6) as i64,
+            1 + (depthwise && case % 3 == 0) as i64,
+        ];
         let ekh = (kh - 1) * d[0] as usize + 1;
-        let (ih, iw) = (rng.gen_range(ekh..ekh + 12), rng.gen_range(kw..kw + 12));
+        let ekw = (kw - 1) * d[1] as usize + 1;
+        let wide = if depthwise { 40 } else { 12 };
+        let (ih, iw) = (rng.gen_range(ekh..ekh + 12), rng.gen_range(ekw..ekw + wide));
         let s = [rng.gen_range(1..3), rng.gen_range(1..3)];
         let pads = [
             rng.gen_range(0..3),
@@ -193,9 +199,10 @@ fn matmul_and_gemm_match_the_reference() {
             |_| 1e-5 * k,
         );
     }
-    for case in 0..12 {
+    for case in 0..16 {
+        // Cases 12..16 have one row (a classifier head: the matrix-vector path).
         let (m, n, k) = (
-            rng.gen_range(1..40),
+            if case >= 12 { 1 } else { rng.gen_range(1..40) },
             rng.gen_range(1..40),
             rng.gen_range(1..300),
         );
