@@ -397,9 +397,17 @@ fn depthwise(x: &[f32], w: &[f32], out: &mut [f32], (ih, iw): (usize, usize), g:
             if s1 == 1 {
                 xp[py * wph + g.pad[1]..][..cols].copy_from_slice(&row[..cols]);
             } else {
-                for (x, &v) in row[..cols].iter().enumerate() {
-                    let px = x + g.pad[1];
-                    xp[((px % s1) * hp + py) * wph + px / s1] = v;
+                // Phase r holds padded columns r, r + s1, ..: input columns r - pad, r - pad + s1, ..
+                for r in 0..s1 {
+                    let dst = &mut xp[(r * hp + py) * wph..][..wph];
+                    let first = (g.pad[1].saturating_sub(r)).div_ceil(s1);
+                    for (j, d) in dst.iter_mut().enumerate().skip(first) {
+                        let x = j * s1 + r - g.pad[1];
+                        if x >= cols {
+                            break;
+                        }
+                        *d = row[x];
+                    }
                 }
             }
         }
