@@ -118,10 +118,6 @@ impl Act {
     /// Applies the activation to every value, in place, over the pool's threads when large.
     /// Each activation gets its own loop (the compiler vectorises the simple ones).
     pub fn apply(self, v: &mut [f32]) {
-        self.apply_with(v, true)
-    }
-
-    fn apply_with(self, v: &mut [f32], par: bool) {
         let simd = match self {
             Act::Identity => return,
             Act::Relu => Some(Unary::Relu),
@@ -135,7 +131,7 @@ impl Act {
             Some(op) => vecmath::unary_inplace(op, c),
             None => c.iter_mut().for_each(|x| *x = self.apply1(*x)),
         };
-        if !par || v.len() <= per {
+        if v.len() <= per {
             go(v);
         } else {
             pool::parallel_chunks_mut(v, per, |_, c| go(c));
