@@ -154,13 +154,7 @@ impl Sampler {
         if p.temperature <= 0.0 && !self.penalties_apply() {
             // Greedy with nothing to penalise: the first maximum, without a candidate list
             // (the same token as the chain below picks).
-            let mut best = 0;
-            for (i, &l) in logits.iter().enumerate() {
-                if l > logits[best] {
-                    best = i;
-                }
-            }
-            return best as u32;
+            return first_argmax(logits) as u32;
         }
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
@@ -255,6 +249,34 @@ fn argmax(cand: &[(u32, f32)]) -> u32 {
     cand[best].0
 }
 
+/// The index of the first maximum of `x` (NaNs never win; 0 when every value is NaN or `x` is
+/// empty), in two passes the compiler vectorises: the maximum, in 16 lanes; then the first
+/// 16-value chunk holding it (a compare per chunk), and its first index there. The engine
+/// draws a greedy token this way from every sequence's logits at every step.
+fn first_argmax(x: &[f32]) -> usize {
+    const L: usize = 16;
+    let chunks = x.chunks_exact(L);
+    let rest = chunks.remainder();
+    let mut lanes = [f32::NEG_INFINITY; L];
+    for c in chunks {
+        for j in 0..L {
+            // `f32::max` returns the other operand when one is NaN.
+            lanes[j] = lanes[j].max(c[j]);
+        }
+    }
+    let best = lanes
+        .iter()
+        .chain(rest)
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    x.chunks(L)
+        .position(|c| c.iter().fold(false, |hit, &v| hit | (v == best)))
+        .and_then(|ci| {
+            let at = x[ci * L..].iter().position(|&v| v == best)?;
+            Some(ci * L + at)
+        })
+        .unwrap_or(0)
+}
+
 fn softmax(cand: &[(u32, f32)]) -> Vec<f32> {
     let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
     let e: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
@@ -292,6 +314,38 @@ pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The plain definition: the first index whose value is the largest non-NaN value.
+    fn first_argmax_ref(x: &[f32]) -> usize {
+        let max = x.iter().copied().filter(|v| !v.is_nan()).reduce(f32::max);
+        max.and_then(|m| x.iter().position(|&v| v == m))
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn first_argmax_agrees_with_the_plain_definition() {
+        // Fresh random inputs each run: lengths around the 16-lane chunks, few distinct values
+        // (ties across lanes and chunks), NaNs and infinities mixed in.
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u32 | 1);
+        let mut r = Mt19937::new(seed);
+        for case in 0..2000 {
+            let n = (r.next_u32() % 100) as usize;
+            let x: Vec<f32> = (0..n)
+                .map(|_| match r.next_u32() % 10 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 if case % 7 == 0 => f32::INFINITY,
+                    _ => (r.next_u32() % 5) as f32,
+                })
+                .collect();
+            assert_eq!(first_argmax(&x), first_argmax_ref(&x), "seed {seed}, {x:?}");
+        }
+        assert_eq!(first_argmax(&[f32::NEG_INFINITY; 40]), 0);
+        assert_eq!(first_argmax(&[f32::NAN; 40]), 0);
+        assert_eq!(first_argmax(&[]), 0);
+    }
 
     #[test]
     fn mt19937_matches_the_standard_sequence() {
