@@ -10,7 +10,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use ferrum_llm::{FinishReason, Llm, LoadOptions};
-use ferrum_server::engine::{self, EngineConfig, Event, Metrics, Request, TokenLogprobs};
+use ferrum_server::engine::{
+    self, Completion, CompletionWait, EngineConfig, Event, Metrics, Request, TokenLogprobs,
+};
 use ferrum_tokenizer::{ChatTemplate, Tokenizer};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -243,6 +245,7 @@ impl Engine {
             events,
             constraint: None,
             constraint_after: None,
+            completion: None,
         }
     }
 }
@@ -264,42 +267,23 @@ fn next_event(
     }
 }
 
-/// How long `generate` sleeps between looks at its event channel.
-const GENERATE_POLL: Duration = Duration::from_millis(2);
-
-/// Waits, with the GIL released, until at least one event is in `rx`, and moves every event
-/// there into `pending`; `false`: the channel closed with nothing left.
+/// Waits, with the GIL released, until the engine is through with every request of a
+/// `generate` call, looking for signals every [`SIGNAL_POLL`].
 ///
-/// `generate` needs its results only when they are complete, so it looks at the channel every
-/// [`GENERATE_POLL`] instead of being woken by each event: a wake-up per token makes the kernel
-/// run this thread on the engine thread's core (a futex wake pulls the woken thread to the
-/// waker's CPU), preempting the forward pass, which cost B=1 decoding about 5% of its speed.
-/// Returning at most one poll interval after the last event costs far less.
-fn poll_events(
-    py: Python<'_>,
-    rx: &mut UnboundedReceiver<(usize, Event)>,
-    pending: &mut Vec<(usize, Event)>,
-) -> PyResult<bool> {
-    let mut waited = Duration::ZERO;
+/// `generate` needs its results only when they are complete, so it is woken once, when the
+/// last request's [`Completion`] guard drops, not by each token's event: a wake-up per token
+/// puts this thread on a core running the forward pass (a futex wake pulls the woken thread to
+/// the waker's CPU, and with every core busy it preempts a kernel thread, stalling the others
+/// at the next barrier), which cost decoding about 5% of its speed at one sequence.
+fn wait_completion(py: Python<'_>, mut wait: CompletionWait) -> PyResult<()> {
     loop {
-        loop {
-            match rx.try_recv() {
-                Ok(ev) => pending.push(ev),
-                Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
-                Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
-                    return Ok(!pending.is_empty());
-                }
-            }
+        // The wait moves to the detached closure and back (a receiver is not `Sync`).
+        let (done, w) = py.detach(move || (wait.wait(SIGNAL_POLL), wait));
+        if done {
+            return Ok(());
         }
-        if !pending.is_empty() {
-            return Ok(true);
-        }
-        py.detach(|| std::thread::sleep(GENERATE_POLL));
-        waited += GENERATE_POLL;
-        if waited >= SIGNAL_POLL {
-            py.check_signals()?;
-            waited = Duration::ZERO;
-        }
+        wait = w;
+        py.check_signals()?;
     }
 }
 
@@ -486,33 +470,27 @@ impl Engine {
             .collect::<PyResult<_>>()?;
         let tx = self.sender()?;
         let (etx, mut erx) = unbounded_channel();
+        let (completion, done) = Completion::group();
         // Choice index -> (prompt index, sample index).
         let mut slots: Vec<(usize, usize)> = Vec::new();
         for (i, (prompt, p)) in prompts.into_iter().zip(&params).enumerate() {
             for j in 0..p.n {
                 let choice = slots.len();
                 slots.push((i, j));
-                let req =
+                let mut req =
                     self.request(prompt.clone(), p, budgets[i], choice, etx.clone(), j as u64);
+                req.completion = Some(completion.clone());
                 tx.send(req)
                     .map_err(|_| FerrumError::new_err("the engine thread has stopped"))?;
             }
         }
         drop(etx);
+        drop(completion);
+        wait_completion(py, done)?;
+        // Every request is dropped, so every event it sent is in the channel.
         let mut got: Vec<Collected> = (0..slots.len()).map(|_| Collected::default()).collect();
         let mut left = slots.len();
-        let mut pending: std::collections::VecDeque<(usize, Event)> = Default::default();
-        let mut batch: Vec<(usize, Event)> = Vec::new();
-        while left > 0 {
-            if pending.is_empty() {
-                if !poll_events(py, &mut erx, &mut batch)? {
-                    break;
-                }
-                pending.extend(batch.drain(..));
-            }
-            let Some((c, ev)) = pending.pop_front() else {
-                break;
-            };
+        while let Ok((c, ev)) = erx.try_recv() {
             let Some(out) = got.get_mut(c) else { continue };
             match ev {
                 Event::Token {

@@ -425,6 +425,7 @@ pub(crate) fn submit(
             events: tx.clone(),
             constraint: constraint.clone(),
             constraint_after: constraint_after.clone(),
+            completion: None,
         };
         st.engine.send(req).map_err(|_| ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,

@@ -63,6 +63,40 @@ pub struct Request {
     /// The constraint holds only after this text appears in the output (a thinking template's
     /// `</think>`: the model reasons freely, then its answer follows the grammar).
     pub constraint_after: Option<String>,
+    /// Held until the engine is through with the request (finished, failed, aborted, or
+    /// dropped with the engine): see [`Completion`]. `None` for callers that follow the events.
+    pub completion: Option<Completion>,
+}
+
+/// A guard each request of a group holds until the engine drops the request; the group's
+/// [`CompletionWait`] returns once every guard is gone. A caller that needs only complete
+/// results (a batch `generate`) waits on it and is woken once, instead of by every token's
+/// event: on a machine whose cores all run the forward pass, each such wake-up preempts a
+/// kernel thread and stalls the others at the next barrier.
+#[derive(Clone, Debug)]
+pub struct Completion(#[allow(dead_code)] std::sync::mpsc::Sender<()>);
+
+/// Waits for every [`Completion`] of its group to be dropped.
+#[derive(Debug)]
+pub struct CompletionWait(Receiver<()>);
+
+impl Completion {
+    /// A guard (clone it for each request) and the wait that ends when all clones are dropped.
+    pub fn group() -> (Completion, CompletionWait) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        (Completion(tx), CompletionWait(rx))
+    }
+}
+
+impl CompletionWait {
+    /// Whether every guard was dropped, waiting at most `timeout` for it. Nothing is ever sent
+    /// on the channel: it only disconnects.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        matches!(
+            self.0.recv_timeout(timeout),
+            Err(RecvTimeoutError::Disconnected)
+        )
+    }
 }
 
 /// What the engine tells a request's handler.

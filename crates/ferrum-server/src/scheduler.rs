@@ -650,6 +650,7 @@ mod tests {
             events: tx,
             constraint: None,
             constraint_after: None,
+            completion: None,
         };
         (req, rx)
     }
@@ -873,6 +874,45 @@ mod tests {
         assert!(s.is_idle());
         assert_eq!(m.kv_blocks_used.load(Ordering::Relaxed), 0);
         assert_eq!(m.finished_abort.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn the_completion_wait_ends_when_the_last_request_is_dropped() {
+        use crate::engine::Completion;
+        use std::time::Duration;
+        let tok = tokenizer();
+        let mut s = Scheduler::new(config(4, 64, false), 64, 4, Arc::new(Metrics::default()));
+        let (guard, wait) = Completion::group();
+        // One request runs to its length, one is abandoned by its client part way.
+        let (mut a, mut ra) = request(b"first", 3, 0);
+        let (mut b, rb) = request(b"second prompt", 50, 0);
+        a.completion = Some(guard.clone());
+        b.completion = Some(guard.clone());
+        drop(guard);
+        s.add(a);
+        s.add(b);
+        step(&mut s, &tok, &letter_logits);
+        assert!(!wait.wait(Duration::from_millis(1)), "both still run");
+        while drain_nonblocking(&mut ra) {
+            step(&mut s, &tok, &letter_logits);
+        }
+        assert!(
+            !wait.wait(Duration::from_millis(1)),
+            "the second still runs"
+        );
+        drop(rb);
+        s.drop_abandoned();
+        assert!(wait.wait(Duration::from_secs(5)), "every guard is dropped");
+    }
+
+    /// Whether `rx`'s request is still going (no `Done` among the events waiting in it).
+    fn drain_nonblocking(rx: &mut Events) -> bool {
+        while let Ok((_, ev)) = rx.try_recv() {
+            if matches!(ev, Event::Done { .. }) {
+                return false;
+            }
+        }
+        true
     }
 
     #[test]
