@@ -35,6 +35,8 @@ import ferrum
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[2]
+# Timed runs per measurement on both sides (`ferrum bench -r`), after a warm-up.
+REPS = 3
 
 
 def cli_onnx_ms(binary: str, model: str, npy: str, threads: int, repeat: int) -> float:
@@ -127,7 +129,7 @@ def main() -> int:
                 if b == 1:
                     out = subprocess.run(
                         [a.ferrum_bin, "bench", "-m", a.model, "-p", "0", "-n", str(a.n), "-t",
-                         str(a.threads), "-r", "3", "--json"],
+                         str(a.threads), "-r", str(REPS), "--json"],
                         check=True, capture_output=True, text=True).stdout
                     row = json.loads(out)[0]
                     cli_tg.append(row["tokens_per_second"])
@@ -135,20 +137,25 @@ def main() -> int:
                 else:
                     out = subprocess.run(
                         [a.ferrum_bin, "bench", "-m", a.model, "--batch", str(b), "-p", str(pp),
-                         "-n", str(a.n), "-t", str(a.threads), "-r", "3", "--json"],
+                         "-n", str(a.n), "-t", str(a.threads), "-r", str(REPS), "--json"],
                         check=True, capture_output=True, text=True).stdout
                     row = json.loads(out)[0]
                     cli.append(row["speed"])
                     cli_tg.append(row["speed_tg"])
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, params)
-                total = time.perf_counter() - t0
-                assert all(len(o.outputs[0].token_ids) == a.n for o in outs)
-                first = max(o.metrics["time_to_first_token"] for o in outs)
-                # After the last first token, every sequence decodes its other n - 1 tokens.
-                tg = b * (a.n - 1) / (total - first)
+                # The same statistic as `ferrum bench -r REPS`: the median of REPS timed runs.
+                totals, tgs = [], []
+                for _ in range(REPS):
+                    t0 = time.perf_counter()
+                    outs = llm.generate(prompts, params)
+                    total = time.perf_counter() - t0
+                    assert all(len(o.outputs[0].token_ids) == a.n for o in outs)
+                    first = max(o.metrics["time_to_first_token"] for o in outs)
+                    # After the last first token, every sequence decodes its other n - 1 tokens.
+                    totals.append(total)
+                    tgs.append(b * (a.n - 1) / (total - first))
+                tg = statistics.median(tgs)
                 py_tg.append(tg)
-                py.append(b * (pp + a.n) / total if b > 1 else tg)
+                py.append(b * (pp + a.n) / statistics.median(totals) if b > 1 else tg)
                 print(f"llm B={b} round {r}: ferrum bench {cli[-1]:.1f} t/s (tg {cli_tg[-1]:.1f}), "
                       f"LLM.generate {py[-1]:.1f} t/s (tg {tg:.1f})", flush=True)
             c, p = statistics.median(cli), statistics.median(py)
