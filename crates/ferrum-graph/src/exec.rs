@@ -8,6 +8,7 @@ use std::time::Instant;
 use crate::error::UnsupportedOp;
 use crate::ir::{Graph, Node, ValueId};
 use crate::ops;
+use crate::passes::PackedWeights;
 use crate::tensor::Value;
 use crate::{Error, Result};
 
@@ -16,6 +17,8 @@ use crate::{Error, Result};
 pub struct Env<'a> {
     local: HashMap<ValueId, Value>,
     consts: HashMap<ValueId, &'a Value>,
+    /// This graph's constant weights packed for the GEMM.
+    packed: Option<&'a PackedWeights>,
     parent: Option<&'a Env<'a>>,
 }
 
@@ -24,8 +27,14 @@ impl<'a> Env<'a> {
         Env {
             local: HashMap::new(),
             consts: HashMap::new(),
+            packed: None,
             parent,
         }
+    }
+
+    /// The packed weights of the running graph (not of enclosing ones).
+    pub fn packed(&self) -> Option<&'a PackedWeights> {
+        self.packed
     }
 
     pub fn get(&self, id: ValueId) -> Option<&Value> {
@@ -76,6 +85,7 @@ pub fn run_graph<'a>(
     for (id, v) in &graph.initializers {
         env.consts.insert(*id, v);
     }
+    env.packed = Some(&graph.packed);
     for (id, v) in graph.inputs.iter().zip(inputs) {
         if let Some(v) = v {
             env.set(*id, v);

@@ -94,6 +94,8 @@ pub struct Graph {
     pub initializers: Vec<(ValueId, Value)>,
     /// For each node, the values whose last reader it is (freed after it runs).
     pub frees: Vec<Vec<ValueId>>,
+    /// Constant weights packed for the GEMM when the session was created.
+    pub packed: crate::passes::PackedWeights,
 }
 
 impl Graph {

@@ -501,3 +501,69 @@ fn opset20_gelu_fuses_into_the_matmul() {
         1e-5,
     );
 }
+
+#[test]
+fn constant_weights_are_prepacked_and_give_the_same_outputs() {
+    let mut r = rng();
+    // A MatMul and a Gemm (transB) on constant weights, a Conv on a constant filter, and a
+    // MatMul whose weight is an overridable input default (not packed: a run may replace it).
+    // k and the filter's 40 x 3 x 3 span more than one of the GEMM's K blocks.
+    let (m, k, n, n2) = (5usize, 300usize, 40usize, 30usize);
+    let inits = vec![
+        init("w1", &[k as i64, n as i64], randv(&mut r, k * n)),
+        init("w2", &[n2 as i64, n as i64], randv(&mut r, n2 * n)),
+        init("w3", &[8, 40, 3, 3], randv(&mut r, 8 * 40 * 9)),
+        init("wo", &[k as i64, 7], randv(&mut r, k * 7)),
+    ];
+    let pads = AttributeProto {
+        name: "pads".into(),
+        ints: vec![1, 1, 1, 1],
+        r#type: 7,
+        ..Default::default()
+    };
+    let mp = model(
+        vec![
+            node("MatMul", &["x", "w1"], &["h"], vec![]),
+            node("Gemm", &["h", "w2"], &["y"], vec![attr_int("transB", 1)]),
+            node("Conv", &["img", "w3"], &["c"], vec![pads]),
+            node("MatMul", &["x", "wo"], &["o"], vec![]),
+        ],
+        vec![
+            f32_in("x", &[m as i64, k as i64]),
+            f32_in("img", &[1, 40, 9, 9]),
+            f32_in("wo", &[k as i64, 7]),
+        ],
+        vec![f32_out("y"), f32_out("c"), f32_out("o")],
+        inits,
+        17,
+    );
+    let feeds = [
+        ("x", vec![m, k], randv(&mut r, m * k)),
+        ("img", vec![1, 40, 9, 9], randv(&mut r, 40 * 81)),
+    ];
+    // Level 1 keeps the same nodes (nothing to fuse without bias or activation), so the only
+    // difference is where the products read their weights: the outputs agree bit for bit.
+    check(
+        &mp,
+        OptLevel::Basic,
+        &feeds,
+        &["MatMul", "Gemm", "Conv", "MatMul"],
+        0.0,
+    );
+    let s = session(&mp, OptLevel::Basic);
+    assert_eq!(s.model().graph.packed.len(), 3, "w1, w2 and w3, not wo");
+    assert!(s
+        .optimization_report()
+        .passes
+        .contains(&("weight prepacking", 3)));
+    assert!(session(&mp, OptLevel::Disabled)
+        .model()
+        .graph
+        .packed
+        .is_empty());
+    // Overriding the input default takes effect (zeros in, zeros out).
+    let mut with_wo = feeds.to_vec();
+    with_wo.push(("wo", vec![k, 7], vec![0.0; k * 7]));
+    let out = outputs(&s, &with_wo);
+    assert!(out[2].iter().all(|&v| v == 0.0), "the fed wo is used");
+}

@@ -222,7 +222,8 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
             if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
                 return Err(unsupported("FusedMatMul on non-float32 inputs"));
             }
-            crate::ops::linear::matmul_bias_act(a, b, cx.opt(2), act)?
+            let pb = cx.packed_b(1, crate::passes::Role::B);
+            crate::ops::linear::matmul_bias_act(a, b, cx.opt(2), act, pb)?
         }
         "Gelu" => {
             let x = cx.t(0)?;

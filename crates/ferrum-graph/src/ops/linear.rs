@@ -4,7 +4,7 @@
 //! rounding; other dtypes and forms stay on the reference loops.
 
 use ferrum_kernels::gemm::{
-    gemm, gemm_batch, gemm_ex, Act as GemmAct, Bias, Epilogue, Lhs, Mat, Rhs,
+    gemm_batch, gemm_ex, Act as GemmAct, Bias, Epilogue, Lhs, Mat, PackedA, PackedB, Rhs,
 };
 use ferrum_kernels::pool;
 
@@ -14,8 +14,9 @@ use crate::ops::vecmath;
 use crate::tensor::{DType, Tensor};
 use crate::Result;
 
-/// numpy matmul of two f32 tensors (1-D operands promoted, batch dims broadcast).
-pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// numpy matmul of two f32 tensors (1-D operands promoted, batch dims broadcast). `pb`: B
+/// packed ahead (a 2-D constant), used where the product is one GEMM.
+pub fn matmul(a: &Tensor, b: &Tensor, pb: Option<&PackedB>) -> Result<Tensor> {
     let super::nn::MatmulDims {
         m,
         k,
@@ -34,16 +35,17 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     } else if bbatch.iter().all(|&d| d == 1) {
         // One shared B: A's batch rows stack into one tall GEMM.
         let rows = out.len() / n.max(1);
-        gemm(
+        gemm_ex(
             rows,
             n,
             k,
             1.0,
-            Mat::row_major(av, k),
-            Mat::row_major(bv, n),
+            Lhs::Mat(Mat::row_major(av, k)),
+            rhs(bv, n, k, pb),
             0.0,
             &mut out,
             n,
+            &Epilogue::NONE,
         );
     } else if m > 0 && n > 0 {
         // A batch of products (attention heads): the threads split across them.
@@ -57,7 +59,13 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `FusedMatMul`: `act(A B + bias)` with the bias along the last axis (numpy broadcasting when
 /// it is not a plain row of the output's width).
-pub fn matmul_bias_act(a: &Tensor, b: &Tensor, bias: Option<&Tensor>, act: Act) -> Result<Tensor> {
+pub fn matmul_bias_act(
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    act: Act,
+    pb: Option<&PackedB>,
+) -> Result<Tensor> {
     let n = *b.shape().last().unwrap_or(&1);
     let row = bias.filter(|t| {
         t.dtype() == DType::F32
@@ -85,7 +93,7 @@ pub fn matmul_bias_act(a: &Tensor, b: &Tensor, bias: Option<&Tensor>, act: Act) 
                     k,
                     1.0,
                     Lhs::Mat(Mat::row_major(av, k)),
-                    Rhs::Mat(Mat::row_major(bv, n)),
+                    rhs(bv, n, k, pb),
                     0.0,
                     &mut out,
                     n,
@@ -101,8 +109,16 @@ pub fn matmul_bias_act(a: &Tensor, b: &Tensor, bias: Option<&Tensor>, act: Act) 
             return Tensor::from_vec(shape, out);
         }
     }
-    let y = matmul(a, b)?;
+    let y = matmul(a, b, pb)?;
     Epi { z: bias, act }.finish(y)
+}
+
+/// B (`k x n`, row-major in `bv`) for the GEMM: the packed copy when there is one of this shape.
+fn rhs<'a>(bv: &'a [f32], n: usize, k: usize, pb: Option<&'a PackedB>) -> Rhs<'a> {
+    match pb {
+        Some(p) if p.k() == k && p.n() == n => Rhs::Packed(p),
+        _ => Rhs::Mat(Mat::row_major(bv, n)),
+    }
 }
 
 /// Gemm on f32: `alpha * op(A) * op(B) + beta * C` (C broadcast to `m x n`).
@@ -116,6 +132,7 @@ pub fn gemm_op(
     alpha: f32,
     beta: f32,
     (m, n, k): (usize, usize, usize),
+    pb: Option<&PackedB>,
 ) -> Result<Tensor> {
     let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
     let am = if ta {
@@ -151,7 +168,22 @@ pub fn gemm_op(
             };
         }
     } else {
-        gemm(m, n, k, alpha, am, bm, beta_eff, &mut out, n);
+        let b = match pb {
+            Some(p) if p.k() == k && p.n() == n => Rhs::Packed(p),
+            _ => Rhs::Mat(bm),
+        };
+        gemm_ex(
+            m,
+            n,
+            k,
+            alpha,
+            Lhs::Mat(am),
+            b,
+            beta_eff,
+            &mut out,
+            n,
+            &Epilogue::NONE,
+        );
     }
     Tensor::from_vec(vec![m, n], out)
 }
@@ -214,6 +246,7 @@ pub fn conv2d(
     bias: Option<&Tensor>,
     g: &Conv2d,
     epi: Epi,
+    pw: Option<&PackedA>,
 ) -> Result<Tensor> {
     let (n, c, ih, iw) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
     let m = w.shape()[0];
@@ -283,7 +316,10 @@ pub fn conv2d(
                 osp,
                 kk,
                 1.0,
-                Lhs::Mat(Mat::row_major(&wv[grp * mpg * kk..], kk)),
+                match pw {
+                    Some(p) if g.group == 1 && p.m() == mpg && p.k() == kk => Lhs::Packed(p),
+                    _ => Lhs::Mat(Mat::row_major(&wv[grp * mpg * kk..], kk)),
+                },
                 Rhs::Mat(bmat),
                 beta,
                 o,

@@ -33,6 +33,7 @@ use crate::exec::Env;
 use crate::ir::{Attr, Node};
 use crate::tensor::{Tensor, Value};
 use crate::{kbail, Error, Result};
+use ferrum_kernels::gemm::{PackedA, PackedB};
 
 /// What a kernel sees: its node (attributes), its inputs and the enclosing values (subgraphs).
 pub struct Ctx<'a> {
@@ -62,6 +63,16 @@ impl<'a> Ctx<'a> {
     /// An optional tensor input (`None` when omitted).
     pub fn opt(&self, i: usize) -> Option<&'a Tensor> {
         self.value(i).and_then(|v| v.tensor().ok())
+    }
+    /// Input `i` packed ahead as a GEMM's B read as `role`, when the session packed it.
+    pub fn packed_b(&self, i: usize, role: crate::passes::Role) -> Option<&'a PackedB> {
+        let v = self.node.inputs.get(i).copied().flatten()?;
+        self.env.packed()?.b(v, role)
+    }
+    /// Input `i` (a Conv filter) packed ahead as a GEMM's A, when the session packed it.
+    pub fn packed_a(&self, i: usize) -> Option<&'a PackedA> {
+        let v = self.node.inputs.get(i).copied().flatten()?;
+        self.env.packed()?.a(v)
     }
     pub fn attr(&self, name: &str) -> Option<&'a Attr> {
         self.node.attrs.get(name)

@@ -5,6 +5,7 @@ use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, cast};
 use crate::ops::shape::strides;
 use crate::ops::{axis, unsupported, Ctx};
 use crate::ops::{fast, linear};
+use crate::passes::Role;
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
 
@@ -118,7 +119,7 @@ pub fn matmul_f64(
 fn matmul(cx: &Ctx) -> Result<Tensor> {
     let (a, b) = (cx.t(0)?, cx.t(1)?);
     if fast::all_f32(&[a, b]) {
-        return linear::matmul(a, b);
+        return linear::matmul(a, b, cx.packed_b(1, Role::B));
     }
     let (shape, v) = matmul_f64(&a.to_f64_vec()?, a.shape(), &b.to_f64_vec()?, b.shape())?;
     f64_tensor(shape, v, a.dtype())
@@ -175,6 +176,7 @@ pub(crate) fn gemm(cx: &Ctx) -> Result<Tensor> {
             alpha as f32,
             beta as f32,
             (m, n, k),
+            cx.packed_b(1, if tb { Role::BTransposed } else { Role::B }),
         );
     }
     let (av, bv) = (a.to_f64_vec()?, b.to_f64_vec()?);

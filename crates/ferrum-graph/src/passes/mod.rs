@@ -17,6 +17,9 @@
 
 mod fold;
 mod fuse;
+mod prepack;
+
+pub use prepack::{PackedWeights, Role};
 
 use std::collections::{HashMap, HashSet};
 
@@ -97,6 +100,11 @@ pub fn optimize(model: &mut Model, level: OptLevel) -> Result<Report> {
     }
     model.graph.plan_frees();
     report.nodes_after = model.graph.nodes.len();
+    if level >= OptLevel::Basic {
+        let n = prepack::prepack(&mut model.graph);
+        tracing::debug!(operands = n, "weights prepacked");
+        report.passes.push(("weight prepacking", n));
+    }
     Ok(report)
 }
 

@@ -1,0 +1,129 @@
+//! Constant weights packed for the GEMM once, when the session is created, instead of at every
+//! run: a MatMul's or Gemm's constant B in the kernel's column panels, a Conv's constant filter
+//! (one group) as its A in row panels. The graph is unchanged; the packed copies sit in
+//! [`Graph::packed`] under the initializer they were made from, and the products take them from
+//! there ([`crate::ops::Ctx::packed_b`], [`crate::ops::Ctx::packed_a`]).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use ferrum_kernels::gemm::{Mat, PackedA, PackedB};
+
+use super::{constant, DOMAIN};
+use crate::ir::{Attr, Graph, ValueId};
+use crate::tensor::DType;
+
+/// How a product reads a constant it has packed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// B of `A B` (`k x n`, row-major): MatMul's second input, Gemm's without `transB`.
+    B,
+    /// Gemm's B with `transB` (stored `n x k`).
+    BTransposed,
+    /// A Conv's filter (`M x C x kh x kw`, one group) as the A of `W col(x)`.
+    ConvFilter,
+}
+
+enum Packed {
+    A(PackedA),
+    B(PackedB),
+}
+
+/// The packed constants of one graph, by initializer and role.
+#[derive(Clone, Default)]
+pub struct PackedWeights(HashMap<(ValueId, Role), Arc<Packed>>);
+
+impl fmt::Debug for PackedWeights {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PackedWeights({} operands)", self.0.len())
+    }
+}
+
+impl PackedWeights {
+    /// The packed B made from `v` read as `role` ([`Role::B`] or [`Role::BTransposed`]).
+    pub fn b(&self, v: ValueId, role: Role) -> Option<&PackedB> {
+        match self.0.get(&(v, role))?.as_ref() {
+            Packed::B(p) => Some(p),
+            Packed::A(_) => None,
+        }
+    }
+
+    /// The packed A made from the filter `v`.
+    pub fn a(&self, v: ValueId) -> Option<&PackedA> {
+        match self.0.get(&(v, Role::ConvFilter))?.as_ref() {
+            Packed::A(p) => Some(p),
+            Packed::B(_) => None,
+        }
+    }
+
+    /// How many operands are packed.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// Packs every constant operand of the graph's float32 products that the kernels can take
+/// packed; returns how many. Inputs whose initializer the caller may override are left alone.
+pub fn prepack(g: &mut Graph) -> usize {
+    let mut packed = HashMap::new();
+    for n in &g.nodes {
+        let std = n.domain.is_empty() || n.domain == "ai.onnx";
+        let fused = n.domain == DOMAIN;
+        let int_attr = |name: &str, default: i64| match n.attrs.get(name) {
+            Some(Attr::Int(i)) => *i,
+            _ => default,
+        };
+        let Some(Some(w)) = n.inputs.get(1).copied() else {
+            continue;
+        };
+        let Some(t) = constant(g, w).filter(|t| t.dtype() == DType::F32) else {
+            continue;
+        };
+        let Ok(data) = t.as_slice::<f32>() else {
+            continue;
+        };
+        let s = t.shape();
+        let made = match (n.op.as_str(), std, fused) {
+            ("MatMul", true, _) | ("FusedMatMul", _, true) if s.len() == 2 => {
+                let (k, nn) = (s[0], s[1]);
+                (k > 0 && nn > 0).then(|| {
+                    let p = PackedB::new(k, nn, Mat::row_major(data, nn));
+                    (Role::B, Packed::B(p))
+                })
+            }
+            ("Gemm", true, _) | ("FusedGemm", _, true) if s.len() == 2 => {
+                let tb = int_attr("transB", 0) != 0;
+                let (k, nn) = if tb { (s[1], s[0]) } else { (s[0], s[1]) };
+                (k > 0 && nn > 0).then(|| {
+                    if tb {
+                        let p = PackedB::new(k, nn, Mat::transposed(data, k));
+                        (Role::BTransposed, Packed::B(p))
+                    } else {
+                        let p = PackedB::new(k, nn, Mat::row_major(data, nn));
+                        (Role::B, Packed::B(p))
+                    }
+                })
+            }
+            ("Conv", true, _) | ("FusedConv", _, true) if s.len() == 4 => {
+                let (m, kk) = (s[0], s[1] * s[2] * s[3]);
+                // One group only (the filter is then the whole A).
+                (int_attr("group", 1) == 1 && m > 0 && kk > 0).then(|| {
+                    let p = PackedA::new(m, kk, Mat::row_major(data, kk));
+                    (Role::ConvFilter, Packed::A(p))
+                })
+            }
+            _ => None,
+        };
+        if let Some((role, p)) = made {
+            packed.entry((w, role)).or_insert_with(|| Arc::new(p));
+        }
+    }
+    let n = packed.len();
+    g.packed = PackedWeights(packed);
+    n
+}
