@@ -216,7 +216,7 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
     let act = Act::from_node(cx)?;
     let t = match cx.node.op.as_str() {
         "FusedConv" => crate::ops::conv::conv_fused(cx, Epi { z: cx.opt(3), act })?,
-        "FusedGemm" => Epi { z: None, act }.finish(crate::ops::nn::gemm(cx)?)?,
+        "FusedGemm" => crate::ops::nn::gemm_act(cx, act)?,
         "FusedMatMul" => {
             let (a, b) = (cx.t(0)?, cx.t(1)?);
             if a.dtype() != DType::F32 || b.dtype() != DType::F32 {

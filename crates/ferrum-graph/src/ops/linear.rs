@@ -121,18 +121,21 @@ fn rhs<'a>(bv: &'a [f32], n: usize, k: usize, pb: Option<&'a PackedB>) -> Rhs<'a
     }
 }
 
-/// Gemm on f32: `alpha * op(A) * op(B) + beta * C` (C broadcast to `m x n`).
+/// Gemm on f32: `act(alpha * op(A) * op(B) + beta * C)` (C broadcast to `m x n`; `act` is
+/// FusedGemm's activation, [`Act::Identity`] for Gemm). A C that is a row of `n` (a Linear
+/// layer's bias) or a column of `m` is added by the GEMM's epilogue as each tile is written,
+/// with the simple activations; other shapes start the output.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_op(
     a: &Tensor,
     b: &Tensor,
     c: Option<&Tensor>,
-    ta: bool,
-    tb: bool,
+    (ta, tb): (bool, bool),
     alpha: f32,
     beta: f32,
     (m, n, k): (usize, usize, usize),
     pb: Option<&PackedB>,
+    act: Act,
 ) -> Result<Tensor> {
     let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
     let am = if ta {
@@ -146,16 +149,30 @@ pub fn gemm_op(
         Mat::row_major(bv, n)
     };
     let mut out = vec![0f32; m * n];
+    // `beta * C` as the epilogue's bias when C is a row or a column of the output (computed
+    // even when beta is 0, as the reference does: 0 * inf is NaN).
+    let cv = c.map(|c| c.as_slice::<f32>()).transpose()?;
+    let scaled: Option<Vec<f32>> = cv.map(|cv| cv.iter().map(|&v| beta * v).collect());
+    let cs = c.map(|c| c.shape()).unwrap_or(&[]);
+    let is_row = cs.last() == Some(&n) && cs.iter().rev().skip(1).all(|&d| d == 1);
+    let is_col = cs.len() == 2 && cs == [m, 1];
+    let bias = match (&scaled, m > 1) {
+        (Some(v), true) if is_row => Bias::Col(v),
+        (Some(v), true) if is_col && !is_row => Bias::Row(v),
+        _ => Bias::None,
+    };
     let mut beta_eff = 0.0;
-    if let Some(c) = c {
-        // Added even when beta is 0, as the reference does (0 * inf is NaN).
-        let cv = c.as_slice::<f32>()?;
+    if let (Some(c), Some(v), Bias::None) = (c, &scaled, &bias) {
         let offs = broadcast_to(c.shape(), &[m, n])?;
         for (o, &ci) in out.iter_mut().zip(&offs) {
-            *o = beta * cv[ci];
+            *o = v[ci];
         }
         beta_eff = 1.0;
     }
+    let (in_gemm, after) = match gemm_act(act) {
+        Some(g) if m > 1 => (g, Act::Identity),
+        _ => (GemmAct::Identity, act),
+    };
     if m == 1 {
         // One row (a classifier head): a matrix-vector product, B read once, no packing.
         let mut y = vec![0f32; n];
@@ -182,9 +199,10 @@ pub fn gemm_op(
             beta_eff,
             &mut out,
             n,
-            &Epilogue::NONE,
+            &Epilogue { bias, act: in_gemm },
         );
     }
+    after.apply(&mut out);
     Tensor::from_vec(vec![m, n], out)
 }
 

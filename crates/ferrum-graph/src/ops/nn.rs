@@ -2,6 +2,7 @@
 //! Reference loops in f64; the result is rounded once to the output type.
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, cast};
+use crate::ops::fused::Act;
 use crate::ops::shape::strides;
 use crate::ops::{axis, unsupported, Ctx};
 use crate::ops::{fast, linear};
@@ -147,6 +148,11 @@ pub(super) fn minus_zp(x: &Tensor, zp: Option<&Tensor>, per_col: bool) -> Result
 }
 
 pub(crate) fn gemm(cx: &Ctx) -> Result<Tensor> {
+    gemm_act(cx, Act::Identity)
+}
+
+/// Gemm followed by `act` (FusedGemm): in the float32 product's epilogue where it can be.
+pub(crate) fn gemm_act(cx: &Ctx, act: Act) -> Result<Tensor> {
     let (a, b) = (cx.t(0)?, cx.t(1)?);
     let (ta, tb) = (cx.ai("transA", 0) != 0, cx.ai("transB", 0) != 0);
     let (alpha, beta) = (cx.af("alpha", 1.0) as f64, cx.af("beta", 1.0) as f64);
@@ -171,12 +177,12 @@ pub(crate) fn gemm(cx: &Ctx) -> Result<Tensor> {
             a,
             b,
             cx.opt(2),
-            ta,
-            tb,
+            (ta, tb),
             alpha as f32,
             beta as f32,
             (m, n, k),
             cx.packed_b(1, if tb { Role::BTransposed } else { Role::B }),
+            act,
         );
     }
     let (av, bv) = (a.to_f64_vec()?, b.to_f64_vec()?);
@@ -199,7 +205,8 @@ pub(crate) fn gemm(cx: &Ctx) -> Result<Tensor> {
             *o += beta * cv[ci];
         }
     }
-    f64_tensor(vec![m, n], out, a.dtype())
+    let y = f64_tensor(vec![m, n], out, a.dtype())?;
+    crate::ops::fused::Epi { z: None, act }.finish(y)
 }
 
 fn batch_norm(cx: &Ctx) -> Result<Vec<Value>> {
