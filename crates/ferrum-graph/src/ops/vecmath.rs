@@ -476,6 +476,39 @@ multiversion! {
 }
 
 multiversion! {
+    /// One output row of a channels-last depthwise convolution: `o` holds `ow` pixels of `c`
+    /// channels each, starting as the bias (and residual), and each tap `t` adds
+    /// `w[t * c + ch] * x[taps[t] + px * step + ch]` in tap order (the same operations in the
+    /// same order as [`depthwise_rows`], so the two agree bit for bit). `L` channels at a time
+    /// in registers; the channels past the last whole block one by one.
+    pub fn depthwise_nhwc_row(x: &[f32], taps: &[usize], w: &[f32], o: &mut [f32], c: usize, ow: usize, step: usize) {
+        let full = c / L * L;
+        for px in 0..ow {
+            let ob = px * c;
+            for cb in (0..full).step_by(L) {
+                let mut acc = [0f32; L];
+                acc.copy_from_slice(&o[ob + cb..][..L]);
+                for (t, &off) in taps.iter().enumerate() {
+                    let xs = &x[off + px * step + cb..][..L];
+                    let ws = &w[t * c + cb..][..L];
+                    for l in 0..L {
+                        acc[l] += ws[l] * xs[l];
+                    }
+                }
+                o[ob + cb..][..L].copy_from_slice(&acc);
+            }
+            for ch in full..c {
+                let mut a = o[ob + ch];
+                for (t, &off) in taps.iter().enumerate() {
+                    a += w[t * c + ch] * x[off + px * step + ch];
+                }
+                o[ob + ch] = a;
+            }
+        }
+    }
+}
+
+multiversion! {
     /// `out[i] = op(x[i])`, every element of `out` written (`x` as long as `out`).
     pub fn unary_slice(op: Unary, x: &[f32], out: &mut [MaybeUninit<f32>]) {
         assert_eq!(x.len(), out.len());
