@@ -6,7 +6,7 @@
 //! | level | passes |
 //! |---|---|
 //! | 0 `Disabled` | none: the graph runs as imported |
-//! | 1 `Basic` | constant folding, Identity/Dropout elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights |
+//! | 1 `Basic` | constant folding, Identity/Dropout elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights; then constant weights packed for the GEMM ([`PackedWeights`]) |
 //! | 2 `Extended` | level 1, then the erf form of GELU into one node, and bias, residual Add and activation fused into the Conv, Gemm or MatMul that produces their input ([`crate::ops`]' `com.ferrum` ops) |
 //! | 3 `All` | level 2 (layout passes belong here) |
 //!
