@@ -529,6 +529,27 @@ fn depthwise(x: &[f32], w: &[f32], out: &mut [f32], (ih, iw): (usize, usize), g:
     let hp = (oh - 1) * g.s[0] + (kh - 1) * g.d[0] + 1;
     let wp = (ow - 1) * s1 + (kw - 1) * g.d[1] + 1;
     let wph = wp.div_ceil(s1);
+    if s1 == 2 {
+        // Stride 2 along columns: an unsplit padded plane (rows copied whole) read two apart.
+        pool::parallel_chunks_mut(out, osp, |p, o| {
+            let plane = &x[p * isp..][..isp];
+            let wk = &w[(p % c) * kh * kw..][..kh * kw];
+            let mut xp = vec![0f32; hp * wp + 2 * vecmath::DW_LANES];
+            let cols = iw.min(wp.saturating_sub(g.pad[1]));
+            for y in 0..ih {
+                let py = y + g.pad[0];
+                if py >= hp {
+                    break;
+                }
+                xp[py * wp + g.pad[1]..][..cols].copy_from_slice(&plane[y * iw..][..cols]);
+            }
+            let taps: Vec<(usize, usize, f32)> = (0..kh * kw)
+                .map(|t| ((t / kw) * g.d[0], (t % kw) * g.d[1], wk[t]))
+                .collect();
+            vecmath::depthwise_rows_s2(&xp, wp, &taps, o, oh, ow, g.s[0]);
+        });
+        return;
+    }
     pool::parallel_chunks_mut(out, osp, |p, o| {
         let plane = &x[p * isp..][..isp];
         let wk = &w[(p % c) * kh * kw..][..kh * kw];

@@ -476,6 +476,31 @@ multiversion! {
 }
 
 multiversion! {
+    /// [`depthwise_rows`] for a column stride of 2 on an unsplit zero-padded plane `xp` (rows
+    /// of `wp` values, at least `2 * DW_LANES` values of slack at the end): output column `ox`
+    /// of a tap at column offset `b` reads `xp[row * wp + b + 2 * ox]`. The same operations in
+    /// the same order as the phase-split form.
+    pub fn depthwise_rows_s2(xp: &[f32], wp: usize, taps: &[(usize, usize, f32)], o: &mut [f32], oh: usize, ow: usize, s0: usize) {
+        for oy in 0..oh {
+            let orow = &mut o[oy * ow..][..ow];
+            let base = oy * s0;
+            for ox0 in (0..ow).step_by(L) {
+                let n = L.min(ow - ox0);
+                let mut acc = [0f32; L];
+                acc[..n].copy_from_slice(&orow[ox0..ox0 + n]);
+                for &(r, b, wv) in taps {
+                    let src = &xp[(r + base) * wp + b + 2 * ox0..][..2 * L];
+                    for l in 0..L {
+                        acc[l] += wv * src[2 * l];
+                    }
+                }
+                orow[ox0..ox0 + n].copy_from_slice(&acc[..n]);
+            }
+        }
+    }
+}
+
+multiversion! {
     /// One output row of a channels-last depthwise convolution: `o` holds `ow` pixels of `c`
     /// channels each, starting as the bias (and residual), and each tap `t` adds
     /// `w[t * c + ch] * x[taps[t] + px * step + ch]` in tap order (the same operations in the
