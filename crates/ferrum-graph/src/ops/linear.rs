@@ -35,18 +35,7 @@ pub fn matmul(a: &Tensor, b: &Tensor, pb: Option<&PackedB>) -> Result<Tensor> {
     } else if bbatch.iter().all(|&d| d == 1) {
         // One shared B: A's batch rows stack into one tall GEMM.
         let rows = out.len() / n.max(1);
-        gemm_ex(
-            rows,
-            n,
-            k,
-            1.0,
-            Lhs::Mat(Mat::row_major(av, k)),
-            rhs(bv, n, k, pb),
-            0.0,
-            &mut out,
-            n,
-            &Epilogue::NONE,
-        );
+        gemm_rows(av, bv, (rows, n, k), pb, &mut out, &Epilogue::NONE);
     } else if m > 0 && n > 0 {
         // A batch of products (attention heads): the threads split across them.
         let offs = broadcast_offsets(&[&abatch, &bbatch], &batch);
@@ -80,28 +69,15 @@ pub fn matmul_bias_act(
         if a.shape().last() == Some(&k) {
             let rows = a.len() / k.max(1);
             let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
-            let (in_gemm, after) = match gemm_act(act) {
-                Some(g) => (g, Act::Identity),
-                None => (GemmAct::Identity, act),
-            };
+            let (in_gemm, after) = split_act(act);
             let mut out = vec![0f32; rows * n];
             if rows > 0 {
                 // (k = 0 gives act(bias), as the unfused nodes would.)
-                gemm_ex(
-                    rows,
-                    n,
-                    k,
-                    1.0,
-                    Lhs::Mat(Mat::row_major(av, k)),
-                    rhs(bv, n, k, pb),
-                    0.0,
-                    &mut out,
-                    n,
-                    &Epilogue {
-                        bias: Bias::Col(bt.as_slice::<f32>()?),
-                        act: in_gemm,
-                    },
-                );
+                let epi = Epilogue {
+                    bias: Bias::Col(bt.as_slice::<f32>()?),
+                    act: in_gemm,
+                };
+                gemm_rows(av, bv, (rows, n, k), pb, &mut out, &epi);
             }
             after.apply(&mut out);
             let mut shape = a.shape().to_vec();
@@ -113,11 +89,35 @@ pub fn matmul_bias_act(
     Epi { z: bias, act }.finish(y)
 }
 
-/// B (`k x n`, row-major in `bv`) for the GEMM: the packed copy when there is one of this shape.
-fn rhs<'a>(bv: &'a [f32], n: usize, k: usize, pb: Option<&'a PackedB>) -> Rhs<'a> {
+/// `out = epi(A B)` for A `rows x k` (row-major `av`) and B `k x n` (row-major `bv`, or its
+/// packed copy `pb` when that has this shape).
+fn gemm_rows(
+    av: &[f32],
+    bv: &[f32],
+    (rows, n, k): (usize, usize, usize),
+    pb: Option<&PackedB>,
+    out: &mut [f32],
+    epi: &Epilogue,
+) {
+    gemm_ex(
+        rows,
+        n,
+        k,
+        1.0,
+        Lhs::Mat(Mat::row_major(av, k)),
+        packed_or(pb, k, n, Mat::row_major(bv, n)),
+        0.0,
+        out,
+        n,
+        epi,
+    );
+}
+
+/// B for the GEMM: the packed copy when there is one of B's shape (`k x n`), else `b`.
+fn packed_or<'a>(pb: Option<&'a PackedB>, k: usize, n: usize, b: Mat<'a>) -> Rhs<'a> {
     match pb {
         Some(p) if p.k() == k && p.n() == n => Rhs::Packed(p),
-        _ => Rhs::Mat(Mat::row_major(bv, n)),
+        _ => Rhs::Mat(b),
     }
 }
 
@@ -149,29 +149,32 @@ pub fn gemm_op(
         Mat::row_major(bv, n)
     };
     let mut out = vec![0f32; m * n];
-    // `beta * C` as the epilogue's bias when C is a row or a column of the output (computed
-    // even when beta is 0, as the reference does: 0 * inf is NaN).
+    // `beta * C` (computed even when beta is 0, as the reference does: 0 * inf is NaN): the
+    // epilogue's bias when C is a row or a column of the output, else the output's start.
     let cv = c.map(|c| c.as_slice::<f32>()).transpose()?;
-    let scaled: Option<Vec<f32>> = cv.map(|cv| cv.iter().map(|&v| beta * v).collect());
     let cs = c.map(|c| c.shape()).unwrap_or(&[]);
     let is_row = cs.last() == Some(&n) && cs.iter().rev().skip(1).all(|&d| d == 1);
-    let is_col = cs.len() == 2 && cs == [m, 1];
-    let bias = match (&scaled, m > 1) {
-        (Some(v), true) if is_row => Bias::Col(v),
-        (Some(v), true) if is_col && !is_row => Bias::Row(v),
-        _ => Bias::None,
+    let is_col = cs == [m, 1];
+    let scaled: Option<Vec<f32>> = cv
+        .filter(|_| m > 1 && (is_row || is_col))
+        .map(|cv| cv.iter().map(|&v| beta * v).collect());
+    let bias = match &scaled {
+        Some(v) if is_row => Bias::Col(v),
+        Some(v) => Bias::Row(v),
+        None => Bias::None,
     };
     let mut beta_eff = 0.0;
-    if let (Some(c), Some(v), Bias::None) = (c, &scaled, &bias) {
+    if let (Some(c), Some(cv), None) = (c, cv, &scaled) {
         let offs = broadcast_to(c.shape(), &[m, n])?;
         for (o, &ci) in out.iter_mut().zip(&offs) {
-            *o = v[ci];
+            *o = beta * cv[ci];
         }
         beta_eff = 1.0;
     }
-    let (in_gemm, after) = match gemm_act(act) {
-        Some(g) if m > 1 => (g, Act::Identity),
-        _ => (GemmAct::Identity, act),
+    let (in_gemm, after) = if m > 1 {
+        split_act(act)
+    } else {
+        (GemmAct::Identity, act)
     };
     if m == 1 {
         // One row (a classifier head): a matrix-vector product, B read once, no packing.
@@ -185,17 +188,13 @@ pub fn gemm_op(
             };
         }
     } else {
-        let b = match pb {
-            Some(p) if p.k() == k && p.n() == n => Rhs::Packed(p),
-            _ => Rhs::Mat(bm),
-        };
         gemm_ex(
             m,
             n,
             k,
             alpha,
             Lhs::Mat(am),
-            b,
+            packed_or(pb, k, n, bm),
             beta_eff,
             &mut out,
             n,
@@ -305,9 +304,9 @@ pub fn conv2d(
     }
     // The GEMM adds the bias and applies the simple activations as it writes each tile; the
     // others (and any activation that must follow a broadcast residual) come after.
-    let (in_gemm, after) = match (rest_z, gemm_act(epi.act)) {
-        (None, Some(a)) => (a, Act::Identity),
-        _ => (GemmAct::Identity, epi.act),
+    let (in_gemm, after) = match rest_z {
+        None => split_act(epi.act),
+        Some(_) => (GemmAct::Identity, epi.act),
     };
     let beta = if z.is_some() { 1.0 } else { 0.0 };
     let mpg = m / g.group;
@@ -356,16 +355,17 @@ pub fn conv2d(
     rest.finish(Tensor::from_vec(shape, out)?)
 }
 
-/// The GEMM epilogue's form of an activation it applies in registers, bit for bit as
-/// [`Act::apply1`] (Relu, Clip, LeakyRelu); `None` for the others.
-fn gemm_act(a: Act) -> Option<GemmAct> {
-    match a {
-        Act::Identity => Some(GemmAct::Identity),
-        Act::Relu => Some(GemmAct::Relu),
-        Act::Clip(lo, hi) => Some(GemmAct::Clip { lo, hi }),
-        Act::LeakyRelu(s) => Some(GemmAct::LeakyRelu(s)),
-        _ => None,
-    }
+/// `act` split into the part the GEMM's epilogue applies in registers, bit for bit as
+/// [`Act::apply1`] (Relu, Clip, LeakyRelu), and the part left to apply afterwards (the others).
+fn split_act(a: Act) -> (GemmAct, Act) {
+    let g = match a {
+        Act::Identity => GemmAct::Identity,
+        Act::Relu => GemmAct::Relu,
+        Act::Clip(lo, hi) => GemmAct::Clip { lo, hi },
+        Act::LeakyRelu(s) => GemmAct::LeakyRelu(s),
+        _ => return (GemmAct::Identity, a),
+    };
+    (g, Act::Identity)
 }
 
 /// The output columns `lo..hi` whose input column `o * s + t - pad` lies in `0..len`.

@@ -99,15 +99,12 @@ pub fn prepack(g: &mut Graph) -> usize {
             ("Gemm", true, _) | ("FusedGemm", _, true) if s.len() == 2 => {
                 let tb = int_attr("transB", 0) != 0;
                 let (k, nn) = if tb { (s[1], s[0]) } else { (s[0], s[1]) };
-                (k > 0 && nn > 0).then(|| {
-                    if tb {
-                        let p = PackedB::new(k, nn, Mat::transposed(data, k));
-                        (Role::BTransposed, Packed::B(p))
-                    } else {
-                        let p = PackedB::new(k, nn, Mat::row_major(data, nn));
-                        (Role::B, Packed::B(p))
-                    }
-                })
+                let (role, b) = if tb {
+                    (Role::BTransposed, Mat::transposed(data, k))
+                } else {
+                    (Role::B, Mat::row_major(data, nn))
+                };
+                (k > 0 && nn > 0).then(|| (role, Packed::B(PackedB::new(k, nn, b))))
             }
             ("Conv", true, _) | ("FusedConv", _, true) if s.len() == 4 => {
                 let (m, kk) = (s[0], s[1] * s[2] * s[3]);
