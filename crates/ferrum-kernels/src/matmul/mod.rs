@@ -22,6 +22,8 @@ mod avx2;
 pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod kquant;
+#[cfg(target_arch = "x86_64")]
+mod kquant_avx2;
 mod matrix;
 
 pub use matrix::{Layout, PackedMatrix};
@@ -269,6 +271,11 @@ fn matmul_rows(w: &Src, x: &[f32], y: &mut [f32], orders: &[Order]) {
         #[cfg(target_arch = "x86_64")]
         if t >= KQUANT_MIN_TOKENS && kquant::supports(w.dtype, orders) {
             kquant::matmul_k(w, &sc.act, ab, t, orders, y);
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if t >= KQUANT_MIN_TOKENS && kquant_avx2::supports(w.dtype, orders) {
+            kquant_avx2::matmul_k(w, &sc.act, ab, t, orders, y);
             return;
         }
         matmul_dots(w, &sc.act, ab, orders, y);
