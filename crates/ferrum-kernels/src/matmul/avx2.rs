@@ -185,6 +185,8 @@ thread_local! {
     static ACT_SCALES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// A task's weight scales as f32 (per worker thread).
     static ROW_SCALES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A task's weight quants unpacked to bytes ([`unpack_rows`]), per worker thread.
+    static ROW_QUANTS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `y[tok, r]` (`y`: [T, rows]) for the `t` tokens of `act` (`ab` bytes each, quantized as
@@ -257,69 +259,75 @@ fn run<const K: u8, const TT: usize>(w: &Src, act: &[u8], ab: usize, t: usize, y
             };
             with_task_rows(w, r_begin, |rws, stride| {
                 ROW_SCALES.with_borrow_mut(|rsc| {
-                    // [16][nbp] d_w, then [nb][16] m_w ("_1" kinds).
-                    let n_rows = (r_end - r_begin).next_multiple_of(TILE_R);
-                    rsc.clear();
-                    rsc.resize(ROWS16 * nbp + nb * ROWS16, 0.0);
-                    let (dw, mw) = rsc.split_at_mut(ROWS16 * nbp);
-                    for (r, row) in rws[..n_rows].iter().enumerate() {
-                        // SAFETY: AVX2+FMA+F16C were checked in `matmul`.
-                        unsafe {
-                            gather_f16(row, stride, 0, nb, &mut dw[r * nbp..], 1);
-                            if is_one(K) {
-                                gather_f16(row, stride, 2, nb, &mut mw[r..], ROWS16);
+                    ROW_QUANTS.with_borrow_mut(|rq| {
+                        // [16][nbp] d_w, then [nb][16] m_w ("_1" kinds).
+                        let n_rows = (r_end - r_begin).next_multiple_of(TILE_R);
+                        rsc.clear();
+                        rsc.resize(ROWS16 * nbp + nb * ROWS16, 0.0);
+                        let (dw, mw) = rsc.split_at_mut(ROWS16 * nbp);
+                        let ub = unpacked_block(K);
+                        rq.resize(ROWS16 * nb * ub, 0);
+                        for (r, row) in rws[..n_rows].iter().enumerate() {
+                            // SAFETY: AVX2+FMA+F16C were checked in `matmul`.
+                            unsafe {
+                                gather_f16(row, stride, 0, nb, &mut dw[r * nbp..], 1);
+                                if is_one(K) {
+                                    gather_f16(row, stride, 2, nb, &mut mw[r..], ROWS16);
+                                }
+                                unpack_row::<K>(row, stride, nb, &mut rq[r * nb * ub..][..nb * ub]);
                             }
                         }
-                    }
-                    let (dw, mw) = (&*dw, &*mw);
-                    for tb in (0..t).step_by(TOKEN_BLOCK) {
-                        let te = (tb + TOKEN_BLOCK).min(t);
-                        for r0 in (r_begin..r_end).step_by(TILE_R) {
-                            if tb == 0 {
-                                prefetch_ahead(w, r0);
-                            }
-                            let i = r0 - r_begin;
-                            let wr = Rows {
-                                q: core::array::from_fn(|j| rws[i + j]),
-                                stride,
-                                d: core::array::from_fn(|j| &dw[(i + j) * nbp..][..nbp]),
-                                m: &mw[i..],
-                            };
-                            let acts = |tok: usize| Act {
-                                q: &act[tok * ab..][..ab],
-                                d: &dx[tok * nbp..][..nbp],
-                                s: &sx[tok * nbp..][..nbp],
-                            };
-                            let mut tok = tb;
-                            while tok + TT <= te {
-                                let a = core::array::from_fn(|c| acts(tok + c));
-                                // SAFETY: AVX2+FMA+F16C were checked in `matmul`.
-                                let o = unsafe { tile::<K, TT>(&wr, &a, nb) };
-                                o.iter()
-                                    .enumerate()
-                                    .for_each(|(c, v)| store(tok + c, r0, v));
-                                tok += TT;
-                            }
-                            // The last 1..TT-1 tokens in one tile.
-                            macro_rules! rest {
-                                ($n:literal) => {{
-                                    let a: [Act; $n] = core::array::from_fn(|c| acts(tok + c));
-                                    // SAFETY: as above.
-                                    let o = unsafe { tile::<K, $n>(&wr, &a, nb) };
+                        let (dw, mw, rq) = (&*dw, &*mw, &*rq);
+                        for tb in (0..t).step_by(TOKEN_BLOCK) {
+                            let te = (tb + TOKEN_BLOCK).min(t);
+                            for r0 in (r_begin..r_end).step_by(TILE_R) {
+                                if tb == 0 {
+                                    prefetch_ahead(w, r0);
+                                }
+                                let i = r0 - r_begin;
+                                let wr = Rows {
+                                    q: core::array::from_fn(|j| {
+                                        &rq[(i + j) * nb * ub..][..nb * ub]
+                                    }),
+                                    d: core::array::from_fn(|j| &dw[(i + j) * nbp..][..nbp]),
+                                    m: &mw[i..],
+                                };
+                                let acts = |tok: usize| Act {
+                                    q: &act[tok * ab..][..ab],
+                                    d: &dx[tok * nbp..][..nbp],
+                                    s: &sx[tok * nbp..][..nbp],
+                                };
+                                let mut tok = tb;
+                                while tok + TT <= te {
+                                    let a = core::array::from_fn(|c| acts(tok + c));
+                                    // SAFETY: AVX2+FMA+F16C were checked in `matmul`.
+                                    let o = unsafe { tile::<K, TT>(&wr, &a, nb) };
                                     o.iter()
                                         .enumerate()
                                         .for_each(|(c, v)| store(tok + c, r0, v));
-                                }};
-                            }
-                            match te - tok {
-                                0 => {}
-                                1 => rest!(1),
-                                2 => rest!(2),
-                                3 => rest!(3),
-                                n => unreachable!("{n} tokens left of a {TT}-token tile"),
+                                    tok += TT;
+                                }
+                                // The last 1..TT-1 tokens in one tile.
+                                macro_rules! rest {
+                                    ($n:literal) => {{
+                                        let a: [Act; $n] = core::array::from_fn(|c| acts(tok + c));
+                                        // SAFETY: as above.
+                                        let o = unsafe { tile::<K, $n>(&wr, &a, nb) };
+                                        o.iter()
+                                            .enumerate()
+                                            .for_each(|(c, v)| store(tok + c, r0, v));
+                                    }};
+                                }
+                                match te - tok {
+                                    0 => {}
+                                    1 => rest!(1),
+                                    2 => rest!(2),
+                                    3 => rest!(3),
+                                    n => unreachable!("{n} tokens left of a {TT}-token tile"),
+                                }
                             }
                         }
-                    }
+                    })
                 })
             });
         });
@@ -394,12 +402,11 @@ fn run_direct<const K: u8>(w: &Src, act: &[u8], ab: usize, t: usize, out: OutPtr
     });
 }
 
-/// The 4 weight rows of a tile: quant blocks, `d_w` as f32 (`nbp` each, 0-padded), and ("_1"
-/// kinds) `m_w` as f32 laid out [block][16 rows], starting at the tile's first row.
+/// The 4 weight rows of a tile: quants unpacked by [`unpack_row`], `d_w` as f32 (`nbp` each,
+/// 0-padded), and ("_1" kinds) `m_w` as f32 laid out [block][16 rows], starting at the tile's
+/// first row.
 struct Rows<'a> {
     q: [&'a [u8]; TILE_R],
-    /// Bytes from one block of a row to its next.
-    stride: usize,
     d: [&'a [f32]; TILE_R],
     m: &'a [f32],
 }
@@ -528,7 +535,46 @@ unsafe fn unpack<const K: u8>(b: *const u8) -> __m256i {
     }
 }
 
-/// One tile: the 4 rows `w` (`nb` blocks of kind `K` each) times the `T` tokens `a` (`nb`
+/// Bytes per block of a row unpacked by [`unpack_row`].
+const fn unpacked_block(k: u8) -> usize {
+    if is_one(k) {
+        32
+    } else {
+        64
+    }
+}
+
+/// Writes the `nb` blocks of a row (first block at `row`, `stride` bytes apart) unpacked to
+/// bytes, block after block: for the "_0" kinds `|w|` then `w` (the signed values; 64 bytes per
+/// block), for the "_1" kinds the unsigned quants (32 bytes). A prompt's task unpacks its rows
+/// once for all its tokens (for Q5_0 the unpacking costs twice the product per token).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_row<const K: u8>(row: &[u8], stride: usize, nb: usize, out: &mut [u8]) {
+    let (bw, ub) = (block_bytes(K), unpacked_block(K));
+    assert!(
+        nb == 0 || (stride >= bw && row.len() >= (nb - 1) * stride + bw),
+        "unpack_row: short row"
+    );
+    assert!(out.len() >= nb * ub, "unpack_row: short output");
+    for ib in 0..nb {
+        // SAFETY: block `ib` lies inside `row` and its `ub` output bytes inside `out` (asserted).
+        unsafe {
+            let q = unpack::<K>(row.as_ptr().add(ib * stride));
+            let o = out.as_mut_ptr().add(ib * ub);
+            if is_one(K) {
+                _mm256_storeu_si256(o as *mut __m256i, q);
+            } else {
+                _mm256_storeu_si256(o as *mut __m256i, _mm256_sign_epi8(q, q));
+                _mm256_storeu_si256(o.add(32) as *mut __m256i, q);
+            }
+        }
+    }
+}
+
+/// One tile: the 4 rows `w` (`nb` blocks of kind `K` each, unpacked) times the `T` tokens `a` (`nb`
 /// Q8_0 / Q8_1 blocks each); `out[t][r]` equals `quant::vec_dot(w.q[r], a[t].q)` on the AVX2
 /// tier, bit for bit (given that `w.d`, `w.m`, `a.d`, `a.s` hold the blocks' scales as f32).
 ///
@@ -541,14 +587,12 @@ unsafe fn tile<const K: u8, const T: usize>(
     a: &[Act; T],
     nb: usize,
 ) -> [[f32; TILE_R]; T] {
-    let bw = block_bytes(K);
+    let ub = unpacked_block(K);
     let (ba, aqs) = act_block(K);
     let nbp = nb.next_multiple_of(CHUNK);
     for r in 0..TILE_R {
         assert!(
-            w.stride >= bw
-                && w.q[r].len() >= (nb.max(1) - 1) * w.stride + bw
-                && w.d[r].len() >= nbp,
+            w.q[r].len() >= nb * ub && w.d[r].len() >= nbp,
             "tile: short weight row"
         );
     }
@@ -584,8 +628,8 @@ unsafe fn tile<const K: u8, const T: usize>(
         }
         for j in 0..(nb - ib0).min(CHUNK) {
             let ib = ib0 + j;
-            let (wo, ao) = (ib * w.stride, ib * ba);
-            // SAFETY: `ib < nb`, so block `ib` of every row (`wo .. wo + bw`), of every
+            let (wo, ao) = (ib * ub, ib * ba);
+            // SAFETY: `ib < nb`, so block `ib` of every row (`wo .. wo + ub`), of every
             // activation row (`ao .. ao + ba`), `s_x[ib]` and `m_w[ib * 16 .. + 4]` lie inside
             // the slices checked above.
             unsafe {
@@ -598,9 +642,13 @@ unsafe fn tile<const K: u8, const T: usize>(
                     }
                 }
                 for r in 0..TILE_R {
-                    let q = unpack::<K>(wp[r].add(wo));
                     // "_0": |w| and, per token, x with w's sign (`sum_i8_pairs`).
-                    let aq = if is_one(K) { q } else { _mm256_sign_epi8(q, q) };
+                    let aq = _mm256_loadu_si256(wp[r].add(wo) as *const __m256i);
+                    let q = if is_one(K) {
+                        aq
+                    } else {
+                        _mm256_loadu_si256(wp[r].add(wo + 32) as *const __m256i)
+                    };
                     for t in 0..T {
                         let x = _mm256_loadu_si256(ap[t].add(ao + aqs) as *const __m256i);
                         let x = if is_one(K) { x } else { _mm256_sign_epi8(x, q) };
