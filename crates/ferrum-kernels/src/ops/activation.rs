@@ -189,6 +189,9 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
     if crate::cpu::features().avx512f && crate::cpu::features().f16c {
         // SAFETY: the CPU reports AVX-512F and F16C; the table has 65537 entries.
         done = unsafe { geglu_avx512(table, gate, up) };
+    } else if crate::cpu::features().x86_simd() {
+        // SAFETY: the CPU reports AVX2, FMA and F16C; the table has 65537 entries.
+        done = unsafe { geglu_avx2(table, gate, up) };
     }
     for (g, &u) in gate[done..].iter_mut().zip(&up[done..]) {
         *g = geglu_ggml(table, *g, u);
@@ -230,6 +233,41 @@ unsafe fn geglu_avx512(table: &[f16], gate: &mut [f32], up: &[f32]) -> usize {
             let small = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(x, lo);
             r = _mm512_mask_blend_ps(small, r, _mm512_setzero_ps());
             _mm512_storeu_ps(gate.as_mut_ptr().add(i), r);
+        }
+    }
+    full
+}
+
+/// [`geglu_avx512`] 8 lanes at a time, for the AVX2 tier (an AVX2 gather of the table's
+/// halves, packed to 8 f16 and widened by F16C). Returns how many leading elements it did (a
+/// multiple of 8).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn geglu_avx2(table: &[f16], gate: &mut [f32], up: &[f32]) -> usize {
+    use core::arch::x86_64::*;
+    assert!(table.len() > u16::MAX as usize + 1);
+    let full = gate.len() / 8 * 8;
+    let lo = _mm256_set1_ps(-10.0);
+    let hi = _mm256_set1_ps(10.0);
+    let low16 = _mm256_set1_epi32(0xffff);
+    for i in (0..full).step_by(8) {
+        // SAFETY: i + 8 <= full <= gate.len() == up.len(); the gather reads 4 bytes at
+        // 2 * index for indices <= 65535, inside the padded table.
+        unsafe {
+            let x = _mm256_loadu_ps(gate.as_ptr().add(i));
+            let u = _mm256_loadu_ps(up.as_ptr().add(i));
+            let bits = _mm256_cvtepu16_epi32(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+            let raw = _mm256_i32gather_epi32::<2>(table.as_ptr() as *const i32, bits);
+            let raw = _mm256_and_si256(raw, low16);
+            let h = _mm_packus_epi32(
+                _mm256_castsi256_si128(raw),
+                _mm256_extracti128_si256::<1>(raw),
+            );
+            let g = _mm256_cvtph_ps(h);
+            let mut r = _mm256_mul_ps(g, u);
+            r = _mm256_blendv_ps(r, _mm256_mul_ps(x, u), _mm256_cmp_ps::<_CMP_GE_OQ>(x, hi));
+            r = _mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_LE_OQ>(x, lo));
+            _mm256_storeu_ps(gate.as_mut_ptr().add(i), r);
         }
     }
     full
