@@ -565,25 +565,26 @@ fn geglu_simd_equals_portable_bit_for_bit() {
     }
 }
 
-/// The AVX2 tier's 4-row packed layout ([`Layout::X4`], whatever this process's tier): every
-/// "_0/_1" type, odd row counts; the packing round-trips exactly (whole matrix, single rows,
+/// The AVX2 tier's packed layouts (whatever this process's tier): [`Layout::X4`] for every
+/// "_0/_1" type and [`Layout::X8`] for Q5_0, odd row counts; the packing round-trips exactly (whole matrix, single rows,
 /// embedding lookups), and products over it equal the row-major ones bit for bit (decode
 /// batches of 1..16 one-token sequences, prompts, mixes). On the AVX2 tiers
 /// (`FERRUM_NO_AVX512=1`) the products run the AVX2 tiles on the packed bytes in place; on the
 /// others (`FERRUM_FORCE_SCALAR=1`: the portable kernels) rows unpacked from the groups.
 #[test]
 #[cfg(target_arch = "x86_64")]
-fn x4_layout_round_trips_and_equals_row_major_bit_for_bit() {
+fn avx2_layouts_round_trip_and_equal_row_major_bit_for_bit() {
     use ferrum_kernels::matmul::{matmul_segments, Layout, PackedMatrix};
     let seed = seed();
     eprintln!("seed {seed}");
     let mut rng = StdRng::seed_from_u64(seed);
-    let types = [
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q8_0,
+    let cases = [
+        (Layout::X4, 4, DType::Q4_0),
+        (Layout::X4, 4, DType::Q4_1),
+        (Layout::X4, 4, DType::Q5_0),
+        (Layout::X4, 4, DType::Q5_1),
+        (Layout::X4, 4, DType::Q8_0),
+        (Layout::X8, 8, DType::Q5_0),
     ];
     let mut seg_sets: Vec<Vec<usize>> = (1..=16).map(|n| vec![1; n]).collect();
     seg_sets.extend([
@@ -595,25 +596,28 @@ fn x4_layout_round_trips_and_equals_row_major_bit_for_bit() {
         vec![33],
         vec![70],
     ]);
-    for dtype in types {
+    for (layout, group, dtype) in cases {
         for rows in [1usize, 3, 5, 18, 37, 64] {
             let cols = 32 * rng.gen_range(1..=10);
             let data = random_weights(dtype, rows, cols, &mut rng);
-            let n = PackedMatrix::stored_len(dtype, rows, cols, Layout::X4).unwrap();
-            assert_eq!(n, dtype.row_bytes(cols).unwrap() * rows.next_multiple_of(4));
+            let n = PackedMatrix::stored_len(dtype, rows, cols, layout).unwrap();
+            assert_eq!(
+                n,
+                dtype.row_bytes(cols).unwrap() * rows.next_multiple_of(group)
+            );
             let mut packed = vec![0u8; n];
-            PackedMatrix::pack_into(dtype, rows, cols, Layout::X4, &data, &mut packed).unwrap();
+            PackedMatrix::pack_into(dtype, rows, cols, layout, &data, &mut packed).unwrap();
             let m = PackedMatrix::from_parts(
                 dtype,
                 rows,
                 cols,
-                Layout::X4,
+                layout,
                 ferrum_core::Bytes::from_vec(packed),
             )
             .unwrap();
             assert!(
                 m.to_row_major() == data,
-                "seed {seed}: {dtype} {rows}x{cols} X4 round trip"
+                "seed {seed}: {dtype} {rows}x{cols} {layout:?} round trip"
             );
             let rb = dtype.row_bytes(cols).unwrap();
             let (mut got, mut want) = (vec![0f32; cols], vec![0f32; cols]);
@@ -624,7 +628,7 @@ fn x4_layout_round_trips_and_equals_row_major_bit_for_bit() {
                     got.iter()
                         .zip(&want)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "seed {seed}: {dtype} X4 get_row {r}"
+                    "seed {seed}: {dtype} {layout:?} get_row {r}"
                 );
             }
             let w = WeightRef {
@@ -644,7 +648,7 @@ fn x4_layout_round_trips_and_equals_row_major_bit_for_bit() {
                     assert!(
                         a.is_finite() && a.to_bits() == b.to_bits(),
                         "seed {seed}: {dtype} {rows}x{cols} segs {segs:?} token {} row {}: \
-                         X4 {a} vs row-major {b}",
+                         {layout:?} {a} vs row-major {b}",
                         i / rows,
                         i % rows
                     );

@@ -22,7 +22,7 @@
 use ferrum_core::{Buf, Bytes, DType, Error, Result};
 
 #[cfg(target_arch = "x86_64")]
-use super::{avx2, avx512};
+use super::{avx2, avx2_x8, avx512};
 use super::{check_shapes, matmul_rows, orders_of, Order, Src, WeightRef};
 use crate::quant;
 
@@ -39,6 +39,10 @@ pub enum Layout {
     /// types: a decode step reads one stream ([`avx2::x4_len`]).
     #[cfg(target_arch = "x86_64")]
     X4,
+    /// Groups of 8 rows, block by block, 4-element runs of the 8 rows interleaved, for Q5_0 on
+    /// the AVX2 tiers: the decode kernel works on 8 rows per vector (`avx2_x8`).
+    #[cfg(target_arch = "x86_64")]
+    X8,
 }
 
 impl Layout {
@@ -49,6 +53,8 @@ impl Layout {
             Layout::X16 => "x16",
             #[cfg(target_arch = "x86_64")]
             Layout::X4 => "x4",
+            #[cfg(target_arch = "x86_64")]
+            Layout::X8 => "x8",
         }
     }
 }
@@ -82,11 +88,13 @@ impl PackedMatrix {
             return Layout::X16;
         }
         #[cfg(target_arch = "x86_64")]
-        if !avx512::available()
-            && crate::cpu::features().x86_simd()
-            && avx2::x4_len(dtype, rows, cols).is_some()
-        {
-            return Layout::X4;
+        if !avx512::available() && crate::cpu::features().x86_simd() {
+            if avx2_x8::x8_len(dtype, rows, cols).is_some() {
+                return Layout::X8;
+            }
+            if avx2::x4_len(dtype, rows, cols).is_some() {
+                return Layout::X4;
+            }
         }
         let _ = (dtype, rows, cols);
         Layout::RowMajor
@@ -100,6 +108,8 @@ impl PackedMatrix {
             Layout::X16 => avx512::packed_len(dtype, rows, cols),
             #[cfg(target_arch = "x86_64")]
             Layout::X4 => avx2::x4_len(dtype, rows, cols),
+            #[cfg(target_arch = "x86_64")]
+            Layout::X8 => avx2_x8::x8_len(dtype, rows, cols),
         }
     }
 
@@ -144,6 +154,14 @@ impl PackedMatrix {
                 let per_task = ((1 << 20) / group_len).max(1);
                 crate::pool::parallel_chunks_mut(dst, per_task * group_len, |ci, chunk| {
                     avx2::pack_x4_groups(dtype, src, rows, cols, ci * per_task, chunk)
+                });
+            }
+            #[cfg(target_arch = "x86_64")]
+            Layout::X8 => {
+                let group_len = avx2_x8::GROUP * dtype.row_bytes(cols).expect("whole blocks");
+                let per_task = ((1 << 20) / group_len).max(1);
+                crate::pool::parallel_chunks_mut(dst, per_task * group_len, |ci, chunk| {
+                    avx2_x8::pack_x8_groups(src, rows, cols, ci * per_task, chunk)
                 });
             }
         }

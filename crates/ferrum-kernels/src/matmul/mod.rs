@@ -19,6 +19,8 @@
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_x8;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod kquant;
@@ -122,6 +124,15 @@ impl Src<'_> {
                 let rows: [&[u8]; ROWS16] = core::array::from_fn(|i| &buf[i * rb..][..rb]);
                 f(&rows)
             }),
+            #[cfg(target_arch = "x86_64")]
+            Layout::X8 => GROUP_ROWS.with_borrow_mut(|buf| {
+                buf.resize(ROWS16 * rb, 0);
+                for (i, row) in buf.chunks_exact_mut(rb).enumerate() {
+                    avx2_x8::unpack_row_x8(self, (r0 + i).min(last), row);
+                }
+                let rows: [&[u8]; ROWS16] = core::array::from_fn(|i| &buf[i * rb..][..rb]);
+                f(&rows)
+            }),
         }
     }
 
@@ -139,6 +150,8 @@ impl Src<'_> {
             }
             #[cfg(target_arch = "x86_64")]
             Layout::X4 => avx2::unpack_row_x4(self, r, out),
+            #[cfg(target_arch = "x86_64")]
+            Layout::X8 => avx2_x8::unpack_row_x8(self, r, out),
         }
     }
 }
@@ -240,6 +253,8 @@ fn matmul_rows(w: &Src, x: &[f32], y: &mut [f32], orders: &[Order]) {
         Layout::X16 => avx512::packed_len(w.dtype, rows, cols).expect("packed shape"),
         #[cfg(target_arch = "x86_64")]
         Layout::X4 => avx2::x4_len(w.dtype, rows, cols).expect("packed shape"),
+        #[cfg(target_arch = "x86_64")]
+        Layout::X8 => avx2_x8::x8_len(w.dtype, rows, cols).expect("packed shape"),
     };
     assert_eq!(w.data.len(), stored, "matmul: weight bytes");
     let act_type = quant::vec_dot_type(w.dtype);
