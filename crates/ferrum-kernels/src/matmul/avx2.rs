@@ -221,8 +221,12 @@ fn run<const K: u8, const TT: usize>(w: &Src, act: &[u8], ab: usize, t: usize, y
         "AVX2 tiles: shapes"
     );
     let out = OutPtr(y.as_mut_ptr());
-    if t <= super::avx2_x8::MAX_TOKENS && w.layout == Layout::X8 {
-        return super::avx2_x8::matmul(w, act, ab, t, out);
+    if w.layout == Layout::X8 {
+        return if t <= super::avx2_x8::MAX_TOKENS {
+            super::avx2_x8::matmul(w, act, ab, t, out)
+        } else {
+            super::avx2_x8::matmul_prompt(w, act, ab, t, out)
+        };
     }
     if t < PRE_MIN_TOKENS {
         return run_direct::<K>(w, act, ab, t, out);

@@ -21,7 +21,9 @@
 //!   position i). Position i of a group-vector is row i / 4, element 4g + i % 4 of the block.
 //!
 //! A decode step streams each group once; tasks take runs of consecutive groups so a thread reads
-//! one stretch of the matrix. Prompts (4 tokens or more) get rows unpacked from the groups.
+//! one stretch of the matrix. A prompt's task forms its group's values `q` and scales once
+//! ([`Unpacked`]) and then runs every token over them ([`gemv_unpacked`]): per 32 products and
+//! token the same five operations, no unpacking.
 
 use super::{OutPtr, Src};
 use crate::pool;
@@ -122,6 +124,173 @@ thread_local! {
     /// Per call: each token's d_x as f32 per block, then its corrections 16·Σx per block and
     /// 4-element group.
     static PREP: RefCell<(Vec<f32>, Vec<i32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// A prompt task's group, unpacked (per worker thread).
+    static UNPACKED: RefCell<Unpacked> = const { RefCell::new(Unpacked { q: Vec::new(), d: Vec::new() }) };
+}
+
+/// One 256-bit vector's bytes, aligned.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Line([u8; 32]);
+
+/// A group's blocks unpacked for a prompt: per block the 8 group-vectors of values `q` (0..31)
+/// and the 8 rows' d as f32.
+struct Unpacked {
+    q: Vec<Line>,
+    d: Vec<Line>,
+}
+
+/// Each token's d_x (f32, per block) and corrections (16·Σx per block and 4-element group), for
+/// the `t` tokens of `act`, into `dx` and `corr`.
+fn prepare(act: &[u8], ab: usize, t: usize, dx: &mut Vec<f32>, corr: &mut Vec<i32>) {
+    dx.clear();
+    corr.clear();
+    for tok in 0..t {
+        for blk in act[tok * ab..][..ab].chunks_exact(ACT_BLOCK) {
+            dx.push(half::f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32());
+            for g in blk[2..].chunks_exact(4) {
+                corr.push(16 * g.iter().map(|&v| v as i8 as i32).sum::<i32>());
+            }
+        }
+    }
+}
+
+/// `y[tok, r]` for a prompt (any number of tokens) over the [`Layout::X8`] matrix `w`; the same
+/// outputs as [`matmul`]. Only for CPUs with AVX2, FMA and F16C (checked).
+pub(super) fn matmul_prompt(w: &Src, act: &[u8], ab: usize, t: usize, out: OutPtr) {
+    assert!(
+        crate::cpu::features().x86_simd(),
+        "X8 kernels need AVX2+FMA+F16C"
+    );
+    let (rows, cols) = (w.rows, w.cols);
+    let nb = cols / 32;
+    assert!(w.dtype == DType::Q5_0 && w.data.len() == x8_len(w.dtype, rows, cols).unwrap());
+    assert!(ab == nb * ACT_BLOCK && act.len() >= t * ab);
+    PREP.with_borrow_mut(|(dx, corr)| {
+        prepare(act, ab, t, dx, corr);
+        let (dx, corr) = (&dx[..], &corr[..]);
+        let glen = nb * CELL;
+        pool::parallel_for(rows.div_ceil(GROUP), |g| {
+            UNPACKED.with_borrow_mut(|u| {
+                // SAFETY: AVX2+FMA+F16C were checked above.
+                unsafe { unpack_group(&w.data[g * glen..][..glen], nb, u) };
+                let r0 = g * GROUP;
+                for tok in 0..t {
+                    let a = Tok {
+                        q: &act[tok * ab..][..ab],
+                        d: &dx[tok * nb..][..nb],
+                        corr: &corr[tok * nb * 8..][..nb * 8],
+                    };
+                    // SAFETY: as above.
+                    let v = unsafe { gemv_unpacked(u, nb, &a) };
+                    for (j, &val) in v.iter().enumerate().take(rows - r0) {
+                        // SAFETY: `tok < t` and `r0 + j < rows`, so the index is inside `y`
+                        // ([t, rows]); only this task writes rows of group g.
+                        unsafe { *out.at(tok * rows + r0 + j) = val };
+                    }
+                }
+            })
+        });
+    });
+}
+
+/// Unpacks the `nb` cells of `group` into `u`.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_group(group: &[u8], nb: usize, u: &mut Unpacked) {
+    assert!(group.len() >= nb * CELL, "unpack_group: short group");
+    u.q.resize(nb * 8, Line([0; 32]));
+    u.d.resize(nb, Line([0; 32]));
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m10 = _mm256_set1_epi8(0x10);
+    for ib in 0..nb {
+        // SAFETY: cell `ib` lies inside `group` (asserted); `u` holds 8 lines per block and one
+        // per block (resized above), 32-byte aligned.
+        unsafe {
+            let cell = group.as_ptr().add(ib * CELL);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(cell as *const __m128i));
+            _mm256_store_ps(u.d.as_mut_ptr().add(ib) as *mut f32, dw);
+            let nib: [__m256i; 4] = core::array::from_fn(|c| {
+                _mm256_loadu_si256(cell.add(NIB + 32 * c) as *const __m256i)
+            });
+            let hb = _mm256_loadu_si256(cell.add(HIGH) as *const __m256i);
+            let hb4 = _mm256_slli_epi16::<4>(hb);
+            let highs = [
+                hb4,
+                _mm256_srli_epi16::<1>(hb4),
+                _mm256_srli_epi16::<2>(hb4),
+                _mm256_srli_epi16::<3>(hb4),
+                hb,
+                _mm256_srli_epi16::<1>(hb),
+                _mm256_srli_epi16::<2>(hb),
+                _mm256_srli_epi16::<3>(hb),
+            ];
+            for g in 0..8 {
+                let lo = if g < 4 {
+                    nib[g]
+                } else {
+                    _mm256_srli_epi16::<4>(nib[g - 4])
+                };
+                let q = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(highs[g], m10));
+                _mm256_store_si256(u.q.as_mut_ptr().add(ib * 8 + g) as *mut __m256i, q);
+            }
+        }
+    }
+}
+
+/// [`gemv`] for one token over an unpacked group: `out[r]` equals `quant::vec_dot` of row r and
+/// the token, bit for bit.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[allow(clippy::needless_range_loop)] // index loops over the 8 lane registers
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_unpacked(u: &Unpacked, nb: usize, a: &Tok) -> [f32; GROUP] {
+    assert!(
+        u.q.len() >= nb * 8 && u.d.len() >= nb,
+        "gemv_unpacked: short group"
+    );
+    assert!(
+        a.q.len() >= nb * ACT_BLOCK && a.d.len() >= nb && a.corr.len() >= nb * 8,
+        "gemv_unpacked: short activation row"
+    );
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 8];
+    for ib in 0..nb {
+        // SAFETY: block `ib` of the unpacked group and of the token lie inside the slices
+        // (asserted above); the lines are 32-byte aligned.
+        unsafe {
+            let dw = _mm256_load_ps(u.d.as_ptr().add(ib) as *const f32);
+            let dp = _mm256_mul_ps(dw, _mm256_set1_ps(*a.d.get_unchecked(ib)));
+            for g in 0..8 {
+                let q = _mm256_load_si256(u.q.as_ptr().add(ib * 8 + g) as *const __m256i);
+                let x =
+                    (a.q.as_ptr().add(ib * ACT_BLOCK + 2 + 4 * g) as *const i32).read_unaligned();
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_set1_epi32(x)), ones);
+                let corr = *a.corr.get_unchecked(ib * 8 + g);
+                let p = _mm256_sub_epi32(p, _mm256_set1_epi32(corr));
+                acc[g] = _mm256_fmadd_ps(dp, _mm256_cvtepi32_ps(p), acc[g]);
+            }
+        }
+    }
+    let mut out = [0f32; GROUP];
+    // SAFETY: `out` holds 8 f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), hsum_lanes(&acc)) };
+    out
+}
+
+/// `hsum_float_8` of each row's 8 lanes (lane g of row r in `v[g]`, element r): (l0 + l4,
+/// l1 + l5, l2 + l6, l3 + l7), then (0 + 2) + (1 + 3), for the 8 rows at once.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_lanes(v: &[__m256; 8]) -> __m256 {
+    let t0 = _mm256_add_ps(v[0], v[4]);
+    let t1 = _mm256_add_ps(v[1], v[5]);
+    let t2 = _mm256_add_ps(v[2], v[6]);
+    let t3 = _mm256_add_ps(v[3], v[7]);
+    _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3))
 }
 
 /// `y[tok, r]` (`y`: [T, rows]) for the `t` (1..=[`MAX_TOKENS`]) Q8_0 tokens of `act` (`ab`
@@ -137,16 +306,7 @@ pub(super) fn matmul(w: &Src, act: &[u8], ab: usize, t: usize, out: OutPtr) {
     assert!(w.dtype == DType::Q5_0 && w.data.len() == x8_len(w.dtype, rows, cols).unwrap());
     assert!((1..=MAX_TOKENS).contains(&t) && ab == nb * ACT_BLOCK && act.len() >= t * ab);
     PREP.with_borrow_mut(|(dx, corr)| {
-        dx.clear();
-        corr.clear();
-        for tok in 0..t {
-            for blk in act[tok * ab..][..ab].chunks_exact(ACT_BLOCK) {
-                dx.push(half::f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32());
-                for g in blk[2..].chunks_exact(4) {
-                    corr.push(16 * g.iter().map(|&v| v as i8 as i32).sum::<i32>());
-                }
-            }
-        }
+        prepare(act, ab, t, dx, corr);
         let (dx, corr) = (&dx[..], &corr[..]);
         let groups = rows.div_ceil(GROUP);
         let glen = nb * CELL;
@@ -269,15 +429,8 @@ unsafe fn gemv<const T: usize>(group: &[u8], nb: usize, a: &[Tok; T]) -> [[f32; 
     }
     let mut out = [[0f32; GROUP]; T];
     for c in 0..T {
-        let v = &acc[c];
-        // hsum_float_8 per row: (l0 + l4, l1 + l5, l2 + l6, l3 + l7), then (0 + 2) + (1 + 3).
-        let t0 = _mm256_add_ps(v[0], v[4]);
-        let t1 = _mm256_add_ps(v[1], v[5]);
-        let t2 = _mm256_add_ps(v[2], v[6]);
-        let t3 = _mm256_add_ps(v[3], v[7]);
-        let r = _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3));
         // SAFETY: `out[c]` holds 8 f32.
-        unsafe { _mm256_storeu_ps(out[c].as_mut_ptr(), r) };
+        unsafe { _mm256_storeu_ps(out[c].as_mut_ptr(), hsum_lanes(&acc[c])) };
     }
     out
 }
