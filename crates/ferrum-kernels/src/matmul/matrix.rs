@@ -39,8 +39,8 @@ pub enum Layout {
     /// types: a decode step reads one stream ([`avx2::x4_len`]).
     #[cfg(target_arch = "x86_64")]
     X4,
-    /// Groups of 8 rows, block by block, 4-element runs of the 8 rows interleaved, for Q5_0 on
-    /// the AVX2 tiers: the decode kernel works on 8 rows per vector (`avx2_x8`).
+    /// Groups of 8 rows, block by block, 4-element runs of the 8 rows interleaved, for Q5_0 and
+    /// Q4_1 on the AVX2 tiers: the kernels work on 8 rows per vector (`avx2_x8`).
     #[cfg(target_arch = "x86_64")]
     X8,
 }
@@ -161,7 +161,7 @@ impl PackedMatrix {
                 let group_len = avx2_x8::GROUP * dtype.row_bytes(cols).expect("whole blocks");
                 let per_task = ((1 << 20) / group_len).max(1);
                 crate::pool::parallel_chunks_mut(dst, per_task * group_len, |ci, chunk| {
-                    avx2_x8::pack_x8_groups(src, rows, cols, ci * per_task, chunk)
+                    avx2_x8::pack_x8_groups(dtype, src, rows, cols, ci * per_task, chunk)
                 });
             }
         }
