@@ -12,6 +12,15 @@
 //! first, so a prefix shared by many outlives the tails that were used once.
 //!
 //! Only full blocks are shared, so a sequence never writes into a block another one reads.
+//!
+//! A sequence's fresh blocks are kept adjacent where the pool allows (attention then reads its
+//! keys and values as one stream; interleaved blocks measured ~5% slower decode at a batch of 8):
+//! a sequence starting fresh reserves an extent of up to [`EXTENT`] consecutive free blocks that
+//! cache nothing (already committed ones first) and grows into it; past it, it takes the next
+//! block if that is free and caches nothing; else the free queue's front as before. Reserved
+//! blocks leave the free queue (no other sequence takes them) but count as free: an allocation
+//! that finds the queue short releases every reservation first. A sequence's unused reservation
+//! is released when it frees its blocks.
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -33,6 +42,9 @@ pub fn block_hash(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
 }
 
 const NIL: u32 = u32::MAX;
+
+/// Most blocks a sequence reserves ahead when it starts (512 positions at 16 per block).
+pub const EXTENT: usize = 32;
 
 /// Free blocks in least-recently-freed order: a doubly linked list threaded through two arrays,
 /// so a block can leave from anywhere (a cache hit on a free block) in O(1).
@@ -127,6 +139,11 @@ pub struct BlockManager {
     /// Whether each block was ever handed out (its memory is then committed), and how many.
     touched: Vec<bool>,
     n_touched: usize,
+    /// The extent (its first block) each block was reserved in, `NIL` for none.
+    owner: Vec<u32>,
+    /// Whether each block is reserved and not yet taken (it is then out of the free queue).
+    reserved: Vec<bool>,
+    n_reserved: usize,
 }
 
 impl BlockManager {
@@ -140,6 +157,9 @@ impl BlockManager {
             prefix_caching,
             touched: vec![false; n_blocks],
             n_touched: 0,
+            owner: vec![NIL; n_blocks],
+            reserved: vec![false; n_blocks],
+            n_reserved: 0,
         }
     }
 
@@ -151,9 +171,9 @@ impl BlockManager {
         self.ref_cnt.len()
     }
 
-    /// Blocks no sequence holds (cached ones included: they can be taken).
+    /// Blocks no sequence holds (cached and reserved ones included: they can be taken).
     pub fn n_free(&self) -> usize {
-        self.free.len
+        self.free.len + self.n_reserved
     }
 
     pub fn n_used(&self) -> usize {
@@ -194,8 +214,11 @@ impl BlockManager {
             .iter()
             .filter(|&&b| self.ref_cnt[b as usize] == 0)
             .count();
-        if need + hits_free > self.free.len {
-            return false;
+        if need + hits_free > self.free.len + self.own_reserved(blocks) {
+            if need + hits_free > self.n_free() {
+                return false;
+            }
+            self.release_all();
         }
         for &b in hits {
             if self.ref_cnt[b as usize] == 0 {
@@ -204,11 +227,8 @@ impl BlockManager {
             self.ref_cnt[b as usize] += 1;
             blocks.push(b);
         }
-        for _ in 0..need {
-            let b = self
-                .free
-                .pop_front()
-                .expect("the free queue holds enough blocks (checked above)");
+        for i in 0..need {
+            let b = self.next_block(blocks.last().copied(), need - i);
             if let Some(h) = self.hash[b as usize].take() {
                 if self.cached.get(&h) == Some(&b) {
                     self.cached.remove(&h);
@@ -223,17 +243,118 @@ impl BlockManager {
         true
     }
 
-    /// Gives back every block of `blocks`, last first, and empties it. Blocks no other sequence
-    /// holds join the free queue: at the back with their cached contents (evicted least
-    /// recently freed first), or at the front when they cache nothing, so they are taken again
-    /// before blocks never used (whose memory the OS has not committed yet: the pool's
-    /// footprint then grows only as the prefix cache fills).
+    /// Reserved blocks right after `blocks`' last one in its extent (what it may still take).
+    fn own_reserved(&self, blocks: &[u32]) -> usize {
+        let Some(&l) = blocks.last() else { return 0 };
+        let o = self.owner[l as usize];
+        if o == NIL {
+            return 0;
+        }
+        (l as usize + 1..self.n_blocks())
+            .take_while(|&c| self.reserved[c] && self.owner[c] == o)
+            .count()
+    }
+
+    /// The block a sequence whose last block is `last` takes next, out of the free queue or its
+    /// reservation (`want`: how many it is taking now, this one included).
+    fn next_block(&mut self, last: Option<u32>, want: usize) -> u32 {
+        if let Some(l) = last {
+            let (l, c) = (l as usize, l as usize + 1);
+            if c < self.n_blocks() {
+                if self.reserved[c] && self.owner[c] == self.owner[l] && self.owner[l] != NIL {
+                    self.reserved[c] = false;
+                    self.n_reserved -= 1;
+                    return c as u32;
+                }
+                if self.free.queued[c] && self.hash[c].is_none() {
+                    self.free.remove(c as u32);
+                    self.owner[c] = self.owner[l];
+                    return c as u32;
+                }
+            }
+        }
+        if let Some(start) = self.reserve_extent(want) {
+            return start;
+        }
+        let b = self
+            .free
+            .pop_front()
+            .expect("the free queue holds enough blocks (checked by allocate)");
+        self.owner[b as usize] = NIL;
+        b
+    }
+
+    /// Reserves the first run of at least `want` consecutive free blocks that cache nothing
+    /// (among committed blocks first, then any), up to [`EXTENT`] blocks, and takes its first
+    /// block. None if there is no such run.
+    fn reserve_extent(&mut self, want: usize) -> Option<u32> {
+        let n = self.n_blocks();
+        let usable = |m: &Self, b: usize, committed: bool| {
+            m.free.queued[b] && m.hash[b].is_none() && (!committed || m.touched[b])
+        };
+        for committed in [true, false] {
+            let mut b = 0;
+            while b < n {
+                if !usable(self, b, committed) {
+                    b += 1;
+                    continue;
+                }
+                let start = b;
+                while b < n && b - start < EXTENT.max(want) && usable(self, b, committed) {
+                    b += 1;
+                }
+                if b - start >= want {
+                    for c in start..b {
+                        self.free.remove(c as u32);
+                        self.owner[c] = start as u32;
+                        self.reserved[c] = c != start;
+                    }
+                    self.n_reserved += b - start - 1;
+                    return Some(start as u32);
+                }
+            }
+        }
+        None
+    }
+
+    /// Puts reserved block `c` back at the front of the free queue.
+    fn unreserve(&mut self, c: usize) {
+        debug_assert!(self.reserved[c]);
+        self.reserved[c] = false;
+        self.owner[c] = NIL;
+        self.n_reserved -= 1;
+        self.free.push_front(c as u32);
+    }
+
+    /// Releases every reservation (the free queue alone was short).
+    fn release_all(&mut self) {
+        for c in (0..self.n_blocks()).rev() {
+            if self.reserved[c] {
+                self.unreserve(c);
+            }
+        }
+    }
+
+    /// Gives back every block of `blocks`, last first, and empties it, with the rest of its
+    /// reservation. Blocks no other sequence holds join the free queue: at the back with their
+    /// cached contents (evicted least recently freed first), or at the front when they cache
+    /// nothing, so they are taken again before blocks never used (whose memory the OS has not
+    /// committed yet: the pool's footprint then grows only as the prefix cache fills).
     pub fn free(&mut self, blocks: &mut Vec<u32>) {
+        if let Some(&l) = blocks.last() {
+            if self.ref_cnt[l as usize] == 1 {
+                let k = self.own_reserved(blocks);
+                for c in (l as usize + 1..l as usize + 1 + k).rev() {
+                    self.unreserve(c);
+                }
+            }
+        }
         for b in blocks.drain(..).rev() {
             let r = &mut self.ref_cnt[b as usize];
             debug_assert!(*r > 0, "block {b} freed twice");
             *r = r.saturating_sub(1);
             if *r == 0 {
+                self.owner[b as usize] = NIL;
                 if self.hash[b as usize].is_some() {
                     self.free.push_back(b);
                 } else {
@@ -335,6 +456,57 @@ mod tests {
         assert_eq!(m.lookup(&hashes(&[7, 7, 7, 7], 4)), [0]);
     }
 
+    /// Sequences started together, then growing a block at a time in turn (a batch decoding),
+    /// each keep their blocks adjacent; a long one runs past its extent into the next free
+    /// blocks; a sequence that needs more than the queue holds gets the others' reservations.
+    #[test]
+    fn sequences_started_together_keep_adjacent_blocks() {
+        let mut m = BlockManager::new(512, 4, true);
+        let mut seqs: Vec<Vec<u32>> = (0..8).map(|_| Vec::new()).collect();
+        for s in seqs.iter_mut() {
+            assert!(m.allocate(s, &[], 8));
+        }
+        for step in 1..=20 {
+            for s in seqs.iter_mut() {
+                assert!(m.allocate(s, &[], 8 + 4 * step));
+            }
+        }
+        for s in &seqs {
+            assert_eq!(s.len(), 22);
+            assert!(
+                s.windows(2).all(|w| w[1] == w[0] + 1),
+                "not adjacent: {s:?}"
+            );
+        }
+        assert_eq!(m.n_used(), 8 * 22);
+        // Past the extent (32 blocks): still adjacent while the next blocks are free.
+        let mut long = Vec::new();
+        assert!(m.allocate(&mut long, &[], 4));
+        assert!(m.allocate(&mut long, &[], 4 * 40));
+        assert!(long.windows(2).all(|w| w[1] == w[0] + 1), "{long:?}");
+        for s in seqs.iter_mut() {
+            m.free(s);
+        }
+        m.free(&mut long);
+        assert_eq!((m.n_used(), m.n_free()), (0, 512));
+
+        // A small pool: one sequence's reservation does not starve another.
+        let mut m = BlockManager::new(16, 4, false);
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        assert!(m.allocate(&mut a, &[], 4));
+        assert_eq!(m.n_used(), 1);
+        assert!(
+            m.allocate(&mut b, &[], 4 * 15),
+            "the reservation is given up"
+        );
+        assert_eq!(m.n_used(), 16);
+        assert!(!m.allocate(&mut a, &[], 8), "nothing left");
+        assert_eq!(a.len(), 1, "a failed allocation changes nothing");
+        m.free(&mut a);
+        m.free(&mut b);
+        assert_eq!((m.n_used(), m.n_free()), (0, 16));
+    }
+
     #[test]
     fn without_prefix_caching_nothing_is_shared() {
         let mut m = BlockManager::new(4, 4, false);
@@ -353,7 +525,18 @@ mod tests {
         let mut m = BlockManager::new(32, 4, true);
         let mut seqs: Vec<(Vec<u32>, Vec<BlockHash>)> = Vec::new();
         for _ in 0..2000 {
-            if rng.gen_bool(0.5) || seqs.is_empty() {
+            if !seqs.is_empty() && rng.gen_bool(0.3) {
+                // A sequence grows (its hashes stay those of its first blocks).
+                let i = rng.gen_range(0..seqs.len());
+                let n = seqs[i].0.len() * 4 + rng.gen_range(1..9);
+                let before = seqs[i].0.clone();
+                if !m.allocate(&mut seqs[i].0, &[], n) {
+                    assert_eq!(
+                        seqs[i].0, before,
+                        "seed {seed}: a failed allocation changed"
+                    );
+                }
+            } else if rng.gen_bool(0.5) || seqs.is_empty() {
                 // A new sequence with one of a few prefixes.
                 let p = rng.gen_range(0..3u32);
                 let toks: Vec<u32> = (0..rng.gen_range(1..20)).map(|i| p * 100 + i).collect();
@@ -378,6 +561,9 @@ mod tests {
                 all.len()
             };
             assert_eq!(m.n_used(), held, "seed {seed}");
+            let reserved = m.reserved.iter().filter(|&&r| r).count();
+            assert_eq!(m.n_reserved, reserved, "seed {seed}");
+            assert_eq!(m.free.len + reserved + held, 32, "seed {seed}");
             // Every cached hash still names a block with those contents.
             for (blocks, h) in &seqs {
                 for (b, hh) in blocks.iter().zip(h) {
