@@ -566,7 +566,8 @@ fn geglu_simd_equals_portable_bit_for_bit() {
 }
 
 /// The AVX2 tier's packed layouts (whatever this process's tier): [`Layout::X4`] for every
-/// "_0/_1" type and [`Layout::X8`] for Q5_0 and Q4_1, odd row counts; the packing round-trips exactly (whole matrix, single rows,
+/// "_0/_1" type and [`Layout::X8`] for Q5_0, Q4_1 and Q8_0, odd row counts; the packing
+/// round-trips exactly (whole matrix, single rows,
 /// embedding lookups), and products over it equal the row-major ones bit for bit (decode
 /// batches of 1..16 one-token sequences, prompts, mixes). On the AVX2 tiers
 /// (`FERRUM_NO_AVX512=1`) the products run the AVX2 tiles on the packed bytes in place; on the
@@ -586,6 +587,7 @@ fn avx2_layouts_round_trip_and_equal_row_major_bit_for_bit() {
         (Layout::X4, 4, DType::Q8_0),
         (Layout::X8, 8, DType::Q5_0),
         (Layout::X8, 8, DType::Q4_1),
+        (Layout::X8, 8, DType::Q8_0),
     ];
     let mut seg_sets: Vec<Vec<usize>> = (1..=16).map(|n| vec![1; n]).collect();
     seg_sets.extend([

@@ -39,8 +39,8 @@ pub enum Layout {
     /// types: a decode step reads one stream ([`avx2::x4_len`]).
     #[cfg(target_arch = "x86_64")]
     X4,
-    /// Groups of 8 rows, block by block, 4-element runs of the 8 rows interleaved, for Q5_0 and
-    /// Q4_1 on the AVX2 tiers: the kernels work on 8 rows per vector (`avx2_x8`).
+    /// Groups of 8 rows, block by block, 4-element runs of the 8 rows interleaved, for Q5_0, Q4_1
+    /// and Q8_0 on the AVX2 tiers: the kernels work on 8 rows per vector (`avx2_x8`).
     #[cfg(target_arch = "x86_64")]
     X8,
 }
