@@ -293,7 +293,7 @@ fn attention_is_batch_invariant_and_close_to_f64() {
 fn swiglu_simd_equals_portable_bit_for_bit() {
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
-    for len in [1usize, 15, 16, 17, 100, 1536] {
+    for len in [1usize, 15, 16, 17, 100, 1536, 100_003] {
         let mut g: Vec<f32> = (0..len)
             .map(|i| match i % 7 {
                 0 => rng.gen_range(-200.0..200.0),
@@ -544,7 +544,7 @@ fn k_quant_prompt_kernels_follow_llama_cpp_orders_bit_for_bit() {
 fn geglu_simd_equals_portable_bit_for_bit() {
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
-    for len in [1usize, 15, 16, 33, 2048] {
+    for len in [1usize, 15, 16, 33, 2048, 100_003] {
         let mut g: Vec<f32> = (0..len)
             .map(|i| match i % 5 {
                 0 => rng.gen_range(-30.0..30.0),

@@ -267,7 +267,7 @@ fn every_tier_matches_the_reference_on_every_type_and_shape() {
                 );
             }
         }
-        for n in [1, 15, 16, 17, 100, 1536] {
+        for n in [1, 15, 16, 17, 100, 1536, 100_003] {
             let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-8.0..8.0)).collect();
             let u: Vec<f32> = (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect();
             let (mut a, mut b) = (g.clone(), g.clone());

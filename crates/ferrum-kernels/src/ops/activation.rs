@@ -159,13 +159,43 @@ unsafe fn swiglu_avx512(gate: &mut [f32], up: &[f32]) -> usize {
     full
 }
 
+/// Below this many elements a gated activation runs on the calling thread alone.
+const PARALLEL_MIN: usize = 1 << 15;
+/// Elements per task of a parallel gated activation (a multiple of [`GGML_SILU_BLOCK`], so
+/// every task but the last holds whole blocks and the last one the call's tail).
+const PER_TASK: usize = 1 << 14;
+
+/// Runs the element-wise `f` over `gate` and `up`, split across the pool when the call is large
+/// (a prompt's activations).
+fn gated(gate: &mut [f32], up: &[f32], f: impl Fn(&mut [f32], &[f32]) + Sync) {
+    if gate.len() < PARALLEL_MIN {
+        return f(gate, up);
+    }
+    crate::pool::parallel_chunks_mut(gate, PER_TASK, |ci, g| {
+        f(g, &up[ci * PER_TASK..][..g.len()])
+    });
+}
+
 /// `gate[i] = silu(gate[i]) * up[i]`, SiLU computed as ggml's vector code does.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "swiglu: lengths differ");
+    gated(gate, up, swiglu_serial);
+}
+
+fn swiglu_serial(gate: &mut [f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::cpu::features().avx512f {
         // SAFETY: the CPU reports AVX-512F (and so FMA).
         let done = unsafe { swiglu_avx512(gate, up) };
+        for (g, &u) in gate[done..].iter_mut().zip(&up[done..]) {
+            *g = silu(*g) * u;
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::features().x86_simd() {
+        // SAFETY: the CPU reports AVX2, FMA and F16C.
+        let done = unsafe { swiglu_avx2(gate, up) };
         for (g, &u) in gate[done..].iter_mut().zip(&up[done..]) {
             *g = silu(*g) * u;
         }
@@ -180,9 +210,73 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     swiglu_ggml(gate, up);
 }
 
+/// [`swiglu_avx512`] in 8 lanes: [`expf_ggml`]'s operations, its `j * 2^a * 2^b` as two
+/// multiplies by powers of two made from the exponent bits. Does the same leading elements (the
+/// whole 16-element blocks, ggml's AVX-512 SIMD width) and leaves the tail to the caller.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn swiglu_avx2(gate: &mut [f32], up: &[f32]) -> usize {
+    use core::arch::x86_64::*;
+    let full = gate.len() / GGML_SILU_BLOCK * GGML_SILU_BLOCK;
+    let shift = _mm256_set1_ps(12_582_912.0);
+    let one = _mm256_set1_ps(1.0);
+    let bias = _mm256_set1_epi32(127);
+    let pow2 = |e: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(e, bias)));
+    for i in (0..full).step_by(8) {
+        // SAFETY: i + 8 <= full <= gate.len() == up.len().
+        let (g, u) = unsafe {
+            (
+                _mm256_loadu_ps(gate.as_ptr().add(i)),
+                _mm256_loadu_ps(up.as_ptr().add(i)),
+            )
+        };
+        let x = _mm256_sub_ps(_mm256_setzero_ps(), g); // -g, exact
+        let z = _mm256_fmadd_ps(x, _mm256_set1_ps(f32::from_bits(0x3fb8_aa3b)), shift);
+        let n = _mm256_sub_ps(z, shift);
+        let b = _mm256_fnmadd_ps(
+            n,
+            _mm256_set1_ps(f32::from_bits(0x35bf_be8e)),
+            _mm256_fnmadd_ps(n, _mm256_set1_ps(f32::from_bits(0x3f31_7200)), x),
+        );
+        let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
+        let big = _mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(192.0));
+        let uu = _mm256_mul_ps(b, b);
+        let p45 = _mm256_fmadd_ps(
+            _mm256_set1_ps(f32::from_bits(0x3c07_2010)),
+            b,
+            _mm256_set1_ps(f32::from_bits(0x3d2b_9f17)),
+        );
+        let p23 = _mm256_fmadd_ps(
+            _mm256_set1_ps(f32::from_bits(0x3e2a_af33)),
+            b,
+            _mm256_set1_ps(f32::from_bits(0x3eff_fedb)),
+        );
+        let p01 = _mm256_fmadd_ps(_mm256_set1_ps(f32::from_bits(0x3f7f_fff6)), b, one);
+        let j = _mm256_fmadd_ps(_mm256_fmadd_ps(p45, uu, p23), uu, p01);
+        // n / 2 rounded toward zero (as the scalar code's integer division), and the rest; both
+        // within ±96 where |n| <= 192, so 2^a and 2^b are normal. Lanes with |n| > 192 are
+        // replaced below whatever these give.
+        let ni = _mm256_cvtps_epi32(n);
+        let a = _mm256_srai_epi32::<1>(_mm256_add_epi32(ni, _mm256_srli_epi32::<31>(ni)));
+        let rest = _mm256_sub_epi32(ni, a);
+        let e = _mm256_mul_ps(_mm256_mul_ps(j, pow2(a)), pow2(rest));
+        let pos = _mm256_cmp_ps::<_CMP_GT_OQ>(n, _mm256_setzero_ps());
+        let inf_or_zero = _mm256_and_ps(pos, _mm256_set1_ps(f32::INFINITY));
+        let e = _mm256_blendv_ps(e, inf_or_zero, big);
+        let r = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
+        // SAFETY: as above.
+        unsafe { _mm256_storeu_ps(gate.as_mut_ptr().add(i), r) };
+    }
+    full
+}
+
 /// `gate[i] = gelu(gate[i]) * up[i]`, GELU as ggml tabulates it.
 pub fn geglu(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "geglu: lengths differ");
+    gated(gate, up, geglu_serial);
+}
+
+fn geglu_serial(gate: &mut [f32], up: &[f32]) {
     let table = gelu_table();
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
