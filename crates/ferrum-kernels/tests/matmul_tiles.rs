@@ -566,7 +566,7 @@ fn geglu_simd_equals_portable_bit_for_bit() {
 }
 
 /// The AVX2 tier's packed layouts (whatever this process's tier): [`Layout::X4`] for every
-/// "_0/_1" type and [`Layout::X8`] for Q5_0, Q4_1 and Q8_0, odd row counts; the packing
+/// "_0/_1" type and [`Layout::X8`] for Q5_0, Q4_1, Q8_0 and Q6_K, odd row counts; the packing
 /// round-trips exactly (whole matrix, single rows,
 /// embedding lookups), and products over it equal the row-major ones bit for bit (decode
 /// batches of 1..16 one-token sequences, prompts, mixes). On the AVX2 tiers
@@ -588,6 +588,7 @@ fn avx2_layouts_round_trip_and_equal_row_major_bit_for_bit() {
         (Layout::X8, 8, DType::Q5_0),
         (Layout::X8, 8, DType::Q4_1),
         (Layout::X8, 8, DType::Q8_0),
+        (Layout::X8, 8, DType::Q6_K),
     ];
     let mut seg_sets: Vec<Vec<usize>> = (1..=16).map(|n| vec![1; n]).collect();
     seg_sets.extend([
@@ -601,7 +602,7 @@ fn avx2_layouts_round_trip_and_equal_row_major_bit_for_bit() {
     ]);
     for (layout, group, dtype) in cases {
         for rows in [1usize, 3, 5, 18, 37, 64] {
-            let cols = 32 * rng.gen_range(1..=10);
+            let cols = dtype.block_size() * rng.gen_range(1..=10);
             let data = random_weights(dtype, rows, cols, &mut rng);
             let n = PackedMatrix::stored_len(dtype, rows, cols, layout).unwrap();
             assert_eq!(

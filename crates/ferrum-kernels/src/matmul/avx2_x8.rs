@@ -94,9 +94,12 @@ const fn act_block(k: u8) -> (usize, usize) {
     }
 }
 
-/// Bytes of a `rows` x `cols` matrix in [`Layout::X8`] (`None`: not Q5_0, Q4_1 or Q8_0, or not
-/// whole blocks).
+/// Bytes of a `rows` x `cols` matrix in [`Layout::X8`] (`None`: not Q5_0, Q4_1, Q8_0 or Q6_K,
+/// or not whole blocks).
 pub(super) fn x8_len(dtype: DType, rows: usize, cols: usize) -> Option<usize> {
+    if dtype == DType::Q6_K {
+        return super::avx2_q6k::x8_len(rows, cols);
+    }
     kind_of(dtype)?;
     if rows == 0 || cols == 0 || !cols.is_multiple_of(32) {
         return None;
@@ -118,7 +121,7 @@ fn value(k: u8, blk: &[u8], j: usize) -> u8 {
     nib | ((((qh >> j) & 1) as u8) << 4)
 }
 
-/// Writes groups `g0 ..` of the row-major `src` (`rows` x `cols`, Q5_0, Q4_1 or Q8_0) into
+/// Writes groups `g0 ..` of the row-major `src` (`rows` x `cols`, Q5_0, Q4_1, Q8_0 or Q6_K) into
 /// `dst` (whole groups; the last one padded by repeating the last row).
 pub(super) fn pack_x8_groups(
     dtype: DType,
@@ -128,6 +131,9 @@ pub(super) fn pack_x8_groups(
     g0: usize,
     dst: &mut [u8],
 ) {
+    if dtype == DType::Q6_K {
+        return super::avx2_q6k::pack_groups(src, rows, cols, g0, dst);
+    }
     let k = kind_of(dtype).expect("X8 type");
     let (bl, cl, nib_at) = (block(k), cell_len(k), nib_off(k));
     let rb = cols / 32 * bl;
@@ -168,6 +174,9 @@ pub(super) fn pack_x8_groups(
 
 /// Row `r` of an [`Layout::X8`] matrix in the file's layout, into `out` (`row_bytes` long).
 pub(super) fn unpack_row_x8(w: &Src, r: usize, out: &mut [u8]) {
+    if w.dtype == DType::Q6_K {
+        return super::avx2_q6k::unpack_row(w, r, out);
+    }
     let k = kind_of(w.dtype).expect("X8 type");
     let (bl, cl, nib_at) = (block(k), cell_len(k), nib_off(k));
     let rb = w.row_bytes();
@@ -361,7 +370,7 @@ pub(super) fn matmul(w: &Src, act: &[u8], ab: usize, t: usize, out: OutPtr) {
 }
 
 /// Writes group `g`'s outputs `o[tok]` (rows past the end dropped).
-fn store(out: OutPtr, rows: usize, g: usize, o: &[[f32; GROUP]]) {
+pub(super) fn store(out: OutPtr, rows: usize, g: usize, o: &[[f32; GROUP]]) {
     let r0 = g * GROUP;
     for (tok, v) in o.iter().enumerate() {
         for (j, &val) in v.iter().enumerate().take(rows - r0) {
@@ -643,7 +652,7 @@ unsafe fn gemv_unpacked<const K: u8>(u: &Unpacked, nb: usize, a: &Tok) -> [f32; 
 /// l1 + l5, l2 + l6, l3 + l7), then (0 + 2) + (1 + 3), for the 8 rows at once.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_lanes(v: &[__m256; 8]) -> __m256 {
+pub(super) fn hsum_lanes(v: &[__m256; 8]) -> __m256 {
     let t0 = _mm256_add_ps(v[0], v[4]);
     let t1 = _mm256_add_ps(v[1], v[5]);
     let t2 = _mm256_add_ps(v[2], v[6]);

@@ -19,6 +19,8 @@
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_q6k;
+#[cfg(target_arch = "x86_64")]
 mod avx2_x8;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
@@ -281,6 +283,16 @@ fn matmul_rows(w: &Src, x: &[f32], y: &mut [f32], orders: &[Order]) {
         {
             // AVX2 tiers: several rows x tokens per kernel call, `vec_dot`'s bits.
             avx2::matmul(w, &sc.act, ab, t, y);
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if w.layout == Layout::X8
+            && w.dtype == DType::Q6_K
+            && crate::cpu::features().x86_simd()
+            && orders.iter().all(|&o| o == Order::Vec)
+        {
+            // AVX2 tiers: 8 rows per vector, `vec_dot`'s bits.
+            avx2_q6k::matmul(w, &sc.act, ab, t, OutPtr(y.as_mut_ptr()));
             return;
         }
         #[cfg(target_arch = "x86_64")]
