@@ -11,9 +11,9 @@
 //! and per token the work is `maddubs`, `madd` and an add.
 //!
 //! Same bits as `quant::vec_dot` on the AVX2 tier (`dot_avx2_k::dot_q6k`): its lane l of a
-//! super-block is the exact integer `Σ_chunks Σ_{4 elements 4l..4l+4} sc·q·y − 32·(sc[2l]·bsums[2l]
-//! + sc[2l+1]·bsums[2l+1])` (the `−32` correction taken from the Q8_K block sums by scale pairs, as
-//! llama.cpp's kernel does); here lane r of accumulator g holds row r's lane g of that sum, formed
+//! super-block is the exact integer `Σ_chunks Σ_{elements 4l..4l+4} sc·q·y` less
+//! `32·(sc[2l]·bsums[2l] + sc[2l+1]·bsums[2l+1])` (the correction taken from the Q8_K block sums
+//! by scale pairs, as llama.cpp's kernel does); here lane r of accumulator g holds row r's lane g of that sum, formed
 //! the same way (exact integers, no saturation: `maddubs` of q ≤ 63 against |y| ≤ 128), then per
 //! super-block `acc = fma(d_w·d_x, f32(lane), acc)` and at the end `hsum_float_8`'s tree for the 8
 //! rows at once.
