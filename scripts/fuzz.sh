@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 SECONDS_EACH="${1:-240}"
-for t in chat_request json_schema gguf_reader tool_call_stream; do
+for t in chat_request json_schema gguf_reader tool_call_stream onnx_import; do
     mkdir -p "corpus/$t"
     cp -n seeds/"$t"/* "corpus/$t/" 2>/dev/null || true
     log="$(mktemp)"
