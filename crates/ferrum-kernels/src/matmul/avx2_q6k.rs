@@ -240,6 +240,10 @@ unsafe fn gemv<const T: usize>(
         // and d_x lie inside the slices (asserted above).
         unsafe {
             let cell = group.as_ptr().add(ib * CELL);
+            // The next cell, a line at a time (never faults: `wrapping_add`, prefetch only).
+            for l in (0..CELL).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(cell.wrapping_add(CELL + l) as *const i8);
+            }
             for c in 0..8 {
                 let v = _mm256_cvtepi8_epi16(_mm_loadu_si128(cell.add(C_SC + 16 * c) as *const _));
                 let (lo, hi) = (_mm256_unpacklo_epi16(v, v), _mm256_unpackhi_epi16(v, v));
