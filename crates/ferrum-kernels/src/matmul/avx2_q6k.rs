@@ -112,29 +112,43 @@ pub(super) fn pack_groups(src: &[u8], rows: usize, cols: usize, g0: usize, dst: 
     }
 }
 
-/// Row `r` of a Q6_K [`Layout::X8`] matrix in the file's layout, into `out` (`row_bytes` long).
+/// Row `r` of a Q6_K [`Layout::X8`] matrix in the file's layout, into `out` (`row_bytes` long):
+/// the row's 256 values of each cell gathered in element order, then split into ggml's `ql`/`qh`
+/// in its own loop order (the prompt kernels unpack every row of a call this way).
 pub(super) fn unpack_row(w: &Src, r: usize, out: &mut [u8]) {
     let rb = w.row_bytes();
     let group = &w.data[r / GROUP * GROUP * rb..][..GROUP * rb];
     let rr = r % GROUP;
+    let mut v = [0u8; 256];
     for (ib, blk) in out.chunks_exact_mut(BLOCK).enumerate() {
         let cell = &group[ib * CELL..][..CELL];
-        blk.fill(0);
         blk[D..D + 2].copy_from_slice(&cell[2 * rr..2 * rr + 2]);
         for s in 0..16 {
             blk[SCALES + s] = cell[C_SC + 8 * s + rr];
         }
         for c in 0..8 {
-            for g in 0..8 {
+            let hb = &cell[C_HI + 64 * c..][..64];
+            for k in 0..4 {
+                let nib = &cell[C_NIB + 128 * c + 32 * k + 4 * rr..][..4];
                 for e in 0..4 {
                     let i = 4 * rr + e;
-                    let byte = cell[C_NIB + 128 * c + 32 * (g % 4) + i];
-                    let nib = if g < 4 { byte & 15 } else { byte >> 4 };
-                    let hb = (cell[C_HI + 64 * c + 32 * (g / 4) + i] >> (2 * (g % 4))) & 3;
-                    let (ql, high, qh, sh) = place(32 * c + 4 * g + e);
-                    blk[ql] |= if high { nib << 4 } else { nib };
-                    blk[qh] |= hb << sh;
+                    let (lo, hi) = (hb[i] >> (2 * k), hb[32 + i] >> (2 * k));
+                    v[32 * c + 4 * k + e] = (nib[e] & 15) | ((lo & 3) << 4);
+                    v[32 * c + 4 * (k + 4) + e] = (nib[e] >> 4) | ((hi & 3) << 4);
                 }
+            }
+        }
+        // ggml's layout (see `place`): per half n and l < 32, ql[l] holds elements l and l + 64,
+        // ql[l + 32] elements l + 32 and l + 96, qh[l] the high bits of all four.
+        for n in 0..2 {
+            let x = &v[128 * n..][..128];
+            for l in 0..32 {
+                blk[QL + 64 * n + l] = (x[l] & 15) | ((x[l + 64] & 15) << 4);
+                blk[QL + 64 * n + 32 + l] = (x[l + 32] & 15) | ((x[l + 96] & 15) << 4);
+                blk[QH + 32 * n + l] = (x[l] >> 4)
+                    | ((x[l + 32] >> 4) << 2)
+                    | ((x[l + 64] >> 4) << 4)
+                    | ((x[l + 96] >> 4) << 6);
             }
         }
     }
