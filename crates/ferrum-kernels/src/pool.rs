@@ -254,6 +254,19 @@ pub fn parallel_for(n_tasks: usize, f: impl Fn(usize) + Sync) {
     current().run(n_tasks, &f);
 }
 
+/// Runs `f(i)` for every `i` in `0..n`, split across the pool as runs of consecutive indices,
+/// two runs per thread: each thread then streams one stretch of whatever `i` indexes (a
+/// matrix's row groups), which the hardware prefetcher follows, instead of every other item
+/// (tasks are claimed in turn), which made 2 threads slower than 1 on decode.
+pub fn parallel_runs(n: usize, f: impl Fn(usize) + Sync) {
+    let per = n.div_ceil(2 * threads()).max(1);
+    parallel_for(n.div_ceil(per), |run| {
+        for i in run * per..((run + 1) * per).min(n) {
+            f(i)
+        }
+    });
+}
+
 /// Splits `out` into chunks of `chunk` elements and runs `f(chunk_index, chunk)` on each in
 /// parallel (the last chunk may be shorter).
 pub fn parallel_chunks_mut<T: Send>(

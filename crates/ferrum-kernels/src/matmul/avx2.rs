@@ -358,54 +358,49 @@ fn prefetch_ahead(w: &Src, r0: usize) {
 /// [`run`] for 1..[`PRE_MIN_TOKENS`] tokens: one [`tile_direct`] of all the tokens per 4 rows.
 fn run_direct<const K: u8>(w: &Src, act: &[u8], ab: usize, t: usize, out: OutPtr) {
     let (rows, nb) = (w.rows, w.cols / 32);
-    // Each task takes a run of consecutive 16-row groups (two runs per thread): a thread then
-    // streams one stretch of the matrix, which the hardware prefetcher follows, instead of
-    // every other group (tasks are claimed in turn), which made 2 threads slower than 1.
+    // Runs of consecutive 16-row groups per thread (`pool::parallel_runs`).
     let groups = rows.div_ceil(ROWS16);
-    let per = groups.div_ceil(2 * pool::threads()).max(1);
-    pool::parallel_for(groups.div_ceil(per), |run| {
-        for task in run * per..((run + 1) * per).min(groups) {
-            let r_begin = task * ROWS16;
-            let r_end = (r_begin + ROWS16).min(rows);
-            with_task_rows(w, r_begin, |rws, stride| {
-                // Row-major rows lie `rb` bytes apart: each tile prefetches, block by block, the
-                // same blocks two tiles further on. An X4 group is one stream, which the hardware
-                // prefetcher follows (an explicit prefetch measured no faster: SmolLM2 Q4_1, Gemma
-                // 3 270M, Qwen2.5 0.5B at 1 thread).
-                let pf = match w.layout {
-                    Layout::RowMajor => 2 * TILE_R * w.row_bytes(),
-                    _ => 0,
-                };
-                for r0 in (r_begin..r_end).step_by(TILE_R) {
-                    let i = r0 - r_begin;
-                    let quad: [&[u8]; TILE_R] = core::array::from_fn(|j| rws[i + j]);
-                    let mut o = [[0f32; TILE_R]; PRE_MIN_TOKENS];
-                    macro_rules! direct {
-                        ($n:literal) => {{
-                            let a: [&[u8]; $n] = core::array::from_fn(|c| &act[c * ab..][..ab]);
-                            // SAFETY: AVX2+FMA+F16C were checked in `matmul`.
-                            let v = unsafe { tile_direct::<K, $n>(quad, stride, a, nb, pf) };
-                            o[..$n].copy_from_slice(&v);
-                        }};
-                    }
-                    match t {
-                        1 => direct!(1),
-                        2 => direct!(2),
-                        3 => direct!(3),
-                        _ => unreachable!("run_direct takes 1..{PRE_MIN_TOKENS} tokens"),
-                    }
-                    for (tok, v) in o[..t].iter().enumerate() {
-                        for (j, &val) in v.iter().enumerate() {
-                            if r0 + j < r_end {
-                                // SAFETY: `tok < t` and `r0 + j < rows`, so the index is inside `y`
-                                // ([t, rows]); only this task writes rows r_begin..r_end.
-                                unsafe { *out.at(tok * rows + r0 + j) = val };
-                            }
+    pool::parallel_runs(groups, |task| {
+        let r_begin = task * ROWS16;
+        let r_end = (r_begin + ROWS16).min(rows);
+        with_task_rows(w, r_begin, |rws, stride| {
+            // Row-major rows lie `rb` bytes apart: each tile prefetches, block by block, the
+            // same blocks two tiles further on. An X4 group is one stream, which the hardware
+            // prefetcher follows (an explicit prefetch measured no faster: SmolLM2 Q4_1, Gemma
+            // 3 270M, Qwen2.5 0.5B at 1 thread).
+            let pf = match w.layout {
+                Layout::RowMajor => 2 * TILE_R * w.row_bytes(),
+                _ => 0,
+            };
+            for r0 in (r_begin..r_end).step_by(TILE_R) {
+                let i = r0 - r_begin;
+                let quad: [&[u8]; TILE_R] = core::array::from_fn(|j| rws[i + j]);
+                let mut o = [[0f32; TILE_R]; PRE_MIN_TOKENS];
+                macro_rules! direct {
+                    ($n:literal) => {{
+                        let a: [&[u8]; $n] = core::array::from_fn(|c| &act[c * ab..][..ab]);
+                        // SAFETY: AVX2+FMA+F16C were checked in `matmul`.
+                        let v = unsafe { tile_direct::<K, $n>(quad, stride, a, nb, pf) };
+                        o[..$n].copy_from_slice(&v);
+                    }};
+                }
+                match t {
+                    1 => direct!(1),
+                    2 => direct!(2),
+                    3 => direct!(3),
+                    _ => unreachable!("run_direct takes 1..{PRE_MIN_TOKENS} tokens"),
+                }
+                for (tok, v) in o[..t].iter().enumerate() {
+                    for (j, &val) in v.iter().enumerate() {
+                        if r0 + j < r_end {
+                            // SAFETY: `tok < t` and `r0 + j < rows`, so the index is inside `y`
+                            // ([t, rows]); only this task writes rows r_begin..r_end.
+                            unsafe { *out.at(tok * rows + r0 + j) = val };
                         }
                     }
                 }
-            });
-        }
+            }
+        });
     });
 }
 

@@ -190,33 +190,29 @@ pub(super) fn matmul(w: &Src, act: &[u8], ab: usize, t: usize, out: OutPtr) {
         let dx = &*dx;
         let groups = rows.div_ceil(GROUP);
         let glen = nb * CELL;
-        // Runs of consecutive groups, two per thread: each thread streams one stretch.
-        let per = groups.div_ceil(2 * pool::threads()).max(1);
-        pool::parallel_for(groups.div_ceil(per), |run| {
-            for g in run * per..((run + 1) * per).min(groups) {
-                let group = &w.data[g * glen..][..glen];
-                for t0 in (0..t).step_by(MAX_TOKENS) {
-                    let n = (t - t0).min(MAX_TOKENS);
-                    let tok = |c: usize| {
-                        let k = t0 + c.min(n - 1);
-                        (&act[k * ab..][..ab], &dx[k * nb..][..nb])
-                    };
-                    let mut o = [[0f32; GROUP]; MAX_TOKENS];
-                    macro_rules! call {
-                        ($n:literal) => {{
-                            let a: [(&[u8], &[f32]); $n] = core::array::from_fn(tok);
-                            // SAFETY: AVX2+FMA+F16C were checked above.
-                            let v = unsafe { gemv::<$n>(group, nb, &a) };
-                            o[..$n].copy_from_slice(&v);
-                        }};
-                    }
-                    match n {
-                        1 => call!(1),
-                        2 => call!(2),
-                        _ => call!(3),
-                    }
-                    store(OutPtr(out.at(t0 * rows)), rows, g, &o[..n]);
+        pool::parallel_runs(groups, |g| {
+            let group = &w.data[g * glen..][..glen];
+            for t0 in (0..t).step_by(MAX_TOKENS) {
+                let n = (t - t0).min(MAX_TOKENS);
+                let tok = |c: usize| {
+                    let k = t0 + c.min(n - 1);
+                    (&act[k * ab..][..ab], &dx[k * nb..][..nb])
+                };
+                let mut o = [[0f32; GROUP]; MAX_TOKENS];
+                macro_rules! call {
+                    ($n:literal) => {{
+                        let a: [(&[u8], &[f32]); $n] = core::array::from_fn(tok);
+                        // SAFETY: AVX2+FMA+F16C were checked above.
+                        let v = unsafe { gemv::<$n>(group, nb, &a) };
+                        o[..$n].copy_from_slice(&v);
+                    }};
                 }
+                match n {
+                    1 => call!(1),
+                    2 => call!(2),
+                    _ => call!(3),
+                }
+                store(OutPtr(out.at(t0 * rows)), rows, g, &o[..n]);
             }
         });
     });

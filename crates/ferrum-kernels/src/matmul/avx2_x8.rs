@@ -338,33 +338,29 @@ pub(super) fn matmul(w: &Src, act: &[u8], ab: usize, t: usize, out: OutPtr) {
         let p = &*p;
         let groups = rows.div_ceil(GROUP);
         let glen = nb * cell_len(k);
-        // Runs of consecutive groups, two per thread: each thread streams one stretch.
-        let per = groups.div_ceil(2 * pool::threads()).max(1);
-        pool::parallel_for(groups.div_ceil(per), |run| {
-            for g in run * per..((run + 1) * per).min(groups) {
-                let group = &w.data[g * glen..][..glen];
-                let mut o = [[0f32; GROUP]; MAX_TOKENS];
-                macro_rules! call {
-                    ($k:expr, $n:literal) => {{
-                        let a: [Tok; $n] = core::array::from_fn(|c| p.tok(k, act, ab, nb, c));
-                        // SAFETY: AVX2+FMA+F16C were checked by `check`.
-                        let v = unsafe { gemv::<$k, $n>(group, nb, &a) };
-                        o[..$n].copy_from_slice(&v);
-                    }};
-                }
-                match (k, t) {
-                    (K_Q4_1, 1) => call!(K_Q4_1, 1),
-                    (K_Q4_1, 2) => call!(K_Q4_1, 2),
-                    (K_Q4_1, _) => call!(K_Q4_1, 3),
-                    (K_Q8_0, 1) => call!(K_Q8_0, 1),
-                    (K_Q8_0, 2) => call!(K_Q8_0, 2),
-                    (K_Q8_0, _) => call!(K_Q8_0, 3),
-                    (_, 1) => call!(K_Q5_0, 1),
-                    (_, 2) => call!(K_Q5_0, 2),
-                    _ => call!(K_Q5_0, 3),
-                }
-                store(out, rows, g, &o[..t]);
+        pool::parallel_runs(groups, |g| {
+            let group = &w.data[g * glen..][..glen];
+            let mut o = [[0f32; GROUP]; MAX_TOKENS];
+            macro_rules! call {
+                ($k:expr, $n:literal) => {{
+                    let a: [Tok; $n] = core::array::from_fn(|c| p.tok(k, act, ab, nb, c));
+                    // SAFETY: AVX2+FMA+F16C were checked by `check`.
+                    let v = unsafe { gemv::<$k, $n>(group, nb, &a) };
+                    o[..$n].copy_from_slice(&v);
+                }};
             }
+            match (k, t) {
+                (K_Q4_1, 1) => call!(K_Q4_1, 1),
+                (K_Q4_1, 2) => call!(K_Q4_1, 2),
+                (K_Q4_1, _) => call!(K_Q4_1, 3),
+                (K_Q8_0, 1) => call!(K_Q8_0, 1),
+                (K_Q8_0, 2) => call!(K_Q8_0, 2),
+                (K_Q8_0, _) => call!(K_Q8_0, 3),
+                (_, 1) => call!(K_Q5_0, 1),
+                (_, 2) => call!(K_Q5_0, 2),
+                _ => call!(K_Q5_0, 3),
+            }
+            store(out, rows, g, &o[..t]);
         });
     });
 }
