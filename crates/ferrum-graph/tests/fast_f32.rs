@@ -6,7 +6,8 @@
 //! (f32 accumulation of the products; the per-element sum of absolute terms is bounded here by
 //! the output count times the max); elementwise Add/Sub/Mul/Div/Relu/Sqrt/MaxPool bit-identical
 //! to the reference rounded to f32; Erf within 1 ulp; Softmax within 10 * 2^-24 relative.
-//! NaN never passes (`err <= tol`).
+//! NaN never passes (`err <= tol`). MatMulInteger on the integer GEMM (8-bit operands, every
+//! zero-point form) equals a plain i64 product exactly.
 
 use ferrum_graph::proto::build::{attr_int, attr_ints, model, node, value};
 use ferrum_graph::proto::{encode, AttributeProto};
@@ -489,5 +490,132 @@ fn layer_norm_matches_the_reference_exactly() {
                 "LayerNorm {shape:?} axis {axis}: {x} vs {y}"
             );
         }
+    }
+}
+
+/// A random 8-bit tensor (as i64 values in its type's range) and its dtype.
+fn int8_values(rng: &mut Rng64, len: usize, signed: bool) -> Vec<i64> {
+    (0..len)
+        .map(|_| {
+            if signed {
+                rng.gen_range(-128..128)
+            } else {
+                rng.gen_range(0..256)
+            }
+        })
+        .collect()
+}
+
+fn int8_tensor(shape: &[usize], v: &[i64], signed: bool) -> Tensor {
+    if signed {
+        Tensor::from_vec(
+            shape.to_vec(),
+            v.iter().map(|&x| x as i8).collect::<Vec<_>>(),
+        )
+    } else {
+        Tensor::from_vec(
+            shape.to_vec(),
+            v.iter().map(|&x| x as u8).collect::<Vec<_>>(),
+        )
+    }
+    .unwrap()
+}
+
+#[test]
+fn matmul_integer_matches_a_plain_integer_product() {
+    let mut r = rng();
+    for case in 0..40 {
+        let (a_signed, b_signed) = (r.gen_bool(0.5), r.gen_bool(0.5));
+        let (m, k, n) = (r.gen_range(1..20), r.gen_range(1..70), r.gen_range(1..50));
+        // A as [m, k] or [2, m, k] (then per-tensor zero point only).
+        let batched = case % 3 == 2;
+        let a_shape = if batched { vec![2, m, k] } else { vec![m, k] };
+        let rows = if batched { 2 * m } else { m };
+        let a = int8_values(&mut r, rows * k, a_signed);
+        let b = int8_values(&mut r, k * n, b_signed);
+        let za = match (case % 4, batched) {
+            (0, _) => None,
+            (1, false) => Some(int8_values(&mut r, m, a_signed)),
+            _ => Some(int8_values(&mut r, 1, a_signed)),
+        };
+        let zb = match case % 5 {
+            0 => None,
+            1 | 2 => Some(int8_values(&mut r, n, b_signed)),
+            _ => Some(int8_values(&mut r, 1, b_signed)),
+        };
+        let mut want = vec![0i64; rows * n];
+        for i in 0..rows {
+            let zi = za
+                .as_ref()
+                .map_or(0, |z| z[if z.len() == 1 { 0 } else { i }]);
+            for j in 0..n {
+                let zj = zb
+                    .as_ref()
+                    .map_or(0, |z| z[if z.len() == 1 { 0 } else { j }]);
+                want[i * n + j] = (0..k)
+                    .map(|p| (a[i * k + p] - zi) * (b[p * n + j] - zj))
+                    .sum();
+            }
+        }
+        let mut inputs = vec![
+            ("a", int8_tensor(&a_shape, &a, a_signed)),
+            ("b", int8_tensor(&[k, n], &b, b_signed)),
+        ];
+        let zshape = |z: &Vec<i64>| if z.len() == 1 { vec![] } else { vec![z.len()] };
+        inputs.push((
+            "za",
+            match &za {
+                Some(z) => int8_tensor(&zshape(z), z, a_signed),
+                None => int8_tensor(&[], &[0], a_signed),
+            },
+        ));
+        inputs.push((
+            "zb",
+            match &zb {
+                Some(z) => int8_tensor(&zshape(z), z, b_signed),
+                None => int8_tensor(&[], &[0], b_signed),
+            },
+        ));
+        let names = ["a", "b", "za", "zb"];
+        let used = if za.is_none() && zb.is_none() { 2 } else { 4 };
+        let elem = |s: bool| if s { 3 } else { 2 };
+        let mut mp = model(
+            vec![node("MatMulInteger", &names[..used], &["y"], vec![])],
+            inputs[..used]
+                .iter()
+                .map(|(nm, t)| {
+                    let signed = t.dtype() == ferrum_graph::DType::I8;
+                    value(
+                        nm,
+                        elem(signed),
+                        &t.shape()
+                            .iter()
+                            .map(|&d| Some(d as i64))
+                            .collect::<Vec<_>>(),
+                    )
+                })
+                .collect(),
+            vec![value("y", 0, &[])],
+            vec![],
+            13,
+        );
+        mp.graph.as_mut().unwrap().output[0].r#type = None;
+        let s = Session::from_bytes(&encode(&mp)).unwrap();
+        let feeds = inputs[..used]
+            .iter()
+            .map(|(nm, t)| (nm.to_string(), Value::Tensor(t.clone())))
+            .collect();
+        let out = s.run(feeds).unwrap();
+        let y = out[0].1.tensor().unwrap();
+        let mut shape = a_shape.clone();
+        *shape.last_mut().unwrap() = n;
+        assert_eq!(y.shape(), &shape[..], "case {case}");
+        let got: Vec<i64> = y
+            .as_slice::<i32>()
+            .unwrap()
+            .iter()
+            .map(|&v| v as i64)
+            .collect();
+        assert!(got == want, "case {case}: {m}x{k}x{n}, A signed {a_signed}, B signed {b_signed}, zero points {:?} / {:?}", za.as_ref().map(Vec::len), zb.as_ref().map(Vec::len));
     }
 }

@@ -567,3 +567,123 @@ fn constant_weights_are_prepacked_and_give_the_same_outputs() {
     let out = outputs(&s, &with_wo);
     assert!(out[2].iter().all(|&v| v == 0.0), "the fed wo is used");
 }
+
+/// An 8-bit initializer (ONNX type 3 = int8, 2 = uint8) from raw bytes.
+fn int8_init(name: &str, dims: &[i64], signed: bool, v: Vec<u8>) -> TensorProto {
+    TensorProto {
+        name: name.into(),
+        dims: dims.to_vec(),
+        data_type: if signed { 3 } else { 2 },
+        raw_data: v,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn dynamically_quantized_matmuls_fuse_into_matmul_integer_to_float() {
+    // What onnxruntime.quantization.quantize_dynamic writes for two MatMuls reading one input
+    // (BERT's query and key): one DynamicQuantizeLinear, then per MatMul the scales' Mul,
+    // MatMulInteger, Cast to float, Mul, and (first one) the bias Add. The first has a signed
+    // weight with one scale and zero point; the second an unsigned one with per-column scales
+    // and zero points. The fused graph must give the same bits.
+    let mut r = rng();
+    let (k, n1, n2) = (37, 40, 19);
+    let bytes = |r: &mut Rng64, len: usize| (0..len).map(|_| r.gen::<u8>()).collect::<Vec<_>>();
+    let w1: Vec<u8> = (0..k * n1)
+        .map(|_| r.gen_range(-127i8..=127) as u8)
+        .collect();
+    let mp = model(
+        vec![
+            node("DynamicQuantizeLinear", &["x"], &["xq", "xs", "xz"], vec![]),
+            node("Mul", &["xs", "w1_scale"], &["s1"], vec![]),
+            node(
+                "MatMulInteger",
+                &["xq", "w1", "xz", "w1_zp"],
+                &["i1"],
+                vec![],
+            ),
+            node("Cast", &["i1"], &["c1"], vec![attr_int("to", 1)]),
+            node("Mul", &["c1", "s1"], &["m1"], vec![]),
+            node("Add", &["b1", "m1"], &["y1"], vec![]),
+            node("Mul", &["w2_scale", "xs"], &["s2"], vec![]),
+            node(
+                "MatMulInteger",
+                &["xq", "w2", "xz", "w2_zp"],
+                &["i2"],
+                vec![],
+            ),
+            node("Cast", &["i2"], &["c2"], vec![attr_int("to", 1)]),
+            node("Mul", &["s2", "c2"], &["y2"], vec![]),
+        ],
+        vec![f32_in("x", &[2, 7, k as i64])],
+        vec![f32_out("y1"), f32_out("y2")],
+        vec![
+            int8_init("w1", &[k as i64, n1 as i64], true, w1),
+            init("w1_scale", &[], vec![0.0123]),
+            int8_init("w1_zp", &[], true, vec![0]),
+            init("b1", &[n1 as i64], randv(&mut r, n1)),
+            int8_init("w2", &[k as i64, n2 as i64], false, bytes(&mut r, k * n2)),
+            init(
+                "w2_scale",
+                &[n2 as i64],
+                (0..n2).map(|_| r.gen_range(1e-3..1e-1)).collect(),
+            ),
+            int8_init("w2_zp", &[n2 as i64], false, bytes(&mut r, n2)),
+        ],
+        17,
+    );
+    for _ in 0..3 {
+        let x: Vec<f32> = randv(&mut r, 14 * k).iter().map(|v| v * 3.0).collect();
+        check(
+            &mp,
+            OptLevel::All,
+            &[("x", vec![2, 7, k], x)],
+            &[
+                "DynamicQuantizeLinear",
+                "com.ferrum.MatMulIntegerToFloat",
+                "com.ferrum.MatMulIntegerToFloat",
+            ],
+            0.0,
+        );
+    }
+    // Level 1 keeps the chain.
+    assert_eq!(session(&mp, OptLevel::Basic).model().graph.nodes.len(), 10);
+}
+
+#[test]
+fn matmul_integer_chain_with_a_non_constant_weight_or_other_cast_is_not_fused() {
+    let mut r = rng();
+    let k = 8;
+    let mp = model(
+        vec![
+            node("DynamicQuantizeLinear", &["x"], &["xq", "xs", "xz"], vec![]),
+            node("DynamicQuantizeLinear", &["w"], &["wq", "ws", "wz"], vec![]),
+            node("Mul", &["xs", "ws"], &["s"], vec![]),
+            node("MatMulInteger", &["xq", "wq", "xz", "wz"], &["i"], vec![]),
+            node("Cast", &["i"], &["c"], vec![attr_int("to", 1)]),
+            node("Mul", &["c", "s"], &["y"], vec![]),
+        ],
+        vec![f32_in("x", &[3, k as i64]), f32_in("w", &[k as i64, 5])],
+        vec![f32_out("y")],
+        vec![],
+        17,
+    );
+    let feeds = [
+        ("x", vec![3, k], randv(&mut r, 3 * k)),
+        ("w", vec![k, 5], randv(&mut r, 5 * k)),
+    ];
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &[
+            "DynamicQuantizeLinear",
+            "DynamicQuantizeLinear",
+            "Mul",
+            "MatMulInteger",
+            "Cast",
+            "Mul",
+        ],
+        0.0,
+    );
+}

@@ -4,6 +4,7 @@
 //! - [`quant`]: block layouts of every GGML type, dequantization, activation quantizers, dot products.
 //! - [`matmul`]: weight x activations products (quantized weights, on-the-fly activation quantization).
 //! - [`gemm`]: blocked, packed f32 GEMM (AVX-512 / AVX2 microkernels) for the graph runtime.
+//! - [`qgemm`]: 8-bit integer GEMM (AVX-512 VNNI) for the graph runtime's quantized products.
 //! - [`ops`]: RMSNorm, RoPE, activations, softmax.
 //! - [`attention`]: causal attention over an f16 KV cache.
 //! - [`machine`]: measured ceilings (peak FMA, memory and cache bandwidth).
@@ -19,4 +20,5 @@ pub mod matmul;
 pub mod ops;
 pub mod pool;
 pub mod profile;
+pub mod qgemm;
 pub mod quant;

@@ -1,5 +1,6 @@
 //! ferrum's fused ops (domain `com.ferrum`), made by the graph passes ([`crate::passes`]):
-//! `FusedConv`, `FusedGemm`, `FusedMatMul` and `Gelu`.
+//! `FusedConv`, `FusedGemm`, `FusedMatMul`, `Gelu` and `MatMulIntegerToFloat` (in
+//! [`crate::ops::quant`]).
 //!
 //! Each is its unfused chain computed at once: the product, then (Conv) a residual `Z` or
 //! (MatMul) a bias along the last axis, then an activation. Activations give the bits their
@@ -225,6 +226,7 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
             let pb = cx.packed_b(1, crate::passes::Role::B);
             crate::ops::linear::matmul_bias_act(a, b, cx.opt(2), act, pb)?
         }
+        "MatMulIntegerToFloat" => crate::ops::quant::matmul_integer_to_float(cx)?,
         "Gelu" => {
             let x = cx.t(0)?;
             if x.dtype() != DType::F32 {

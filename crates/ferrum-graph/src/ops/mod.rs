@@ -74,6 +74,11 @@ impl<'a> Ctx<'a> {
         let v = self.node.inputs.get(i).copied().flatten()?;
         self.env.packed()?.a(v)
     }
+    /// Input `i` (an 8-bit constant) packed ahead as an integer product's B.
+    pub fn packed_int_b(&self, i: usize) -> Option<&'a ferrum_kernels::qgemm::PackedI8> {
+        let v = self.node.inputs.get(i).copied().flatten()?;
+        self.env.packed()?.int_b(v)
+    }
     pub fn attr(&self, name: &str) -> Option<&'a Attr> {
         self.node.attrs.get(name)
     }

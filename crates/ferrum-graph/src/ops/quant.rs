@@ -1,14 +1,121 @@
 //! Quantization: QuantizeLinear, DequantizeLinear (per-tensor, per-axis, blocked; integer,
-//! float8, float4, int4 and int2 targets), DynamicQuantizeLinear, QLinearMatMul, MatMulInteger.
+//! float8, float4, int4 and int2 targets), DynamicQuantizeLinear, QLinearMatMul, MatMulInteger,
+//! and the fused `com.ferrum` MatMulIntegerToFloat.
+//!
+//! MatMulInteger (and MatMulIntegerToFloat) on 8-bit operands with a 2-D B and zero points per
+//! tensor, per row of a 2-D A or per column of B run on the integer GEMM
+//! ([`ferrum_kernels::qgemm`], B taken prepacked when the session packed it); other forms, and
+//! the reference itself, compute in f64 (exact for these integers). DynamicQuantizeLinear on
+//! float32 runs on the kernels' quantizer. Both give the reference's bits.
+
+use std::borrow::Cow;
+
+use ferrum_kernels::qgemm::{self, Bytes, PackedI8, QOut, QuantA};
 
 use crate::ops::elementwise::cast;
 use crate::ops::nn::{f64_tensor, matmul_f64, minus_zp};
 use crate::ops::shape::strides;
 use crate::ops::{axis, Ctx};
 use crate::tensor::{DType, Tensor, Value};
-use crate::Result;
+use crate::{kbail, Result};
+
+/// An integer product in the GEMM's terms: A as unsigned bytes (signed ones shifted by 128, as
+/// is their zero point), its zero points, B packed, B's zero points, the output's shape.
+struct IntProduct<'a> {
+    a: Cow<'a, [u8]>,
+    a_zero: Vec<i32>,
+    m: usize,
+    b: Cow<'a, PackedI8>,
+    b_zero: Vec<i32>,
+    shape: Vec<usize>,
+}
+
+impl IntProduct<'_> {
+    fn n(&self) -> usize {
+        self.b.n()
+    }
+
+    fn run(&self, out: QOut) {
+        let a = QuantA {
+            data: &self.a,
+            m: self.m,
+            ld: self.b.k(),
+            zero: &self.a_zero,
+        };
+        qgemm::qgemm(a, &self.b, &self.b_zero, out);
+    }
+}
+
+/// `cx`'s inputs A (0), B (1) and the zero points at `za`, `zb` in the GEMM's terms, when it
+/// takes them (8-bit A of rank >= 1, 8-bit 2-D B, zero points per tensor, per row of a 2-D A,
+/// per column of B); `None` for the forms left to the reference.
+fn int_product<'a>(cx: &Ctx<'a>, za: usize, zb: usize) -> Result<Option<IntProduct<'a>>> {
+    let (a, b) = (cx.t(0)?, cx.t(1)?);
+    let eight = |t: &Tensor| matches!(t.dtype(), DType::U8 | DType::I8);
+    if !eight(a) || !eight(b) || a.rank() == 0 || b.rank() != 2 {
+        return Ok(None);
+    }
+    let (k, n) = (b.shape()[0], b.shape()[1]);
+    if a.shape()[a.rank() - 1] != k || k == 0 || n == 0 || a.is_empty() {
+        return Ok(None);
+    }
+    let m = a.len() / k;
+    let shift = if a.dtype() == DType::I8 { 128 } else { 0 };
+    let a_zero: Vec<i32> = match cx.opt(za) {
+        None => vec![shift],
+        Some(z) => z.to_i64_vec()?.iter().map(|&v| v as i32 + shift).collect(),
+    };
+    if !(a_zero.len() == 1 || (a_zero.len() == m && a.rank() == 2)) {
+        return Ok(None);
+    }
+    let b_zero: Vec<i32> = match cx.opt(zb) {
+        None => vec![0],
+        Some(z) => z.to_i64_vec()?.iter().map(|&v| v as i32).collect(),
+    };
+    if !(b_zero.len() == 1 || b_zero.len() == n) {
+        return Ok(None);
+    }
+    let a_bytes: Cow<[u8]> = match a.dtype() {
+        DType::U8 => Cow::Borrowed(a.as_slice::<u8>()?),
+        _ => Cow::Owned(
+            a.as_slice::<i8>()?
+                .iter()
+                .map(|&v| (v as u8) ^ 0x80)
+                .collect(),
+        ),
+    };
+    let packed = match cx.packed_int_b(1) {
+        Some(p) if p.k() == k && p.n() == n => Cow::Borrowed(p),
+        _ => {
+            let src = match b.dtype() {
+                DType::U8 => Bytes::U8(b.as_slice::<u8>()?),
+                _ => Bytes::I8(b.as_slice::<i8>()?),
+            };
+            Cow::Owned(PackedI8::new(k, n, src, n, 1))
+        }
+    };
+    let mut shape = a.shape().to_vec();
+    *shape.last_mut().unwrap() = n;
+    Ok(Some(IntProduct {
+        a: a_bytes,
+        a_zero,
+        m,
+        b: packed,
+        b_zero,
+        shape,
+    }))
+}
 
 fn matmul_integer(cx: &Ctx) -> Result<Tensor> {
+    if let Some(p) = int_product(cx, 2, 3)? {
+        let mut out = vec![0i32; p.m * p.n()];
+        let n = p.n();
+        p.run(QOut::I32 {
+            out: &mut out,
+            ld: n,
+        });
+        return Tensor::from_vec(p.shape, out);
+    }
     let (a, b) = (cx.t(0)?, cx.t(1)?);
     let av = minus_zp(a, cx.opt(2), false)?;
     let bv = minus_zp(b, cx.opt(3), true)?;
@@ -123,8 +230,69 @@ fn dequantize(cx: &Ctx) -> Result<Tensor> {
     cast(&y, to)
 }
 
+/// `com.ferrum` MatMulIntegerToFloat (inputs A, B, a_scale, a_zero_point, b_scale,
+/// b_zero_point, bias): `Cast(MatMulInteger(A, B, za, zb), float) * (a_scale * b_scale) + bias`,
+/// what ONNX Runtime's `quantize_dynamic` writes for a MatMul, with the same roundings: the
+/// scales' product in f32, then the multiply, then the add. a_scale is one value; b_scale one
+/// or one per column, bias one per column (the fusion checks).
+pub(crate) fn matmul_integer_to_float(cx: &Ctx) -> Result<Tensor> {
+    let a_scale = cx.t(2)?.as_slice::<f32>()?;
+    let b_scale = cx.t(4)?.as_slice::<f32>()?;
+    if a_scale.len() != 1 {
+        kbail!("MatMulIntegerToFloat: a_scale must hold one value");
+    }
+    let scale: Vec<f32> = b_scale.iter().map(|&s| a_scale[0] * s).collect();
+    let bias = cx.opt(6).map(|b| b.as_slice::<f32>()).transpose()?;
+    let fast = int_product(cx, 3, 5)?;
+    let n = match &fast {
+        Some(p) => p.n(),
+        None => *cx.t(1)?.shape().last().unwrap_or(&1),
+    };
+    if !(scale.len() == 1 || scale.len() == n) || bias.is_some_and(|b| b.len() != n) {
+        kbail!("MatMulIntegerToFloat: b_scale and bias must hold 1 or {n} values");
+    }
+    if let Some(p) = fast {
+        let mut out = vec![0f32; p.m * n];
+        p.run(QOut::F32 {
+            out: &mut out,
+            ld: n,
+            scale: &scale,
+            bias,
+        });
+        return Tensor::from_vec(p.shape, out);
+    }
+    // The reference: the integer product, then the same f32 operations element by element.
+    let (a, b) = (cx.t(0)?, cx.t(1)?);
+    let av = minus_zp(a, cx.opt(3), false)?;
+    let bv = minus_zp(b, cx.opt(5), true)?;
+    let (shape, v) = matmul_f64(&av, a.shape(), &bv, b.shape())?;
+    let out = v
+        .iter()
+        .enumerate()
+        .map(|(e, &x)| {
+            let j = e % n;
+            let mut y = (x as i64 as i32) as f32 * scale[if scale.len() == 1 { 0 } else { j }];
+            if let Some(b) = bias {
+                y += b[j];
+            }
+            y
+        })
+        .collect();
+    Tensor::from_vec(shape, out)
+}
+
 fn dynamic_quantize(cx: &Ctx) -> Result<Vec<Value>> {
     let x = cx.t(0)?;
+    if x.dtype() == DType::F32 {
+        let xs = x.as_slice::<f32>()?;
+        let mut q = vec![0u8; xs.len()];
+        let (scale, zp) = qgemm::quantize_dynamic_u8(xs, &mut q);
+        return Ok(vec![
+            Value::Tensor(Tensor::from_vec(x.shape().to_vec(), q)?),
+            Value::Tensor(Tensor::scalar(scale)),
+            Value::Tensor(Tensor::scalar(zp)),
+        ]);
+    }
     let v = x.to_f64_vec()?;
     // In f32, as the reference computes it.
     let (mn, mx) = v.iter().fold((0f32, 0f32), |(a, b), &e| {

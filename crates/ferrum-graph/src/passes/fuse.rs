@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 
 use crate::infer::static_shapes;
-use crate::ir::{Attr, Model, Node, ValueId};
+use crate::ir::{Attr, Graph, Model, Node, ValueId};
 use crate::passes::{
     add_initializer, attr_f, attr_i, const_f32, const_scalar, constant, is_op, remove_nodes, Uses,
     DOMAIN,
@@ -470,6 +470,141 @@ pub fn activations(model: &mut Model, log: &mut Vec<String>) -> usize {
     let count = fused.len();
     for (_, last, n) in fused {
         model.graph.nodes[last] = n;
+        dead.remove(&last);
+    }
+    remove_nodes(&mut model.graph, &dead);
+    count
+}
+
+/// True when `v` is the scale output of a DynamicQuantizeLinear (one float32 value).
+fn dynamic_scale(g: &Graph, uses: &Uses, v: ValueId) -> bool {
+    uses.producer.get(&v).is_some_and(|&i| {
+        let n = &g.nodes[i];
+        is_op(n, "DynamicQuantizeLinear") && n.outputs.get(1).copied().flatten() == Some(v)
+    })
+}
+
+/// The operand of a two-input node that is not `v` (`None` when both or neither are).
+fn other_input(n: &Node, v: ValueId) -> Option<ValueId> {
+    match n.inputs.as_slice() {
+        [Some(a), Some(b)] if *a == v && *b != v => Some(*b),
+        [Some(a), Some(b)] if *b == v && *a != v => Some(*a),
+        _ => None,
+    }
+}
+
+/// MatMulInteger -> Cast(float) -> Mul by `a_scale * b_scale` (-> Add of a bias), the chain ONNX
+/// Runtime's `quantize_dynamic` writes for each MatMul with a constant weight, into one
+/// `MatMulIntegerToFloat` (inputs A, B, a_scale, a_zero_point, b_scale, b_zero_point, bias),
+/// which finishes the integer product in its epilogue with the chain's own roundings. B must be
+/// a 2-D 8-bit constant, b_scale a float32 constant of one value or one per column, a_scale
+/// one value (a DynamicQuantizeLinear's scale, or a scalar constant), the bias a float32
+/// constant of one value per column.
+pub fn int_matmul_to_float(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let g = &model.graph;
+    let uses = Uses::of(g);
+    let out = |n: &Node| n.outputs.first().copied().flatten();
+    let mut dead = HashSet::new();
+    let mut fused: Vec<(usize, Node)> = Vec::new();
+    for (pi, p) in g.nodes.iter().enumerate() {
+        if !is_op(p, "MatMulInteger") {
+            continue;
+        }
+        let Some(n) = p
+            .inputs
+            .get(1)
+            .copied()
+            .flatten()
+            .and_then(|b| constant(g, b))
+            .filter(|b| b.rank() == 2 && matches!(b.dtype(), DType::I8 | DType::U8))
+            .map(|b| b.shape()[1])
+        else {
+            continue;
+        };
+        let Some(ci) = out(p).and_then(|v| uses.sole_reader(v)) else {
+            continue;
+        };
+        let c = &g.nodes[ci];
+        if !is_op(c, "Cast") || attr_i(c, "to", 0) != DType::F32.onnx() as i64 {
+            continue;
+        }
+        let Some(cv) = out(c) else { continue };
+        let Some(mi) = uses.sole_reader(cv) else {
+            continue;
+        };
+        let mul = &g.nodes[mi];
+        let Some(s) = other_input(mul, cv).filter(|_| is_op(mul, "Mul")) else {
+            continue;
+        };
+        let Some(&si) = uses.producer.get(&s) else {
+            continue;
+        };
+        let ms = &g.nodes[si];
+        let [Some(x), Some(y)] = ms.inputs.as_slice() else {
+            continue;
+        };
+        if !is_op(ms, "Mul") {
+            continue;
+        }
+        let b_scale = |v: ValueId| {
+            constant(g, v).is_some_and(|t| {
+                t.dtype() == DType::F32 && t.rank() <= 1 && (t.len() == 1 || t.len() == n)
+            })
+        };
+        let a_scale = |v: ValueId| {
+            dynamic_scale(g, &uses, v)
+                || constant(g, v).is_some_and(|t| t.dtype() == DType::F32 && t.rank() == 0)
+        };
+        let (sa, sb) = if a_scale(*x) && b_scale(*y) {
+            (*x, *y)
+        } else if a_scale(*y) && b_scale(*x) {
+            (*y, *x)
+        } else {
+            continue;
+        };
+        let mut absorbed = vec![pi, ci, mi];
+        if uses.sole_reader(s) == Some(mi) {
+            absorbed.push(si);
+        }
+        let Some(mut result) = out(mul) else { continue };
+        let mut bias = None;
+        let mut what = "scales";
+        if let Some(ai) = uses.sole_reader(result) {
+            let add = &g.nodes[ai];
+            let o = other_input(add, result).filter(|_| is_op(add, "Add") && add.opset >= 7);
+            if let Some(o) = o.filter(|&o| {
+                constant(g, o)
+                    .is_some_and(|t| t.dtype() == DType::F32 && t.rank() == 1 && t.len() == n)
+            }) {
+                if let Some(r) = out(add) {
+                    bias = Some(o);
+                    absorbed.push(ai);
+                    result = r;
+                    what = "scales + bias";
+                }
+            }
+        }
+        if absorbed.iter().any(|i| dead.contains(i)) {
+            continue;
+        }
+        let get = |i: usize| p.inputs.get(i).copied().flatten();
+        let mut node = p.clone();
+        node.domain = DOMAIN.into();
+        node.op = "MatMulIntegerToFloat".into();
+        node.inputs = vec![get(0), get(1), Some(sa), get(2), Some(sb), get(3), bias];
+        node.outputs = vec![Some(result)];
+        node.attrs.clear();
+        log.push(format!(
+            "{} + Cast + Mul({what}) -> MatMulIntegerToFloat",
+            p.name
+        ));
+        let last = *absorbed.iter().max().unwrap();
+        dead.extend(absorbed);
+        fused.push((last, node));
+    }
+    let count = fused.len();
+    for (last, node) in fused {
+        model.graph.nodes[last] = node;
         dead.remove(&last);
     }
     remove_nodes(&mut model.graph, &dead);

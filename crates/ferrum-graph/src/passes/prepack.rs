@@ -1,6 +1,7 @@
 //! Constant weights packed for the GEMM once, when the session is created, instead of at every
 //! run: a MatMul's or Gemm's constant B in the kernel's column panels, a Conv's constant filter
-//! (one group) as its A in row panels. The graph is unchanged; the packed copies sit in
+//! (one group) as its A in row panels, a MatMulInteger's (or MatMulIntegerToFloat's) constant
+//! 8-bit B in the integer kernel's panels ([`PackedI8`]). The graph is unchanged; the packed copies sit in
 //! [`Graph::packed`] under the initializer they were made from, and the products take them from
 //! there ([`crate::ops::Ctx::packed_b`], [`crate::ops::Ctx::packed_a`]).
 
@@ -9,6 +10,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use ferrum_kernels::gemm::{Mat, PackedA, PackedB};
+use ferrum_kernels::qgemm::{Bytes, PackedI8};
 
 use super::{constant, DOMAIN};
 use crate::ir::{Attr, Graph, ValueId};
@@ -23,11 +25,14 @@ pub enum Role {
     BTransposed,
     /// A Conv's filter (`M x C x kh x kw`, one group) as the A of `W col(x)`.
     ConvFilter,
+    /// An 8-bit B (`k x n`) of MatMulInteger / MatMulIntegerToFloat.
+    IntB,
 }
 
 enum Packed {
     A(PackedA),
     B(PackedB),
+    I8(PackedI8),
 }
 
 /// The packed constants of one graph, by initializer and role.
@@ -45,7 +50,15 @@ impl PackedWeights {
     pub fn b(&self, v: ValueId, role: Role) -> Option<&PackedB> {
         match self.0.get(&(v, role))?.as_ref() {
             Packed::B(p) => Some(p),
-            Packed::A(_) => None,
+            _ => None,
+        }
+    }
+
+    /// The packed 8-bit B made from `v`.
+    pub fn int_b(&self, v: ValueId) -> Option<&PackedI8> {
+        match self.0.get(&(v, Role::IntB))?.as_ref() {
+            Packed::I8(p) => Some(p),
+            _ => None,
         }
     }
 
@@ -53,7 +66,7 @@ impl PackedWeights {
     pub fn a(&self, v: ValueId) -> Option<&PackedA> {
         match self.0.get(&(v, Role::ConvFilter))?.as_ref() {
             Packed::A(p) => Some(p),
-            Packed::B(_) => None,
+            _ => None,
         }
     }
 
@@ -81,6 +94,12 @@ pub fn prepack(g: &mut Graph) -> usize {
         let Some(Some(w)) = n.inputs.get(1).copied() else {
             continue;
         };
+        if (std && n.op == "MatMulInteger") || (fused && n.op == "MatMulIntegerToFloat") {
+            if let Some(p) = constant(g, w).and_then(pack_int_b) {
+                packed.entry((w, Role::IntB)).or_insert_with(|| Arc::new(p));
+            }
+            continue;
+        }
         let Some(t) = constant(g, w).filter(|t| t.dtype() == DType::F32) else {
             continue;
         };
@@ -123,4 +142,19 @@ pub fn prepack(g: &mut Graph) -> usize {
     let n = packed.len();
     g.packed = PackedWeights(packed);
     n
+}
+
+/// A 2-D 8-bit constant packed as an integer product's B.
+fn pack_int_b(t: &crate::tensor::Tensor) -> Option<Packed> {
+    let s = t.shape();
+    if s.len() != 2 || s[0] == 0 || s[1] == 0 {
+        return None;
+    }
+    let (k, n) = (s[0], s[1]);
+    let b = match t.dtype() {
+        DType::I8 => Bytes::I8(t.as_slice::<i8>().ok()?),
+        DType::U8 => Bytes::U8(t.as_slice::<u8>().ok()?),
+        _ => return None,
+    };
+    Some(Packed::I8(PackedI8::new(k, n, b, n, 1)))
 }

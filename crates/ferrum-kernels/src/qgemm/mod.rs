@@ -1,0 +1,590 @@
+//! 8-bit integer GEMM for the graph runtime's quantized products (`MatMulInteger`, and the
+//! dynamically quantized `MatMul` that ONNX Runtime's `quantize_dynamic` writes:
+//! `DynamicQuantizeLinear` -> `MatMulInteger` -> `Cast` -> `Mul` by the two scales -> `Add` bias).
+//!
+//! `C = (A - za) (B - zb)` with A `m x k` unsigned 8-bit (an activation), B `k x n` signed or
+//! unsigned 8-bit (a weight, or a second activation), zero points per tensor, per row of A or
+//! per column of B; C exact in i32 (wrapping, as the reference's i32 output), or converted to
+//! f32 in the epilogue: `c as f32 * scale[j] (+ bias[j])`, the two roundings of the unfused
+//! `Cast`, `Mul`, `Add` chain, so fusing changes no bit.
+//!
+//! B is packed once ([`PackedI8`]) for the kernel the CPU runs, as signed values (an unsigned B
+//! stored as `b - 128`, the 128 given back in the correction below), the inner dimension padded
+//! with zeros to a multiple of 4, in one of two layouts:
+//! - [`Layout::Quads`] (AVX-512 VNNI): bytes in panels of 16 columns, k in groups of 4: panel
+//!   `p`, group `g`, column `c`, byte `r` at `p * kp * 16 + g * 64 + c * 4 + r`, the operand
+//!   order of `vpdpbusd` (u8 x s8, four products summed into each i32 lane, no saturation): one
+//!   64-byte load is one group of a panel, a row's 4 bytes of A broadcast to every lane;
+//! - [`Layout::Pairs`] (AVX2): 16-bit values in panels of 8 columns, k in pairs: panel `p`, pair
+//!   `g`, column `c`, element `r` at `p * kp * 8 + g * 16 + c * 2 + r`, for `vpmaddwd` (i16 x
+//!   i16, two products summed into each i32 lane: exact, where `vpmaddubsw` would saturate on
+//!   u8 x s8), A widened to 16 bits once per product.
+//!
+//! With `B = Bs + off` (`off` 0 or 128) the zero points come out as
+//!
+//! `sum_k (a - za)(b - zb) = sum_k a Bs - za colsum(Bs) + (off - zb) (rowsum(a) - k za)`,
+//!
+//! so the inner loop is the raw product only; the rest is added per tile.
+//!
+//! Kernels: AVX-512 VNNI (`6 x 64` tiles: 24 accumulators, 4 panel loads and 6 broadcasts per
+//! group of 4), AVX2 (`6 x 16` tiles: 12 accumulators, 2 panel loads and 6 broadcasts per pair:
+//! with the product's temporary that is all 16 registers; `4 x 24` spilled and ran at 0.6x)
+//! and a portable one that reads either layout; [`qgemm_ref`] is the plain reference the
+//! randomized tests compare each with (integers: equal, not close). The threads split C into
+//! column blocks (and row ranges when there are too few blocks); each element's sum is the same
+//! whatever the split.
+
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use crate::{cpu, pool};
+
+/// How a [`PackedI8`] lies in memory (see the module notes), and so which kernels read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Bytes, panels of 16 columns, k in groups of 4 (AVX-512 VNNI, portable).
+    Quads,
+    /// 16-bit values, panels of 8 columns, k in pairs (AVX2, portable).
+    Pairs,
+}
+
+impl Layout {
+    /// Columns per panel.
+    pub fn panel(self) -> usize {
+        match self {
+            Layout::Quads => 16,
+            Layout::Pairs => 8,
+        }
+    }
+    /// Rows of the SIMD kernel's tile, and panels per tile.
+    fn tile(self) -> (usize, usize) {
+        match self {
+            Layout::Quads => (6, 4),
+            Layout::Pairs => (6, 2),
+        }
+    }
+    /// k values per packed step of a column (4 bytes, or 2 pairs of 16 bits).
+    fn step(self) -> usize {
+        match self {
+            Layout::Quads => 4,
+            Layout::Pairs => 2,
+        }
+    }
+
+    /// The layout of this process's best kernel.
+    pub fn for_cpu() -> Layout {
+        if use_vnni() || !cpu::features().x86_simd() {
+            Layout::Quads
+        } else {
+            Layout::Pairs
+        }
+    }
+}
+/// Multiply-adds below which a product stays on one thread.
+const MIN_PARALLEL_MACS: usize = 1 << 18;
+
+/// An 8-bit matrix's elements, signed or unsigned, read through strides: `(i, j)` at
+/// `i * rs + j * cs`.
+#[derive(Clone, Copy, Debug)]
+pub enum Bytes<'a> {
+    I8(&'a [i8]),
+    U8(&'a [u8]),
+}
+
+/// The right operand (`k x n`) packed for the kernels; see the module notes for the layout.
+#[derive(Clone, Debug)]
+pub struct PackedI8 {
+    k: usize,
+    n: usize,
+    /// `k` rounded up to a multiple of 4.
+    kp: usize,
+    layout: Layout,
+    /// `Quads`: the bytes; `Pairs`: empty.
+    data: Vec<i8>,
+    /// `Pairs`: the 16-bit values; `Quads`: empty.
+    wide: Vec<i16>,
+    /// Per column: the sum of its stored (signed) bytes.
+    col_sums: Vec<i32>,
+    /// 128 when B was unsigned (stored as `b - 128`), else 0.
+    offset: i32,
+}
+
+impl PackedI8 {
+    /// Packs B (`k x n`, element `(i, j)` at `i * rs + j * cs` of `b`) for this CPU's kernel.
+    pub fn new(k: usize, n: usize, b: Bytes, rs: usize, cs: usize) -> PackedI8 {
+        PackedI8::with_layout(k, n, b, rs, cs, Layout::for_cpu())
+    }
+
+    /// Packs B in `layout`.
+    pub fn with_layout(
+        k: usize,
+        n: usize,
+        b: Bytes,
+        rs: usize,
+        cs: usize,
+        layout: Layout,
+    ) -> PackedI8 {
+        let kp = k.div_ceil(4) * 4;
+        let (w, step) = (layout.panel(), layout.step());
+        let len = n.div_ceil(w) * kp * w;
+        let mut data = vec![0i8; if layout == Layout::Quads { len } else { 0 }];
+        let mut wide = vec![0i16; if layout == Layout::Pairs { len } else { 0 }];
+        let mut col_sums = vec![0i32; n];
+        let (get, offset): (&dyn Fn(usize) -> i8, i32) = match b {
+            Bytes::I8(v) => (&move |i| v[i], 0),
+            Bytes::U8(v) => (&move |i| (v[i] as i32 - 128) as i8, 128),
+        };
+        for (j, sum) in col_sums.iter_mut().enumerate() {
+            let (p, c) = (j / w, j % w);
+            for i in 0..k {
+                let v = get(i * rs + j * cs);
+                let at = p * kp * w + (i / step) * step * w + c * step + i % step;
+                match layout {
+                    Layout::Quads => data[at] = v,
+                    Layout::Pairs => wide[at] = v as i16,
+                }
+                *sum += v as i32;
+            }
+        }
+        PackedI8 {
+            k,
+            n,
+            kp,
+            layout,
+            data,
+            wide,
+            col_sums,
+            offset,
+        }
+    }
+
+    /// The layout these values were packed in.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Stored element `(i, j)` (`i < kp`: the padding reads 0), whatever the layout.
+    #[inline(always)]
+    fn at(&self, i: usize, j: usize) -> i32 {
+        let (w, step) = (self.layout.panel(), self.layout.step());
+        let at = (j / w) * self.kp * w + (i / step) * step * w + (j % w) * step + i % step;
+        match self.layout {
+            Layout::Quads => self.data[at] as i32,
+            Layout::Pairs => self.wide[at] as i32,
+        }
+    }
+
+    /// Rows (`k`).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Columns (`n`).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Bytes held.
+    pub fn size_bytes(&self) -> usize {
+        self.data.len() + 2 * self.wide.len() + 4 * self.col_sums.len()
+    }
+}
+
+/// The left operand: `m x k` unsigned bytes, row `i` at `data[i * ld..]`, with its zero point
+/// per tensor (one value) or per row (`m` values).
+#[derive(Clone, Copy, Debug)]
+pub struct QuantA<'a> {
+    pub data: &'a [u8],
+    pub m: usize,
+    pub ld: usize,
+    pub zero: &'a [i32],
+}
+
+/// What the product writes, row-major with leading dimension `ld`.
+pub enum QOut<'a> {
+    /// The exact integer product.
+    I32 { out: &'a mut [i32], ld: usize },
+    /// `c as f32 * scale[j] + bias[j]` (`scale`: one value or `n`; `bias`: `n`, optional).
+    F32 {
+        out: &'a mut [f32],
+        ld: usize,
+        scale: &'a [f32],
+        bias: Option<&'a [f32]>,
+    },
+}
+
+/// How a tile's integer sums are finished and stored: shared by every kernel, so they store
+/// alike.
+struct Finish<'a> {
+    b: &'a PackedI8,
+    /// Per row of A: `rowsum(a) - k za` and `za`.
+    row_terms: &'a [(i32, i32)],
+    /// Per column: `off - zb` (one value, or `n`).
+    b_terms: &'a [i32],
+    out: OutPtr,
+    scale: &'a [f32],
+    bias: Option<&'a [f32]>,
+}
+
+#[derive(Clone, Copy)]
+enum OutPtr {
+    I32(*mut i32, usize),
+    F32(*mut f32, usize),
+}
+
+// SAFETY: the pointer is written only at the (row, column) elements of the task's own tile; tasks
+// get disjoint tiles and the output stays borrowed mutably for the whole product.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl Finish<'_> {
+    /// Finishes and stores one element (row `i`, column `j`) from its raw sum `sum_k a Bs`.
+    #[inline(always)]
+    fn value_i32(&self, i: usize, j: usize, raw: i32) -> i32 {
+        let (rs, za) = self.row_terms[i];
+        let bt = self.b_terms[if self.b_terms.len() == 1 { 0 } else { j }];
+        raw.wrapping_sub(za.wrapping_mul(self.b.col_sums[j]))
+            .wrapping_add(bt.wrapping_mul(rs))
+    }
+
+    /// Stores row `i`'s columns `j0..j0 + raw.len()`.
+    fn store(&self, i: usize, j0: usize, raw: &[i32]) {
+        match self.out {
+            OutPtr::I32(p, ld) => {
+                for (c, &r) in raw.iter().enumerate() {
+                    let v = self.value_i32(i, j0 + c, r);
+                    // SAFETY: (i, j0 + c) is in this task's tile (see OutPtr).
+                    unsafe { *p.add(i * ld + j0 + c) = v };
+                }
+            }
+            OutPtr::F32(p, ld) => {
+                for (c, &r) in raw.iter().enumerate() {
+                    let j = j0 + c;
+                    let s = self.scale[if self.scale.len() == 1 { 0 } else { j }];
+                    let mut v = self.value_i32(i, j, r) as f32 * s;
+                    if let Some(b) = self.bias {
+                        v += b[j];
+                    }
+                    // SAFETY: (i, j) is in this task's tile (see OutPtr).
+                    unsafe { *p.add(i * ld + j) = v };
+                }
+            }
+        }
+    }
+}
+
+/// Which kernel runs a product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Portable,
+    /// AVX2 over [`Layout::Pairs`].
+    Avx2,
+    /// AVX-512 VNNI over [`Layout::Quads`].
+    Vnni,
+}
+
+/// The kernel for `b` on this CPU: its layout's SIMD kernel when the CPU runs it, else the
+/// portable one (which reads both layouts).
+fn kernel_for(b: &PackedI8) -> Kernel {
+    match b.layout {
+        Layout::Quads if use_vnni() => Kernel::Vnni,
+        Layout::Pairs if cfg!(target_arch = "x86_64") && cpu::features().x86_simd() => Kernel::Avx2,
+        _ => Kernel::Portable,
+    }
+}
+
+/// `(A - za)(B - zb)` into `out`; `b_zero` is one value or `n` (per column).
+///
+/// Panics when the shapes disagree (`a` too short for `m x k` with its `ld`, `out` too short,
+/// `scale`/`bias`/zero-point lengths wrong): callers check shapes and report errors first.
+pub fn qgemm(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut) {
+    qgemm_on(a, b, b_zero, out, kernel_for(b))
+}
+
+fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) {
+    let (m, k, n) = (a.m, b.k, b.n);
+    assert!(a.zero.len() == 1 || a.zero.len() == m, "A zero points");
+    assert!(b_zero.len() == 1 || b_zero.len() == n, "B zero points");
+    assert!(
+        m == 0 || a.data.len() >= (m - 1) * a.ld + k,
+        "A is too short"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // A's rows as the kernel reads them: padded to whole groups of 4 when k is not a multiple
+    // of 4, or widened to 16 bits for the AVX2 kernel.
+    let (padded, wide);
+    let (adata, lda) = if k % 4 == 0 {
+        (a.data, a.ld)
+    } else {
+        padded = pad_rows(a.data, m, k, a.ld, b.kp);
+        (&padded[..], b.kp)
+    };
+    let awide: &[u16] = if kernel == Kernel::Avx2 {
+        wide = widen_rows(adata, m, lda, b.kp);
+        &wide
+    } else {
+        &[]
+    };
+    let row_terms: Vec<(i32, i32)> = (0..m)
+        .map(|i| {
+            let za = a.zero[if a.zero.len() == 1 { 0 } else { i }];
+            let s: i32 = adata[i * lda..i * lda + k].iter().map(|&v| v as i32).sum();
+            (s.wrapping_sub((k as i32).wrapping_mul(za)), za)
+        })
+        .collect();
+    let b_terms: Vec<i32> = b_zero.iter().map(|&z| b.offset - z).collect();
+    let (out_ptr, scale, bias) = match out {
+        QOut::I32 { out, ld } => {
+            assert!(out.len() >= (m - 1) * ld + n, "C is too short");
+            (OutPtr::I32(out.as_mut_ptr(), ld), &[][..], None)
+        }
+        QOut::F32 {
+            out,
+            ld,
+            scale,
+            bias,
+        } => {
+            assert!(out.len() >= (m - 1) * ld + n, "C is too short");
+            assert!(scale.len() == 1 || scale.len() == n, "scale length");
+            assert!(bias.is_none_or(|b| b.len() == n), "bias length");
+            (OutPtr::F32(out.as_mut_ptr(), ld), scale, bias)
+        }
+    };
+    let fin = Finish {
+        b,
+        row_terms: &row_terms,
+        b_terms: &b_terms,
+        out: out_ptr,
+        scale,
+        bias,
+    };
+    let (mr, np_max) = b.layout.tile();
+    let panels = n.div_ceil(b.layout.panel());
+    let blocks = panels.div_ceil(np_max);
+    let tiles = m.div_ceil(mr);
+    let threads = if m * n * k < MIN_PARALLEL_MACS {
+        1
+    } else {
+        pool::threads()
+    };
+    // Row chunks (whole tiles) per column block: enough tasks for two per thread.
+    let chunks = (2 * threads).div_ceil(blocks).clamp(1, tiles);
+    let per = tiles.div_ceil(chunks);
+    let chunks = tiles.div_ceil(per);
+    let task = |t: usize| {
+        let (blk, ch) = (t / chunks, t % chunks);
+        let rows = ch * per * mr..((ch + 1) * per * mr).min(m);
+        let p0 = blk * np_max;
+        let np = np_max.min(panels - p0);
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `kernel_for` chose VNNI only where the CPU has AVX-512 F/BW/VL + VNNI, on
+            // a `Quads` B; rows and panels are in range; A's rows hold `kp` readable bytes
+            // each (k % 4 == 0, or padded above).
+            Kernel::Vnni => unsafe { x86::block_vnni(adata, lda, rows, p0, np, &fin) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 chosen only where the CPU has it, on a `Pairs` B; `awide` holds
+            // `kp` values per row.
+            Kernel::Avx2 => unsafe { x86::block_avx2(awide, rows, p0, np, &fin) },
+            _ => block_portable(adata, lda, rows, p0, np, &fin),
+        }
+    };
+    if threads == 1 || blocks * chunks == 1 {
+        (0..blocks * chunks).for_each(task);
+    } else {
+        pool::parallel_for(blocks * chunks, task);
+    }
+}
+
+/// True when the AVX-512 VNNI kernel runs (this process's tier).
+pub fn use_vnni() -> bool {
+    cfg!(target_arch = "x86_64") && cpu::features().tier() == cpu::Tier::Avx512Vnni
+}
+
+fn pad_rows(a: &[u8], m: usize, k: usize, ld: usize, kp: usize) -> Vec<u8> {
+    let mut v = vec![0u8; m * kp];
+    for i in 0..m {
+        v[i * kp..i * kp + k].copy_from_slice(&a[i * ld..i * ld + k]);
+    }
+    v
+}
+
+/// A's rows widened to 16 bits, `kp` per row (the AVX2 kernel broadcasts a pair as one i32).
+fn widen_rows(a: &[u8], m: usize, ld: usize, kp: usize) -> Vec<u16> {
+    let mut v = vec![0u16; m * kp];
+    for i in 0..m {
+        for (d, &s) in v[i * kp..(i + 1) * kp]
+            .iter_mut()
+            .zip(&a[i * ld..i * ld + kp])
+        {
+            *d = s as u16;
+        }
+    }
+    v
+}
+
+/// The portable kernel (either layout): rows `rows` of the column block starting at panel `p0`
+/// (`np` panels).
+fn block_portable(
+    a: &[u8],
+    lda: usize,
+    rows: std::ops::Range<usize>,
+    p0: usize,
+    np: usize,
+    fin: &Finish,
+) {
+    let b = fin.b;
+    let w = b.layout.panel();
+    let mut raw = vec![0i32; w];
+    for i in rows {
+        let row = &a[i * lda..i * lda + b.kp];
+        for p in p0..p0 + np {
+            let j0 = p * w;
+            let cols = w.min(b.n - j0);
+            for (c, r) in raw[..cols].iter_mut().enumerate() {
+                *r = row.iter().enumerate().fold(0i32, |s, (kk, &x)| {
+                    s.wrapping_add(x as i32 * b.at(kk, j0 + c))
+                });
+            }
+            fin.store(i, j0, &raw[..cols]);
+        }
+    }
+}
+
+/// The plain reference: `(A - za)(B - zb)` in i64 for every element, wrapped to i32 (the
+/// reference's i32 output); with `scale`, then `as f32 * scale[j] + bias[j]` (two roundings).
+/// `a` is `m x k` row-major; `b` is `k x n` row-major.
+#[allow(clippy::too_many_arguments)]
+pub fn qgemm_ref(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[u8],
+    a_zero: &[i32],
+    b: Bytes,
+    b_zero: &[i32],
+    scale: Option<(&[f32], Option<&[f32]>)>,
+) -> (Vec<i32>, Vec<f32>) {
+    let bv = |i: usize| -> i64 {
+        match b {
+            Bytes::I8(v) => v[i] as i64,
+            Bytes::U8(v) => v[i] as i64,
+        }
+    };
+    let mut c = vec![0i32; m * n];
+    let mut f = Vec::new();
+    for i in 0..m {
+        let za = a_zero[if a_zero.len() == 1 { 0 } else { i }] as i64;
+        for j in 0..n {
+            let zb = b_zero[if b_zero.len() == 1 { 0 } else { j }] as i64;
+            let s: i64 = (0..k)
+                .map(|p| (a[i * k + p] as i64 - za) * (bv(p * n + j) - zb))
+                .sum();
+            c[i * n + j] = s as i32;
+        }
+    }
+    if let Some((scale, bias)) = scale {
+        f = c
+            .iter()
+            .enumerate()
+            .map(|(e, &v)| {
+                let j = e % n;
+                let mut y = v as f32 * scale[if scale.len() == 1 { 0 } else { j }];
+                if let Some(b) = bias {
+                    y += b[j];
+                }
+                y
+            })
+            .collect();
+    }
+    (c, f)
+}
+
+/// `DynamicQuantizeLinear`: the scale and zero point that map `[min(x, 0), max(x, 0)]` onto
+/// `0..=255` (scale 1 when that range is empty), and `x` quantized with them into `out`:
+/// `clamp(round_half_even(x / scale) + zp, 0, 255)`, the division in f32, as ONNX's reference
+/// computes it. Split across the pool for large inputs. Returns `(scale, zero_point)`.
+pub fn quantize_dynamic_u8(x: &[f32], out: &mut [u8]) -> (f32, u8) {
+    assert_eq!(x.len(), out.len());
+    const CHUNK: usize = 1 << 15;
+    let (mut lo, mut hi) = (0f32, 0f32);
+    let ranges: Vec<(f32, f32)> = if x.len() >= 2 * CHUNK && pool::threads() > 1 {
+        let parts = std::sync::Mutex::new(Vec::new());
+        pool::parallel_for(x.len().div_ceil(CHUNK), |c| {
+            let r = min_max(&x[c * CHUNK..((c + 1) * CHUNK).min(x.len())]);
+            parts.lock().unwrap().push(r);
+        });
+        parts.into_inner().unwrap()
+    } else {
+        vec![min_max(x)]
+    };
+    for (a, b) in ranges {
+        lo = lo.min(a);
+        hi = hi.max(b);
+    }
+    let scale = if hi == lo { 1.0 } else { hi - lo } / 255.0;
+    let zp = (0.0 - lo / scale).clamp(0.0, 255.0).round_ties_even();
+    if x.len() >= 2 * CHUNK && pool::threads() > 1 {
+        pool::parallel_chunks_mut(out, CHUNK, |c, o| {
+            quantize_u8(&x[c * CHUNK..c * CHUNK + o.len()], scale, zp, o)
+        });
+    } else {
+        quantize_u8(x, scale, zp, out);
+    }
+    (scale, zp as u8)
+}
+
+/// Min and max of `x` with 0 included (NaN ignored, as `f32::min` does), in 8 lanes the
+/// compiler vectorizes.
+fn min_max(x: &[f32]) -> (f32, f32) {
+    let mut lo = [0f32; 8];
+    let mut hi = [0f32; 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for l in 0..8 {
+            lo[l] = if c[l] < lo[l] { c[l] } else { lo[l] };
+            hi[l] = if c[l] > hi[l] { c[l] } else { hi[l] };
+        }
+    }
+    let (mut a, mut b) = (0f32, 0f32);
+    for l in 0..8 {
+        a = a.min(lo[l]);
+        b = b.max(hi[l]);
+    }
+    for &v in it.remainder() {
+        a = a.min(v);
+        b = b.max(v);
+    }
+    (a, b)
+}
+
+/// `clamp(round_half_even(x / scale) + zp, 0, 255)` for each element.
+pub fn quantize_u8(x: &[f32], scale: f32, zp: f32, out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let f = cpu::features();
+        if f.avx512() {
+            // SAFETY: AVX-512 F/BW/VL checked just above; lengths checked inside.
+            unsafe { x86::quantize_u8_avx512(x, scale, zp, out) };
+            return;
+        }
+        if f.x86_simd() {
+            // SAFETY: AVX2 checked just above; lengths checked inside.
+            unsafe { x86::quantize_u8_avx2(x, scale, zp, out) };
+            return;
+        }
+    }
+    quantize_u8_portable(x, scale, zp, out);
+}
+
+/// The portable form of [`quantize_u8`] (and its reference).
+pub fn quantize_u8_portable(x: &[f32], scale: f32, zp: f32, out: &mut [u8]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = ((v / scale).round_ties_even() + zp).clamp(0.0, 255.0) as u8;
+    }
+}

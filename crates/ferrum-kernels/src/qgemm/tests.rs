@@ -1,0 +1,279 @@
+//! [`qgemm`] against [`qgemm_ref`] on fresh random inputs each run (the seed is printed on
+//! failure), for every kernel this CPU runs, one to three threads; integer outputs must be equal,
+//! and so must the f32 ones (the same two roundings). The quantizer against its portable form,
+//! NaN, infinities and halves included.
+
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+/// Every (layout, kernel) pair this CPU runs: the portable kernel on both layouts, and each
+/// layout's SIMD kernel where present.
+fn kernels() -> Vec<(Layout, Kernel)> {
+    let mut v = vec![
+        (Layout::Quads, Kernel::Portable),
+        (Layout::Pairs, Kernel::Portable),
+    ];
+    if cfg!(target_arch = "x86_64") && cpu::features().x86_simd() {
+        v.push((Layout::Pairs, Kernel::Avx2));
+    }
+    if use_vnni() {
+        v.push((Layout::Quads, Kernel::Vnni));
+    }
+    v
+}
+
+#[derive(Debug)]
+struct Case {
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Vec<u8>,
+    a_zero: Vec<i32>,
+    b_signed: bool,
+    b: Vec<u8>,
+    b_zero: Vec<i32>,
+    scale: Vec<f32>,
+    bias: Option<Vec<f32>>,
+}
+
+fn random_case(rng: &mut impl Rng) -> Case {
+    let dim = |rng: &mut dyn rand::RngCore, big: usize| match rng.gen_range(0..3) {
+        0 => rng.gen_range(1..8),
+        1 => rng.gen_range(1..big),
+        _ => big + rng.gen_range(0..big),
+    };
+    let (m, k, n) = (dim(rng, 20), dim(rng, 70), dim(rng, 150));
+    let b_signed = rng.gen_bool(0.5);
+    let a: Vec<u8> = (0..m * k).map(|_| rng.gen()).collect();
+    let b: Vec<u8> = (0..k * n).map(|_| rng.gen()).collect();
+    let a_zero = if rng.gen_bool(0.3) {
+        (0..m).map(|_| rng.gen_range(0..256)).collect()
+    } else {
+        vec![rng.gen_range(0..256)]
+    };
+    let zb = |rng: &mut dyn rand::RngCore| {
+        if b_signed {
+            rng.gen_range(-128..128)
+        } else {
+            rng.gen_range(0..256)
+        }
+    };
+    let b_zero = match rng.gen_range(0..3) {
+        0 => vec![0],
+        1 => vec![zb(rng)],
+        _ => (0..n).map(|_| zb(rng)).collect(),
+    };
+    let scale = if rng.gen_bool(0.5) {
+        vec![rng.gen_range(1e-5..1e-2)]
+    } else {
+        (0..n).map(|_| rng.gen_range(1e-5..1e-2)).collect()
+    };
+    let bias = rng
+        .gen_bool(0.5)
+        .then(|| (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect());
+    Case {
+        m,
+        k,
+        n,
+        a,
+        a_zero,
+        b_signed,
+        b,
+        b_zero,
+        scale,
+        bias,
+    }
+}
+
+fn bytes(c: &Case) -> Vec<i8> {
+    c.b.iter().map(|&v| v as i8).collect()
+}
+
+#[test]
+fn qgemm_matches_reference() {
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    for case in 0..60 {
+        let c = random_case(&mut rng);
+        let signed = bytes(&c);
+        let bsrc = if c.b_signed {
+            Bytes::I8(&signed)
+        } else {
+            Bytes::U8(&c.b)
+        };
+        let (want_i, want_f) = qgemm_ref(
+            c.m,
+            c.k,
+            c.n,
+            &c.a,
+            &c.a_zero,
+            bsrc,
+            &c.b_zero,
+            Some((&c.scale, c.bias.as_deref())),
+        );
+        // B handed over transposed half the time (strides), A with a wider leading dimension.
+        let packed = |layout| {
+            if case % 2 == 0 {
+                PackedI8::with_layout(c.k, c.n, bsrc, c.n, 1, layout)
+            } else {
+                let bt: Vec<u8> = (0..c.n * c.k)
+                    .map(|e| c.b[(e % c.k) * c.n + e / c.k])
+                    .collect();
+                let bts: Vec<i8> = bt.iter().map(|&v| v as i8).collect();
+                let src = if c.b_signed {
+                    Bytes::I8(&bts)
+                } else {
+                    Bytes::U8(&bt)
+                };
+                PackedI8::with_layout(c.k, c.n, src, 1, c.k, layout)
+            }
+        };
+        let lda = c.k + case % 3;
+        let mut a = vec![0u8; c.m * lda];
+        for i in 0..c.m {
+            a[i * lda..i * lda + c.k].copy_from_slice(&c.a[i * c.k..(i + 1) * c.k]);
+        }
+        let qa = QuantA {
+            data: &a,
+            m: c.m,
+            ld: lda,
+            zero: &c.a_zero,
+        };
+        for (layout, kernel) in kernels() {
+            let packed = packed(layout);
+            for threads in 1..=3 {
+                pool::set_threads(Some(threads));
+                let mut got = vec![i32::MIN; c.m * c.n];
+                let out = QOut::I32 {
+                    out: &mut got,
+                    ld: c.n,
+                };
+                qgemm_on(qa, &packed, &c.b_zero, out, kernel);
+                assert!(
+                    got == want_i,
+                    "seed {seed} case {case} {kernel:?} on {layout:?}, threads {threads}: i32 output \
+                     differs ({}x{}x{}, b signed {}, zero points {:?} / {:?})",
+                    c.m,
+                    c.k,
+                    c.n,
+                    c.b_signed,
+                    c.a_zero.len(),
+                    c.b_zero.len()
+                );
+                let mut got = vec![f32::NAN; c.m * c.n];
+                let out = QOut::F32 {
+                    out: &mut got,
+                    ld: c.n,
+                    scale: &c.scale,
+                    bias: c.bias.as_deref(),
+                };
+                qgemm_on(qa, &packed, &c.b_zero, out, kernel);
+                let same = got
+                    .iter()
+                    .zip(&want_f)
+                    .all(|(g, w)| g.to_bits() == w.to_bits());
+                assert!(
+                    same,
+                    "seed {seed} case {case} {kernel:?} on {layout:?}, threads {threads}: f32 output \
+                     differs"
+                );
+            }
+        }
+    }
+    pool::set_threads(None);
+}
+
+#[test]
+fn large_product_splits_rows_and_columns_alike() {
+    // Big enough for the thread split (column blocks and row chunks), edges on both sides.
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (m, k, n) = (37, 516, 200);
+    let a: Vec<u8> = (0..m * k).map(|_| rng.gen()).collect();
+    let b: Vec<i8> = (0..k * n).map(|_| rng.gen()).collect();
+    let (want, _) = qgemm_ref(m, k, n, &a, &[128], Bytes::I8(&b), &[3], None);
+    for (layout, kernel) in kernels() {
+        let packed = PackedI8::with_layout(k, n, Bytes::I8(&b), n, 1, layout);
+        for threads in [1, 2, 4] {
+            pool::set_threads(Some(threads));
+            let mut got = vec![0; m * n];
+            qgemm_on(
+                QuantA {
+                    data: &a,
+                    m,
+                    ld: k,
+                    zero: &[128],
+                },
+                &packed,
+                &[3],
+                QOut::I32 {
+                    out: &mut got,
+                    ld: n,
+                },
+                kernel,
+            );
+            assert!(got == want, "seed {seed} {kernel:?} threads {threads}");
+        }
+    }
+    pool::set_threads(None);
+}
+
+#[test]
+fn quantizer_matches_portable_form_and_reference_rule() {
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    for case in 0..40 {
+        let n = rng.gen_range(0..300);
+        let spread = [1e-3f32, 1.0, 100.0][case % 3];
+        let mut x: Vec<f32> = (0..n).map(|_| rng.gen_range(-spread..spread)).collect();
+        if n > 10 && case % 4 == 0 {
+            x[1] = f32::NAN;
+            x[2] = f32::INFINITY;
+            x[3] = f32::NEG_INFINITY;
+            x[4] = -0.0;
+        }
+        let (lo, hi) = x
+            .iter()
+            .fold((0f32, 0f32), |(a, b), &v| (a.min(v), b.max(v)));
+        let scale = if hi == lo { 1.0 } else { hi - lo } / 255.0;
+        let zp = (0.0 - lo / scale).clamp(0.0, 255.0).round_ties_even();
+        // Halves: values that land exactly between two steps.
+        if n > 20 {
+            x[10] = 2.5 * scale;
+            x[11] = -3.5 * scale;
+        }
+        let mut want = vec![0u8; n];
+        quantize_u8_portable(&x, scale, zp, &mut want);
+        for (i, (&w, &v)) in want.iter().zip(&x).enumerate() {
+            let r = ((v / scale).round_ties_even() + zp).clamp(0.0, 255.0);
+            let r = if r.is_nan() { 0 } else { r as u8 };
+            assert_eq!(w, r, "seed {seed} case {case} element {i}: {v}");
+        }
+        let mut got = vec![7u8; n];
+        quantize_u8(&x, scale, zp, &mut got);
+        assert_eq!(got, want, "seed {seed} case {case}");
+    }
+}
+
+#[test]
+fn dynamic_quantizer_scale_and_zero_point() {
+    pool::set_threads(Some(2));
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    for n in [0usize, 5, 100, 70_001, 200_000] {
+        let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-3.0..5.0)).collect();
+        let mut q = vec![0u8; n];
+        let (s, z) = quantize_dynamic_u8(&x, &mut q);
+        let (lo, hi) = x
+            .iter()
+            .fold((0f32, 0f32), |(a, b), &v| (a.min(v), b.max(v)));
+        let want_s = if hi == lo { 1.0 } else { hi - lo } / 255.0;
+        let want_z = (0.0 - lo / want_s).clamp(0.0, 255.0).round_ties_even();
+        assert_eq!((s, z), (want_s, want_z as u8), "seed {seed} n {n}");
+        let mut want = vec![0u8; n];
+        quantize_u8_portable(&x, want_s, want_z, &mut want);
+        assert_eq!(q, want, "seed {seed} n {n}");
+    }
+    pool::set_threads(None);
+}
