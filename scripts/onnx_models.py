@@ -89,6 +89,7 @@ def main():
     if os.path.exists(os.path.join(a.cache, "models.json")):
         info = json.load(open(os.path.join(a.cache, "models.json")))
     rows = []
+    notes = []
     for name in a.models.split(","):
         d = os.path.join(a.cache, name)
         model = os.path.join(d, "model.onnx")
@@ -115,7 +116,16 @@ def main():
         for t in threads:
             times[("ferrum", t)], created["ferrum"] = ferrum_time(a.ferrum, model, ds, t, a.repeat)
             times[("ort", t)], created["ort"] = ort_time(model, feeds, t, a.repeat)
-        gflops = info.get(name, {}).get("gflops", float("nan"))
+        gflops = info.get(name, info.get(tol.get("quantized_from"), {})).get("gflops", float("nan"))
+        if "quantized_from" in tol:
+            def rms(got):
+                return max(float(np.sqrt(((g.astype(np.float64) - r) ** 2).mean() /
+                                         max((r.astype(np.float64) ** 2).mean(), 1e-30)))
+                           for g, r in zip(got, torch_out))
+            notes.append(f"{name} ({tol.get('recipe', 'quantized')} of {tol['quantized_from']}): "
+                         f"distance from the float model's PyTorch outputs, max |diff| / RMS "
+                         f"relative: ferrum {vs_torch[0]:.4g} / {rms(ours):.4g}, ONNX Runtime "
+                         f"{ort_vs_torch[0]:.4g} / {rms(ort_out):.4g}")
         rows.append((name, gflops, times, created, vs_ort, vs_torch, ort_vs_torch, passed, atol))
         print(f"{name}: done", flush=True)
     head = "| model | GFLOPs | " + " | ".join(
@@ -129,6 +139,8 @@ def main():
         print(f"| {name} | {gflops:.2f} | {cells} | {created['ferrum']:.0f} / {created['ort']:.0f} | {vo[0]:.2e} / {vo[1]:.2e} | "
               f"{vt[0]:.2e} / {vt[1]:.2e} | {vt[2]:.3f} ({ot[2]:.3f}) | {atol:g} | "
               f"{'pass' if passed else 'FAIL'} |")
+    for n in notes:
+        print(f"\n{n}")
     print(f"\nonnxruntime {ort.__version__}, onnx {onnx.__version__}; medians of {a.repeat} runs "
           "after one warm-up; rel = max |diff| / max |reference|; session = creating the session "
           "(load, import, graph passes; the last thread count's).")

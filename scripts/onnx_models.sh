@@ -7,7 +7,9 @@
 # Not part of CI: torch is large.
 #
 # Usage: scripts/onnx_models.sh [FERRUM_BINARY]      (default: $FERRUM_BIN or target/release/ferrum)
-#   ONNX_MODELS=resnet50,mobilenet_v2,bert_base,vit_b_16   models to run (resnet50_b8 also exists)
+#   ONNX_MODELS=resnet50,mobilenet_v2,bert_base,vit_b_16   models to run (resnet50_b8 also exists,
+#       and bert_base_int8: bert_base dynamically quantized by onnxruntime.quantization, see
+#       scripts/quantize_onnx_models.py)
 #   ONNX_MODELS_REPEAT=10    timed runs per measurement (after one warm-up run)
 #   ONNX_MODELS_THREADS=1,2  thread counts for the latency table
 #
@@ -30,12 +32,20 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import torch, torchvi
 fi
 PY="$VENV/bin/python"
 missing=""
+quant=""
 for m in ${MODELS//,/ }; do
-    [ -f "$CACHE/$m/model.onnx" ] && [ -f "$CACHE/$m/test_data_set_0/output_0.pb" ] || missing="$missing,$m"
+    base="${m%_int8}"
+    [ -f "$CACHE/$base/model.onnx" ] && [ -f "$CACHE/$base/test_data_set_0/output_0.pb" ] \
+        || missing="$missing,$base"
+    if [ "$base" != "$m" ] && ! [ -f "$CACHE/$m/data.json" ]; then quant="$quant $m"; fi
 done
 if [ -n "$missing" ]; then
     echo "exporting ${missing#,} (once, into $CACHE)"
     "$PY" ../shared/tools/make_onnx_models.py "$CACHE" --only "${missing#,}"
+fi
+if [ -n "$quant" ]; then
+    echo "quantizing$quant (once, into $CACHE)"
+    "$PY" scripts/quantize_onnx_models.py "$CACHE" $quant
 fi
 dirs=()
 for m in ${MODELS//,/ }; do dirs+=("$CACHE/$m"); done

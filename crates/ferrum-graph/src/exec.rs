@@ -93,7 +93,10 @@ pub fn run_graph<'a>(
     }
     for (node, frees) in graph.nodes.iter().zip(&graph.frees) {
         let start = PROFILING.load(Ordering::Relaxed).then(Instant::now);
-        let outs = run_node(node, &env)?;
+        let outs = match view_in_place(node, frees, &mut env)? {
+            Some(v) => vec![Some(v)],
+            None => run_node(node, &env)?,
+        };
         if let Some(t) = start {
             let mut p = PROFILE.lock().unwrap();
             let e = p.entry(node.op.clone()).or_default();
@@ -118,6 +121,49 @@ pub fn run_graph<'a>(
                 .ok_or_else(|| Error::Format(format!("graph output #{} was not computed", id.0)))
         })
         .collect()
+}
+
+/// A view op (Reshape, Flatten, Squeeze, Unsqueeze) whose input this node is the last to read:
+/// the value is moved out and given its new shape, instead of copied as the op would. `None`
+/// when the node is not such a view (it then runs as usual).
+fn view_in_place(node: &Node, frees: &[ValueId], env: &mut Env) -> Result<Option<Value>> {
+    let Some(Some(x)) = node.inputs.first().copied() else {
+        return Ok(None);
+    };
+    if !frees.contains(&x)
+        || node.inputs[1..].contains(&Some(x))
+        || !matches!(env.local.get(&x), Some(Value::Tensor(_)))
+    {
+        return Ok(None);
+    }
+    let dims = {
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for i in &node.inputs {
+            ins.push(match i {
+                None => None,
+                Some(id) => match env.get(*id) {
+                    Some(v) => Some(v),
+                    None => return Ok(None),
+                },
+            });
+        }
+        match ops::view_dims(node, &ins, env) {
+            None => return Ok(None),
+            Some(Ok(d)) => d,
+            // Errors come from the op itself, with the node attached.
+            Some(Err(_)) => return Ok(None),
+        }
+    };
+    let Some(Value::Tensor(t)) = env.local.remove(&x) else {
+        unreachable!("checked above")
+    };
+    Ok(Some(Value::Tensor(t.reshape(dims).map_err(|e| {
+        Error::Node {
+            node: node.name.clone(),
+            op: node.op.clone(),
+            msg: e.to_string(),
+        }
+    })?)))
 }
 
 /// Runs one node on the given inputs, outside any graph (constant folding at load time). A

@@ -353,3 +353,58 @@ fn kernels_never_panic_on_random_inputs() {
         }
     }
 }
+
+#[test]
+fn view_ops_move_a_last_read_value_and_copy_one_read_again() {
+    // y = Relu(x) is read by Reshape and again by the Add after it (so it must survive the
+    // reshape); r = Reshape(y) is read only by Unsqueeze, whose result only by Squeeze, and x
+    // itself is a graph output reshaped by Flatten (an output is never moved away).
+    let shape = TensorProto {
+        name: "shape".into(),
+        dims: vec![2],
+        data_type: 7,
+        int64_data: vec![3, -1],
+        ..Default::default()
+    };
+    let mp = model(
+        vec![
+            node("Relu", &["x"], &["y"], vec![]),
+            node("Reshape", &["y", "shape"], &["r"], vec![]),
+            node("Unsqueeze", &["r"], &["u"], vec![attr_ints("axes", &[0])]),
+            node("Squeeze", &["u"], &["s"], vec![attr_ints("axes", &[0])]),
+            node("Add", &["y", "y"], &["d"], vec![]),
+            node("Flatten", &["x"], &["f"], vec![attr_int("axis", 0)]),
+        ],
+        vec![value("x", 1, &[Some(2), Some(3)])],
+        ["s", "d", "f", "x"]
+            .iter()
+            .map(|n| {
+                let mut v = value(n, 1, &[]);
+                v.r#type = None;
+                v
+            })
+            .collect(),
+        vec![shape],
+        11,
+    );
+    let x = vec![-1.0f32, 2.0, -3.0, 4.0, 5.0, -6.0];
+    let relu: Vec<f32> = x.iter().map(|v| v.max(0.0)).collect();
+    let s = Session::from_bytes(&encode(&mp)).unwrap();
+    for _ in 0..2 {
+        let out = s
+            .run(vec![(
+                "x".into(),
+                Value::Tensor(Tensor::from_vec(vec![2, 3], x.clone()).unwrap()),
+            )])
+            .unwrap();
+        let t = |i: usize| out[i].1.tensor().unwrap().clone();
+        assert_eq!(t(0).shape(), &[3, 2]);
+        assert_eq!(t(0).as_slice::<f32>().unwrap(), &relu[..]);
+        let doubled: Vec<f32> = relu.iter().map(|v| v + v).collect();
+        assert_eq!(t(1).as_slice::<f32>().unwrap(), &doubled[..]);
+        assert_eq!(t(2).shape(), &[1, 6]);
+        assert_eq!(t(2).as_slice::<f32>().unwrap(), &x[..]);
+        assert_eq!(t(3).shape(), &[2, 3]);
+        assert_eq!(t(3).as_slice::<f32>().unwrap(), &x[..]);
+    }
+}

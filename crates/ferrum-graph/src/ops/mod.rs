@@ -131,6 +131,16 @@ pub fn axis(a: i64, rank: usize) -> Result<usize> {
     Ok(if a < 0 { (a + r) as usize } else { a as usize })
 }
 
+/// The output dims of a default-domain view op (Reshape, Flatten, Squeeze, Unsqueeze) on these
+/// inputs, `None` for any other node: its output is input 0's elements, unchanged, under these
+/// dims.
+pub fn view_dims(node: &Node, ins: &[Option<&Value>], env: &Env) -> Option<Result<Vec<usize>>> {
+    if !(node.domain.is_empty() || node.domain == "ai.onnx") {
+        return None;
+    }
+    shape::view_dims(&Ctx { node, ins, env })
+}
+
 /// Runs one node.
 pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>> {
     let cx = Ctx { node, ins, env };

@@ -115,7 +115,8 @@ pub fn transpose_t(t: &Tensor, perm: &[usize]) -> Result<Tensor> {
     transpose(t, perm)
 }
 
-fn reshape(cx: &Ctx) -> Result<Tensor> {
+/// Reshape's output dims.
+fn reshape_dims(cx: &Ctx) -> Result<Vec<usize>> {
     let x = cx.t(0)?;
     let spec = if cx.opset() < 5 {
         cx.aints("shape").unwrap_or_default()
@@ -150,7 +151,7 @@ fn reshape(cx: &Ctx) -> Result<Tensor> {
         }
         shape[i] = x.len() / rest;
     }
-    x.clone().reshape(shape)
+    Ok(shape)
 }
 
 fn axes_of(cx: &Ctx, input: usize, since: i64) -> Result<Option<Vec<i64>>> {
@@ -161,7 +162,7 @@ fn axes_of(cx: &Ctx, input: usize, since: i64) -> Result<Option<Vec<i64>>> {
     }
 }
 
-fn squeeze(cx: &Ctx) -> Result<Tensor> {
+fn squeeze_dims(cx: &Ctx) -> Result<Vec<usize>> {
     let x = cx.t(0)?;
     let axes = axes_of(cx, 1, 13)?;
     let r = x.rank();
@@ -174,14 +175,13 @@ fn squeeze(cx: &Ctx) -> Result<Tensor> {
             kbail!("cannot squeeze dim {d} of size {}", x.shape()[d]);
         }
     }
-    let shape = (0..r)
+    Ok((0..r)
         .filter(|i| !drop.contains(i))
         .map(|i| x.shape()[i])
-        .collect();
-    x.clone().reshape(shape)
+        .collect())
 }
 
-fn unsqueeze(cx: &Ctx) -> Result<Tensor> {
+fn unsqueeze_dims(cx: &Ctx) -> Result<Vec<usize>> {
     let x = cx.t(0)?;
     let axes = axes_of(cx, 1, 13)?.ok_or_else(|| crate::kerr!("Unsqueeze needs axes"))?;
     let r = x.rank() + axes.len();
@@ -199,7 +199,31 @@ fn unsqueeze(cx: &Ctx) -> Result<Tensor> {
             );
         }
     }
-    x.clone().reshape(shape)
+    Ok(shape)
+}
+
+fn flatten_dims(cx: &Ctx) -> Result<Vec<usize>> {
+    let x = cx.t(0)?;
+    let a = cx.ai("axis", 1);
+    let a = if a < 0 { a + x.rank() as i64 } else { a };
+    if a < 0 || a > x.rank() as i64 {
+        kbail!("axis {a} out of range");
+    }
+    let outer: usize = x.shape()[..a as usize].iter().product();
+    Ok(vec![outer, x.len().checked_div(outer).unwrap_or(0)])
+}
+
+/// The output dims of a view op (Reshape, Flatten, Squeeze, Unsqueeze: the same elements in
+/// the same order under another shape); `None` for other ops. The executor uses it to reshape
+/// a value it can move instead of copying it.
+pub fn view_dims(cx: &Ctx) -> Option<Result<Vec<usize>>> {
+    Some(match cx.node.op.as_str() {
+        "Reshape" => reshape_dims(cx),
+        "Flatten" => flatten_dims(cx),
+        "Squeeze" => squeeze_dims(cx),
+        "Unsqueeze" => unsqueeze_dims(cx),
+        _ => return None,
+    })
 }
 
 fn concat(ts: &[&Tensor], ax: i64) -> Result<Tensor> {
@@ -773,21 +797,10 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
             one(i64_tensor(vec![dims.len()], dims)?)
         }
         "Size" => one(Tensor::scalar(cx.t(0)?.len() as i64)),
-        "Reshape" => one(reshape(cx)?),
-        "Flatten" => {
-            let x = cx.t(0)?;
-            let a = cx.ai("axis", 1);
-            let a = if a < 0 { a + x.rank() as i64 } else { a };
-            if a < 0 || a > x.rank() as i64 {
-                kbail!("axis {a} out of range");
-            }
-            let outer: usize = x.shape()[..a as usize].iter().product();
-            one(x
-                .clone()
-                .reshape(vec![outer, x.len().checked_div(outer).unwrap_or(0)])?)
+        "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" => {
+            let dims = view_dims(cx).expect("a view op")?;
+            one(cx.t(0)?.clone().reshape(dims)?)
         }
-        "Squeeze" => one(squeeze(cx)?),
-        "Unsqueeze" => one(unsqueeze(cx)?),
         "Transpose" => {
             let x = cx.t(0)?;
             let perm: Vec<usize> = match cx.aints("perm") {
