@@ -289,18 +289,56 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: 
             }
         }
     }
-    if rows == 6 && cols == 16 && out.csc == 1 && out.alpha == 1.0 && out.epi.is_none() {
+    if rows == 6 && cols == 16 && out.csc == 1 {
+        // A whole tile: alpha, the old C, the biases and a vector activation in registers, in
+        // `write_tile`'s order (so the same bits); other activations per element after.
+        let alpha = _mm256_set1_ps(out.alpha);
+        let (col0, col1) = match &out.epi {
+            // SAFETY: the column bias covers the tile's 16 columns (caller's contract).
+            Some(e) if !e.col.is_null() => unsafe {
+                (
+                    Some(_mm256_loadu_ps(e.col)),
+                    Some(_mm256_loadu_ps(e.col.add(8))),
+                )
+            },
+            _ => (None, None),
+        };
         for (r, row) in t.iter().enumerate() {
-            // SAFETY: r < 6 rows and 16 columns lie in the tile the caller vouched for.
+            // SAFETY: r < 6 rows and 16 columns lie in the tile the caller vouched for, as do
+            // the bias values.
             unsafe {
                 let p = out.c.add(r * out.rsc);
                 let (mut v0, mut v1) = (row[0], row[1]);
+                if out.alpha != 1.0 {
+                    v0 = _mm256_mul_ps(v0, alpha);
+                    v1 = _mm256_mul_ps(v1, alpha);
+                }
                 if out.acc {
                     v0 = _mm256_add_ps(v0, _mm256_loadu_ps(p));
                     v1 = _mm256_add_ps(v1, _mm256_loadu_ps(p.add(8)));
                 }
+                if let Some(e) = &out.epi {
+                    if !e.row.is_null() {
+                        let rb = _mm256_set1_ps(*e.row.add(r));
+                        v0 = _mm256_add_ps(v0, rb);
+                        v1 = _mm256_add_ps(v1, rb);
+                    }
+                    if let (Some(c0), Some(c1)) = (col0, col1) {
+                        v0 = _mm256_add_ps(v0, c0);
+                        v1 = _mm256_add_ps(v1, c1);
+                    }
+                    v0 = act_avx2(e.act, v0);
+                    v1 = act_avx2(e.act, v1);
+                }
                 _mm256_storeu_ps(p, v0);
                 _mm256_storeu_ps(p.add(8), v1);
+                if let Some(e) = &out.epi {
+                    if !e.act.is_vector() {
+                        for j in 0..16 {
+                            *p.add(j) = e.act.apply(*p.add(j));
+                        }
+                    }
+                }
             }
         }
         return;
@@ -315,6 +353,27 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: 
     }
     // SAFETY: forwarded from the caller (`out` addresses rows x cols).
     unsafe { write_tile(&buf, 16, rows, cols, out) };
+}
+
+/// [`act_avx512`] in 8 lanes: the vectorised activations, bit for bit as [`Act::apply`]; the
+/// others pass `x` through (the caller applies them per element).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn act_avx2(act: Act, x: __m256) -> __m256 {
+    match act {
+        // `max(a, b)` returns b when either is NaN (and for two zeros): NaN and -0 give +0, as
+        // `Act::apply`'s `x > 0 ? x : 0`.
+        Act::Relu => _mm256_max_ps(x, _mm256_setzero_ps()),
+        // `x < lo ? lo : x`, then `y > hi ? hi : y`: NaN stays.
+        Act::Clip { lo, hi } => {
+            _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x))
+        }
+        Act::LeakyRelu(s) => {
+            let ge = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_setzero_ps());
+            _mm256_blendv_ps(_mm256_mul_ps(x, _mm256_set1_ps(s)), x, ge)
+        }
+        _ => x,
+    }
 }
 
 /// The 16 x 16 transpose of `r` (row `i` in `r[i]`): column `c` in the result's `c`.
