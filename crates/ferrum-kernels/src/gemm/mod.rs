@@ -246,6 +246,53 @@ pub(crate) struct TileEpi {
 /// `out` addresses a `rows x cols` tile of writable floats, and its bias pointers `rows` and
 /// `cols` values; `buf` holds the tile.
 unsafe fn write_tile(buf: &[f32], ldb: usize, rows: usize, cols: usize, out: &Out) {
+    // One loop per activation kind, the activation inlined (the common ones are a compare or
+    // two; `Act::apply` per element was a call and a match).
+    let act = out.epi.as_ref().map_or(Act::Identity, |e| e.act);
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match act {
+            Act::Identity => write_tile_with(buf, ldb, rows, cols, out, |v| v),
+            // As `Act::apply` defines them.
+            Act::Relu => {
+                write_tile_with(buf, ldb, rows, cols, out, |v| if v > 0.0 { v } else { 0.0 })
+            }
+            Act::Clip { lo, hi } => write_tile_with(buf, ldb, rows, cols, out, |v| {
+                let y = if v < lo { lo } else { v };
+                if y > hi {
+                    hi
+                } else {
+                    y
+                }
+            }),
+            Act::LeakyRelu(s) => {
+                write_tile_with(
+                    buf,
+                    ldb,
+                    rows,
+                    cols,
+                    out,
+                    |v| if v >= 0.0 { v } else { s * v },
+                )
+            }
+            a => write_tile_with(buf, ldb, rows, cols, out, |v| a.apply(v)),
+        }
+    }
+}
+
+/// [`write_tile`] with the activation `act`.
+///
+/// # Safety
+/// As [`write_tile`].
+#[inline(always)]
+unsafe fn write_tile_with(
+    buf: &[f32],
+    ldb: usize,
+    rows: usize,
+    cols: usize,
+    out: &Out,
+    act: impl Fn(f32) -> f32,
+) {
     let one = |r: usize, j: usize| {
         let mut v = buf[r * ldb + j];
         if out.alpha != 1.0 {
@@ -264,7 +311,7 @@ unsafe fn write_tile(buf: &[f32], ldb: usize, rows: usize, cols: usize, out: &Ou
                 if !e.col.is_null() {
                     v += *e.col.add(j);
                 }
-                v = e.act.apply(v);
+                v = act(v);
             }
             *p = v;
         }
