@@ -651,6 +651,77 @@ fn dynamically_quantized_matmuls_fuse_into_matmul_integer_to_float() {
 }
 
 #[test]
+fn an_activation_after_matmul_integer_to_float_fuses_into_it() {
+    // BERT's intermediate dense layer as quantize_dynamic writes it, then the erf GELU and a
+    // Relu on a second product: both activations end in the MatMulIntegerToFloat nodes.
+    let mut r = rng();
+    let (k, n) = (24, 32);
+    let w: Vec<u8> = (0..k * n)
+        .map(|_| r.gen_range(-127i8..=127) as u8)
+        .collect();
+    let mut inits = vec![
+        int8_init("w", &[k as i64, n as i64], true, w.clone()),
+        init("w_scale", &[], vec![0.02]),
+        int8_init("w_zp", &[], true, vec![0]),
+        init("b", &[n as i64], randv(&mut r, n)),
+        int8_init("v", &[k as i64, n as i64], true, w),
+        init("sqrt2", &[], vec![std::f32::consts::SQRT_2]),
+        init("one", &[], vec![1.0]),
+        init("half", &[], vec![0.5]),
+    ];
+    inits.push(init("v_scale", &[], vec![0.01]));
+    let mp = model(
+        vec![
+            node("DynamicQuantizeLinear", &["x"], &["xq", "xs", "xz"], vec![]),
+            node("Mul", &["xs", "w_scale"], &["s"], vec![]),
+            node("MatMulInteger", &["xq", "w", "xz", "w_zp"], &["i"], vec![]),
+            node("Cast", &["i"], &["c"], vec![attr_int("to", 1)]),
+            node("Mul", &["c", "s"], &["m"], vec![]),
+            node("Add", &["b", "m"], &["h"], vec![]),
+            node("Div", &["h", "sqrt2"], &["d"], vec![]),
+            node("Erf", &["d"], &["e"], vec![]),
+            node("Add", &["e", "one"], &["p"], vec![]),
+            node("Mul", &["h", "p"], &["q"], vec![]),
+            node("Mul", &["q", "half"], &["y"], vec![]),
+            node("Mul", &["xs", "v_scale"], &["s2"], vec![]),
+            node("MatMulInteger", &["xq", "v", "xz"], &["i2"], vec![]),
+            node("Cast", &["i2"], &["c2"], vec![attr_int("to", 1)]),
+            node("Mul", &["c2", "s2"], &["m2"], vec![]),
+            node("Relu", &["m2"], &["y2"], vec![]),
+        ],
+        vec![f32_in("x", &[5, k as i64])],
+        vec![f32_out("y"), f32_out("y2")],
+        inits,
+        17,
+    );
+    let x: Vec<f32> = randv(&mut r, 5 * k).iter().map(|v| v * 2.0).collect();
+    // The GELU's erf differs from the Erf op's by up to 2^-22: the chain's tolerance.
+    check(
+        &mp,
+        OptLevel::All,
+        &[("x", vec![5, k], x)],
+        &[
+            "DynamicQuantizeLinear",
+            "com.ferrum.MatMulIntegerToFloat",
+            "com.ferrum.MatMulIntegerToFloat",
+        ],
+        1e-5,
+    );
+    let s = session(&mp, OptLevel::All);
+    let acts: Vec<String> = s
+        .model()
+        .graph
+        .nodes
+        .iter()
+        .filter_map(|n| match n.attrs.get("activation") {
+            Some(ferrum_graph::ir::Attr::Str(v)) => Some(String::from_utf8_lossy(v).into_owned()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(acts, ["Gelu", "Relu"]);
+}
+
+#[test]
 fn matmul_integer_chain_with_a_non_constant_weight_or_other_cast_is_not_fused() {
     let mut r = rng();
     let k = 8;

@@ -226,7 +226,9 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
             let pb = cx.packed_b(1, crate::passes::Role::B);
             crate::ops::linear::matmul_bias_act(a, b, cx.opt(2), act, pb)?
         }
-        "MatMulIntegerToFloat" => crate::ops::quant::matmul_integer_to_float(cx)?,
+        "MatMulIntegerToFloat" => {
+            Epi { z: None, act }.finish(crate::ops::quant::matmul_integer_to_float(cx)?)?
+        }
         "Gelu" => {
             let x = cx.t(0)?;
             if x.dtype() != DType::F32 {

@@ -353,7 +353,8 @@ fn activation(model: &Model, n: &Node) -> Option<(&'static str, Vec<f32>)> {
 }
 
 /// Bias (MatMul), residual Add (Conv) and an activation fused into the float32 Conv, Gemm or
-/// MatMul producing their input: `FusedConv`, `FusedGemm`, `FusedMatMul`. The fused node takes
+/// MatMul producing their input: `FusedConv`, `FusedGemm`, `FusedMatMul`; an activation alone
+/// into a `MatMulIntegerToFloat` (which took its bias when it was fused). The fused node takes
 /// the place of the last node it absorbs (so a residual computed after the product is ready).
 pub fn activations(model: &mut Model, log: &mut Vec<String>) -> usize {
     // Shapes only decide whether a residual is worth fusing (the fused kernel broadcasts as
@@ -383,6 +384,12 @@ pub fn activations(model: &mut Model, log: &mut Vec<String>) -> usize {
             .is_some_and(|b| b.dtype() == DType::F32 && b.rank() == 2)
         {
             "FusedMatMul"
+        } else if p.domain == DOMAIN
+            && p.op == "MatMulIntegerToFloat"
+            && !p.attrs.contains_key("activation")
+        {
+            // Already carries its bias: an activation only.
+            "MatMulIntegerToFloat"
         } else {
             continue;
         };
