@@ -147,11 +147,14 @@ fn view_in_place(node: &Node, frees: &[ValueId], env: &mut Env) -> Result<Option
                 },
             });
         }
-        match ops::view_dims(node, &ins, env) {
-            None => return Ok(None),
-            Some(Ok(d)) => d,
-            // Errors come from the op itself, with the node attached.
-            Some(Err(_)) => return Ok(None),
+        // Under catch_unwind as `run_node`'s kernels are; errors (and a panic) come from the op
+        // itself, run as usual, with the node attached.
+        let dims = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            ops::view_dims(node, &ins, env)
+        }));
+        match dims {
+            Ok(Some(Ok(d))) => d,
+            _ => return Ok(None),
         }
     };
     let Some(Value::Tensor(t)) = env.local.remove(&x) else {

@@ -116,11 +116,17 @@ fn matmul_integer(cx: &Ctx) -> Result<Tensor> {
         });
         return Tensor::from_vec(p.shape, out);
     }
-    let (a, b) = (cx.t(0)?, cx.t(1)?);
-    let av = minus_zp(a, cx.opt(2), false)?;
-    let bv = minus_zp(b, cx.opt(3), true)?;
-    let (shape, v) = matmul_f64(&av, a.shape(), &bv, b.shape())?;
+    let (shape, v) = matmul_integer_ref(cx, 2, 3)?;
     f64_tensor(shape, v, DType::I32)
+}
+
+/// The reference integer product `(A - za)(B - zb)` of `cx`'s inputs 0 and 1 with the zero
+/// points at `za`, `zb`, in f64 (exact for 8-bit operands): its shape and values.
+fn matmul_integer_ref(cx: &Ctx, za: usize, zb: usize) -> Result<(Vec<usize>, Vec<f64>)> {
+    let (a, b) = (cx.t(0)?, cx.t(1)?);
+    let av = minus_zp(a, cx.opt(za), false)?;
+    let bv = minus_zp(b, cx.opt(zb), true)?;
+    matmul_f64(&av, a.shape(), &bv, b.shape())
 }
 
 /// Broadcasts a per-tensor, per-axis or blocked parameter to `x`'s elements.
@@ -262,10 +268,7 @@ pub(crate) fn matmul_integer_to_float(cx: &Ctx) -> Result<Tensor> {
         return Tensor::from_vec(p.shape, out);
     }
     // The reference: the integer product, then the same f32 operations element by element.
-    let (a, b) = (cx.t(0)?, cx.t(1)?);
-    let av = minus_zp(a, cx.opt(3), false)?;
-    let bv = minus_zp(b, cx.opt(5), true)?;
-    let (shape, v) = matmul_f64(&av, a.shape(), &bv, b.shape())?;
+    let (shape, v) = matmul_integer_ref(cx, 3, 5)?;
     let out = v
         .iter()
         .enumerate()

@@ -145,6 +145,31 @@ const ERF_B: [f32; 13] = [
 const ERF_A0: f64 = std::f64::consts::FRAC_2_SQRT_PI;
 const ERF_B0: f64 = 0.210_806_363_689_416_7;
 
+/// `P(t)` of erf's fit below |x| = 1 past its constant term (`t = x^2`): `ERF_A[1..]` by Horner
+/// in float32.
+#[inline(always)]
+fn erf_small_poly(t: f32) -> f32 {
+    let mut p = ERF_A[6];
+    for &a in ERF_A[1..6].iter().rev() {
+        p = p * t + a;
+    }
+    p
+}
+
+/// erfc's fit on [1, 4] for |x| = `ax`: |x| clamped to [1, 4], `u = (xb - 2.5) / 1.5`, and
+/// `R(u)` past its constant term (`ERF_B[1..]` by Horner in float32).
+#[inline(always)]
+fn erf_big_poly(ax: f32) -> (f32, f32, f32) {
+    let xb = if ax < 1.0 { 1.0 } else { ax };
+    let xb = if xb > 4.0 { 4.0 } else { xb };
+    let u = (xb - 2.5) * (1.0 / 1.5);
+    let mut q = ERF_B[12];
+    for &b in ERF_B[1..12].iter().rev() {
+        q = q * u + b;
+    }
+    (xb, u, q)
+}
+
 /// erf for float32 without branches: `x * P(x^2)` below |x| = 1, `1 - e^(-x^2) R(x)` up to 4,
 /// +-1 from 4 on (erf(4) rounds to 1 in float32). The polynomials run in float32 up to their
 /// last step, which (with the products and the final subtraction) runs in f64 and is rounded
@@ -154,19 +179,10 @@ const ERF_B0: f64 = 0.210_806_363_689_416_7;
 pub fn erf_lane(x: f32) -> f32 {
     let ax = x.abs();
     let t = x * x;
-    let mut p = ERF_A[6];
-    for &a in ERF_A[1..6].iter().rev() {
-        p = p * t + a;
-    }
+    let p = erf_small_poly(t);
     let xd = x as f64;
     let small = (xd * (ERF_A0 + xd * xd * p as f64)) as f32;
-    let xb = if ax < 1.0 { 1.0 } else { ax };
-    let xb = if xb > 4.0 { 4.0 } else { xb };
-    let u = (xb - 2.5) * (1.0 / 1.5);
-    let mut q = ERF_B[12];
-    for &b in ERF_B[1..12].iter().rev() {
-        q = q * u + b;
-    }
+    let (xb, u, q) = erf_big_poly(ax);
     let r = ERF_B0 + u as f64 * q as f64;
     // x^2 exactly as a float32 and its rounding error.
     let xx = xb as f64 * xb as f64;
@@ -191,18 +207,9 @@ pub fn erf_lane(x: f32) -> f32 {
 pub fn erf_fast_lane(x: f32) -> f32 {
     let ax = x.abs();
     let t = x * x;
-    let mut p = ERF_A[6];
-    for &a in ERF_A[1..6].iter().rev() {
-        p = p * t + a;
-    }
+    let p = erf_small_poly(t);
     let small = x * (ERF_A[0] + t * p);
-    let xb = if ax < 1.0 { 1.0 } else { ax };
-    let xb = if xb > 4.0 { 4.0 } else { xb };
-    let u = (xb - 2.5) * (1.0 / 1.5);
-    let mut q = ERF_B[12];
-    for &b in ERF_B[1..12].iter().rev() {
-        q = q * u + b;
-    }
+    let (xb, u, q) = erf_big_poly(ax);
     let r = ERF_B[0] + u * q;
     let e = exp_lane(-(xb * xb), 0.0);
     let big = (1.0 - e * r).copysign(x);

@@ -401,11 +401,7 @@ pub fn activations(model: &mut Model, log: &mut Vec<String>) -> usize {
         while let Some(ri) = uses.sole_reader(cur) {
             let r = &g.nodes[ri];
             if act.is_none() && absorbed.is_empty() && is_op(r, "Add") && r.opset >= 7 {
-                let Some(o) = (match r.inputs.as_slice() {
-                    [Some(a), Some(b)] if *a == cur && *b != cur => Some(*b),
-                    [Some(a), Some(b)] if *b == cur && *a != cur => Some(*a),
-                    _ => None,
-                }) else {
+                let Some(o) = other_input(r, cur) else {
                     break;
                 };
                 if kind == "FusedMatMul" {
