@@ -18,7 +18,7 @@
 //! - [`Layout::Pairs`] (AVX2): 16-bit values in panels of 8 columns, k in pairs: panel `p`, pair
 //!   `g`, column `c`, element `r` at `p * kp * 8 + g * 16 + c * 2 + r`, for `vpmaddwd` (i16 x
 //!   i16, two products summed into each i32 lane: exact, where `vpmaddubsw` would saturate on
-//!   u8 x s8), A widened to 16 bits once per product.
+//!   u8 x s8), A widened to 16 bits once per product (into a buffer the thread keeps).
 //!
 //! With `B = Bs + off` (`off` 0 or 128) the zero points come out as
 //!
@@ -38,6 +38,8 @@
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+use std::cell::RefCell;
 
 use crate::{cpu, pool};
 
@@ -213,6 +215,39 @@ pub enum QOut<'a> {
         scale: &'a [f32],
         bias: Option<&'a [f32]>,
     },
+    /// Requantized to 8 bits: `clamp(round_half_even(y) + zero)` of the [`QOut::F32`] value
+    /// `y`, for unsigned (`0..=255`) or signed (`-128..=127`, stored as its byte) outputs;
+    /// `y` is first held within `+-65536` (a NaN `y` counts as +65536), beyond any 8-bit
+    /// result. Element `(i, j)` at `i * rs + j * cs`, so the output may be stored transposed.
+    Q8 {
+        out: &'a mut [u8],
+        rs: usize,
+        cs: usize,
+        scale: &'a [f32],
+        bias: Option<&'a [f32]>,
+        zero: i32,
+        signed: bool,
+    },
+}
+
+/// [`QOut::Q8`]'s bound on the float value before rounding.
+const Q8_HOLD: f32 = 65536.0;
+
+/// [`QOut::Q8`]'s requantization of one float value.
+#[inline(always)]
+fn requantize(y: f32, zero: i32, signed: bool) -> u8 {
+    // NaN as +Q8_HOLD: what `vminps(y, hold)` gives in the SIMD form.
+    let held = if y.is_nan() {
+        Q8_HOLD
+    } else {
+        y.clamp(-Q8_HOLD, Q8_HOLD)
+    };
+    let r = held.round_ties_even() as i32 + zero;
+    if signed {
+        r.clamp(-128, 127) as i8 as u8
+    } else {
+        r.clamp(0, 255) as u8
+    }
 }
 
 /// How a tile's integer sums are finished and stored: shared by every kernel, so they store
@@ -232,6 +267,14 @@ struct Finish<'a> {
 enum OutPtr {
     I32(*mut i32, usize),
     F32(*mut f32, usize),
+    /// Bytes at `i * rs + j * cs`, the zero point, signed.
+    Q8 {
+        p: *mut u8,
+        rs: usize,
+        cs: usize,
+        zero: i32,
+        signed: bool,
+    },
 }
 
 // SAFETY: the pointer is written only at the (row, column) elements of the task's own tile; tasks
@@ -263,16 +306,37 @@ impl Finish<'_> {
             OutPtr::F32(p, ld) => {
                 for (c, &r) in raw.iter().enumerate() {
                     let j = j0 + c;
-                    let s = self.scale[if self.scale.len() == 1 { 0 } else { j }];
-                    let mut v = self.value_i32(i, j, r) as f32 * s;
-                    if let Some(b) = self.bias {
-                        v += b[j];
-                    }
+                    let v = self.value_f32(i, j, r);
                     // SAFETY: (i, j) is in this task's tile (see OutPtr).
                     unsafe { *p.add(i * ld + j) = v };
                 }
             }
+            OutPtr::Q8 {
+                p,
+                rs,
+                cs,
+                zero,
+                signed,
+            } => {
+                for (c, &r) in raw.iter().enumerate() {
+                    let j = j0 + c;
+                    let v = requantize(self.value_f32(i, j, r), zero, signed);
+                    // SAFETY: (i, j) is in this task's tile (see OutPtr).
+                    unsafe { *p.add(i * rs + j * cs) = v };
+                }
+            }
         }
+    }
+
+    /// The float value of element `(i, j)`: `c as f32 * scale[j] + bias[j]`, multiply then add.
+    #[inline(always)]
+    fn value_f32(&self, i: usize, j: usize, raw: i32) -> f32 {
+        let s = self.scale[if self.scale.len() == 1 { 0 } else { j }];
+        let mut v = self.value_i32(i, j, raw) as f32 * s;
+        if let Some(b) = self.bias {
+            v += b[j];
+        }
+        v
     }
 }
 
@@ -315,89 +379,115 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
     if m == 0 || n == 0 {
         return;
     }
-    // A's rows as the kernel reads them: padded to whole groups of 4 when k is not a multiple
-    // of 4, or widened to 16 bits for the AVX2 kernel.
-    let (padded, wide);
+    // A's rows as the kernels read them: padded to whole groups of 4 when k is not a multiple
+    // of 4.
+    let padded;
     let (adata, lda) = if k % 4 == 0 {
         (a.data, a.ld)
     } else {
         padded = pad_rows(a.data, m, k, a.ld, b.kp);
         (&padded[..], b.kp)
     };
-    let awide: &[u16] = if kernel == Kernel::Avx2 {
-        wide = widen_rows(adata, m, lda, b.kp);
-        &wide
-    } else {
-        &[]
-    };
-    let row_terms: Vec<(i32, i32)> = (0..m)
-        .map(|i| {
-            let za = a.zero[if a.zero.len() == 1 { 0 } else { i }];
-            let s: i32 = adata[i * lda..i * lda + k].iter().map(|&v| v as i32).sum();
-            (s.wrapping_sub((k as i32).wrapping_mul(za)), za)
-        })
-        .collect();
-    let b_terms: Vec<i32> = b_zero.iter().map(|&z| b.offset - z).collect();
-    let (out_ptr, scale, bias) = match out {
-        QOut::I32 { out, ld } => {
-            assert!(out.len() >= (m - 1) * ld + n, "C is too short");
-            (OutPtr::I32(out.as_mut_ptr(), ld), &[][..], None)
-        }
-        QOut::F32 {
-            out,
-            ld,
+    let row_terms = row_terms(adata, m, k, lda, a.zero);
+    // Everything else, given A widened to 16 bits (`kp` per row) when the AVX2 kernel runs.
+    let rest = move |awide: &[u16]| {
+        let b_terms: Vec<i32> = b_zero.iter().map(|&z| b.offset - z).collect();
+        let (out_ptr, scale, bias) = match out {
+            QOut::I32 { out, ld } => {
+                assert!(out.len() >= (m - 1) * ld + n, "C is too short");
+                (OutPtr::I32(out.as_mut_ptr(), ld), &[][..], None)
+            }
+            QOut::F32 {
+                out,
+                ld,
+                scale,
+                bias,
+            } => {
+                assert!(out.len() >= (m - 1) * ld + n, "C is too short");
+                assert!(scale.len() == 1 || scale.len() == n, "scale length");
+                assert!(bias.is_none_or(|b| b.len() == n), "bias length");
+                (OutPtr::F32(out.as_mut_ptr(), ld), scale, bias)
+            }
+            QOut::Q8 {
+                out,
+                rs,
+                cs,
+                scale,
+                bias,
+                zero,
+                signed,
+            } => {
+                assert!(out.len() > (m - 1) * rs + (n - 1) * cs, "C is too short");
+                assert!(scale.len() == 1 || scale.len() == n, "scale length");
+                assert!(bias.is_none_or(|b| b.len() == n), "bias length");
+                let p = out.as_mut_ptr();
+                (
+                    OutPtr::Q8 {
+                        p,
+                        rs,
+                        cs,
+                        zero,
+                        signed,
+                    },
+                    scale,
+                    bias,
+                )
+            }
+        };
+        let fin = Finish {
+            b,
+            row_terms: &row_terms,
+            b_terms: &b_terms,
+            out: out_ptr,
             scale,
             bias,
-        } => {
-            assert!(out.len() >= (m - 1) * ld + n, "C is too short");
-            assert!(scale.len() == 1 || scale.len() == n, "scale length");
-            assert!(bias.is_none_or(|b| b.len() == n), "bias length");
-            (OutPtr::F32(out.as_mut_ptr(), ld), scale, bias)
+        };
+        let (mr, np_max) = b.layout.tile();
+        let panels = n.div_ceil(b.layout.panel());
+        let blocks = panels.div_ceil(np_max);
+        let tiles = m.div_ceil(mr);
+        let threads = if m * n * k < MIN_PARALLEL_MACS {
+            1
+        } else {
+            pool::threads()
+        };
+        // Row chunks (whole tiles) per column block: enough tasks for two per thread.
+        let chunks = (2 * threads).div_ceil(blocks).clamp(1, tiles);
+        let per = tiles.div_ceil(chunks);
+        let chunks = tiles.div_ceil(per);
+        let task = |t: usize| {
+            let (blk, ch) = (t / chunks, t % chunks);
+            let rows = ch * per * mr..((ch + 1) * per * mr).min(m);
+            let p0 = blk * np_max;
+            let np = np_max.min(panels - p0);
+            match kernel {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `kernel_for` chose VNNI only where the CPU has AVX-512 F/BW/VL + VNNI, on
+                // a `Quads` B; rows and panels are in range; A's rows hold `kp` readable bytes
+                // each (k % 4 == 0, or padded above).
+                Kernel::Vnni => unsafe { x86::block_vnni(adata, lda, rows, p0, np, &fin) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2 chosen only where the CPU has it, on a `Pairs` B; `awide` holds `kp`
+                // values for each of the m rows (widened below).
+                Kernel::Avx2 => unsafe { x86::block_avx2(awide, b.kp, rows, p0, np, &fin) },
+                _ => block_portable(adata, lda, rows, p0, np, &fin),
+            }
+        };
+        if threads == 1 || blocks * chunks == 1 {
+            (0..blocks * chunks).for_each(task);
+        } else {
+            pool::parallel_for(blocks * chunks, task);
         }
     };
-    let fin = Finish {
-        b,
-        row_terms: &row_terms,
-        b_terms: &b_terms,
-        out: out_ptr,
-        scale,
-        bias,
-    };
-    let (mr, np_max) = b.layout.tile();
-    let panels = n.div_ceil(b.layout.panel());
-    let blocks = panels.div_ceil(np_max);
-    let tiles = m.div_ceil(mr);
-    let threads = if m * n * k < MIN_PARALLEL_MACS {
-        1
+    if kernel == Kernel::Avx2 {
+        // The 16-bit copy of A lives in this thread's buffer, kept between products.
+        WIDE.with(|cell| {
+            let mut wide = cell.borrow_mut();
+            widen_rows(adata, m, lda, b.kp, &mut wide);
+            rest(&wide[..m * b.kp]);
+        });
     } else {
-        pool::threads()
-    };
-    // Row chunks (whole tiles) per column block: enough tasks for two per thread.
-    let chunks = (2 * threads).div_ceil(blocks).clamp(1, tiles);
-    let per = tiles.div_ceil(chunks);
-    let chunks = tiles.div_ceil(per);
-    let task = |t: usize| {
-        let (blk, ch) = (t / chunks, t % chunks);
-        let rows = ch * per * mr..((ch + 1) * per * mr).min(m);
-        let p0 = blk * np_max;
-        let np = np_max.min(panels - p0);
-        match kernel {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `kernel_for` chose VNNI only where the CPU has AVX-512 F/BW/VL + VNNI, on
-            // a `Quads` B; rows and panels are in range; A's rows hold `kp` readable bytes
-            // each (k % 4 == 0, or padded above).
-            Kernel::Vnni => unsafe { x86::block_vnni(adata, lda, rows, p0, np, &fin) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2 chosen only where the CPU has it, on a `Pairs` B; `awide` holds
-            // `kp` values per row.
-            Kernel::Avx2 => unsafe { x86::block_avx2(awide, rows, p0, np, &fin) },
-            _ => block_portable(adata, lda, rows, p0, np, &fin),
-        }
-    };
-    if threads == 1 || blocks * chunks == 1 {
-        (0..blocks * chunks).for_each(task);
-    } else {
-        pool::parallel_for(blocks * chunks, task);
+        rest(&[]);
     }
 }
 
@@ -414,18 +504,52 @@ fn pad_rows(a: &[u8], m: usize, k: usize, ld: usize, kp: usize) -> Vec<u8> {
     v
 }
 
-/// A's rows widened to 16 bits, `kp` per row (the AVX2 kernel broadcasts a pair as one i32).
-fn widen_rows(a: &[u8], m: usize, ld: usize, kp: usize) -> Vec<u16> {
-    let mut v = vec![0u16; m * kp];
-    for i in 0..m {
-        for (d, &s) in v[i * kp..(i + 1) * kp]
-            .iter_mut()
-            .zip(&a[i * ld..i * ld + kp])
-        {
-            *d = s as u16;
-        }
+thread_local! {
+    /// A widened to 16 bits for the AVX2 kernel: kept by each thread that runs products, so a
+    /// product writes it without allocating (and zeroing) it again.
+    static WIDE: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A's rows widened to 16 bits into `v` (`kp` per row: the AVX2 kernel broadcasts a pair as
+/// one i32); split across the pool for large A.
+fn widen_rows(a: &[u8], m: usize, ld: usize, kp: usize, v: &mut Vec<u16>) {
+    if v.len() < m * kp {
+        v.resize(m * kp, 0);
     }
-    v
+    let rows = (1usize << 16).div_ceil(kp).max(1);
+    let widen = |c: usize, out: &mut [u16]| {
+        for (r, row) in out.chunks_exact_mut(kp).enumerate() {
+            let i = c * rows + r;
+            for (d, &s) in row.iter_mut().zip(&a[i * ld..i * ld + kp]) {
+                *d = s as u16;
+            }
+        }
+    };
+    if m > rows && pool::threads() > 1 {
+        pool::parallel_chunks_mut(&mut v[..m * kp], rows * kp, widen);
+    } else {
+        widen(0, &mut v[..m * kp]);
+    }
+}
+
+/// Per row of A: `(rowsum(a) - k za, za)`; split across the pool for large A.
+fn row_terms(a: &[u8], m: usize, k: usize, ld: usize, zero: &[i32]) -> Vec<(i32, i32)> {
+    let mut t = vec![(0, 0); m];
+    let rows = (1usize << 16).div_ceil(k.max(1)).max(1);
+    let fill = |c: usize, out: &mut [(i32, i32)]| {
+        for (r, o) in out.iter_mut().enumerate() {
+            let i = c * rows + r;
+            let za = zero[if zero.len() == 1 { 0 } else { i }];
+            let s: i32 = a[i * ld..i * ld + k].iter().map(|&v| v as i32).sum();
+            *o = (s.wrapping_sub((k as i32).wrapping_mul(za)), za);
+        }
+    };
+    if m > rows && pool::threads() > 1 {
+        pool::parallel_chunks_mut(&mut t, rows, fill);
+    } else {
+        fill(0, &mut t);
+    }
+    t
 }
 
 /// The portable kernel (either layout): rows `rows` of the column block starting at panel `p0`

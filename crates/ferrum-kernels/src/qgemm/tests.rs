@@ -140,6 +140,43 @@ fn qgemm_matches_reference() {
             ld: lda,
             zero: &c.a_zero,
         };
+        // Requantized outputs: scales such that the values spread over about +-150 steps.
+        let big = want_f.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+        let scale8: Vec<f32> = c.scale.iter().map(|s| s * 150.0 / big).collect();
+        let bias8: Option<Vec<f32>> = c
+            .bias
+            .as_ref()
+            .map(|b| b.iter().map(|v| v * 150.0 / big).collect());
+        let (_, want_y) = qgemm_ref(
+            c.m,
+            c.k,
+            c.n,
+            &c.a,
+            &c.a_zero,
+            bsrc,
+            &c.b_zero,
+            Some((&scale8, bias8.as_deref())),
+        );
+        let signed8 = case % 4 < 2;
+        let zero8 = (case as i32 * 37) % 256 - if signed8 { 128 } else { 0 };
+        // The rule written out: hold within +-65536 (NaN as +65536), round half to even, add
+        // the zero point, clamp to the type.
+        let want_q: Vec<u8> = want_y
+            .iter()
+            .map(|&y| {
+                let y = if y.is_nan() {
+                    65536.0
+                } else {
+                    y.clamp(-65536.0, 65536.0)
+                };
+                let r = y.round_ties_even() as i64 + zero8 as i64;
+                if signed8 {
+                    r.clamp(-128, 127) as i8 as u8
+                } else {
+                    r.clamp(0, 255) as u8
+                }
+            })
+            .collect();
         for (layout, kernel) in kernels() {
             let packed = packed(layout);
             for threads in 1..=3 {
@@ -178,6 +215,32 @@ fn qgemm_matches_reference() {
                     "seed {seed} case {case} {kernel:?} on {layout:?}, threads {threads}: f32 output \
                      differs"
                 );
+                // Row-major, or transposed (column j at j * m).
+                let transposed = (case + threads) % 2 == 1;
+                let (rs, cs) = if transposed { (1, c.m) } else { (c.n, 1) };
+                let mut got = vec![0xA5u8; c.m * c.n];
+                let out = QOut::Q8 {
+                    out: &mut got,
+                    rs,
+                    cs,
+                    scale: &scale8,
+                    bias: bias8.as_deref(),
+                    zero: zero8,
+                    signed: signed8,
+                };
+                qgemm_on(qa, &packed, &c.b_zero, out, kernel);
+                for i in 0..c.m {
+                    for j in 0..c.n {
+                        assert_eq!(
+                            got[i * rs + j * cs],
+                            want_q[i * c.n + j],
+                            "seed {seed} case {case} {kernel:?} on {layout:?}, threads {threads}: \
+                             8-bit output ({i}, {j}) differs (value {}, zero {zero8}, signed \
+                             {signed8}, transposed {transposed})",
+                            want_y[i * c.n + j]
+                        );
+                    }
+                }
             }
         }
     }
@@ -186,10 +249,11 @@ fn qgemm_matches_reference() {
 
 #[test]
 fn large_product_splits_rows_and_columns_alike() {
-    // Big enough for the thread split (column blocks and row chunks), edges on both sides.
+    // Big enough for the thread split (column blocks and row chunks, and A's widening and row
+    // sums in chunks of rows), edges on both sides.
     let seed: u64 = rand::random();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let (m, k, n) = (37, 516, 200);
+    let (m, k, n) = (301, 516, 200);
     let a: Vec<u8> = (0..m * k).map(|_| rng.gen()).collect();
     let b: Vec<i8> = (0..k * n).map(|_| rng.gen()).collect();
     let (want, _) = qgemm_ref(m, k, n, &a, &[128], Bytes::I8(&b), &[3], None);

@@ -51,13 +51,20 @@ pub(super) unsafe fn block_vnni(
 }
 
 /// AVX2: rows `rows` of the column block starting at panel `p0` (`np` panels of 8, at most 2),
-/// in tiles of up to `MR8` rows; `a` is A widened to 16 bits, `kp` values per row.
+/// in tiles of up to `MR8` rows; `a` is A widened to 16 bits, row `i` at `a[i * lda..]`.
 ///
 /// # Safety
-/// AVX2 must be present; `fin.b` must be in the `Pairs` layout with `p0 + np` panels; `a` must
-/// hold `kp` values for every row in `rows`.
+/// AVX2 must be present; `fin.b` must be in the `Pairs` layout with `p0 + np` panels; every row
+/// in `rows` of `a` must hold `fin.b.kp` values from `i * lda`.
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn block_avx2(a: &[u16], rows: Range<usize>, p0: usize, np: usize, fin: &Finish) {
+pub(super) unsafe fn block_avx2(
+    a: &[u16],
+    lda: usize,
+    rows: Range<usize>,
+    p0: usize,
+    np: usize,
+    fin: &Finish,
+) {
     let mut i = rows.start;
     while i < rows.end {
         let r = MR8.min(rows.end - i);
@@ -66,8 +73,8 @@ pub(super) unsafe fn block_avx2(a: &[u16], rows: Range<usize>, p0: usize, np: us
             macro_rules! go {
                 ($($R:literal)*) => {
                     match (r, np) {
-                        $( ($R, 1) => tile8::<$R, 1>(a, i, p0, fin),
-                           ($R, 2) => tile8::<$R, 2>(a, i, p0, fin), )*
+                        $( ($R, 1) => tile8::<$R, 1>(a, lda, i, p0, fin),
+                           ($R, 2) => tile8::<$R, 2>(a, lda, i, p0, fin), )*
                         _ => unreachable!("tile {r} x {np}"),
                     }
                 };
@@ -85,15 +92,21 @@ pub(super) unsafe fn block_avx2(a: &[u16], rows: Range<usize>, p0: usize, np: us
 /// As [`block_avx2`].
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn tile8<const R: usize, const P: usize>(a: &[u16], i0: usize, p0: usize, fin: &Finish) {
+unsafe fn tile8<const R: usize, const P: usize>(
+    a: &[u16],
+    lda: usize,
+    i0: usize,
+    p0: usize,
+    fin: &Finish,
+) {
     let b = fin.b;
     let kp = b.kp;
     let pairs = kp / 2;
     let stride = kp * PANEL8;
-    assert!(p0 + P <= b.n.div_ceil(PANEL8) && (i0 + R) * kp <= a.len());
+    assert!(p0 + P <= b.n.div_ceil(PANEL8) && (i0 + R - 1) * lda + kp <= a.len());
     assert!(b.wide.len() >= (p0 + P) * stride);
     let bp = b.wide.as_ptr().add(p0 * stride);
-    let ap = a.as_ptr().add(i0 * kp);
+    let ap = a.as_ptr().add(i0 * lda);
     let mut acc = [[_mm256_setzero_si256(); P]; R];
     for g in 0..pairs {
         let mut bv = [_mm256_setzero_si256(); P];
@@ -103,7 +116,7 @@ unsafe fn tile8<const R: usize, const P: usize>(a: &[u16], i0: usize, p0: usize,
         }
         for (r, row) in acc.iter_mut().enumerate() {
             // SAFETY: row i0 + r's values 2g, 2g + 1, inside `a` (asserted above).
-            let av = _mm256_set1_epi32((ap.add(r * kp + 2 * g) as *const i32).read_unaligned());
+            let av = _mm256_set1_epi32((ap.add(r * lda + 2 * g) as *const i32).read_unaligned());
             for q in 0..P {
                 row[q] = _mm256_add_epi32(row[q], _mm256_madd_epi16(av, bv[q]));
             }
@@ -156,6 +169,51 @@ unsafe fn store8(fin: &Finish, i: usize, j0: usize, raw: __m256i) {
             }
             // SAFETY: as above.
             _mm256_storeu_ps(p.add(i * ld + j0), y)
+        }
+        OutPtr::Q8 {
+            p,
+            rs,
+            cs,
+            zero,
+            signed,
+        } => {
+            let s = if fin.scale.len() == 1 {
+                _mm256_set1_ps(fin.scale[0])
+            } else {
+                _mm256_loadu_ps(fin.scale[j0..j0 + PANEL8].as_ptr())
+            };
+            let mut y = _mm256_mul_ps(_mm256_cvtepi32_ps(v), s);
+            if let Some(bias) = fin.bias {
+                y = _mm256_add_ps(y, _mm256_loadu_ps(bias[j0..j0 + PANEL8].as_ptr()));
+            }
+            // `min(y, hold)` gives `hold` for a NaN y (the second operand), as f32::min.
+            let hold = _mm256_set1_ps(super::Q8_HOLD);
+            y = _mm256_max_ps(
+                _mm256_min_ps(y, hold),
+                _mm256_sub_ps(_mm256_setzero_ps(), hold),
+            );
+            // Round half to even (the default rounding mode), add the zero point, then narrow
+            // with saturation to 16 and 8 bits: the clamp.
+            let q = _mm256_add_epi32(_mm256_cvtps_epi32(y), _mm256_set1_epi32(zero));
+            let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+            let w = _mm_packs_epi32(lo, hi);
+            let bytes = if signed {
+                _mm_packs_epi16(w, w)
+            } else {
+                _mm_packus_epi16(w, w)
+            };
+            if cs == 1 {
+                // SAFETY: (i, j0..j0 + 8) is in this task's tile, bytes i * rs + j0.. (see
+                // OutPtr).
+                _mm_storel_epi64(p.add(i * rs + j0) as *mut _, bytes);
+            } else {
+                let mut b = [0u8; 16];
+                _mm_storeu_si128(b.as_mut_ptr() as *mut _, bytes);
+                for (c, &v) in b[..PANEL8].iter().enumerate() {
+                    // SAFETY: as above, element (i, j0 + c).
+                    *p.add(i * rs + (j0 + c) * cs) = v;
+                }
+            }
         }
     }
 }
@@ -214,6 +272,13 @@ unsafe fn tile<const R: usize, const P: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
 unsafe fn store16(fin: &Finish, i: usize, j0: usize, raw: __m512i) {
+    if let OutPtr::Q8 { .. } = fin.out {
+        // Requantized outputs take the scalar epilogue.
+        let mut r = [0i32; PANEL];
+        _mm512_storeu_si512(r.as_mut_ptr() as *mut _, raw);
+        fin.store(i, j0, &r);
+        return;
+    }
     let (rs, za) = fin.row_terms[i];
     let cs = _mm512_loadu_si512(fin.b.col_sums[j0..j0 + PANEL].as_ptr() as *const _);
     let bt = if fin.b_terms.len() == 1 {
@@ -244,6 +309,7 @@ unsafe fn store16(fin: &Finish, i: usize, j0: usize, raw: __m512i) {
             // SAFETY: as above.
             _mm512_storeu_ps(p.add(i * ld + j0), y)
         }
+        OutPtr::Q8 { .. } => unreachable!("handled above"),
     }
 }
 
