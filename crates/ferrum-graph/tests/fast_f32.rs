@@ -619,3 +619,171 @@ fn matmul_integer_matches_a_plain_integer_product() {
         assert!(got == want, "case {case}: {m}x{k}x{n}, A signed {a_signed}, B signed {b_signed}, zero points {:?} / {:?}", za.as_ref().map(Vec::len), zb.as_ref().map(Vec::len));
     }
 }
+
+#[test]
+fn qlinear_conv_matches_an_exact_reference() {
+    // QLinearConv on the integer GEMM against the exact value in f64: every output must equal
+    // `clamp(round_half_even(v) + y_zero_point)` of the exact `v = (sum (x - xz)(w - wz) + bias)
+    // * x_scale * w_scale / y_scale`, or differ from it by one step where `v` lies within 1e-3
+    // of a half (the kernel multiplies in float32).
+    let mut r = rng();
+    let mut near_half = 0;
+    let mut total = 0;
+    for case in 0..24 {
+        let (x_signed, w_signed, y_signed) = (r.gen_bool(0.5), r.gen_bool(0.5), r.gen_bool(0.5));
+        let n = if case % 6 == 5 { 2 } else { 1 };
+        let (c, m) = (r.gen_range(1..20), r.gen_range(1..40));
+        let (kh, kw) = *[(1, 1), (3, 3), (1, 3), (7, 7), (2, 2)]
+            .get(case % 5)
+            .unwrap();
+        // Case 0 (and 5, 10, ... by chance): a 1x1 filter at stride 1, read in place.
+        let (sy, sx) = if case == 0 {
+            (1, 1)
+        } else {
+            (r.gen_range(1..3), r.gen_range(1..3))
+        };
+        let (dy, dx) = if case % 7 == 3 { (2, 1) } else { (1, 1) };
+        let pads: Vec<usize> = (0..4).map(|_| r.gen_range(0..kh.max(kw))).collect();
+        let (h, w) = (
+            r.gen_range(kh * dy..kh * dy + 12),
+            r.gen_range(kw * dx..kw * dx + 12),
+        );
+        let x = int8_values(&mut r, n * c * h * w, x_signed);
+        let wv = int8_values(&mut r, m * c * kh * kw, w_signed);
+        let xz = int8_values(&mut r, 1, x_signed)[0];
+        let per_channel = case % 2 == 0;
+        let nw = if per_channel { m } else { 1 };
+        let wz = int8_values(&mut r, nw, w_signed);
+        let ws: Vec<f32> = (0..nw).map(|_| r.gen_range(1e-3..2e-2)).collect();
+        let xs: f32 = r.gen_range(1e-2..1e-1);
+        let ys: f32 = r.gen_range(5e-2..1.0);
+        let yz = int8_values(&mut r, 1, y_signed)[0];
+        let bias: Option<Vec<i32>> =
+            (case % 3 != 1).then(|| (0..m).map(|_| r.gen_range(-20000..20000)).collect());
+        let oh = (h + pads[0] + pads[2] - ((kh - 1) * dy + 1)) / sy + 1;
+        let ow = (w + pads[1] + pads[3] - ((kw - 1) * dx + 1)) / sx + 1;
+        let (lo, hi) = if y_signed {
+            (-128.0, 127.0)
+        } else {
+            (0.0, 255.0)
+        };
+        let mut want = Vec::new();
+        let mut exact = Vec::new();
+        for b in 0..n {
+            for o in 0..m {
+                let wzo = wz[if per_channel { o } else { 0 }];
+                let s = xs as f64 * ws[if per_channel { o } else { 0 }] as f64 / ys as f64;
+                for oy in 0..oh {
+                    for ox in 0..ow {
+                        let mut acc = bias.as_ref().map_or(0i64, |bv| bv[o] as i64);
+                        for ci in 0..c {
+                            for ky in 0..kh {
+                                for kx in 0..kw {
+                                    let iy = (oy * sy + ky * dy) as isize - pads[0] as isize;
+                                    let ix = (ox * sx + kx * dx) as isize - pads[1] as isize;
+                                    if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                        continue;
+                                    }
+                                    let xv = x[((b * c + ci) * h + iy as usize) * w + ix as usize];
+                                    let wq = wv[((o * c + ci) * kh + ky) * kw + kx];
+                                    acc += (xv - xz) * (wq - wzo);
+                                }
+                            }
+                        }
+                        let v = acc as f64 * s;
+                        exact.push(v);
+                        want.push((v.round_ties_even() + yz as f64).clamp(lo, hi) as i64);
+                    }
+                }
+            }
+        }
+        let t = |shape: &[usize], v: &[i64], signed: bool| int8_tensor(shape, v, signed);
+        let scalar = |v: f32| Tensor::from_vec(vec![], vec![v]).unwrap();
+        let zshape: Vec<usize> = if per_channel { vec![m] } else { vec![] };
+        let mut inputs: Vec<(&str, Tensor)> = vec![
+            ("x", t(&[n, c, h, w], &x, x_signed)),
+            ("xs", scalar(xs)),
+            ("xz", t(&[], &[xz], x_signed)),
+            ("w", t(&[m, c, kh, kw], &wv, w_signed)),
+            (
+                "ws",
+                Tensor::from_vec(if per_channel { vec![m] } else { vec![] }, ws.clone()).unwrap(),
+            ),
+            ("wz", t(&zshape, &wz, w_signed)),
+            ("ys", scalar(ys)),
+            ("yz", t(&[], &[yz], y_signed)),
+        ];
+        if let Some(bv) = &bias {
+            inputs.push(("b", Tensor::from_vec(vec![m], bv.clone()).unwrap()));
+        }
+        let names: Vec<&str> = inputs.iter().map(|(nm, _)| *nm).collect();
+        let elem = |t: &Tensor| match t.dtype() {
+            ferrum_graph::DType::I8 => 3,
+            ferrum_graph::DType::U8 => 2,
+            ferrum_graph::DType::I32 => 6,
+            _ => 1,
+        };
+        let mut mp = model(
+            vec![node(
+                "QLinearConv",
+                &names,
+                &["y"],
+                vec![
+                    attr_ints("kernel_shape", &[kh as i64, kw as i64]),
+                    attr_ints("strides", &[sy as i64, sx as i64]),
+                    attr_ints("dilations", &[dy as i64, dx as i64]),
+                    attr_ints("pads", &pads.iter().map(|&p| p as i64).collect::<Vec<_>>()),
+                ],
+            )],
+            inputs
+                .iter()
+                .map(|(nm, t)| {
+                    let dims: Vec<Option<i64>> =
+                        t.shape().iter().map(|&d| Some(d as i64)).collect();
+                    value(nm, elem(t), &dims)
+                })
+                .collect(),
+            vec![value("y", 0, &[])],
+            vec![],
+            13,
+        );
+        mp.graph.as_mut().unwrap().output[0].r#type = None;
+        let s = Session::from_bytes(&encode(&mp)).unwrap();
+        let feeds = inputs
+            .iter()
+            .map(|(nm, t)| (nm.to_string(), Value::Tensor(t.clone())))
+            .collect();
+        let out = s.run(feeds).unwrap();
+        let y = out[0].1.tensor().unwrap();
+        assert_eq!(y.shape(), &[n, m, oh, ow], "case {case}");
+        let got: Vec<i64> = if y_signed {
+            y.as_slice::<i8>()
+                .unwrap()
+                .iter()
+                .map(|&v| v as i64)
+                .collect()
+        } else {
+            y.as_slice::<u8>()
+                .unwrap()
+                .iter()
+                .map(|&v| v as i64)
+                .collect()
+        };
+        for (i, ((&g, &wnt), &v)) in got.iter().zip(&want).zip(&exact).enumerate() {
+            total += 1;
+            if g == wnt {
+                continue;
+            }
+            let frac = v - v.floor();
+            assert!(
+                (g - wnt).abs() == 1 && (frac - 0.5).abs() < 1e-3,
+                "case {case} ({c}->{m}, {kh}x{kw}, x/w/y signed {x_signed}/{w_signed}/{y_signed}, per channel {per_channel}) output {i}: {g}, exact {v} -> {wnt}"
+            );
+            near_half += 1;
+        }
+    }
+    assert!(
+        near_half * 1000 <= total,
+        "{near_half} of {total} outputs off by one step"
+    );
+}

@@ -758,3 +758,176 @@ fn matmul_integer_chain_with_a_non_constant_weight_or_other_cast_is_not_fused() 
         0.0,
     );
 }
+
+/// An int32 initializer.
+fn i32_init(name: &str, dims: &[i64], v: &[i32]) -> TensorProto {
+    TensorProto {
+        name: name.into(),
+        dims: dims.to_vec(),
+        data_type: 6,
+        raw_data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn statically_quantized_convs_fuse_into_qlinear_conv() {
+    // What onnxruntime.quantization.quantize_static writes in QDQ form for two convolutions
+    // (ResNet's 3x3 then 1x1, the second reading the first's quantized output twice: through
+    // its own DequantizeLinear and through a residual Add): X's Q/DQ per tensor (uint8), the
+    // weights' DQ per output channel (int8, axis 0) or per tensor, the bias int32 with scale
+    // x_scale * w_scale, each Conv's output quantized. Both Convs must become QLinearConv and
+    // every output stay within one quantization step of level 0 (float convolutions on
+    // dequantized weights; the integer form differs only where a value rounds at a half).
+    let mut r = rng();
+    let (c, m, h, w) = (5usize, 6usize, 9usize, 7usize);
+    let xs = 0.02f32;
+    let (y1s, y2s) = (0.05f32, 0.07f32);
+    let w1: Vec<u8> = (0..m * c * 9)
+        .map(|_| r.gen_range(-127i8..=127) as u8)
+        .collect();
+    let w1s: Vec<f32> = (0..m).map(|_| r.gen_range(1e-3..1e-2)).collect();
+    let b1: Vec<i32> = (0..m).map(|_| r.gen_range(-3000..3000)).collect();
+    let b1s: Vec<f32> = w1s.iter().map(|&s| xs * s).collect();
+    let w2: Vec<u8> = (0..m * m)
+        .map(|_| r.gen_range(-127i8..=127) as u8)
+        .collect();
+    let w2s = 0.004f32;
+    let b2: Vec<i32> = (0..m).map(|_| r.gen_range(-3000..3000)).collect();
+    let q = |x: &str, s: &str, z: &str, y: &str| node("QuantizeLinear", &[x, s, z], &[y], vec![]);
+    let dq = |x: &str, s: &str, z: &str, y: &str, axis: Option<i64>| {
+        let ins: Vec<&str> = if z.is_empty() {
+            vec![x, s]
+        } else {
+            vec![x, s, z]
+        };
+        node(
+            "DequantizeLinear",
+            &ins,
+            &[y],
+            axis.map(|a| attr_int("axis", a)).into_iter().collect(),
+        )
+    };
+    let pad1 = ferrum_graph::proto::build::attr_ints("pads", &[1, 1, 1, 1]);
+    let mp = model(
+        vec![
+            q("x", "xs", "xz", "xq"),
+            dq("xq", "xs", "xz", "xd", None),
+            dq("w1", "w1s", "w1z", "w1d", Some(0)),
+            dq("b1", "b1s", "", "b1d", Some(0)),
+            node("Conv", &["xd", "w1d", "b1d"], &["c1"], vec![pad1]),
+            q("c1", "y1s", "y1z", "c1q"),
+            dq("c1q", "y1s", "y1z", "c1d", None),
+            dq("w2", "w2s", "", "w2d", None),
+            dq("b2", "b2s", "", "b2d", None),
+            node("Conv", &["c1d", "w2d", "b2d"], &["c2"], vec![]),
+            q("c2", "y2s", "y2z", "c2q"),
+            dq("c2q", "y2s", "y2z", "c2d", None),
+            node("Add", &["c2d", "c1d"], &["y"], vec![]),
+        ],
+        vec![f32_in("x", &[1, c as i64, h as i64, w as i64])],
+        vec![f32_out("y"), f32_out("c2d")],
+        vec![
+            init("xs", &[], vec![xs]),
+            int8_init("xz", &[], false, vec![128]),
+            int8_init("w1", &[m as i64, c as i64, 3, 3], true, w1),
+            init("w1s", &[m as i64], w1s),
+            int8_init("w1z", &[m as i64], true, vec![0; m]),
+            i32_init("b1", &[m as i64], &b1),
+            init("b1s", &[m as i64], b1s),
+            init("y1s", &[], vec![y1s]),
+            int8_init("y1z", &[], false, vec![100]),
+            int8_init("w2", &[m as i64, m as i64, 1, 1], true, w2),
+            init("w2s", &[], vec![w2s]),
+            i32_init("b2", &[m as i64], &b2),
+            init("b2s", &[], vec![y1s * w2s]),
+            init("y2s", &[], vec![y2s]),
+            int8_init("y2z", &[], false, vec![90]),
+        ],
+        17,
+    );
+    let plain = session(&mp, OptLevel::Disabled);
+    let opt = session(&mp, OptLevel::All);
+    let got_ops = ops(&opt);
+    assert_eq!(
+        got_ops.iter().filter(|o| *o == "QLinearConv").count(),
+        2,
+        "{got_ops:?}"
+    );
+    assert!(!got_ops.iter().any(|o| o == "Conv"), "{got_ops:?}");
+    for _ in 0..3 {
+        let x: Vec<f32> = randv(&mut r, c * h * w);
+        let feeds = [("x", vec![1, c, h, w], x)];
+        let (a, b) = (outputs(&plain, &feeds), outputs(&opt, &feeds));
+        // y = c2d + c1d: one step of each at most; c2d: one step.
+        for (o, (u, v)) in a.iter().zip(&b).enumerate() {
+            let tol = if o == 0 { y1s + y2s } else { y2s } * 1.001;
+            let mut off = 0;
+            for (i, (p, q)) in u.iter().zip(v).enumerate() {
+                assert!(
+                    (p - q).abs() <= tol,
+                    "output {o} element {i}: level 0 {p}, fused {q}"
+                );
+                off += (p != q) as usize;
+            }
+            assert!(
+                off * 20 <= u.len(),
+                "output {o}: {off} of {} differ",
+                u.len()
+            );
+        }
+    }
+    // Level 1 keeps the float convolutions (on folded weights).
+    let basic = ops(&session(&mp, OptLevel::Basic));
+    assert_eq!(
+        basic.iter().filter(|o| *o == "Conv").count(),
+        2,
+        "{basic:?}"
+    );
+}
+
+#[test]
+fn qdq_conv_with_an_unquantized_output_or_a_float_bias_is_not_fused() {
+    // The Conv's output read by something besides its QuantizeLinear, and a float32 bias: both
+    // stay float convolutions (on weights dequantized by constant folding).
+    let mut r = rng();
+    let (c, m) = (3usize, 4usize);
+    let w: Vec<u8> = (0..m * c)
+        .map(|_| r.gen_range(-127i8..=127) as u8)
+        .collect();
+    let mp = model(
+        vec![
+            node("QuantizeLinear", &["x", "xs", "xz"], &["xq"], vec![]),
+            node("DequantizeLinear", &["xq", "xs", "xz"], &["xd"], vec![]),
+            node("DequantizeLinear", &["w", "ws"], &["wd"], vec![]),
+            node("Conv", &["xd", "wd"], &["c1"], vec![]),
+            node("QuantizeLinear", &["c1", "ys", "yz"], &["c1q"], vec![]),
+            node("DequantizeLinear", &["c1q", "ys", "yz"], &["y1"], vec![]),
+            node("Conv", &["xd", "wd", "fb"], &["c2"], vec![]),
+            node("QuantizeLinear", &["c2", "ys", "yz"], &["c2q"], vec![]),
+            node("DequantizeLinear", &["c2q", "ys", "yz"], &["y2"], vec![]),
+        ],
+        vec![f32_in("x", &[1, c as i64, 4, 4])],
+        vec![f32_out("y1"), f32_out("y2"), f32_out("c1")],
+        vec![
+            init("xs", &[], vec![0.02]),
+            int8_init("xz", &[], false, vec![128]),
+            int8_init("w", &[m as i64, c as i64, 1, 1], true, w),
+            init("ws", &[], vec![0.01]),
+            init("fb", &[m as i64], randv(&mut r, m)),
+            init("ys", &[], vec![0.05]),
+            int8_init("yz", &[], false, vec![128]),
+        ],
+        17,
+    );
+    let o = ops(&session(&mp, OptLevel::All));
+    assert!(!o.iter().any(|x| x == "QLinearConv"), "{o:?}");
+    let x = randv(&mut r, c * 16);
+    check(
+        &mp,
+        OptLevel::All,
+        &[("x", vec![1, c, 4, 4], x)],
+        &o.iter().map(String::as_str).collect::<Vec<_>>(),
+        1e-6,
+    );
+}

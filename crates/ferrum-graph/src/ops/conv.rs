@@ -1,6 +1,11 @@
 //! Convolutions (Conv, ConvInteger, ConvTranspose) and pooling (Max, Average, Lp, global).
 //! Reference loops over N-D spatial dims in f64.
 
+use std::cell::RefCell;
+
+use ferrum_kernels::pool;
+use ferrum_kernels::qgemm::{self, Bytes, PackedI8};
+
 use crate::ops::fused::Epi;
 use crate::ops::nn::{f64_tensor, minus_zp};
 use crate::ops::shape::strides;
@@ -138,7 +143,180 @@ fn per_channel(w: &Tensor, zp: Option<&Tensor>, scale: Option<&Tensor>) -> Resul
 }
 
 fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
+    if kind == ConvKind::QLinear {
+        if let Some(t) = qlinear_conv_fast(cx)? {
+            return Ok(t);
+        }
+    }
     conv_epi(cx, kind, Epi::default())
+}
+
+/// A one-value float32 input as f64 (`None` for another form).
+fn scalar_f32(t: &Tensor) -> Option<f64> {
+    (t.dtype() == DType::F32 && t.len() == 1)
+        .then(|| t.as_slice::<f32>().ok().map(|v| v[0] as f64))
+        .flatten()
+        .filter(|v| v.is_finite())
+}
+
+/// QLinearConv in 2-D with one group, 8-bit X, W and Y, X and Y quantized per tensor, W per
+/// tensor or per output channel: on the integer GEMM ([`qgemm`]) as `col(X)^T W^T`. The image
+/// is turned channels-last (unsigned bytes), so each row of A (one per output position) is the
+/// kernel taps' runs of C bytes, padding filled with X's zero point so it adds nothing; a 1x1
+/// filter at stride 1 reads the channels-last image itself. B is the filter packed once at
+/// session creation ([`crate::passes::Role::IntFilter`]). The GEMM's epilogue requantizes each
+/// output as ONNX Runtime does, `clamp(round_half_even(acc * s + bias * s) + y_zero_point)`
+/// with `s = x_scale w_scale / y_scale` in float32 (so an output may differ from the exact
+/// reference by one step where the exact value lies within float32 rounding of a half), and
+/// stores it channels-first. `None` for the other forms, left to the reference.
+fn qlinear_conv_fast(cx: &Ctx) -> Result<Option<Tensor>> {
+    let (x, w) = (cx.t(0)?, cx.t(3)?);
+    let eight = |t: &Tensor| matches!(t.dtype(), DType::U8 | DType::I8);
+    if x.rank() != 4 || w.rank() != 4 || !eight(x) || !eight(w) || cx.ai("group", 1) != 1 {
+        return Ok(None);
+    }
+    let (n, c, m) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+    if w.shape()[1] != c || m == 0 || c == 0 || n == 0 {
+        return Ok(None);
+    }
+    let (Some(xs), Some(ys)) = (scalar_f32(cx.t(1)?), scalar_f32(cx.t(6)?)) else {
+        return Ok(None);
+    };
+    let one_int = |i: usize, dt: DType| -> Result<Option<i32>> {
+        Ok(match cx.opt(i) {
+            None => Some(0),
+            Some(z) if z.len() == 1 && z.dtype() == dt => Some(z.to_i64_vec()?[0] as i32),
+            Some(_) => None,
+        })
+    };
+    let (Some(xz), Some(yz)) = (one_int(2, x.dtype())?, one_int(7, cx.t(7)?.dtype())?) else {
+        return Ok(None);
+    };
+    let y_dtype = cx.t(7)?.dtype();
+    if !matches!(y_dtype, DType::U8 | DType::I8) {
+        return Ok(None);
+    }
+    let ws = cx.t(4)?;
+    if ws.dtype() != DType::F32 || !(ws.len() == 1 || ws.len() == m) {
+        return Ok(None);
+    }
+    let ws = ws.as_slice::<f32>()?;
+    if !ws.iter().all(|v| v.is_finite()) {
+        return Ok(None);
+    }
+    let wz: Vec<i32> = match cx.opt(5) {
+        None => vec![0],
+        Some(z) if z.dtype() == w.dtype() && (z.len() == 1 || z.len() == m) => {
+            z.to_i64_vec()?.iter().map(|&v| v as i32).collect()
+        }
+        Some(_) => return Ok(None),
+    };
+    let bias: Option<Vec<i64>> = match cx.opt(8) {
+        None => None,
+        Some(b) if b.dtype() == DType::I32 && b.len() == m => Some(b.to_i64_vec()?),
+        Some(_) => return Ok(None),
+    };
+    let k = [w.shape()[2], w.shape()[3]];
+    let g = geom(cx, &x.shape()[2..], &k, false)?;
+    let (oh, ow) = (g.outs[0], g.outs[1]);
+    let (ih, iw) = (g.ins[0], g.ins[1]);
+    let osp = oh * ow;
+    let kk = c * k[0] * k[1];
+    if osp == 0 {
+        return Ok(Some(Tensor::from_vec(vec![n, m, oh, ow], vec![0u8; 0])?));
+    }
+    // Per output channel: the float32 multiplier and the bias in output steps.
+    let scale: Vec<f32> = (0..m)
+        .map(|o| (xs * ws[if ws.len() == 1 { 0 } else { o }] as f64 / ys) as f32)
+        .collect();
+    let bias_f: Option<Vec<f32>> = bias.map(|b| {
+        b.iter()
+            .zip(&scale)
+            .map(|(&v, &s)| (v as f64 * s as f64) as f32)
+            .collect()
+    });
+    // Signed bytes are read as unsigned ones shifted by 128 (and so is their zero point).
+    let (flip, xz) = if x.dtype() == DType::I8 {
+        (0x80u8, xz + 128)
+    } else {
+        (0, xz)
+    };
+    let own;
+    let packed = match cx.packed_int_filter(3) {
+        Some(p) if p.k() == kk && p.n() == m => p,
+        _ => {
+            own = pack_int_filter(w)?;
+            &own
+        }
+    };
+    let signed_bytes: Vec<u8>;
+    let xb: &[u8] = match x.dtype() {
+        DType::U8 => x.as_slice::<u8>()?,
+        _ => {
+            signed_bytes = x.as_slice::<i8>()?.iter().map(|&v| v as u8).collect();
+            &signed_bytes
+        }
+    };
+    let isp = ih * iw;
+    let geo = Patches {
+        c,
+        k,
+        s: [g.s[0], g.s[1]],
+        d: [g.d[0], g.d[1]],
+        pad: [g.pad_begin[0], g.pad_begin[1]],
+        ins: [ih, iw],
+        ow,
+        fill: xz as u8,
+    };
+    // A 1x1 filter at stride 1 without padding reads the channels-last image as it is.
+    let direct = k == [1, 1] && geo.s == [1, 1] && geo.pad == [0, 0] && osp == isp;
+    let mut y = vec![0u8; n * m * osp];
+    // The channels-last image, A's rows and the channels-last output: scratch kept by the
+    // thread between calls (every byte is written before it is read).
+    SCRATCH.with(|cell| {
+        let mut bufs = cell.borrow_mut();
+        let [nhwc, col, rows_out] = &mut *bufs;
+        let nhwc = scratch(nhwc, isp * c);
+        let col = scratch(col, if direct { 0 } else { osp * kk });
+        let rows_out = scratch(rows_out, osp * m);
+        for (b, yb) in y.chunks_exact_mut(m * osp).enumerate() {
+            transpose_bytes(&xb[b * c * isp..(b + 1) * c * isp], c, isp, flip, nhwc);
+            if !direct {
+                let rows = osp.div_ceil(pool::threads() * 4).max(16);
+                pool::parallel_chunks_mut(col, rows * kk, |ci, chunk| {
+                    geo.rows(nhwc, ci * rows, chunk)
+                });
+            }
+            // Output position p, channel o at p * m + o, then turned channels-first as Y is
+            // stored.
+            qgemm::qgemm(
+                qgemm::QuantA {
+                    data: if direct { nhwc } else { col },
+                    m: osp,
+                    ld: kk,
+                    zero: &[xz],
+                },
+                packed,
+                &wz,
+                qgemm::QOut::Q8 {
+                    out: rows_out,
+                    rs: m,
+                    cs: 1,
+                    scale: &scale,
+                    bias: bias_f.as_deref(),
+                    zero: yz,
+                    signed: y_dtype == DType::I8,
+                },
+            );
+            transpose_bytes(rows_out, osp, m, 0, yb);
+        }
+    });
+    let shape = vec![n, m, oh, ow];
+    Ok(Some(if y_dtype == DType::I8 {
+        Tensor::from_vec(shape, y.into_iter().map(|v| v as i8).collect())?
+    } else {
+        Tensor::from_vec(shape, y)?
+    }))
 }
 
 /// `FusedConv`: Conv (float) followed by the residual and activation of `epi`.
@@ -298,6 +476,150 @@ fn conv_epi(cx: &Ctx, kind: ConvKind, epi: Epi) -> Result<Tensor> {
                 .map(|&v| ((v / ys).round_ties_even() + zv).clamp(lo, hi))
                 .collect();
             f64_tensor(shape, q, yz.dtype())
+        }
+    }
+}
+
+thread_local! {
+    /// [`qlinear_conv_fast`]'s byte buffers, kept by each thread that runs one.
+    static SCRATCH: RefCell<[Vec<u8>; 3]> = RefCell::new(Default::default());
+}
+
+/// The first `len` bytes of `v`, grown (with zeros) when shorter.
+fn scratch(v: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    if v.len() < len {
+        v.resize(len, 0);
+    }
+    &mut v[..len]
+}
+
+/// `src` (`rows x cols` bytes) transposed into `dst` (`cols x rows`), each byte `^ flip`.
+/// Split across the pool by rows of `dst`; 8 x 8 blocks are transposed in eight u64 words
+/// ([`transpose8x8`]), the edges byte by byte.
+fn transpose_bytes(src: &[u8], rows: usize, cols: usize, flip: u8, dst: &mut [u8]) {
+    let per = cols
+        .div_ceil(pool::threads() * 2)
+        .max(64)
+        .next_multiple_of(8);
+    let flip8 = u64::from_ne_bytes([flip; 8]);
+    pool::parallel_chunks_mut(&mut dst[..rows * cols], per * rows, |ci, part| {
+        let j0 = ci * per;
+        let nj = part.len() / rows;
+        let (full_i, full_j) = (rows / 8 * 8, nj / 8 * 8);
+        for i0 in (0..full_i).step_by(8) {
+            for jb in (0..full_j).step_by(8) {
+                let mut r = [0u64; 8];
+                for (q, w) in r.iter_mut().enumerate() {
+                    let at = (i0 + q) * cols + j0 + jb;
+                    *w = u64::from_le_bytes(src[at..at + 8].try_into().expect("8 bytes")) ^ flip8;
+                }
+                transpose8x8(&mut r);
+                for (q, w) in r.iter().enumerate() {
+                    let at = (jb + q) * rows + i0;
+                    part[at..at + 8].copy_from_slice(&w.to_le_bytes());
+                }
+            }
+        }
+        // The last rows (of src) and columns that do not fill a block.
+        for i in 0..rows {
+            let from = if i < full_i { full_j } else { 0 };
+            for j in from..nj {
+                part[j * rows + i] = src[i * cols + j0 + j] ^ flip;
+            }
+        }
+    });
+}
+
+/// Transposes the 8 x 8 bytes held in `r` (byte `j` of word `i`, little-endian, is element
+/// `(i, j)`): swaps of 1-byte, then 2-byte, then 4-byte blocks between word pairs.
+#[inline(always)]
+fn transpose8x8(r: &mut [u64; 8]) {
+    const MASKS: [(u32, u64); 3] = [
+        (8, 0x00FF_00FF_00FF_00FF),
+        (16, 0x0000_FFFF_0000_FFFF),
+        (32, 0x0000_0000_FFFF_FFFF),
+    ];
+    for (stage, &(shift, mask)) in MASKS.iter().enumerate() {
+        let d = 1 << stage;
+        for i in 0..8 {
+            if i & d == 0 {
+                let t = ((r[i] >> shift) ^ r[i + d]) & mask;
+                r[i + d] ^= t;
+                r[i] ^= t << shift;
+            }
+        }
+    }
+}
+
+/// QLinearConv's filter (`M x C x kh x kw`, 8-bit) packed as the B (`kh kw C x M`, rows in
+/// the patches' (tap, channel) order) of `col(X)^T W^T`.
+pub(crate) fn pack_int_filter(w: &Tensor) -> Result<PackedI8> {
+    let m = w.shape().first().copied().unwrap_or(0);
+    if w.rank() != 4 || m == 0 || w.is_empty() {
+        kbail!("QLinearConv filter of shape {:?}", w.shape());
+    }
+    let (c, taps) = (w.shape()[1], w.shape()[2] * w.shape()[3]);
+    let kk = c * taps;
+    // Row (tap t, channel ci) of column o is w[o, ci, t].
+    let order = |v: &[u8]| -> Vec<u8> {
+        let mut out = vec![0u8; v.len()];
+        for o in 0..m {
+            for ci in 0..c {
+                for t in 0..taps {
+                    out[o * kk + t * c + ci] = v[o * kk + ci * taps + t];
+                }
+            }
+        }
+        out
+    };
+    Ok(match w.dtype() {
+        DType::I8 => {
+            let bytes: Vec<u8> = w.as_slice::<i8>()?.iter().map(|&v| v as u8).collect();
+            let signed: Vec<i8> = order(&bytes).into_iter().map(|v| v as i8).collect();
+            PackedI8::new(kk, m, Bytes::I8(&signed), 1, kk)
+        }
+        DType::U8 => PackedI8::new(kk, m, Bytes::U8(&order(w.as_slice::<u8>()?)), 1, kk),
+        d => kbail!("QLinearConv filter of type {d:?}"),
+    })
+}
+
+/// How the rows of `col(X)^T` are made for one image stored channels last (`H x W x C`): row
+/// `p` (output position `(p / ow, p % ow)`) holds, for each kernel tap in row-major order, the
+/// `C` input bytes under it, or `fill` (X's zero point) where the tap falls in the padding.
+struct Patches {
+    c: usize,
+    k: [usize; 2],
+    s: [usize; 2],
+    d: [usize; 2],
+    pad: [usize; 2],
+    ins: [usize; 2],
+    ow: usize,
+    fill: u8,
+}
+
+impl Patches {
+    /// Writes rows `first..` of `col(X)^T` into `out` (whole rows of `kh kw C` bytes) from the
+    /// channels-last image `x`.
+    fn rows(&self, x: &[u8], first: usize, out: &mut [u8]) {
+        let [kh, kw] = self.k;
+        let [ih, iw] = self.ins;
+        let c = self.c;
+        for (r, row) in out.chunks_exact_mut(kh * kw * c).enumerate() {
+            let p = first + r;
+            let (oy, ox) = (p / self.ow, p % self.ow);
+            let y0 = (oy * self.s[0]) as isize - self.pad[0] as isize;
+            let x0 = (ox * self.s[1]) as isize - self.pad[1] as isize;
+            for (t, run) in row.chunks_exact_mut(c).enumerate() {
+                let (ky, kx) = (t / kw, t % kw);
+                let iy = y0 + (ky * self.d[0]) as isize;
+                let ix = x0 + (kx * self.d[1]) as isize;
+                if iy < 0 || ix < 0 || iy >= ih as isize || ix >= iw as isize {
+                    run.fill(self.fill);
+                } else {
+                    let at = (iy as usize * iw + ix as usize) * c;
+                    run.copy_from_slice(&x[at..at + c]);
+                }
+            }
         }
     }
 }
@@ -664,4 +986,38 @@ pub fn deform_conv(cx: &Ctx) -> Result<Tensor> {
         }
     }
     f64_tensor(vec![n, oc, oh, ow], out, x.dtype())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transpose_bytes;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn byte_transpose_matches_the_plain_one() {
+        // Fresh shapes with and without whole 8 x 8 blocks, the XOR of signed inputs, 1 to 3
+        // threads: each output byte against `src[i][j] ^ flip` read one at a time.
+        let seed: u64 = rand::random();
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        for case in 0..60 {
+            let (rows, cols) = (r.gen_range(1..70), r.gen_range(1..300));
+            let flip = if case % 2 == 0 { 0 } else { 0x80 };
+            let src: Vec<u8> = (0..rows * cols).map(|_| r.gen()).collect();
+            for threads in 1..=3 {
+                ferrum_kernels::pool::set_threads(Some(threads));
+                let mut dst = vec![0u8; rows * cols];
+                transpose_bytes(&src, rows, cols, flip, &mut dst);
+                for i in 0..rows {
+                    for j in 0..cols {
+                        assert_eq!(
+                            dst[j * rows + i],
+                            src[i * cols + j] ^ flip,
+                            "seed {seed} case {case}: {rows}x{cols}, ({i}, {j}), {threads} threads"
+                        );
+                    }
+                }
+            }
+        }
+        ferrum_kernels::pool::set_threads(None);
+    }
 }

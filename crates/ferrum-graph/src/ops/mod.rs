@@ -6,7 +6,7 @@
 
 mod attention;
 mod control;
-mod conv;
+pub(crate) mod conv;
 mod dsp;
 mod elementwise;
 mod fast;
@@ -78,6 +78,11 @@ impl<'a> Ctx<'a> {
     pub fn packed_int_b(&self, i: usize) -> Option<&'a ferrum_kernels::qgemm::PackedI8> {
         let v = self.node.inputs.get(i).copied().flatten()?;
         self.env.packed()?.int_b(v)
+    }
+    /// Input `i` (QLinearConv's 8-bit filter) packed ahead as the B of `col(X)^T W^T`.
+    pub fn packed_int_filter(&self, i: usize) -> Option<&'a ferrum_kernels::qgemm::PackedI8> {
+        let v = self.node.inputs.get(i).copied().flatten()?;
+        self.env.packed()?.int_filter(v)
     }
     pub fn attr(&self, name: &str) -> Option<&'a Attr> {
         self.node.attrs.get(name)

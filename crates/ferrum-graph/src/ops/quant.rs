@@ -10,7 +10,11 @@
 
 use std::borrow::Cow;
 
+use ferrum_kernels::pool;
 use ferrum_kernels::qgemm::{self, Bytes, PackedI8, QOut, QuantA};
+
+/// Elements per task of the elementwise quantizers.
+const CHUNK: usize = 1 << 15;
 
 use crate::ops::elementwise::cast;
 use crate::ops::nn::{f64_tensor, matmul_f64, minus_zp};
@@ -153,7 +157,104 @@ fn param_index(x: &Tensor, p: &Tensor, ax: i64, block: usize) -> Result<Vec<usiz
         .collect())
 }
 
+/// QuantizeLinear of float32 to 8 bits with one scale and zero point, in float32 as the
+/// reference divides (the same bits); `None` for the other forms.
+fn quantize_fast(cx: &Ctx) -> Result<Option<Tensor>> {
+    let (x, scale) = (cx.t(0)?, cx.t(1)?);
+    let zp = cx.opt(2);
+    if x.dtype() != DType::F32
+        || scale.dtype() != DType::F32
+        || scale.len() != 1
+        || cx.ai("block_size", 0) != 0
+    {
+        return Ok(None);
+    }
+    let to = match zp {
+        Some(z) if z.len() == 1 => z.dtype(),
+        None if cx.ai("output_dtype", 0) == 0 => DType::U8,
+        _ => return Ok(None),
+    };
+    let z = match zp {
+        Some(z) => z.to_i64_vec()?[0] as f32,
+        None => 0.0,
+    };
+    let (xv, s) = (x.as_slice::<f32>()?, scale.as_slice::<f32>()?[0]);
+    let shape = x.shape().to_vec();
+    match to {
+        DType::U8 => {
+            let mut out = vec![0u8; xv.len()];
+            pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
+                qgemm::quantize_u8(&xv[c * CHUNK..c * CHUNK + o.len()], s, z, o)
+            });
+            Ok(Some(Tensor::from_vec(shape, out)?))
+        }
+        DType::I8 => {
+            let mut out = vec![0i8; xv.len()];
+            pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
+                for (d, &v) in o.iter_mut().zip(&xv[c * CHUNK..]) {
+                    *d = ((v / s).round_ties_even() + z).clamp(-128.0, 127.0) as i8;
+                }
+            });
+            Ok(Some(Tensor::from_vec(shape, out)?))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// DequantizeLinear of 8- or 32-bit integers to float32 with one scale and zero point: `(x -
+/// zero_point) * scale` rounded once to float32, as the reference (for 8 bits the float32
+/// product is that rounding; 32-bit values go through f64). `None` for the other forms.
+fn dequantize_fast(cx: &Ctx) -> Result<Option<Tensor>> {
+    let (x, scale) = (cx.t(0)?, cx.t(1)?);
+    let out_type = cx.ai("output_dtype", 0);
+    if scale.dtype() != DType::F32
+        || scale.len() != 1
+        || cx.ai("block_size", 0) != 0
+        || !(out_type == 0 || out_type == DType::F32.onnx() as i64)
+        || cx
+            .opt(2)
+            .is_some_and(|z| z.len() != 1 || z.dtype() != x.dtype())
+    {
+        return Ok(None);
+    }
+    let z = match cx.opt(2) {
+        Some(z) => z.to_i64_vec()?[0],
+        None => 0,
+    };
+    let s = scale.as_slice::<f32>()?[0];
+    let shape = x.shape().to_vec();
+    let mut out = vec![0f32; x.len()];
+    match x.dtype() {
+        DType::U8 => {
+            let (xv, z) = (x.as_slice::<u8>()?, z as f32);
+            pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
+                for (d, &v) in o.iter_mut().zip(&xv[c * CHUNK..]) {
+                    *d = (v as f32 - z) * s;
+                }
+            });
+        }
+        DType::I8 => {
+            let (xv, z) = (x.as_slice::<i8>()?, z as f32);
+            pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
+                for (d, &v) in o.iter_mut().zip(&xv[c * CHUNK..]) {
+                    *d = (v as f32 - z) * s;
+                }
+            });
+        }
+        DType::I32 => {
+            for (d, &v) in out.iter_mut().zip(x.as_slice::<i32>()?) {
+                *d = ((v as i64 - z) as f64 * s as f64) as f32;
+            }
+        }
+        _ => return Ok(None),
+    }
+    Ok(Some(Tensor::from_vec(shape, out)?))
+}
+
 fn quantize(cx: &Ctx) -> Result<Tensor> {
+    if let Some(t) = quantize_fast(cx)? {
+        return Ok(t);
+    }
     let (x, scale) = (cx.t(0)?, cx.t(1)?);
     let zp = cx.opt(2);
     let to = match (zp, cx.ai("output_dtype", 0)) {
@@ -216,6 +317,9 @@ fn quantize(cx: &Ctx) -> Result<Tensor> {
 }
 
 fn dequantize(cx: &Ctx) -> Result<Tensor> {
+    if let Some(t) = dequantize_fast(cx)? {
+        return Ok(t);
+    }
     let (x, scale) = (cx.t(0)?, cx.t(1)?);
     let idx = param_index(x, scale, cx.ai("axis", 1), cx.ai("block_size", 0) as usize)?;
     let sv = scale.to_f64_vec()?;

@@ -19,6 +19,7 @@
 mod fold;
 mod fuse;
 mod prepack;
+mod qdq;
 
 pub use prepack::{PackedWeights, Role};
 
@@ -72,6 +73,10 @@ pub fn optimize(model: &mut Model, level: OptLevel) -> Result<Report> {
         nodes_before: model.graph.nodes.len(),
         ..Default::default()
     };
+    if level >= OptLevel::Extended {
+        // Before constant folding, which would dequantize the weights it reads.
+        run(&mut report, "qdq conv fusion", model, qdq::qdq_conv);
+    }
     if level >= OptLevel::Basic {
         run(
             &mut report,

@@ -1,7 +1,8 @@
 //! Constant weights packed for the GEMM once, when the session is created, instead of at every
 //! run: a MatMul's or Gemm's constant B in the kernel's column panels, a Conv's constant filter
 //! (one group) as its A in row panels, a MatMulInteger's (or MatMulIntegerToFloat's) constant
-//! 8-bit B in the integer kernel's panels ([`PackedI8`]). The graph is unchanged; the packed copies sit in
+//! 8-bit B in the integer kernel's panels ([`PackedI8`]), a QLinearConv's 8-bit filter (one
+//! group) likewise. The graph is unchanged; the packed copies sit in
 //! [`Graph::packed`] under the initializer they were made from, and the products take them from
 //! there ([`crate::ops::Ctx::packed_b`], [`crate::ops::Ctx::packed_a`]).
 
@@ -27,6 +28,8 @@ pub enum Role {
     ConvFilter,
     /// An 8-bit B (`k x n`) of MatMulInteger / MatMulIntegerToFloat.
     IntB,
+    /// QLinearConv's 8-bit filter (`M x C x kh x kw`, one group) as the B of `col(X)^T W^T`.
+    IntFilter,
 }
 
 enum Packed {
@@ -62,6 +65,14 @@ impl PackedWeights {
         }
     }
 
+    /// The packed 8-bit filter made from `v`.
+    pub fn int_filter(&self, v: ValueId) -> Option<&PackedI8> {
+        match self.0.get(&(v, Role::IntFilter))?.as_ref() {
+            Packed::I8(p) => Some(p),
+            _ => None,
+        }
+    }
+
     /// The packed A made from the filter `v`.
     pub fn a(&self, v: ValueId) -> Option<&PackedA> {
         match self.0.get(&(v, Role::ConvFilter))?.as_ref() {
@@ -91,6 +102,17 @@ pub fn prepack(g: &mut Graph) -> usize {
             Some(Attr::Int(i)) => *i,
             _ => default,
         };
+        if std && n.op == "QLinearConv" && int_attr("group", 1) == 1 {
+            let filter = n.inputs.get(3).copied().flatten();
+            if let Some(w) = filter.filter(|&w| constant(g, w).is_some()) {
+                if let Ok(p) = crate::ops::conv::pack_int_filter(constant(g, w).unwrap()) {
+                    packed
+                        .entry((w, Role::IntFilter))
+                        .or_insert_with(|| Arc::new(Packed::I8(p)));
+                }
+            }
+            continue;
+        }
         let Some(Some(w)) = n.inputs.get(1).copied() else {
             continue;
         };

@@ -1,0 +1,202 @@
+//! Level 2: the QDQ form of a quantized convolution into one integer operator.
+//!
+//! A statically quantized model in QDQ form (what `onnxruntime.quantization.quantize_static`
+//! writes by default) keeps float operators between DequantizeLinear and QuantizeLinear nodes:
+//! `Q(Conv(DQ(x), DQ(w), DQ(b)))`. Run as written, every convolution is a float one on weights
+//! dequantized once by constant folding. This pass rewrites each such group into ONNX's
+//! `QLinearConv`, which the runtime computes on the integer GEMM, as ONNX Runtime's QDQ
+//! transformers do. It runs before constant folding, which would otherwise fold the weights'
+//! DequantizeLinear away.
+
+use std::collections::HashSet;
+
+use crate::ir::{Attr, Graph, Model, Node, ValueId};
+use crate::passes::{add_initializer, attr_i, constant, is_op, remove_nodes, Uses};
+use crate::tensor::{DType, Tensor};
+
+/// A DequantizeLinear's or QuantizeLinear's constant parameters.
+struct QParams<'a> {
+    node: usize,
+    data: ValueId,
+    scale: ValueId,
+    zero: Option<ValueId>,
+    scales: &'a [f32],
+    zero_dtype: Option<DType>,
+}
+
+/// Node `i` when it is a (De)QuantizeLinear `op` whose scale is a float32 constant of one value (or `per` values along axis 0) and its zero point,
+/// if any, a constant of as many values.
+fn qparams<'a>(g: &'a Graph, i: usize, op: &str, per: usize) -> Option<QParams<'a>> {
+    let n = &g.nodes[i];
+    if !is_op(n, op) || attr_i(n, "block_size", 0) != 0 {
+        return None;
+    }
+    let get = |k: usize| n.inputs.get(k).copied().flatten();
+    let (data, scale) = (get(0)?, get(1)?);
+    let s = constant(g, scale).filter(|t| t.dtype() == DType::F32)?;
+    let len = s.len();
+    if !(len == 1 && s.rank() <= 1 || per > 1 && len == per && s.rank() == 1) {
+        return None;
+    }
+    if len > 1 && attr_i(n, "axis", 1) != 0 {
+        return None;
+    }
+    let zero = get(2);
+    let zero_dtype = match zero {
+        None => None,
+        Some(z) => {
+            let z = constant(g, z).filter(|z| z.len() == len)?;
+            Some(z.dtype())
+        }
+    };
+    Some(QParams {
+        node: i,
+        data,
+        scale,
+        zero,
+        scales: s.as_slice::<f32>().ok()?,
+        zero_dtype,
+    })
+}
+
+/// `DequantizeLinear(x) -> Conv(., DequantizeLinear(w), DequantizeLinear(b)?) ->
+/// QuantizeLinear`, 2-D with one group, every quantization parameter constant (X and Y per
+/// tensor, 8-bit; W 8-bit per tensor or per output channel; the bias int32 with scale `x_scale *
+/// w_scale` and no zero point, as quantizers write it), becomes `QLinearConv`. The Conv's
+/// output must have no other reader; the DequantizeLinear of X stays while others read it.
+pub fn qdq_conv(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let g = &model.graph;
+    let uses = Uses::of(g);
+    let eight = |d: Option<DType>| matches!(d, Some(DType::U8 | DType::I8));
+    let mut dead = HashSet::new();
+    let mut fused: Vec<(usize, Node, Option<Tensor>)> = Vec::new();
+    for (ci, conv) in g.nodes.iter().enumerate() {
+        if !is_op(conv, "Conv") || attr_i(conv, "group", 1) != 1 || conv.outputs.len() != 1 {
+            continue;
+        }
+        let get = |k: usize| conv.inputs.get(k).copied().flatten();
+        let producer = |v: Option<ValueId>| v.and_then(|v| uses.producer.get(&v).copied());
+        let Some(x) = producer(get(0)).and_then(|i| qparams(g, i, "DequantizeLinear", 1)) else {
+            continue;
+        };
+        let Some(wq) = producer(get(1)).map(|i| &g.nodes[i]).and_then(|n| {
+            constant(g, n.inputs.first().copied().flatten()?)
+                .filter(|t| t.rank() == 4 && matches!(t.dtype(), DType::U8 | DType::I8))
+        }) else {
+            continue;
+        };
+        let m = wq.shape()[0];
+        let Some(w) = producer(get(1)).and_then(|i| qparams(g, i, "DequantizeLinear", m)) else {
+            continue;
+        };
+        if !eight(x.zero_dtype) || w.zero_dtype.is_some_and(|d| d != wq.dtype()) {
+            continue;
+        }
+        let Some(y) = conv.outputs[0]
+            .and_then(|v| uses.sole_reader(v))
+            .and_then(|i| qparams(g, i, "QuantizeLinear", 1))
+        else {
+            continue;
+        };
+        let qy = &g.nodes[y.node];
+        if !eight(y.zero_dtype) || attr_i(qy, "output_dtype", 0) != 0 {
+            continue;
+        }
+        let Some(y_out) = qy.outputs.first().copied().flatten() else {
+            continue;
+        };
+        // The bias: int32 in units of x_scale * w_scale (within float32 rounding), zero point 0.
+        let mut bias = None;
+        let mut absorbed = vec![ci, y.node, w.node];
+        if get(2).is_some() {
+            let Some(b) = producer(get(2)).and_then(|i| qparams(g, i, "DequantizeLinear", m))
+            else {
+                continue;
+            };
+            if !constant(g, b.data).is_some_and(|t| t.dtype() == DType::I32 && t.len() == m) {
+                continue;
+            }
+            let zero_ok = match b.zero {
+                None => true,
+                Some(z) => constant(g, z)
+                    .is_some_and(|z| z.to_i64_vec().is_ok_and(|v| v.iter().all(|&e| e == 0))),
+            };
+            let scale_ok = (0..m).all(|o| {
+                let want =
+                    x.scales[0] as f64 * w.scales[if w.scales.len() == 1 { 0 } else { o }] as f64;
+                let got = b.scales[if b.scales.len() == 1 { 0 } else { o }] as f64;
+                (got - want).abs() <= want.abs() * f32::EPSILON as f64
+            });
+            if !zero_ok || !scale_ok {
+                continue;
+            }
+            bias = Some(b.data);
+            if uses.sole_reader(get(2).unwrap()) == Some(ci) {
+                absorbed.push(b.node);
+            }
+        }
+        if uses.sole_reader(get(0).unwrap()) == Some(ci) {
+            absorbed.push(x.node);
+        }
+        if uses.sole_reader(get(1).unwrap()) != Some(ci) {
+            absorbed.retain(|&i| i != w.node);
+        }
+        if absorbed.iter().any(|i| dead.contains(i)) {
+            continue;
+        }
+        let zero_w = w.zero;
+        let mut node = conv.clone();
+        node.op = "QLinearConv".into();
+        node.domain = String::new();
+        node.inputs = vec![
+            Some(x.data),
+            Some(x.scale),
+            x.zero,
+            Some(w.data),
+            Some(w.scale),
+            zero_w,
+            Some(y.scale),
+            y.zero,
+            bias,
+        ];
+        node.outputs = vec![Some(y_out)];
+        let keep: Vec<(String, Attr)> = [
+            "auto_pad",
+            "dilations",
+            "group",
+            "kernel_shape",
+            "pads",
+            "strides",
+        ]
+        .iter()
+        .filter_map(|k| conv.attrs.get(*k).map(|a| (k.to_string(), a.clone())))
+        .collect();
+        node.attrs = keep.into_iter().collect();
+        // QLinearConv requires W's zero point: a zero of W's type per tensor when DQ had none.
+        let zero_t = if zero_w.is_none() {
+            Some(match wq.dtype() {
+                DType::U8 => Tensor::from_vec(vec![], vec![0u8]).expect("scalar"),
+                _ => Tensor::from_vec(vec![], vec![0i8]).expect("scalar"),
+            })
+        } else {
+            None
+        };
+        log.push(format!(
+            "DequantizeLinear + {} + QuantizeLinear -> QLinearConv",
+            conv.name
+        ));
+        dead.extend(absorbed);
+        fused.push((y.node, node, zero_t));
+    }
+    let count = fused.len();
+    for (at, mut node, zero_t) in fused {
+        if let Some(t) = zero_t {
+            let id = add_initializer(model, &format!("{}.w_zero_point", node.name), t);
+            node.inputs[5] = Some(id);
+        }
+        model.graph.nodes[at] = node;
+        dead.remove(&at);
+    }
+    remove_nodes(&mut model.graph, &dead);
+    count
+}
