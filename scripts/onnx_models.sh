@@ -8,8 +8,8 @@
 #
 # Usage: scripts/onnx_models.sh [FERRUM_BINARY]      (default: $FERRUM_BIN or target/release/ferrum)
 #   ONNX_MODELS=resnet50,mobilenet_v2,bert_base,vit_b_16   models to run (resnet50_b8 also exists,
-#       and bert_base_int8: bert_base dynamically quantized by onnxruntime.quantization, see
-#       scripts/quantize_onnx_models.py)
+#       and bert_base_int8 / resnet50_int8 / mobilenet_v2_int8: quantized by onnxruntime.quantization,
+#       BERT dynamically, the CNNs statically in QDQ form, see scripts/quantize_onnx_models.py)
 #   ONNX_MODELS_REPEAT=10    timed runs per measurement (after one warm-up run)
 #   ONNX_MODELS_THREADS=1,2  thread counts for the latency table
 #

@@ -121,6 +121,7 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             }
             None
         }
+        "QLinearAdd" if n.domain == crate::passes::DOMAIN => broadcast_shape(&x?, &inp(3)?).ok(),
         "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Max" | "Min" | "Sum" | "Equal" | "Less"
         | "Greater" | "Where" | "And" | "Or" | "PRelu" => {
             let mut acc = x?;

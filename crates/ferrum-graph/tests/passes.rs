@@ -931,3 +931,61 @@ fn qdq_conv_with_an_unquantized_output_or_a_float_bias_is_not_fused() {
         1e-6,
     );
 }
+
+#[test]
+fn quantized_residual_adds_fuse_into_qlinear_add() {
+    // ResNet's residual in QDQ form: two dequantized 8-bit tensors added, the sum quantized.
+    // Here one unsigned, one signed and broadcast per channel, into an unsigned sum: one
+    // com.ferrum.QLinearAdd with the chain's own float32 operations, so the same bits. A second
+    // Add whose sum is also read unquantized stays as it is.
+    let mut r = rng();
+    let (c, h, w) = (3usize, 5usize, 4usize);
+    let mp = model(
+        vec![
+            node("QuantizeLinear", &["x1", "s1", "z1"], &["q1"], vec![]),
+            node("DequantizeLinear", &["q1", "s1", "z1"], &["d1"], vec![]),
+            node("QuantizeLinear", &["x2", "s2", "z2"], &["q2"], vec![]),
+            node("DequantizeLinear", &["q2", "s2", "z2"], &["d2"], vec![]),
+            node("Add", &["d1", "d2"], &["sum"], vec![]),
+            node("QuantizeLinear", &["sum", "s3", "z3"], &["q3"], vec![]),
+            node("DequantizeLinear", &["q3", "s3", "z3"], &["y"], vec![]),
+            node("Add", &["d2", "d1"], &["sum2"], vec![]),
+            node("QuantizeLinear", &["sum2", "s3", "z3"], &["q4"], vec![]),
+            node("DequantizeLinear", &["q4", "s3", "z3"], &["y2"], vec![]),
+        ],
+        vec![
+            f32_in("x1", &[1, c as i64, h as i64, w as i64]),
+            f32_in("x2", &[1, c as i64, 1, 1]),
+        ],
+        vec![f32_out("y"), f32_out("y2"), f32_out("sum2")],
+        vec![
+            init("s1", &[], vec![0.031]),
+            int8_init("z1", &[], false, vec![117]),
+            init("s2", &[], vec![0.017]),
+            int8_init("z2", &[], true, vec![(-9i8) as u8]),
+            init("s3", &[], vec![0.043]),
+            int8_init("z3", &[], false, vec![131]),
+        ],
+        17,
+    );
+    let ops_all = ops(&session(&mp, OptLevel::All));
+    assert_eq!(
+        ops_all
+            .iter()
+            .filter(|o| *o == "com.ferrum.QLinearAdd")
+            .count(),
+        1,
+        "{ops_all:?}"
+    );
+    for _ in 0..3 {
+        let x1: Vec<f32> = randv(&mut r, c * h * w).iter().map(|v| v * 4.0).collect();
+        let x2: Vec<f32> = randv(&mut r, c).iter().map(|v| v * 2.0).collect();
+        check(
+            &mp,
+            OptLevel::All,
+            &[("x1", vec![1, c, h, w], x1), ("x2", vec![1, c, 1, 1], x2)],
+            &ops_all.iter().map(String::as_str).collect::<Vec<_>>(),
+            0.0,
+        );
+    }
+}

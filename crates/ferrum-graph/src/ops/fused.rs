@@ -229,6 +229,7 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
         "MatMulIntegerToFloat" => {
             Epi { z: None, act }.finish(crate::ops::quant::matmul_integer_to_float(cx)?)?
         }
+        "QLinearAdd" => crate::ops::quant::qlinear_add(cx)?,
         "Gelu" => {
             let x = cx.t(0)?;
             if x.dtype() != DType::F32 {

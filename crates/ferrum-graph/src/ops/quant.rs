@@ -1,6 +1,6 @@
 //! Quantization: QuantizeLinear, DequantizeLinear (per-tensor, per-axis, blocked; integer,
 //! float8, float4, int4 and int2 targets), DynamicQuantizeLinear, QLinearMatMul, MatMulInteger,
-//! and the fused `com.ferrum` MatMulIntegerToFloat.
+//! and the fused `com.ferrum` MatMulIntegerToFloat and QLinearAdd.
 //!
 //! MatMulInteger (and MatMulIntegerToFloat) on 8-bit operands with a 2-D B and zero points per
 //! tensor, per row of a 2-D A or per column of B run on the integer GEMM
@@ -16,7 +16,7 @@ use ferrum_kernels::qgemm::{self, Bytes, PackedI8, QOut, QuantA};
 /// Elements per task of the elementwise quantizers.
 const CHUNK: usize = 1 << 15;
 
-use crate::ops::elementwise::cast;
+use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, cast};
 use crate::ops::nn::{f64_tensor, matmul_f64, minus_zp};
 use crate::ops::shape::strides;
 use crate::ops::{axis, Ctx};
@@ -463,5 +463,125 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
         "DequantizeLinear" => one(dequantize(cx)?),
         "DynamicQuantizeLinear" => dynamic_quantize(cx).map(Some),
         _ => Ok(None),
+    }
+}
+
+/// An 8-bit tensor's bytes and zero point, for [`qlinear_add`].
+enum Q8<'a> {
+    U8(&'a [u8]),
+    I8(&'a [i8]),
+}
+
+impl Q8<'_> {
+    /// `(x[i] - zero) * scale` for `i` in `from..from + out.len()` (or at the offsets `at`),
+    /// DequantizeLinear's float32 value.
+    fn dequantize(
+        &self,
+        zero: f32,
+        scale: f32,
+        from: usize,
+        at: Option<&[usize]>,
+        out: &mut [f32],
+    ) {
+        macro_rules! go {
+            ($v:expr) => {
+                match at {
+                    None => {
+                        for (d, &x) in out.iter_mut().zip(&$v[from..]) {
+                            *d = (x as f32 - zero) * scale;
+                        }
+                    }
+                    Some(at) => {
+                        for (d, &i) in out.iter_mut().zip(&at[from..]) {
+                            *d = ($v[i] as f32 - zero) * scale;
+                        }
+                    }
+                }
+            };
+        }
+        match self {
+            Q8::U8(v) => go!(v),
+            Q8::I8(v) => go!(v),
+        }
+    }
+}
+
+/// An 8-bit tensor's elements.
+fn q8(t: &Tensor) -> Result<Q8<'_>> {
+    Ok(match t.dtype() {
+        DType::U8 => Q8::U8(t.as_slice::<u8>()?),
+        DType::I8 => Q8::I8(t.as_slice::<i8>()?),
+        d => kbail!("QLinearAdd on {d} inputs"),
+    })
+}
+
+/// `com.ferrum` QLinearAdd (A, A_scale, A_zero_point, B, B_scale, B_zero_point, C_scale,
+/// C_zero_point; ONNX Runtime's op of that name): `QuantizeLinear(DequantizeLinear(A) +
+/// DequantizeLinear(B))` with per-tensor parameters and numpy broadcasting, computed with the
+/// unfused chain's float32 operations (each dequantized value rounded once, the float32 sum,
+/// the quantizer's division and round half to even), so its bits are the chain's.
+pub(crate) fn qlinear_add(cx: &Ctx) -> Result<Tensor> {
+    let param = |i: usize| -> Result<(f32, f32)> {
+        let s = cx.t(i)?;
+        if s.dtype() != DType::F32 || s.len() != 1 {
+            kbail!("QLinearAdd: input {i} must be one float32 scale");
+        }
+        let z = match cx.opt(i + 1) {
+            Some(z) if z.len() == 1 => z.to_i64_vec()?[0] as f32,
+            Some(_) => kbail!("QLinearAdd: zero point {} must hold one value", i + 1),
+            None => 0.0,
+        };
+        Ok((s.as_slice::<f32>()?[0], z))
+    };
+    let (a, b) = (cx.t(0)?, cx.t(3)?);
+    let ((sa, za), (sb, zb), (sc, zc)) = (param(1)?, param(4)?, param(6)?);
+    let to = cx.opt(7).map_or(DType::U8, |z| z.dtype());
+    let (qa, qb) = (q8(a)?, q8(b)?);
+    let shape = broadcast_shape(a.shape(), b.shape())?;
+    let offs = (a.shape() != b.shape()).then(|| broadcast_offsets(&[a.shape(), b.shape()], &shape));
+    let len: usize = shape.iter().product();
+    // The float32 sums, a block at a time, then quantized as QuantizeLinear does.
+    const BLOCK: usize = 1024;
+    let sum = |start: usize, t: &mut [f32]| {
+        let mut tb = [0f32; BLOCK];
+        let tb = &mut tb[..t.len()];
+        let (oa, ob) = match &offs {
+            Some(o) => (Some(&o[0][..]), Some(&o[1][..])),
+            None => (None, None),
+        };
+        qa.dequantize(za, sa, start, oa, t);
+        qb.dequantize(zb, sb, start, ob, tb);
+        for (x, &y) in t.iter_mut().zip(tb.iter()) {
+            *x += y;
+        }
+    };
+    match to {
+        DType::U8 => {
+            let mut out = vec![0u8; len];
+            pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
+                let mut t = [0f32; BLOCK];
+                for (k, ob) in o.chunks_mut(BLOCK).enumerate() {
+                    let t = &mut t[..ob.len()];
+                    sum(c * CHUNK + k * BLOCK, t);
+                    qgemm::quantize_u8(t, sc, zc, ob);
+                }
+            });
+            Tensor::from_vec(shape, out)
+        }
+        DType::I8 => {
+            let mut out = vec![0i8; len];
+            pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
+                let mut t = [0f32; BLOCK];
+                for (k, ob) in o.chunks_mut(BLOCK).enumerate() {
+                    let t = &mut t[..ob.len()];
+                    sum(c * CHUNK + k * BLOCK, t);
+                    for (d, &v) in ob.iter_mut().zip(t.iter()) {
+                        *d = ((v / sc).round_ties_even() + zc).clamp(-128.0, 127.0) as i8;
+                    }
+                }
+            });
+            Tensor::from_vec(shape, out)
+        }
+        d => kbail!("QLinearAdd to {d}"),
     }
 }

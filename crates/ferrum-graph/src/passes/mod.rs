@@ -76,6 +76,7 @@ pub fn optimize(model: &mut Model, level: OptLevel) -> Result<Report> {
     if level >= OptLevel::Extended {
         // Before constant folding, which would dequantize the weights it reads.
         run(&mut report, "qdq conv fusion", model, qdq::qdq_conv);
+        run(&mut report, "qdq add fusion", model, qdq::qdq_add);
     }
     if level >= OptLevel::Basic {
         run(

@@ -4,14 +4,15 @@
 //! writes by default) keeps float operators between DequantizeLinear and QuantizeLinear nodes:
 //! `Q(Conv(DQ(x), DQ(w), DQ(b)))`. Run as written, every convolution is a float one on weights
 //! dequantized once by constant folding. This pass rewrites each such group into ONNX's
-//! `QLinearConv`, which the runtime computes on the integer GEMM, as ONNX Runtime's QDQ
-//! transformers do. It runs before constant folding, which would otherwise fold the weights'
-//! DequantizeLinear away.
+//! `QLinearConv`, which the runtime computes on the integer GEMM, and each quantized residual
+//! `Q(Add(DQ(a), DQ(b)))` into `com.ferrum.QLinearAdd`, as ONNX Runtime's QDQ transformers do.
+//! It runs before constant folding, which would otherwise fold the weights' DequantizeLinear
+//! away.
 
 use std::collections::HashSet;
 
 use crate::ir::{Attr, Graph, Model, Node, ValueId};
-use crate::passes::{add_initializer, attr_i, constant, is_op, remove_nodes, Uses};
+use crate::passes::{add_initializer, attr_i, constant, is_op, remove_nodes, Uses, DOMAIN};
 use crate::tensor::{DType, Tensor};
 
 /// A DequantizeLinear's or QuantizeLinear's constant parameters.
@@ -194,6 +195,82 @@ pub fn qdq_conv(model: &mut Model, log: &mut Vec<String>) -> usize {
             let id = add_initializer(model, &format!("{}.w_zero_point", node.name), t);
             node.inputs[5] = Some(id);
         }
+        model.graph.nodes[at] = node;
+        dead.remove(&at);
+    }
+    remove_nodes(&mut model.graph, &dead);
+    count
+}
+
+/// `QuantizeLinear(Add(DequantizeLinear(a), DequantizeLinear(b)))`, every parameter a constant
+/// of one value and the zero points 8-bit, becomes `com.ferrum.QLinearAdd` (which computes the
+/// chain's own float32 operations: the same bits). The Add's output must have no other reader;
+/// the DequantizeLinear nodes stay while others read them.
+pub fn qdq_add(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let g = &model.graph;
+    let uses = Uses::of(g);
+    let eight = |d: Option<DType>| matches!(d, Some(DType::U8 | DType::I8));
+    let mut dead = HashSet::new();
+    let mut fused: Vec<(usize, Node)> = Vec::new();
+    for (ai, add) in g.nodes.iter().enumerate() {
+        if !is_op(add, "Add") || add.opset < 7 || add.outputs.len() != 1 {
+            continue;
+        }
+        let [Some(va), Some(vb)] = add.inputs.as_slice() else {
+            continue;
+        };
+        let dq = |v: &ValueId| {
+            uses.producer
+                .get(v)
+                .and_then(|&i| qparams(g, i, "DequantizeLinear", 1))
+                .filter(|q| eight(q.zero_dtype))
+        };
+        let (Some(a), Some(b)) = (dq(va), dq(vb)) else {
+            continue;
+        };
+        let Some(y) = add.outputs[0]
+            .and_then(|v| uses.sole_reader(v))
+            .and_then(|i| qparams(g, i, "QuantizeLinear", 1))
+            .filter(|q| eight(q.zero_dtype) && attr_i(&g.nodes[q.node], "output_dtype", 0) == 0)
+        else {
+            continue;
+        };
+        let Some(out) = g.nodes[y.node].outputs.first().copied().flatten() else {
+            continue;
+        };
+        let mut absorbed = vec![ai, y.node];
+        for (v, q) in [(va, &a), (vb, &b)] {
+            if uses.sole_reader(*v) == Some(ai) && !absorbed.contains(&q.node) {
+                absorbed.push(q.node);
+            }
+        }
+        if absorbed.iter().any(|i| dead.contains(i)) {
+            continue;
+        }
+        let mut node = add.clone();
+        node.domain = DOMAIN.into();
+        node.op = "QLinearAdd".into();
+        node.inputs = vec![
+            Some(a.data),
+            Some(a.scale),
+            a.zero,
+            Some(b.data),
+            Some(b.scale),
+            b.zero,
+            Some(y.scale),
+            y.zero,
+        ];
+        node.outputs = vec![Some(out)];
+        node.attrs.clear();
+        log.push(format!(
+            "DequantizeLinear x2 + {} + QuantizeLinear -> QLinearAdd",
+            add.name
+        ));
+        dead.extend(absorbed);
+        fused.push((y.node, node));
+    }
+    let count = fused.len();
+    for (at, node) in fused {
         model.graph.nodes[at] = node;
         dead.remove(&at);
     }

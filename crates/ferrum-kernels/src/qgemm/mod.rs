@@ -134,20 +134,35 @@ impl PackedI8 {
         let mut data = vec![0i8; if layout == Layout::Quads { len } else { 0 }];
         let mut wide = vec![0i16; if layout == Layout::Pairs { len } else { 0 }];
         let mut col_sums = vec![0i32; n];
-        let (get, offset): (&dyn Fn(usize) -> i8, i32) = match b {
-            Bytes::I8(v) => (&move |i| v[i], 0),
-            Bytes::U8(v) => (&move |i| (v[i] as i32 - 128) as i8, 128),
-        };
+        let offset = if matches!(b, Bytes::U8(_)) { 128 } else { 0 };
+        // One column at a time: gathered (unsigned bytes stored as b - 128, i.e. the top bit
+        // flipped), summed, then laid out in its panel, k in steps.
+        let mut col = vec![0i8; k];
         for (j, sum) in col_sums.iter_mut().enumerate() {
-            let (p, c) = (j / w, j % w);
-            for i in 0..k {
-                let v = get(i * rs + j * cs);
-                let at = p * kp * w + (i / step) * step * w + c * step + i % step;
-                match layout {
-                    Layout::Quads => data[at] = v,
-                    Layout::Pairs => wide[at] = v as i16,
+            match b {
+                Bytes::I8(v) => {
+                    for (i, d) in col.iter_mut().enumerate() {
+                        *d = v[i * rs + j * cs];
+                    }
                 }
-                *sum += v as i32;
+                Bytes::U8(v) => {
+                    for (i, d) in col.iter_mut().enumerate() {
+                        *d = (v[i * rs + j * cs] ^ 0x80) as i8;
+                    }
+                }
+            }
+            *sum = col.iter().map(|&v| v as i32).sum();
+            let base = (j / w) * kp * w + (j % w) * step;
+            for (g, part) in col.chunks(step).enumerate() {
+                let at = base + g * step * w;
+                match layout {
+                    Layout::Quads => data[at..at + part.len()].copy_from_slice(part),
+                    Layout::Pairs => {
+                        for (d, &v) in wide[at..at + part.len()].iter_mut().zip(part) {
+                            *d = v as i16;
+                        }
+                    }
+                }
             }
         }
         PackedI8 {
