@@ -1,4 +1,4 @@
-//! Level 2: the QDQ form of a quantized convolution into one integer operator.
+//! Level 2: the QDQ form of quantized convolutions and residual adds into integer operators.
 //!
 //! A statically quantized model in QDQ form (what `onnxruntime.quantization.quantize_static`
 //! writes by default) keeps float operators between DequantizeLinear and QuantizeLinear nodes:
@@ -25,8 +25,8 @@ struct QParams<'a> {
     zero_dtype: Option<DType>,
 }
 
-/// Node `i` when it is a (De)QuantizeLinear `op` whose scale is a float32 constant of one value (or `per` values along axis 0) and its zero point,
-/// if any, a constant of as many values.
+/// Node `i` when it is a (De)QuantizeLinear `op` whose scale is a float32 constant of one value
+/// (or `per` values along axis 0) and its zero point, if any, a constant of as many values.
 fn qparams<'a>(g: &'a Graph, i: usize, op: &str, per: usize) -> Option<QParams<'a>> {
     let n = &g.nodes[i];
     if !is_op(n, op) || attr_i(n, "block_size", 0) != 0 {
