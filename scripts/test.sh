@@ -12,8 +12,10 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 cargo test --workspace
 # The other kernel tiers against llama.cpp's reference outputs (SmolLM2): the AVX2 tier (what a
 # CPU without AVX-512 runs), and the portable kernels (every other CPU; the same bits, by design).
-FERRUM_NO_AVX512=1 cargo test -p ferrum-llm --test llamacpp_reference smollm2
-FERRUM_FORCE_SCALAR=1 cargo test -p ferrum-llm --test llamacpp_reference -- \
+# `--workspace` (not `-p ferrum-llm`) keeps the workspace's feature set, so the test binary built
+# above is reused instead of rebuilding its dependencies (three minutes on two cores).
+FERRUM_NO_AVX512=1 cargo test --workspace --test llamacpp_reference smollm2
+FERRUM_FORCE_SCALAR=1 cargo test --workspace --test llamacpp_reference -- \
     smollm2_teacher_forced smollm2_greedy smollm2_prompt_tokens
 # The server with the official `openai` and `anthropic` Python clients (installed into a
 # git-ignored venv).
