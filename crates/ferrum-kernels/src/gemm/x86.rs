@@ -275,8 +275,10 @@ impl Micro for Avx2 {
 /// bias values), and the CPU supports AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out) {
+    prefetch_c(rows, cols, out);
     let mut t = [[_mm256_setzero_ps(); 2]; 6];
-    for p in 0..kc {
+    // One step of K: B's 16 values against each of A's 6, broadcast.
+    let step = |t: &mut [[__m256; 2]; 6], p: usize| {
         // SAFETY: p < kc, so the loads stay inside the panels the caller vouched for.
         unsafe {
             let b0 = _mm256_loadu_ps(b.add(p * 16));
@@ -288,6 +290,20 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: 
                 row[1] = _mm256_fmadd_ps(av, b1, row[1]);
             }
         }
+    };
+    // Four steps per iteration: the loop's own counter and pointer updates otherwise take
+    // dispatch slots from the 20 vector instructions of each step (measured ~20% of the rate).
+    let whole = kc / 4 * 4;
+    let mut p = 0;
+    while p < whole {
+        step(&mut t, p);
+        step(&mut t, p + 1);
+        step(&mut t, p + 2);
+        step(&mut t, p + 3);
+        p += 4;
+    }
+    for p in whole..kc {
+        step(&mut t, p);
     }
     if rows == 6 && cols == 16 && out.csc == 1 {
         // A whole tile: alpha, the old C, the biases and a vector activation in registers, in
@@ -353,6 +369,34 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: 
     }
     // SAFETY: forwarded from the caller (`out` addresses rows x cols).
     unsafe { write_tile(&buf, 16, rows, cols, out) };
+}
+
+/// Asks for the cache lines of the tile's C (its first and last column of each row, or of each
+/// column when C is stored transposed) ahead of the K loop: the loop is far longer than the
+/// reorder window, so without this the epilogue's loads of C (and the stores' reads for
+/// ownership) miss the cache after it, one stall per tile.
+#[inline]
+fn prefetch_c(rows: usize, cols: usize, out: &Out) {
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let (outer, inner, so, si) = if out.csc == 1 {
+        (rows, cols, out.rsc, 1)
+    } else {
+        (cols, rows, out.csc, out.rsc)
+    };
+    for o in 0..outer {
+        // `wrapping_add`: only addresses are formed, nothing is read through them here (a
+        // prefetch of any address is harmless), and both lie inside the tile the caller vouched
+        // for.
+        let first = out.c.wrapping_add(o * so);
+        let last = first.wrapping_add((inner - 1) * si);
+        // SAFETY: a prefetch reads nothing observable and cannot fault.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(first as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(last as *const i8);
+        }
+    }
 }
 
 /// [`act_avx512`] in 8 lanes: the vectorised activations, bit for bit as [`Act::apply`]; the
