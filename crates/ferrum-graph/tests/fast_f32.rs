@@ -153,6 +153,44 @@ fn conv2d_matches_the_reference() {
     }
 }
 
+/// Convolutions big enough that the GEMM reads their patches over several K blocks (K > 256),
+/// splits them across threads, and computes the late-layer shapes transposed (few output
+/// positions, many channels: the patches become the GEMM's left side, in the other panel width).
+#[test]
+fn conv_matches_the_reference_on_large_blocks() {
+    let mut rng = rng();
+    // (c, m, ih, iw, k, stride, pad, dilation)
+    let cases = [
+        (64, 48, 30, 31, 3, 1, 1, 1),
+        (40, 70, 17, 23, 3, 2, 1, 1),
+        (32, 160, 9, 9, 3, 1, 1, 1),
+        (48, 96, 14, 14, 1, 2, 0, 1),
+        (20, 24, 21, 19, 5, 1, 2, 2),
+        (3, 16, 45, 45, 7, 2, 3, 1),
+    ];
+    for (case, &(c, m, ih, iw, k, s, pad, d)) in cases.iter().enumerate() {
+        let inputs = vec![
+            (vec![1, c, ih, iw], randv(&mut rng, c * ih * iw)),
+            (vec![m, c, k, k], randv(&mut rng, m * c * k * k)),
+            (vec![m], randv(&mut rng, m)),
+        ];
+        let attrs = vec![
+            attr_ints("strides", &[s as i64; 2]),
+            attr_ints("dilations", &[d as i64; 2]),
+            attr_ints("pads", &[pad as i64; 4]),
+        ];
+        let terms = (c * k * k + 1) as f64;
+        compare(
+            &format!("large Conv case {case}: c {c} m {m} {ih}x{iw} k {k} s {s} pad {pad} d {d}"),
+            "Conv",
+            attrs,
+            &inputs,
+            17,
+            |_| 1e-5 * terms,
+        );
+    }
+}
+
 /// A 1x1, stride-1 convolution whose end padding makes the output larger than the input must not
 /// read the input as its own im2col matrix (it did once).
 #[test]

@@ -312,10 +312,16 @@ pub fn conv2d(
     let mpg = m / g.group;
     let kk = cg * kh * kw;
     let direct = kh == 1 && kw == 1 && g.s == [1, 1] && g.pad == [0, 0] && g.out == [ih, iw];
+    // The patch matrix goes in this thread's buffer, kept between calls: im2col writes every
+    // element, so a fresh zero-filled one (and its pages, faulted in anew) is wasted work.
     let mut col = if direct {
         Vec::new()
     } else {
-        vec![0f32; kk * osp]
+        let mut v = COL.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        if v.len() < kk * osp {
+            v = vec![0f32; kk * osp];
+        }
+        v
     };
     for b in 0..n {
         for grp in 0..g.group {
@@ -348,11 +354,19 @@ pub fn conv2d(
             );
         }
     }
+    if !direct {
+        COL.with(|c| *c.borrow_mut() = col);
+    }
     let rest = Epi {
         z: rest_z,
         act: after,
     };
     rest.finish(Tensor::from_vec(shape, out)?)
+}
+
+thread_local! {
+    /// [`conv2d`]'s im2col matrix, kept by each thread that runs one (the largest so far).
+    static COL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `act` split into the part the GEMM's epilogue applies in registers, bit for bit as
