@@ -116,7 +116,7 @@ pub fn par_rows<T: Send>(
 /// on these memory-bound ops). `fill` must write every element of the slice it gets: the
 /// kernels it calls here each write their whole output slice and assert that their inputs
 /// cover it.
-fn filled<T>(n: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+pub(crate) fn filled<T>(n: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
     let mut v = Vec::with_capacity(n);
     fill(&mut v.spare_capacity_mut()[..n]);
     // SAFETY: the capacity is at least `n`, and `fill` initialised elements 0..n (its contract

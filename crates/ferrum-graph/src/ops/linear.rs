@@ -4,13 +4,14 @@
 //! rounding; other dtypes and forms stay on the reference loops.
 
 use ferrum_kernels::gemm::{
-    gemm_batch, gemm_ex, Act as GemmAct, Bias, Epilogue, Lhs, Mat, PackedA, PackedB, Rhs,
+    gemm_batch, gemm_ex, gemm_ex_uninit, Act as GemmAct, Bias, Epilogue, Lhs, Mat, PackedA,
+    PackedB, Rhs,
 };
 use ferrum_kernels::pool;
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_to};
 use crate::ops::fused::{Act, Epi};
-use crate::ops::vecmath;
+use crate::ops::{fast, vecmath};
 use crate::tensor::{DType, Tensor};
 use crate::Result;
 
@@ -28,15 +29,19 @@ pub fn matmul(a: &Tensor, b: &Tensor, pb: Option<&PackedB>) -> Result<Tensor> {
     } = super::nn::MatmulDims::of(a.shape(), b.shape())?;
     let nb: usize = batch.iter().product();
     let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
+    if bbatch.iter().all(|&d| d == 1) && nb * m > 1 && n > 0 {
+        // One shared B: A's batch rows stack into one tall GEMM, written into fresh memory.
+        let rows = nb * m;
+        let out = fast::filled(rows * n, |o| {
+            gemm_rows(av, bv, (rows, n, k), pb, o, &Epilogue::NONE)
+        });
+        return Tensor::from_vec(out_shape, out);
+    }
     let mut out = vec![0f32; nb * m * n];
     if bbatch.iter().all(|&d| d == 1) && out.len() == n && n > 0 {
         // One row against one B: a matrix-vector product.
         gemv(av, bv, false, k, n, &mut out);
-    } else if bbatch.iter().all(|&d| d == 1) {
-        // One shared B: A's batch rows stack into one tall GEMM.
-        let rows = out.len() / n.max(1);
-        gemm_rows(av, bv, (rows, n, k), pb, &mut out, &Epilogue::NONE);
-    } else if m > 0 && n > 0 {
+    } else if m > 0 && n > 0 && !bbatch.iter().all(|&d| d == 1) {
         // A batch of products (attention heads): the threads split across them.
         let offs = broadcast_offsets(&[&abatch, &bbatch], &batch);
         let a_of = |bi: usize| Mat::row_major(&av[offs[0][bi] * m * k..], k);
@@ -70,15 +75,13 @@ pub fn matmul_bias_act(
             let rows = a.len() / k.max(1);
             let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
             let (in_gemm, after) = split_act(act);
-            let mut out = vec![0f32; rows * n];
-            if rows > 0 {
-                // (k = 0 gives act(bias), as the unfused nodes would.)
-                let epi = Epilogue {
-                    bias: Bias::Col(bt.as_slice::<f32>()?),
-                    act: in_gemm,
-                };
-                gemm_rows(av, bv, (rows, n, k), pb, &mut out, &epi);
-            }
+            // (k = 0 gives act(bias), as the unfused nodes would.)
+            let epi = Epilogue {
+                bias: Bias::Col(bt.as_slice::<f32>()?),
+                act: in_gemm,
+            };
+            // Fresh memory that the product fills (no zero-filling pass first).
+            let mut out = fast::filled(rows * n, |o| gemm_rows(av, bv, (rows, n, k), pb, o, &epi));
             after.apply(&mut out);
             let mut shape = a.shape().to_vec();
             *shape.last_mut().expect("rank >= 2") = n;
@@ -96,17 +99,16 @@ fn gemm_rows(
     bv: &[f32],
     (rows, n, k): (usize, usize, usize),
     pb: Option<&PackedB>,
-    out: &mut [f32],
+    out: &mut [std::mem::MaybeUninit<f32>],
     epi: &Epilogue,
 ) {
-    gemm_ex(
+    gemm_ex_uninit(
         rows,
         n,
         k,
         1.0,
         Lhs::Mat(Mat::row_major(av, k)),
         packed_or(pb, k, n, Mat::row_major(bv, n)),
-        0.0,
         out,
         n,
         epi,
@@ -279,12 +281,12 @@ pub fn conv2d(
     // The output starts as the residual when that has the output's shape (the products
     // accumulate into it); a residual of another shape is added by broadcasting at the end.
     let z = epi.z_exact(&shape);
-    let mut out = match z {
-        Some(z) => z.to_vec(),
-        None => vec![0f32; n * m * osp],
-    };
     let rest_z = if z.is_some() { None } else { epi.z };
     if osp == 0 || (g.group == c && cg == 1 && m == c) {
+        let mut out = match z {
+            Some(z) => z.to_vec(),
+            None => vec![0f32; n * m * osp],
+        };
         // Depthwise: the bias joins the starting values, the activation follows.
         if let Some(bv) = bv {
             for (i, o) in out.chunks_mut(osp.max(1)).enumerate() {
@@ -308,7 +310,6 @@ pub fn conv2d(
         None => split_act(epi.act),
         Some(_) => (GemmAct::Identity, epi.act),
     };
-    let beta = if z.is_some() { 1.0 } else { 0.0 };
     let mpg = m / g.group;
     let kk = cg * kh * kw;
     let direct = kh == 1 && kw == 1 && g.s == [1, 1] && g.pad == [0, 0] && g.out == [ih, iw];
@@ -323,37 +324,65 @@ pub fn conv2d(
         }
         v
     };
-    for b in 0..n {
-        for grp in 0..g.group {
-            let xg = &xv[(b * c + grp * cg) * isp..][..cg * isp];
-            let bmat = if direct {
-                Mat::row_major(xg, isp)
-            } else {
-                im2col(xg, cg, (ih, iw), g, &mut col);
-                Mat::row_major(&col, osp)
-            };
-            let o = &mut out[(b * m + grp * mpg) * osp..][..mpg * osp];
-            let epi_g = Epilogue {
-                bias: bv.map_or(Bias::None, |bv| Bias::Row(&bv[grp * mpg..][..mpg])),
-                act: in_gemm,
-            };
-            gemm_ex(
-                mpg,
-                osp,
-                kk,
-                1.0,
-                match pw {
+    // One product per image and group, each writing its own `mpg x osp` block of the output:
+    // accumulated into the residual when the output starts as one, else written into fresh
+    // memory (no zero-filling pass first: the blocks cover the whole output).
+    let mut products = |out: OutBuf| {
+        let mut out = out;
+        for b in 0..n {
+            for grp in 0..g.group {
+                let xg = &xv[(b * c + grp * cg) * isp..][..cg * isp];
+                let bmat = if direct {
+                    Mat::row_major(xg, isp)
+                } else {
+                    im2col(xg, cg, (ih, iw), g, &mut col);
+                    Mat::row_major(&col, osp)
+                };
+                let at = (b * m + grp * mpg) * osp;
+                let epi_g = Epilogue {
+                    bias: bv.map_or(Bias::None, |bv| Bias::Row(&bv[grp * mpg..][..mpg])),
+                    act: in_gemm,
+                };
+                let lhs = match pw {
                     Some(p) if g.group == 1 && p.m() == mpg && p.k() == kk => Lhs::Packed(p),
                     _ => Lhs::Mat(Mat::row_major(&wv[grp * mpg * kk..], kk)),
-                },
-                Rhs::Mat(bmat),
-                beta,
-                o,
-                osp,
-                &epi_g,
-            );
+                };
+                match &mut out {
+                    OutBuf::Acc(o) => gemm_ex(
+                        mpg,
+                        osp,
+                        kk,
+                        1.0,
+                        lhs,
+                        Rhs::Mat(bmat),
+                        1.0,
+                        &mut o[at..][..mpg * osp],
+                        osp,
+                        &epi_g,
+                    ),
+                    OutBuf::Fresh(o) => gemm_ex_uninit(
+                        mpg,
+                        osp,
+                        kk,
+                        1.0,
+                        lhs,
+                        Rhs::Mat(bmat),
+                        &mut o[at..][..mpg * osp],
+                        osp,
+                        &epi_g,
+                    ),
+                }
+            }
         }
-    }
+    };
+    let out = match z {
+        Some(z) => {
+            let mut out = z.to_vec();
+            products(OutBuf::Acc(&mut out));
+            out
+        }
+        None => fast::filled(n * m * osp, |o| products(OutBuf::Fresh(o))),
+    };
     if !direct {
         COL.with(|c| *c.borrow_mut() = col);
     }
@@ -362,6 +391,13 @@ pub fn conv2d(
         act: after,
     };
     rest.finish(Tensor::from_vec(shape, out)?)
+}
+
+/// Where [`conv2d`]'s products go: into an output that starts as the residual, or into fresh
+/// memory that they fill.
+enum OutBuf<'a> {
+    Acc(&'a mut [f32]),
+    Fresh(&'a mut [std::mem::MaybeUninit<f32>]),
 }
 
 thread_local! {

@@ -45,6 +45,7 @@ mod tests;
 mod x86;
 
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 use std::sync::{Mutex, OnceLock};
 
 pub use epilogue::{Act, Bias, Epilogue};
@@ -982,15 +983,91 @@ pub fn gemm_ex_with(
     ldc: usize,
     epi: &Epilogue<'_>,
 ) {
+    gemm_dst(
+        isa,
+        threads,
+        m,
+        n,
+        k,
+        alpha,
+        a,
+        b,
+        beta,
+        Dst::Init(c),
+        ldc,
+        epi,
+    )
+}
+
+/// `C = alpha * A * B` (with the epilogue) written into memory not yet initialised (a fresh
+/// output's capacity), on the pool's threads with the best microkernel: the first `n` elements
+/// of each of C's `m` rows (row stride `ldc`) are written, nothing is read; a caller that
+/// allocated exactly `m x n` with `ldc == n` owns an initialised C afterwards. Saves the
+/// zero-filling pass an initialised C would cost (its own memory pass on products with small K).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_ex_uninit(
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: Lhs<'_>,
+    b: Rhs<'_>,
+    c: &mut [MaybeUninit<f32>],
+    ldc: usize,
+    epi: &Epilogue<'_>,
+) {
+    gemm_dst(
+        isa(),
+        pool::threads(),
+        m,
+        n,
+        k,
+        alpha,
+        a,
+        b,
+        0.0,
+        Dst::Uninit(c),
+        ldc,
+        epi,
+    )
+}
+
+/// The C of a product: initialised (read when `beta != 0`), or not (never read, `beta == 0`).
+enum Dst<'c> {
+    Init(&'c mut [f32]),
+    Uninit(&'c mut [MaybeUninit<f32>]),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_dst(
+    isa: Isa,
+    threads: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: Lhs<'_>,
+    b: Rhs<'_>,
+    beta: f32,
+    mut c: Dst<'_>,
+    ldc: usize,
+    epi: &Epilogue<'_>,
+) {
     assert!(available_isas().contains(&isa), "gemm: {isa:?} unsupported");
     if m == 0 || n == 0 {
         return;
     }
+    let c_len = match &c {
+        Dst::Init(c) => c.len(),
+        Dst::Uninit(c) => {
+            assert!(beta == 0.0, "gemm: an uninitialised C with beta {beta}");
+            c.len()
+        }
+    };
     assert!(ldc >= n, "gemm: ldc {ldc} < n {n}");
     assert!(
-        (m - 1) * ldc + n <= c.len(),
-        "gemm: C ({m} x {n}, ldc {ldc}) exceeds its {} elements",
-        c.len()
+        (m - 1) * ldc + n <= c_len,
+        "gemm: C ({m} x {n}, ldc {ldc}) exceeds its {c_len} elements"
     );
     // Both operands as X (rows x k): A, and B transposed.
     let xa = match a {
@@ -1030,25 +1107,41 @@ pub fn gemm_ex_with(
     };
     // beta: 0 overwrites C (first K block), 1 accumulates, anything else scales C first.
     let acc = beta != 0.0;
-    if beta != 0.0 && beta != 1.0 {
+    if let (Dst::Init(c), true) = (&mut c, beta != 0.0 && beta != 1.0) {
         for i in 0..m {
             c[i * ldc..][..n].iter_mut().for_each(|v| *v *= beta);
         }
     }
     if k == 0 {
+        let value = |i: usize, j: usize, x: f32| {
+            let bias = row_bias.map_or(0.0, |b| b[i]) + col_bias.map_or(0.0, |b| b[j]);
+            if epi.is_none() {
+                x
+            } else {
+                epi.act.apply(x + bias)
+            }
+        };
         for i in 0..m {
-            for (j, v) in c[i * ldc..][..n].iter_mut().enumerate() {
-                let x = if acc { *v } else { 0.0 };
-                let bias = row_bias.map_or(0.0, |b| b[i]) + col_bias.map_or(0.0, |b| b[j]);
-                *v = if epi.is_none() {
-                    x
-                } else {
-                    epi.act.apply(x + bias)
-                };
+            match &mut c {
+                Dst::Init(c) => {
+                    for (j, v) in c[i * ldc..][..n].iter_mut().enumerate() {
+                        *v = value(i, j, if acc { *v } else { 0.0 });
+                    }
+                }
+                Dst::Uninit(c) => {
+                    for (j, v) in c[i * ldc..][..n].iter_mut().enumerate() {
+                        v.write(value(i, j, 0.0));
+                    }
+                }
             }
         }
         return;
     }
+    let c_ptr = match c {
+        Dst::Init(c) => c.as_mut_ptr(),
+        // The kernels only write through it (`acc` is false: beta is 0, checked above).
+        Dst::Uninit(c) => c.as_mut_ptr().cast::<f32>(),
+    };
     let mut p = Prob {
         m,
         n,
@@ -1056,7 +1149,7 @@ pub fn gemm_ex_with(
         alpha,
         a: xa,
         b: xb,
-        c: CPtr(c.as_mut_ptr()),
+        c: CPtr(c_ptr),
         rsc: ldc,
         csc: 1,
         acc,
@@ -1082,8 +1175,9 @@ pub fn gemm_ex_with(
             ..p
         };
     }
-    // SAFETY: C's extent was checked above and C is borrowed mutably until the call returns;
-    // the bias slices cover the rows and columns; the ISA is supported.
+    // SAFETY: C's extent was checked above and C is borrowed mutably until the call returns
+    // (an uninitialised C is only written: `acc` is false); the bias slices cover the rows and
+    // columns; the ISA is supported.
     unsafe { run_isa(isa, &p, threads) };
 }
 

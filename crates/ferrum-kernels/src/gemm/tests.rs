@@ -593,3 +593,56 @@ fn gemm_split_plans_balance_the_tasks() {
     let s = plan_split::<K>(1001, 40, 50, 3, true, false);
     assert_eq!(s.per_m % K::MR, 0);
 }
+
+/// `gemm_ex_uninit` writes every element of C, with the bits `gemm_ex` gives at beta 0: C starts
+/// as NaN (standing for whatever the memory held), so an element left unwritten fails; shapes
+/// cover edge tiles, several K blocks, the transposed product, K = 0 and epilogues.
+#[test]
+fn gemm_into_uninitialised_c_writes_every_element_as_beta_zero() {
+    let mut rng = rng();
+    for &(m, n, k) in &[
+        (37, 300, 301),
+        (250, 33, 90),
+        (13, 5, 7),
+        (130, 200, 520),
+        (512, 49, 300),
+        (9, 11, 0),
+    ] {
+        let a = Operand::new(&mut rng, m, k);
+        let b = Operand::new(&mut rng, k, n);
+        let (av, bv) = (a.mat(), b.mat());
+        let row = random_vec(&mut rng, m);
+        let col = random_vec(&mut rng, n);
+        for (bias, act) in [
+            (Bias::None, Act::Identity),
+            (Bias::Row(&row), Act::Relu),
+            (Bias::Col(&col), Act::Gelu),
+        ] {
+            let epi = Epilogue { bias, act };
+            let mut want = vec![0f32; m * n];
+            gemm_ex(
+                m,
+                n,
+                k,
+                0.5,
+                Lhs::Mat(av),
+                Rhs::Mat(bv),
+                0.0,
+                &mut want,
+                n,
+                &epi,
+            );
+            let mut got = vec![MaybeUninit::new(f32::NAN); m * n];
+            gemm_ex_uninit(m, n, k, 0.5, Lhs::Mat(av), Rhs::Mat(bv), &mut got, n, &epi);
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                // SAFETY: every element was initialised (to NaN) before the call.
+                let g = unsafe { g.assume_init() };
+                assert_eq!(
+                    w.to_bits(),
+                    g.to_bits(),
+                    "m{m} n{n} k{k} {act:?}: element {i}: {g} vs {w}"
+                );
+            }
+        }
+    }
+}
