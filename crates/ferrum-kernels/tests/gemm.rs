@@ -6,7 +6,7 @@
 //! i.e. f32 rounding of a sum of k products (bounded by about k * 2^-24 of the absolute sum; the
 //! blocked sums stay far below that). NaN never passes: the check is `err <= tol`.
 
-use ferrum_kernels::gemm::{available_isas, gemm_ref, gemm_with, Isa, Mat, KC, MC};
+use ferrum_kernels::gemm::{available_isas, gemm_ref, gemm_with, kc, Isa, Mat, MC};
 use rand::{Rng, SeedableRng};
 
 struct Case {
@@ -104,7 +104,7 @@ fn random_shapes_match_the_f64_reference() {
             let c = Case {
                 m: random_dim(&mut rng, MC),
                 n: random_dim(&mut rng, 64),
-                k: random_dim(&mut rng, KC),
+                k: random_dim(&mut rng, kc()),
                 ta: rng.gen(),
                 tb: rng.gen(),
                 alpha: if case % 5 == 0 { 0.75 } else { 1.0 },

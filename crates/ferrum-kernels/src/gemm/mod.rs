@@ -2,9 +2,9 @@
 //! float32 MatMul, Gemm and Conv.
 //!
 //! The loop nest is the usual one (Goto / BLIS): the columns of B in blocks of [`NC`], the inner
-//! dimension in blocks of [`KC`] (B's block packed into panels of `NR` columns), the rows of A in
+//! dimension in blocks of [`kc()`] (B's block packed into panels of `NR` columns), the rows of A in
 //! blocks of about [`MC`] (packed into panels of `MR` rows), and a register-tiled microkernel
-//! that keeps an `MR x NR` tile of C in registers over the whole `KC` block and then writes it:
+//! that keeps an `MR x NR` tile of C in registers over the whole `kc()` block and then writes it:
 //! `alpha` applied, the old C added (after the first K block, or when `beta != 0`), and on the
 //! last K block the [`Epilogue`]'s bias and activation, while the tile is in cache. A and B are
 //! read through strides ([`Mat`]), so transposed operands and im2col views cost nothing extra:
@@ -36,7 +36,7 @@
 //! task then packs only its own part of the other. [`gemm_batch`] spreads independent products over
 //! the threads. The float order of an output element depends on the block sizes only, not on the
 //! split or the thread count; the AVX-512 and AVX2 kernels sum alike (one FMA chain per output,
-//! `KC` steps at a time, added to C), so they give the same bits too.
+//! `kc()` steps at a time, added to C), so they give the same bits too.
 
 mod epilogue;
 #[cfg(test)]
@@ -52,9 +52,24 @@ pub use epilogue::{Act, Bias, Epilogue};
 
 use crate::pool;
 
-/// Inner-dimension block: a packed B panel (`KC x NR`) is reused from L1 across a row block.
-pub const KC: usize = 256;
-/// Rows of A packed at once (about `MC x KC` floats stay in L2); a multiple of every `MR`.
+/// Inner-dimension block: a packed B panel (`kc x NR`) is reused from L1 across a row block.
+/// Fixed for the process by the hardware (not by a tier cap set later, so operands packed once
+/// keep their layout): 384 on CPUs without AVX-512, whose 6 x 16 AVX2 tile leaves room in a
+/// 32 KiB L1 for a 24 KiB B panel (one pass over C per 384 steps of K instead of 256; measured
+/// on an AVX2-only EPYC, one thread, six alternating runs: 1024^3 62-65 -> 66-72 GFLOP/s,
+/// 197 x 768 x 768 and 512 x 196 x 1024 0-25% faster), else 256 (the AVX-512 tile's 32-wide
+/// panel is 32 KiB at 256).
+pub fn kc() -> usize {
+    static KC: OnceLock<usize> = OnceLock::new();
+    *KC.get_or_init(|| {
+        if crate::cpu::detected().avx512f {
+            256
+        } else {
+            384
+        }
+    })
+}
+/// Rows of A packed at once (about `MC x kc()` floats stay in L2); a multiple of every `MR`.
 pub const MC: usize = 120;
 /// Column block of B packed at once; a multiple of every `NR`.
 pub const NC: usize = 1024;
@@ -473,8 +488,8 @@ fn pack_whole(x: Mat, rows: usize, k: usize, w: usize, threads: usize, dst: &mut
     }
     let mut regions: Vec<Mutex<Region>> = Vec::new();
     let mut rest = &mut dst[..pad * k];
-    for pc in (0..k).step_by(KC) {
-        let kc = KC.min(k - pc);
+    for pc in (0..k).step_by(kc()) {
+        let kc = kc().min(k - pc);
         for g in (0..panels).step_by(per) {
             let n = per.min(panels - g);
             let (head, tail) = rest.split_at_mut(n * kc * w);
@@ -546,8 +561,8 @@ impl Packed {
                 self.rows.next_multiple_of(w),
             );
             let mut out = vec![0f32; pad * self.k];
-            for pc in (0..self.k).step_by(KC) {
-                let kc = KC.min(self.k - pc);
+            for pc in (0..self.k).step_by(kc()) {
+                let kc = kc().min(self.k - pc);
                 let (s, d) = (&src[pc * spad..], &mut out[pc * pad..]);
                 for i in 0..self.rows {
                     let (so, doff) = ((i / sw) * kc * sw + i % sw, (i / w) * kc * w + i % w);
@@ -697,8 +712,9 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
     let mcb = rows.div_ceil(rows.div_ceil(MC)).next_multiple_of(mr);
     for jc in (j0..j1).step_by(NC) {
         let nc = NC.min(j1 - jc);
-        for pc in (0..p.k).step_by(KC) {
-            let kc = KC.min(p.k - pc);
+        let kcb = kc();
+        for pc in (0..p.k).step_by(kcb) {
+            let kc = kcb.min(p.k - pc);
             let last = pc + kc == p.k;
             let acc = p.acc || pc > 0;
             let bp: &[f32] = match (b_whole, p.b) {

@@ -202,7 +202,7 @@ fn gemm_ex_random_epilogues_and_packed_operands_match_the_f64_reference() {
                 k: if case % 17 == 0 {
                     0
                 } else {
-                    random_dim(&mut rng, KC)
+                    random_dim(&mut rng, kc())
                 },
                 alpha: [1.0, 0.75, -1.5][case % 3],
                 beta: [0.0, 1.0, -0.5][case % 4 % 3],
