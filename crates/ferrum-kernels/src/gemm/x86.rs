@@ -305,9 +305,11 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: 
     for p in whole..kc {
         step(&mut t, p);
     }
-    if rows == 6 && cols == 16 && out.csc == 1 {
-        // A whole tile: alpha, the old C, the biases and a vector activation in registers, in
-        // `write_tile`'s order (so the same bits); other activations per element after.
+    if cols == 16 && out.csc == 1 {
+        // Whole rows (every tile but those at the right edge or of a C stored transposed, the
+        // bottom edge's shorter ones included): alpha, the old C, the biases and a vector
+        // activation in registers, in `write_tile`'s order (so the same bits); other activations
+        // per element after.
         let alpha = _mm256_set1_ps(out.alpha);
         let (col0, col1) = match &out.epi {
             // SAFETY: the column bias covers the tile's 16 columns (caller's contract).
@@ -319,8 +321,8 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: 
             },
             _ => (None, None),
         };
-        for (r, row) in t.iter().enumerate() {
-            // SAFETY: r < 6 rows and 16 columns lie in the tile the caller vouched for, as do
+        for (r, row) in t.iter().enumerate().take(rows) {
+            // SAFETY: r < rows and 16 columns lie in the tile the caller vouched for, as do
             // the bias values.
             unsafe {
                 let p = out.c.add(r * out.rsc);
