@@ -346,7 +346,7 @@ pub fn read_npy(path: &Path) -> Result<Tensor> {
     let proto = ferrum_graph::proto::TensorProto {
         dims: shape.iter().map(|&d| d as i64).collect(),
         data_type: dt.onnx(),
-        raw_data: data.to_vec(),
+        raw_data: data.to_vec().into(),
         ..Default::default()
     };
     Ok(ferrum_graph::onnx::tensor_from_proto(&proto, None)?)

@@ -314,7 +314,7 @@ pub fn tensor_to_proto(t: &Tensor, name: &str) -> TensorProto {
         Data::Str(v) => p.string_data = v.iter().map(|s| s.as_bytes().to_vec()).collect(),
         Data::Code(dt, v) => raw = crate::small::pack(*dt, v),
     }
-    p.raw_data = raw;
+    p.raw_data = raw.into();
     p
 }
 

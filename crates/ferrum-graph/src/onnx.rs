@@ -43,7 +43,10 @@ pub fn load_model(path: &Path) -> Result<Model> {
             p.to_path_buf()
         }
     });
-    load_model_bytes(&bytes, dir.as_deref())
+    // Decoded from a shared buffer: the initializers' raw data are views of the file's bytes
+    // until import converts them (one copy of the weights in flight, not three).
+    let mp: ModelProto = proto::decode_shared(bytes::Bytes::from(bytes), "model")?;
+    import_model(&mp, dir.as_deref())
 }
 
 /// Imports a decoded model.

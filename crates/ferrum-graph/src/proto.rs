@@ -131,8 +131,10 @@ pub struct TensorProto {
     pub int64_data: Vec<i64>,
     #[prost(string, tag = "8")]
     pub name: String,
-    #[prost(bytes = "vec", tag = "9")]
-    pub raw_data: Vec<u8>,
+    /// Shares the buffer a message was decoded from when that was a [`bytes::Bytes`] (see
+    /// [`decode_shared`]): a model's weights are not copied out of the file's bytes.
+    #[prost(bytes = "bytes", tag = "9")]
+    pub raw_data: bytes::Bytes,
     #[prost(double, repeated, tag = "10")]
     pub double_data: Vec<f64>,
     #[prost(uint64, repeated, tag = "11")]
@@ -286,6 +288,12 @@ pub struct OptionalProto {
 
 /// Decodes any message, mapping prost's error to ours.
 pub fn decode<M: Message + Default>(bytes: &[u8], what: &str) -> crate::Result<M> {
+    M::decode(bytes).map_err(|e| crate::Error::Format(format!("{what}: bad protobuf: {e}")))
+}
+
+/// Decodes any message from a shared buffer: its `bytes` fields (tensors' `raw_data`) become
+/// views of `bytes` instead of copies.
+pub fn decode_shared<M: Message + Default>(bytes: bytes::Bytes, what: &str) -> crate::Result<M> {
     M::decode(bytes).map_err(|e| crate::Error::Format(format!("{what}: bad protobuf: {e}")))
 }
 

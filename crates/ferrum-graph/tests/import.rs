@@ -125,7 +125,7 @@ fn absurd_dims_are_refused_before_allocating() {
         name: "w".into(),
         dims: vec![1 << 40, 1 << 40],
         data_type: 1,
-        raw_data: vec![0; 16],
+        raw_data: vec![0; 16].into(),
         ..Default::default()
     };
     assert!(matches!(tensor_from_proto(&t, None), Err(Error::Format(_))));
@@ -133,7 +133,7 @@ fn absurd_dims_are_refused_before_allocating() {
         name: "w".into(),
         dims: vec![1 << 20, 1 << 10],
         data_type: 1,
-        raw_data: vec![0; 16],
+        raw_data: vec![0; 16].into(),
         ..Default::default()
     };
     assert!(matches!(tensor_from_proto(&t, None), Err(Error::Format(_))));

@@ -574,7 +574,7 @@ fn int8_init(name: &str, dims: &[i64], signed: bool, v: Vec<u8>) -> TensorProto 
         name: name.into(),
         dims: dims.to_vec(),
         data_type: if signed { 3 } else { 2 },
-        raw_data: v,
+        raw_data: v.into(),
         ..Default::default()
     }
 }
