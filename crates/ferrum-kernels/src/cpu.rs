@@ -8,6 +8,12 @@
 //! | `FERRUM_FORCE_SCALAR=1` | no SIMD at all: the portable kernels |
 //! | `FERRUM_NO_AVX512=1` | AVX-512 is reported absent (AVX2, with AVX-VNNI where present) |
 //! | `FERRUM_NO_AVX_VNNI=1` | AVX-VNNI (the 256-bit `vpdpbusd`) is reported absent |
+//! | `FERRUM_NO_AMX=1` | AMX (the tile unit) is reported absent |
+//!
+//! AMX is not a tier: it serves the graph runtime's integer GEMM only (exact, so the same
+//! results as the VNNI tile), on top of [`Tier::Avx512Vnni`], and goes with it when AVX-512 is
+//! switched off. The kernel asks the OS once for the tile state (Linux `arch_prctl`); where
+//! that is refused AMX counts as absent.
 //!
 //! [`Tier`] orders the kernel families from the portable one up; a planner picks a kernel by
 //! (weight type, tier, rows in the call), see [`crate::matmul::PackedMatrix`]. ARM's NEON (and
@@ -29,6 +35,8 @@ pub struct Features {
     pub avx512bf16: bool,
     /// AVX-VNNI: `vpdpbusd` on 256-bit registers without AVX-512 (Alder Lake and later, Zen 5).
     pub avxvnni: bool,
+    /// AMX tiles with the 8-bit dot products (`tdpbusd`), and the OS lets this process use them.
+    pub amx_int8: bool,
     pub neon: bool,
     pub dotprod: bool,
     pub sve: bool,
@@ -73,7 +81,8 @@ fn env_set(name: &str) -> bool {
     std::env::var_os(name).is_some_and(|v| !v.is_empty() && v != "0")
 }
 
-/// The hardware's features, without the overrides.
+/// The hardware's features, without the overrides. Asks the CPU (and for AMX the OS) each time:
+/// slow in a virtual machine, where CPUID traps; [`hardware`] keeps the answer.
 pub fn detected() -> Features {
     #[allow(unused_mut)]
     let mut f = Features::default();
@@ -89,6 +98,7 @@ pub fn detected() -> Features {
         f.avx512vnni = has!("avx512vnni");
         f.avx512bf16 = has!("avx512bf16");
         f.avxvnni = has!("avxvnni");
+        f.amx_int8 = amx_int8();
     }
     #[cfg(target_arch = "aarch64")]
     {
@@ -98,6 +108,38 @@ pub fn detected() -> Features {
         f.sve = has!("sve");
     }
     f
+}
+
+/// AMX-TILE and AMX-INT8 by CPUID (leaf 7, EDX bits 24 and 25), and the tile data state granted
+/// to this process by the OS (asked once; without it the first tile instruction faults).
+#[cfg(target_arch = "x86_64")]
+fn amx_int8() -> bool {
+    // CPUID is present on every x86_64 CPU; leaf 7 is read only when the CPU reports it.
+    if std::arch::x86_64::__cpuid(0).eax < 7 {
+        return false;
+    }
+    let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+    if edx & (1 << 24) == 0 || edx & (1 << 25) == 0 {
+        return false;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: arch_prctl with ARCH_REQ_XCOMP_PERM takes two integers and touches no memory
+        // of ours; it fails (non-zero) on kernels without AMX support.
+        unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            ) == 0
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
 }
 
 /// [`detected`], read once.
@@ -117,6 +159,7 @@ pub fn with_overrides(mut f: Features, scalar: bool, no_avx512: bool, no_vnni: b
         f.avx512vl = false;
         f.avx512vnni = false;
         f.avx512bf16 = false;
+        f.amx_int8 = false;
     }
     if no_vnni {
         f.avxvnni = false;
@@ -128,12 +171,14 @@ pub fn with_overrides(mut f: Features, scalar: bool, no_avx512: bool, no_vnni: b
 fn base() -> &'static Features {
     static F: OnceLock<Features> = OnceLock::new();
     F.get_or_init(|| {
-        with_overrides(
+        let mut f = with_overrides(
             detected(),
             env_set("FERRUM_FORCE_SCALAR"),
             env_set("FERRUM_NO_AVX512"),
             env_set("FERRUM_NO_AVX_VNNI"),
-        )
+        );
+        f.amx_int8 &= !env_set("FERRUM_NO_AMX");
+        f
     })
 }
 

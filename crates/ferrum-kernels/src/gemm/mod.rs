@@ -62,7 +62,7 @@ use crate::pool;
 pub fn kc() -> usize {
     static KC: OnceLock<usize> = OnceLock::new();
     *KC.get_or_init(|| {
-        if crate::cpu::detected().avx512f {
+        if crate::cpu::hardware().avx512f {
             256
         } else {
             384
@@ -222,7 +222,7 @@ pub fn isa() -> Isa {
 /// Every microkernel family this CPU can run (for tests that compare them).
 pub fn available_isas() -> Vec<Isa> {
     let mut v = vec![Isa::Scalar];
-    let f = crate::cpu::detected();
+    let f = crate::cpu::hardware();
     if cfg!(target_arch = "x86_64") && f.avx2 && f.fma {
         v.push(Isa::Avx2);
         if f.avx512f {

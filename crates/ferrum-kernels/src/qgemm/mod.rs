@@ -15,6 +15,9 @@
 //!   `p`, group `g`, column `c`, byte `r` at `p * kp * 16 + g * 64 + c * 4 + r`, the operand
 //!   order of `vpdpbusd` (u8 x s8, four products summed into each i32 lane, no saturation): one
 //!   64-byte load is one group of a panel, a row's 4 bytes of A broadcast to every lane;
+//! - [`Layout::Tiles`] (AMX): the bytes of `Quads` with the inner dimension padded to a multiple
+//!   of 64, so 16 consecutive groups of a panel (1 KiB) are one `tdpbusd` B tile (16 rows of
+//!   64 bytes), and 64 bytes of 16 rows of A one A tile;
 //! - [`Layout::Pairs`] (AVX2): 16-bit values in panels of 8 columns, k in pairs: panel `p`, pair
 //!   `g`, column `c`, element `r` at `p * kp * 8 + g * 16 + c * 2 + r`, for `vpmaddwd` (i16 x
 //!   i16, two products summed into each i32 lane: exact, where `vpmaddubsw` would saturate on
@@ -26,7 +29,9 @@
 //!
 //! so the inner loop is the raw product only; the rest is added per tile.
 //!
-//! Kernels: AVX-512 VNNI (`6 x 64` tiles: 24 accumulators, 4 panel loads and 6 broadcasts per
+//! Kernels: AMX (`32 x 32` blocks: two A tiles, two B tiles and four i32 C tiles of 16 x 16 in
+//! the tile registers, the 8 KiB tile file; rows left over below 32 go to the VNNI tile), AVX-512
+//! VNNI (`6 x 64` tiles: 24 accumulators, 4 panel loads and 6 broadcasts per
 //! group of 4), AVX2 (`6 x 16` tiles: 12 accumulators, 2 panel loads and 6 broadcasts per pair:
 //! with the product's temporary that is all 16 registers; `4 x 24` spilled and ran at 0.6x)
 //! and a portable one that reads either layout; [`qgemm_ref`] is the plain reference the
@@ -48,6 +53,8 @@ use crate::{cpu, pool};
 pub enum Layout {
     /// Bytes, panels of 16 columns, k in groups of 4 (AVX-512 VNNI, portable).
     Quads,
+    /// `Quads` with k padded to a multiple of 64 (AMX; VNNI and portable read it too).
+    Tiles,
     /// 16-bit values, panels of 8 columns, k in pairs (AVX2, portable).
     Pairs,
 }
@@ -56,7 +63,7 @@ impl Layout {
     /// Columns per panel.
     pub fn panel(self) -> usize {
         match self {
-            Layout::Quads => 16,
+            Layout::Quads | Layout::Tiles => 16,
             Layout::Pairs => 8,
         }
     }
@@ -64,20 +71,34 @@ impl Layout {
     fn tile(self) -> (usize, usize) {
         match self {
             Layout::Quads => (6, 4),
+            Layout::Tiles => (32, 2),
             Layout::Pairs => (6, 2),
         }
     }
     /// k values per packed step of a column (4 bytes, or 2 pairs of 16 bits).
     fn step(self) -> usize {
         match self {
-            Layout::Quads => 4,
+            Layout::Quads | Layout::Tiles => 4,
             Layout::Pairs => 2,
         }
+    }
+    /// What the inner dimension is padded to.
+    fn k_align(self) -> usize {
+        match self {
+            Layout::Tiles => 64,
+            Layout::Quads | Layout::Pairs => 4,
+        }
+    }
+    /// Stored as bytes (else as 16-bit values).
+    fn bytes(self) -> bool {
+        self != Layout::Pairs
     }
 
     /// The layout of this process's best kernel.
     pub fn for_cpu() -> Layout {
-        if use_vnni() || !cpu::features().x86_simd() {
+        if use_amx() {
+            Layout::Tiles
+        } else if use_vnni() || !cpu::features().x86_simd() {
             Layout::Quads
         } else {
             Layout::Pairs
@@ -100,12 +121,12 @@ pub enum Bytes<'a> {
 pub struct PackedI8 {
     k: usize,
     n: usize,
-    /// `k` rounded up to a multiple of 4.
+    /// `k` rounded up to the layout's multiple (4, or 64 for `Tiles`).
     kp: usize,
     layout: Layout,
-    /// `Quads`: the bytes; `Pairs`: empty.
+    /// `Quads`, `Tiles`: the bytes; `Pairs`: empty.
     data: Vec<i8>,
-    /// `Pairs`: the 16-bit values; `Quads`: empty.
+    /// `Pairs`: the 16-bit values; else empty.
     wide: Vec<i16>,
     /// Per column: the sum of its stored (signed) bytes.
     col_sums: Vec<i32>,
@@ -128,11 +149,11 @@ impl PackedI8 {
         cs: usize,
         layout: Layout,
     ) -> PackedI8 {
-        let kp = k.div_ceil(4) * 4;
+        let kp = k.div_ceil(layout.k_align()) * layout.k_align();
         let (w, step) = (layout.panel(), layout.step());
         let len = n.div_ceil(w) * kp * w;
-        let mut data = vec![0i8; if layout == Layout::Quads { len } else { 0 }];
-        let mut wide = vec![0i16; if layout == Layout::Pairs { len } else { 0 }];
+        let mut data = vec![0i8; if layout.bytes() { len } else { 0 }];
+        let mut wide = vec![0i16; if layout.bytes() { 0 } else { len }];
         let mut col_sums = vec![0i32; n];
         let offset = if matches!(b, Bytes::U8(_)) { 128 } else { 0 };
         // One column at a time: gathered (unsigned bytes stored as b - 128, i.e. the top bit
@@ -155,12 +176,11 @@ impl PackedI8 {
             let base = (j / w) * kp * w + (j % w) * step;
             for (g, part) in col.chunks(step).enumerate() {
                 let at = base + g * step * w;
-                match layout {
-                    Layout::Quads => data[at..at + part.len()].copy_from_slice(part),
-                    Layout::Pairs => {
-                        for (d, &v) in wide[at..at + part.len()].iter_mut().zip(part) {
-                            *d = v as i16;
-                        }
+                if layout.bytes() {
+                    data[at..at + part.len()].copy_from_slice(part);
+                } else {
+                    for (d, &v) in wide[at..at + part.len()].iter_mut().zip(part) {
+                        *d = v as i16;
                     }
                 }
             }
@@ -187,9 +207,10 @@ impl PackedI8 {
     fn at(&self, i: usize, j: usize) -> i32 {
         let (w, step) = (self.layout.panel(), self.layout.step());
         let at = (j / w) * self.kp * w + (i / step) * step * w + (j % w) * step + i % step;
-        match self.layout {
-            Layout::Quads => self.data[at] as i32,
-            Layout::Pairs => self.wide[at] as i32,
+        if self.layout.bytes() {
+            self.data[at] as i32
+        } else {
+            self.wide[at] as i32
         }
     }
 
@@ -361,15 +382,18 @@ enum Kernel {
     Portable,
     /// AVX2 over [`Layout::Pairs`].
     Avx2,
-    /// AVX-512 VNNI over [`Layout::Quads`].
+    /// AVX-512 VNNI over [`Layout::Quads`] or [`Layout::Tiles`].
     Vnni,
+    /// AMX over [`Layout::Tiles`] (rows below a whole block on the VNNI tile).
+    Amx,
 }
 
 /// The kernel for `b` on this CPU: its layout's SIMD kernel when the CPU runs it, else the
 /// portable one (which reads both layouts).
 fn kernel_for(b: &PackedI8) -> Kernel {
     match b.layout {
-        Layout::Quads if use_vnni() => Kernel::Vnni,
+        Layout::Tiles if use_amx() => Kernel::Amx,
+        Layout::Quads | Layout::Tiles if use_vnni() => Kernel::Vnni,
         Layout::Pairs if cfg!(target_arch = "x86_64") && cpu::features().x86_simd() => Kernel::Avx2,
         _ => Kernel::Portable,
     }
@@ -394,10 +418,10 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
     if m == 0 || n == 0 {
         return;
     }
-    // A's rows as the kernels read them: padded to whole groups of 4 when k is not a multiple
-    // of 4.
+    // A's rows as the kernels read them: padded with zeros to B's `kp` (whole groups of 4, or of
+    // 64 for the tile unit).
     let padded;
-    let (adata, lda) = if k % 4 == 0 {
+    let (adata, lda) = if k == b.kp {
         (a.data, a.ld)
     } else {
         padded = pad_rows(a.data, m, k, a.ld, b.kp);
@@ -482,6 +506,11 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
                 // each (k % 4 == 0, or padded above).
                 Kernel::Vnni => unsafe { x86::block_vnni(adata, lda, rows, p0, np, &fin) },
                 #[cfg(target_arch = "x86_64")]
+                // SAFETY: `kernel_for` chose AMX only where the CPU has it (with AVX-512 VNNI, and
+                // the OS granted the tile state), on a `Tiles` B (kp a multiple of 64); rows and
+                // panels (at most 2) in range; A's rows hold `kp` readable bytes each.
+                Kernel::Amx => unsafe { x86::block_amx(adata, lda, rows, p0, np, &fin) },
+                #[cfg(target_arch = "x86_64")]
                 // SAFETY: AVX2 chosen only where the CPU has it, on a `Pairs` B; `awide` holds `kp`
                 // values for each of the m rows (widened below).
                 Kernel::Avx2 => unsafe { x86::block_avx2(awide, b.kp, rows, p0, np, &fin) },
@@ -509,6 +538,11 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
 /// True when the AVX-512 VNNI kernel runs (this process's tier).
 pub fn use_vnni() -> bool {
     cfg!(target_arch = "x86_64") && cpu::features().tier() == cpu::Tier::Avx512Vnni
+}
+
+/// True when the AMX kernel runs: the VNNI tier, and AMX-INT8 granted by the OS.
+pub fn use_amx() -> bool {
+    use_vnni() && cpu::features().amx_int8
 }
 
 fn pad_rows(a: &[u8], m: usize, k: usize, ld: usize, kp: usize) -> Vec<u8> {

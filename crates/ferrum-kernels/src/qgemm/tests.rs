@@ -7,8 +7,8 @@ use rand::{Rng, SeedableRng};
 
 use super::*;
 
-/// Every (layout, kernel) pair this CPU runs: the portable kernel on both layouts, and each
-/// layout's SIMD kernel where present.
+/// Every (layout, kernel) pair this CPU runs: the portable kernel on two layouts, and each
+/// layout's SIMD kernels where present.
 fn kernels() -> Vec<(Layout, Kernel)> {
     let mut v = vec![
         (Layout::Quads, Kernel::Portable),
@@ -19,6 +19,10 @@ fn kernels() -> Vec<(Layout, Kernel)> {
     }
     if use_vnni() {
         v.push((Layout::Quads, Kernel::Vnni));
+        v.push((Layout::Tiles, Kernel::Vnni));
+    }
+    if use_amx() {
+        v.push((Layout::Tiles, Kernel::Amx));
     }
     v
 }
@@ -43,7 +47,8 @@ fn random_case(rng: &mut impl Rng) -> Case {
         1 => rng.gen_range(1..big),
         _ => big + rng.gen_range(0..big),
     };
-    let (m, k, n) = (dim(rng, 20), dim(rng, 70), dim(rng, 150));
+    // Rows up to 80: whole AMX blocks of 32 and the rows left over.
+    let (m, k, n) = (dim(rng, 40), dim(rng, 70), dim(rng, 150));
     let b_signed = rng.gen_bool(0.5);
     let a: Vec<u8> = (0..m * k).map(|_| rng.gen()).collect();
     let b: Vec<u8> = (0..k * n).map(|_| rng.gen()).collect();

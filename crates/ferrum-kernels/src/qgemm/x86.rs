@@ -1,6 +1,7 @@
-//! x86 kernels of [`super`]: the AVX-512 VNNI `vpdpbusd` tile, the AVX2 `vpmaddwd` tile and the
-//! f32 -> u8 quantizers.
+//! x86 kernels of [`super`]: the AMX `tdpbusd` block, the AVX-512 VNNI `vpdpbusd` tile, the AVX2
+//! `vpmaddwd` tile and the f32 -> u8 quantizers.
 
+use std::arch::asm;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -49,6 +50,164 @@ pub(super) unsafe fn block_vnni(
         i += r;
     }
 }
+
+/// Rows of an AMX block: two A tiles of 16 rows.
+const AMX_ROWS: usize = 32;
+
+/// The tile configuration every AMX block loads: palette 1, tiles 0-7 of 16 rows by 64 bytes
+/// (C: 16 x 16 i32; A: 16 rows x 64 bytes of k; B: 16 groups x 16 columns x 4 bytes).
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+static TILES_16X64: TileConfig = {
+    let mut c = [0u8; 64];
+    c[0] = 1;
+    let mut t = 0;
+    while t < 8 {
+        // colsb[t] (u16, little-endian) at 16 + 2t, rows[t] at 48 + t.
+        c[16 + 2 * t] = 64;
+        c[48 + t] = 16;
+        t += 1;
+    }
+    TileConfig(c)
+};
+
+/// AMX: rows `rows` of the column block starting at panel `p0` (`np` panels, 1 or 2) of a
+/// [`super::Layout::Tiles`] B, in blocks of 32 rows on the tile unit; the rows left over (fewer
+/// than 32, only at the end of the product) on the VNNI tile, which gives the same integers.
+///
+/// # Safety
+/// AVX-512 F/BW/VL, VNNI and AMX-INT8 must be present and the tile state granted to the process;
+/// `fin.b.kp` must be a multiple of 64; every row in `rows` of `a` must hold `fin.b.kp` readable
+/// bytes from `i * lda`; `p0 + np` panels must exist.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn block_amx(
+    a: &[u8],
+    lda: usize,
+    rows: Range<usize>,
+    p0: usize,
+    np: usize,
+    fin: &Finish,
+) {
+    debug_assert!(fin.b.kp.is_multiple_of(64) && (1..=2).contains(&np));
+    let whole = rows.start + (rows.end - rows.start) / AMX_ROWS * AMX_ROWS;
+    if whole > rows.start {
+        // SAFETY: the configuration is 64 readable bytes; the CPU has AMX (contract).
+        unsafe {
+            asm!("ldtilecfg [{}]", in(reg) TILES_16X64.0.as_ptr(), options(nostack, readonly))
+        };
+        for i in (rows.start..whole).step_by(AMX_ROWS) {
+            // SAFETY: rows i..i + 32 are in `rows`, panels in range (contract).
+            unsafe {
+                if np == 2 {
+                    amx_block::<2>(a, lda, i, p0, fin)
+                } else {
+                    amx_block::<1>(a, lda, i, p0, fin)
+                }
+            }
+        }
+        // SAFETY: as above; leaves the tile state unused (no cost at context switches).
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+    if whole < rows.end {
+        // SAFETY: the VNNI tile reads the `Tiles` layout as `Quads` (same arrangement, kp
+        // groups); the contract covers these rows.
+        unsafe { block_vnni(a, lda, whole..rows.end, p0, np, fin) };
+    }
+}
+
+/// One 32-row block over `P` panels: C tiles 0-1 (rows 0-15, 16-31 of panel `p0`) and 2-3
+/// (panel `p0 + 1`), A tiles 4-5, B tiles 6-7, over the whole inner dimension in steps of 64,
+/// then each C tile stored to memory and finished row by row.
+///
+/// # Safety
+/// As [`block_amx`], with the tile configuration loaded; rows `i0..i0 + 32` in range.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn amx_block<const P: usize>(a: &[u8], lda: usize, i0: usize, p0: usize, fin: &Finish) {
+    let b = fin.b;
+    let stride = b.kp * PANEL;
+    assert!(p0 + P <= b.n.div_ceil(PANEL) && (i0 + AMX_ROWS - 1) * lda + b.kp <= a.len());
+    assert!(b.data.len() >= (p0 + P) * stride);
+    let a0 = a.as_ptr().add(i0 * lda);
+    let a1 = a0.add(16 * lda);
+    let b0 = b.data.as_ptr().add(p0 * stride) as *const u8;
+    // SAFETY (every asm block below): the tile configuration is loaded (contract); A tiles read
+    // 16 rows of 64 bytes at `lda` apart from row i0 or i0 + 16, step kt's bytes 64kt..64kt + 64,
+    // inside `a` (asserted: each row holds kp bytes); B tiles read 1 KiB (16 groups of 64 bytes)
+    // of panel p0 or p0 + 1 at offset 1024kt, inside `b.data` (asserted).
+    asm!(
+        "tilezero tmm0",
+        "tilezero tmm1",
+        "tilezero tmm2",
+        "tilezero tmm3",
+        options(nostack, nomem)
+    );
+    for kt in 0..b.kp / 64 {
+        asm!(
+            "tileloadd tmm4, [{a0} + {lda}*1]",
+            "tileloadd tmm5, [{a1} + {lda}*1]",
+            "tileloadd tmm6, [{b0} + {s64}*1]",
+            "tdpbusd tmm0, tmm4, tmm6",
+            "tdpbusd tmm1, tmm5, tmm6",
+            a0 = in(reg) a0.add(64 * kt),
+            a1 = in(reg) a1.add(64 * kt),
+            b0 = in(reg) b0.add(1024 * kt),
+            lda = in(reg) lda,
+            s64 = in(reg) 64usize,
+            options(nostack, readonly)
+        );
+        if P == 2 {
+            asm!(
+                "tileloadd tmm7, [{b1} + {s64}*1]",
+                "tdpbusd tmm2, tmm4, tmm7",
+                "tdpbusd tmm3, tmm5, tmm7",
+                b1 = in(reg) b0.add(stride + 1024 * kt),
+                s64 = in(reg) 64usize,
+                options(nostack, readonly)
+            );
+        }
+    }
+    let mut c = Aligned([[0i32; PANEL]; 16]);
+    for t in 0..2 * P {
+        let cp = c.0.as_mut_ptr() as *mut u8;
+        // SAFETY: `c` holds 16 rows of 64 bytes.
+        match t {
+            0 => {
+                asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) cp, s = in(reg) 64usize, options(nostack))
+            }
+            1 => {
+                asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) cp, s = in(reg) 64usize, options(nostack))
+            }
+            2 => {
+                asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) cp, s = in(reg) 64usize, options(nostack))
+            }
+            _ => {
+                asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) cp, s = in(reg) 64usize, options(nostack))
+            }
+        }
+        let (r0, j0) = (i0 + 16 * (t % 2), (p0 + t / 2) * PANEL);
+        if j0 + PANEL <= b.n {
+            let cols = Cols16::new(fin, j0);
+            for (r, raw) in c.0.iter().enumerate() {
+                store16(
+                    fin,
+                    r0 + r,
+                    &cols,
+                    _mm512_load_si512(raw.as_ptr() as *const _),
+                );
+            }
+        } else {
+            for (r, raw) in c.0.iter().enumerate() {
+                fin.store(r0 + r, j0, &raw[..b.n - j0]);
+            }
+        }
+    }
+}
+
+/// A C tile's 16 rows as stored from the tile register.
+#[repr(C, align(64))]
+struct Aligned([[i32; PANEL]; 16]);
 
 /// AVX2: rows `rows` of the column block starting at panel `p0` (`np` panels of 8, at most 2),
 /// in tiles of up to `MR8` rows; `a` is A widened to 16 bits, row `i` at `a[i * lda..]`.
@@ -157,18 +316,8 @@ unsafe fn store8(fin: &Finish, i: usize, j0: usize, raw: __m256i) {
             _mm256_storeu_si256(p.add(i * ld + j0) as *mut _, v)
         }
         OutPtr::F32(p, ld) => {
-            let s = if fin.scale.len() == 1 {
-                _mm256_set1_ps(fin.scale[0])
-            } else {
-                _mm256_loadu_ps(fin.scale[j0..j0 + PANEL8].as_ptr())
-            };
-            // Multiply, then add: the unfused chain's two roundings (no FMA).
-            let mut y = _mm256_mul_ps(_mm256_cvtepi32_ps(v), s);
-            if let Some(bias) = fin.bias {
-                y = _mm256_add_ps(y, _mm256_loadu_ps(bias[j0..j0 + PANEL8].as_ptr()));
-            }
             // SAFETY: as above.
-            _mm256_storeu_ps(p.add(i * ld + j0), y)
+            _mm256_storeu_ps(p.add(i * ld + j0), float8(fin, j0, v))
         }
         OutPtr::Q8 {
             p,
@@ -177,15 +326,7 @@ unsafe fn store8(fin: &Finish, i: usize, j0: usize, raw: __m256i) {
             zero,
             signed,
         } => {
-            let s = if fin.scale.len() == 1 {
-                _mm256_set1_ps(fin.scale[0])
-            } else {
-                _mm256_loadu_ps(fin.scale[j0..j0 + PANEL8].as_ptr())
-            };
-            let mut y = _mm256_mul_ps(_mm256_cvtepi32_ps(v), s);
-            if let Some(bias) = fin.bias {
-                y = _mm256_add_ps(y, _mm256_loadu_ps(bias[j0..j0 + PANEL8].as_ptr()));
-            }
+            let mut y = float8(fin, j0, v);
             // `min(y, hold)` gives `hold` for a NaN y (the second operand), as f32::min.
             let hold = _mm256_set1_ps(super::Q8_HOLD);
             y = _mm256_max_ps(
@@ -215,6 +356,23 @@ unsafe fn store8(fin: &Finish, i: usize, j0: usize, raw: __m256i) {
                 }
             }
         }
+    }
+}
+
+/// [`Finish::value_f32`] of 8 columns `j0..j0 + 8` from their finished integers `v`:
+/// `v * scale + bias`, multiply then add (the unfused chain's two roundings, no FMA).
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn float8(fin: &Finish, j0: usize, v: __m256i) -> __m256 {
+    let s = if fin.scale.len() == 1 {
+        _mm256_set1_ps(fin.scale[0])
+    } else {
+        _mm256_loadu_ps(fin.scale[j0..j0 + PANEL8].as_ptr())
+    };
+    let y = _mm256_mul_ps(_mm256_cvtepi32_ps(v), s);
+    match fin.bias {
+        Some(bias) => _mm256_add_ps(y, _mm256_loadu_ps(bias[j0..j0 + PANEL8].as_ptr())),
+        None => y,
     }
 }
 
@@ -253,63 +411,128 @@ unsafe fn tile<const R: usize, const P: usize>(
             }
         }
     }
-    for (r, row) in acc.iter().enumerate() {
-        for (q, &v) in row.iter().enumerate() {
-            let j0 = (p0 + q) * PANEL;
-            if j0 + PANEL <= b.n {
-                store16(fin, i0 + r, j0, v);
-            } else {
+    for q in 0..P {
+        let j0 = (p0 + q) * PANEL;
+        if j0 + PANEL <= b.n {
+            let cols = Cols16::new(fin, j0);
+            for (r, row) in acc.iter().enumerate() {
+                store16(fin, i0 + r, &cols, row[q]);
+            }
+        } else {
+            for (r, row) in acc.iter().enumerate() {
                 let mut raw = [0i32; PANEL];
-                _mm512_storeu_si512(raw.as_mut_ptr() as *mut _, v);
+                _mm512_storeu_si512(raw.as_mut_ptr() as *mut _, row[q]);
                 fin.store(i0 + r, j0, &raw[..b.n - j0]);
             }
         }
     }
 }
 
-/// Finishes and stores 16 whole columns `j0..j0 + 16` of row `i` (the vector form of
+/// The terms of 16 whole columns `j0..j0 + 16` that every row's epilogue uses: B's column sums,
+/// `off - zb`, the scales and the bias, loaded once for the rows of a tile.
+struct Cols16 {
+    j0: usize,
+    col_sums: __m512i,
+    b_terms: __m512i,
+    scale: __m512,
+    bias: Option<__m512>,
+}
+
+impl Cols16 {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn new(fin: &Finish, j0: usize) -> Cols16 {
+        let cols = j0..j0 + PANEL;
+        let ints = |v: &[i32]| {
+            if v.len() == 1 {
+                _mm512_set1_epi32(v[0])
+            } else {
+                _mm512_loadu_si512(v[cols.clone()].as_ptr() as *const _)
+            }
+        };
+        let scale = match fin.scale.len() {
+            0 => _mm512_setzero_ps(),
+            1 => _mm512_set1_ps(fin.scale[0]),
+            _ => _mm512_loadu_ps(fin.scale[cols.clone()].as_ptr()),
+        };
+        Cols16 {
+            j0,
+            col_sums: ints(&fin.b.col_sums),
+            b_terms: ints(fin.b_terms),
+            scale,
+            bias: fin.bias.map(|b| _mm512_loadu_ps(b[cols.clone()].as_ptr())),
+        }
+    }
+}
+
+/// Finishes and stores 16 whole columns (`cols`) of row `i` (the vector form of
 /// [`Finish::store`], the same operations lane by lane).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn store16(fin: &Finish, i: usize, j0: usize, raw: __m512i) {
-    if let OutPtr::Q8 { .. } = fin.out {
-        // Requantized outputs take the scalar epilogue.
-        let mut r = [0i32; PANEL];
-        _mm512_storeu_si512(r.as_mut_ptr() as *mut _, raw);
-        fin.store(i, j0, &r);
-        return;
-    }
+unsafe fn store16(fin: &Finish, i: usize, cols: &Cols16, raw: __m512i) {
     let (rs, za) = fin.row_terms[i];
-    let cs = _mm512_loadu_si512(fin.b.col_sums[j0..j0 + PANEL].as_ptr() as *const _);
-    let bt = if fin.b_terms.len() == 1 {
-        _mm512_set1_epi32(fin.b_terms[0])
-    } else {
-        _mm512_loadu_si512(fin.b_terms[j0..j0 + PANEL].as_ptr() as *const _)
-    };
+    let j0 = cols.j0;
     let v = _mm512_add_epi32(
-        _mm512_sub_epi32(raw, _mm512_mullo_epi32(_mm512_set1_epi32(za), cs)),
-        _mm512_mullo_epi32(bt, _mm512_set1_epi32(rs)),
+        _mm512_sub_epi32(
+            raw,
+            _mm512_mullo_epi32(_mm512_set1_epi32(za), cols.col_sums),
+        ),
+        _mm512_mullo_epi32(cols.b_terms, _mm512_set1_epi32(rs)),
     );
+    // The float value `v * scale + bias`, multiply then add (the unfused chain's two roundings,
+    // no FMA).
+    let float = || {
+        let y = _mm512_mul_ps(_mm512_cvtepi32_ps(v), cols.scale);
+        match cols.bias {
+            Some(b) => _mm512_add_ps(y, b),
+            None => y,
+        }
+    };
     match fin.out {
         OutPtr::I32(p, ld) => {
             // SAFETY: (i, j0..j0 + 16) is in this task's tile (see OutPtr).
             _mm512_storeu_si512(p.add(i * ld + j0) as *mut _, v)
         }
         OutPtr::F32(p, ld) => {
-            let s = if fin.scale.len() == 1 {
-                _mm512_set1_ps(fin.scale[0])
-            } else {
-                _mm512_loadu_ps(fin.scale[j0..j0 + PANEL].as_ptr())
-            };
-            // Multiply, then add: the unfused chain's two roundings (no FMA).
-            let mut y = _mm512_mul_ps(_mm512_cvtepi32_ps(v), s);
-            if let Some(bias) = fin.bias {
-                y = _mm512_add_ps(y, _mm512_loadu_ps(bias[j0..j0 + PANEL].as_ptr()));
-            }
             // SAFETY: as above.
-            _mm512_storeu_ps(p.add(i * ld + j0), y)
+            _mm512_storeu_ps(p.add(i * ld + j0), float())
         }
-        OutPtr::Q8 { .. } => unreachable!("handled above"),
+        OutPtr::Q8 {
+            p,
+            rs,
+            cs,
+            zero,
+            signed,
+        } => {
+            let y = float();
+            // `min(y, hold)` gives `hold` for a NaN y (the second operand), as f32::min.
+            let hold = _mm512_set1_ps(super::Q8_HOLD);
+            let y = _mm512_max_ps(
+                _mm512_min_ps(y, hold),
+                _mm512_sub_ps(_mm512_setzero_ps(), hold),
+            );
+            // Round half to even (the default rounding mode), add the zero point, clamp to
+            // the output type's range, then keep each lane's low byte.
+            let (lo, hi) = if signed { (-128, 127) } else { (0, 255) };
+            let q = _mm512_add_epi32(_mm512_cvtps_epi32(y), _mm512_set1_epi32(zero));
+            let q = _mm512_min_epi32(
+                _mm512_max_epi32(q, _mm512_set1_epi32(lo)),
+                _mm512_set1_epi32(hi),
+            );
+            let bytes = _mm512_cvtepi32_epi8(q);
+            if cs == 1 {
+                // SAFETY: (i, j0..j0 + 16) is in this task's tile, bytes i * rs + j0.. (see
+                // OutPtr).
+                _mm_storeu_si128(p.add(i * rs + j0) as *mut _, bytes);
+            } else {
+                let mut b = [0u8; PANEL];
+                _mm_storeu_si128(b.as_mut_ptr() as *mut _, bytes);
+                for (c, &v) in b.iter().enumerate() {
+                    // SAFETY: as above, element (i, j0 + c).
+                    *p.add(i * rs + (j0 + c) * cs) = v;
+                }
+            }
+        }
     }
 }
 
