@@ -2,7 +2,7 @@
 """Differences and latency of `ferrum run` beside ONNX Runtime on the exported models
 (scripts/onnx_models.sh calls this inside its venv).
 
-Usage: onnx_models.py FERRUM CACHE MODELS [--repeat N] [--threads 1,2]
+Usage: onnx_models.py FERRUM CACHE MODELS [--repeat N] [--threads 1,2] [--precision f32|bf16]
 
 For each model in CACHE/<name>/ (make_onnx_models.py's layout): ferrum's outputs on
 test_data_set_0, compared with ONNX Runtime's (CPU, ORT_ENABLE_ALL) and with PyTorch's (the stored
@@ -10,6 +10,9 @@ output_J.pb): max |diff|, max |diff| / max |reference|, and the worst |diff| / (
 (the comparison passes when that is <= 1); then the median latency over N runs after one warm-up
 at each thread count: ferrum from `ferrum run --repeat N --threads T` (model loading and file I/O
 excluded), ONNX Runtime from session.run with intra_op_num_threads = T. Prints a markdown table.
+With --precision bf16, ferrum runs its opt-in bf16 products (`ferrum run --precision bf16`) and a
+note per model gives their distance from PyTorch's float outputs (max |diff|, RMS relative, and
+for a classifier's logits whether the top class agrees) beside ONNX Runtime's float one.
 """
 import argparse
 import json
@@ -45,10 +48,10 @@ def diffs(got, ref, rtol, atol):
     return worst_abs, worst_rel, worst_ratio
 
 
-def ferrum_time(ferrum, model, inputs, threads, repeat):
+def ferrum_time(ferrum, model, inputs, threads, repeat, precision):
     out = subprocess.run(
         [ferrum, "run", "--quiet", "--model", model, "--inputs", inputs,
-         "--threads", str(threads), "--repeat", str(repeat)],
+         "--threads", str(threads), "--repeat", str(repeat), "--precision", precision],
         check=True, capture_output=True, text=True).stdout
     m = re.search(r"time: median ([0-9.]+) ms", out)
     c = re.search(r"session: ([0-9.]+) ms", out)
@@ -83,6 +86,7 @@ def main():
     ap.add_argument("models")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--precision", default="f32", choices=["f32", "bf16"])
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
     info = {}
@@ -104,7 +108,7 @@ def main():
         torch_out = [load_pb(os.path.join(ds, f"output_{j}.pb")) for j in range(n_out)]
         with tempfile.TemporaryDirectory() as tmp:
             subprocess.run([a.ferrum, "run", "--quiet", "--model", model, "--inputs", ds,
-                            "--outputs", tmp], check=True)
+                            "--outputs", tmp, "--precision", a.precision], check=True)
             ours = [load_pb(os.path.join(tmp, f"output_{j}.pb")) for j in range(n_out)]
         ort_out = ort_session(model, 2).run(None, feeds)
         vs_ort = diffs(ours, ort_out, rtol, atol)
@@ -114,14 +118,28 @@ def main():
         times = {}
         created = {}
         for t in threads:
-            times[("ferrum", t)], created["ferrum"] = ferrum_time(a.ferrum, model, ds, t, a.repeat)
+            times[("ferrum", t)], created["ferrum"] = ferrum_time(
+                a.ferrum, model, ds, t, a.repeat, a.precision)
             times[("ort", t)], created["ort"] = ort_time(model, feeds, t, a.repeat)
         gflops = info.get(name, info.get(tol.get("quantized_from"), {})).get("gflops", float("nan"))
+        def rms(got):
+            return max(float(np.sqrt(((g.astype(np.float64) - r) ** 2).mean() /
+                                     max((r.astype(np.float64) ** 2).mean(), 1e-30)))
+                       for g, r in zip(got, torch_out))
+
+        def top1(got):
+            # Per row of a classifier's logits (batch x classes): the share whose top class
+            # matches PyTorch's.
+            r, g = torch_out[0], got[0]
+            if r.ndim != 2 or r.shape[1] < 10:
+                return "-"
+            return f"{float((r.argmax(1) == g.argmax(1)).mean()):.2f}"
+        if a.precision != "f32" and "quantized_from" not in tol:
+            notes.append(f"{name} with ferrum's {a.precision} products: distance from PyTorch's "
+                         f"float outputs, max |diff| / RMS relative / top-1 agreement: ferrum "
+                         f"{vs_torch[0]:.4g} / {rms(ours):.4g} / {top1(ours)}, ONNX Runtime (f32) "
+                         f"{ort_vs_torch[0]:.4g} / {rms(ort_out):.4g} / {top1(ort_out)}")
         if "quantized_from" in tol:
-            def rms(got):
-                return max(float(np.sqrt(((g.astype(np.float64) - r) ** 2).mean() /
-                                         max((r.astype(np.float64) ** 2).mean(), 1e-30)))
-                           for g, r in zip(got, torch_out))
             notes.append(f"{name} ({tol.get('recipe', 'quantized')} of {tol['quantized_from']}): "
                          f"distance from the float model's PyTorch outputs, max |diff| / RMS "
                          f"relative: ferrum {vs_torch[0]:.4g} / {rms(ours):.4g}, ONNX Runtime "
@@ -141,7 +159,8 @@ def main():
               f"{'pass' if passed else 'FAIL'} |")
     for n in notes:
         print(f"\n{n}")
-    print(f"\nonnxruntime {ort.__version__}, onnx {onnx.__version__}; medians of {a.repeat} runs "
+    print(f"\nferrum precision {a.precision}; onnxruntime {ort.__version__}, onnx {onnx.__version__}; "
+          f"medians of {a.repeat} runs "
           "after one warm-up; rel = max |diff| / max |reference|; session = creating the session "
           "(load, import, graph passes; the last thread count's).")
 

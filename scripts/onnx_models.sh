@@ -12,6 +12,8 @@
 #       BERT dynamically, the CNNs statically in QDQ form, see scripts/quantize_onnx_models.py)
 #   ONNX_MODELS_REPEAT=10    timed runs per measurement (after one warm-up run)
 #   ONNX_MODELS_THREADS=1,2  thread counts for the latency table
+#   ONNX_MODELS_PRECISION=f32   bf16: ferrum's opt-in bf16 products (`ferrum run --precision bf16`,
+#       AMX-BF16 CPUs), their distance from PyTorch's outputs reported beside ORT's
 #
 # The venv (.venv-models) and the exported models (.onnx-models) are made once and git-ignored.
 # torch from PyPI for Linux x86-64 is the CUDA build: `import torch` loads libcudart, cuBLAS, cuDNN
@@ -51,7 +53,7 @@ dirs=()
 for m in ${MODELS//,/ }; do dirs+=("$CACHE/$m"); done
 echo "== conformance runner (rtol 1e-3, atol from data.json, against PyTorch's outputs)"
 "$PY" ../shared/tools/onnx_conformance.py run "${dirs[@]}" \
-    --cmd "$BIN run --quiet --model {model} --inputs {inputs} --outputs {outputs}" \
+    --cmd "$BIN run --quiet --model {model} --inputs {inputs} --outputs {outputs} --precision ${ONNX_MODELS_PRECISION:-f32}" \
     -j 1 --timeout 600 --json "$CACHE/results.jsonl" || true
 "$PY" - "$CACHE/results.jsonl" <<'PYEOF'
 import json, sys
@@ -61,4 +63,5 @@ for line in open(sys.argv[1]):
 PYEOF
 echo "== differences and latency"
 "$PY" scripts/onnx_models.py "$BIN" "$CACHE" "$MODELS" \
-    --repeat "${ONNX_MODELS_REPEAT:-10}" --threads "${ONNX_MODELS_THREADS:-1,2}"
+    --repeat "${ONNX_MODELS_REPEAT:-10}" --threads "${ONNX_MODELS_THREADS:-1,2}" \
+    --precision "${ONNX_MODELS_PRECISION:-f32}"

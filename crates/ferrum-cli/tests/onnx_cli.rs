@@ -285,4 +285,31 @@ fn run_repeat_prints_timing_and_profile_and_keeps_outputs() {
     }
     let bad = ferrum(&["run", "--model", m.to_str().unwrap(), "--threads", "0"]);
     assert!(!bad.status.success());
+    // --precision bf16: the session line says which arithmetic ran (f32, with a warning, where
+    // the tile unit is missing).
+    let bf = ferrum(&[
+        "run",
+        "--quiet",
+        "--model",
+        m.to_str().unwrap(),
+        "--inputs",
+        d.path("in").to_str().unwrap(),
+        "--repeat",
+        "1",
+        "--precision",
+        "bf16",
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&bf.stdout),
+        String::from_utf8_lossy(&bf.stderr),
+    );
+    assert!(bf.status.success(), "{stderr}");
+    if ferrum_kernels::gemm::bf16_supported() {
+        assert!(stdout.contains("bf16 (AMX) products"), "{stdout}");
+    } else {
+        assert!(
+            stdout.contains("f32 products") && stderr.contains("running f32"),
+            "{stdout}{stderr}"
+        );
+    }
 }

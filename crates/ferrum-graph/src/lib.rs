@@ -38,6 +38,6 @@ pub mod tensor;
 pub use error::{Error, Result};
 pub use ir::{Graph, Model, Node, ValueId};
 pub use ops::broadcast_shape;
-pub use passes::OptLevel;
+pub use passes::{OptLevel, Precision};
 pub use session::{fmt_dims, Session, SessionOptions};
 pub use tensor::{DType, Data, SharedElems, Store, Tensor, Value};

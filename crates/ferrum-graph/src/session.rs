@@ -4,7 +4,7 @@ use std::path::Path;
 
 use crate::exec::run_graph;
 use crate::ir::{Dim, Model, ValueType};
-use crate::passes::{optimize, OptLevel, Report};
+use crate::passes::{optimize, OptLevel, Precision, Report};
 use crate::tensor::Value;
 use crate::{Error, Result};
 
@@ -13,6 +13,11 @@ use crate::{Error, Result};
 pub struct SessionOptions {
     /// Which graph passes run when the session is created (default: all).
     pub opt_level: OptLevel,
+    /// The arithmetic of the float products with a constant operand (MatMul, Gemm, Conv
+    /// weights): f32 (the default), or bf16 on the AMX tile unit (opt-in: both operands
+    /// rounded to bf16, sums in f32). Where the CPU has no AMX-BF16 the session warns and runs
+    /// f32 ([`Report::precision`] says which ran). Needs `opt_level` 1 or more (prepacking).
+    pub precision: Precision,
 }
 
 /// A model ready to run.
@@ -44,7 +49,15 @@ impl Session {
     }
 
     fn prepare(mut model: Model, opts: &SessionOptions) -> Result<Session> {
-        let report = optimize(&mut model, opts.opt_level)?;
+        let mut precision = opts.precision;
+        if precision == Precision::Bf16 && !ferrum_kernels::gemm::bf16_supported() {
+            tracing::warn!(
+                "bf16 asked for, but the AMX-BF16 tile unit is absent (or switched off by \
+                 FERRUM_NO_AMX / FERRUM_NO_AVX512): running f32"
+            );
+            precision = Precision::F32;
+        }
+        let report = optimize(&mut model, opts.opt_level, precision)?;
         Ok(Session { model, report })
     }
 

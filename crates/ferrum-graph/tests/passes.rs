@@ -6,7 +6,7 @@
 
 use ferrum_graph::proto::build::{attr_int, f32_tensor, model, node, value};
 use ferrum_graph::proto::{encode, AttributeProto, ModelProto, NodeProto, TensorProto};
-use ferrum_graph::{OptLevel, Session, SessionOptions, Tensor, Value};
+use ferrum_graph::{OptLevel, Precision, Session, SessionOptions, Tensor, Value};
 use rand::{Rng, SeedableRng};
 
 type Rng64 = rand::rngs::StdRng;
@@ -54,7 +54,14 @@ fn constant(out: &str, dims: &[i64], v: &[f32]) -> NodeProto {
 }
 
 fn session(mp: &ModelProto, level: OptLevel) -> Session {
-    Session::from_bytes_with(&encode(mp), &SessionOptions { opt_level: level }).unwrap()
+    Session::from_bytes_with(
+        &encode(mp),
+        &SessionOptions {
+            opt_level: level,
+            ..Default::default()
+        },
+    )
+    .unwrap()
 }
 
 /// The optimised graph's ops, `domain.op` for fused ones.
@@ -566,6 +573,114 @@ fn constant_weights_are_prepacked_and_give_the_same_outputs() {
     with_wo.push(("wo", vec![k, 7], vec![0.0; k * 7]));
     let out = outputs(&s, &with_wo);
     assert!(out[2].iter().all(|&v| v == 0.0), "the fed wo is used");
+}
+
+/// `x` rounded to bf16 (nearest even; the inputs here are finite).
+fn bf16(x: f32) -> f64 {
+    let u = x.to_bits();
+    f32::from_bits((u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16) << 16) as f64
+}
+
+#[test]
+fn bf16_precision_rounds_both_operands_of_the_prepacked_products() {
+    let mut r = rng();
+    // A MatMul, a Gemm (transB) and a Conv with constant weights: with `Precision::Bf16` each
+    // must equal the f64 product of the bf16-rounded operands within f32 summation error
+    // (1e-5 of the absolute sum), which the f32 products miss by far (bf16 rounding is ~4e-3
+    // relative per operand). On a CPU without AMX-BF16 the session runs f32 and says so.
+    let (m, k, n) = (37usize, 70usize, 45usize);
+    let (c, hw, oc) = (6usize, 7usize, 20usize);
+    let (w1, w2, w3) = (
+        randv(&mut r, k * n),
+        randv(&mut r, n * k),
+        randv(&mut r, oc * c * 9),
+    );
+    let pads = ferrum_graph::proto::build::attr_ints("pads", &[1, 1, 1, 1]);
+    let mp = model(
+        vec![
+            node("MatMul", &["x", "w1"], &["y1"], vec![]),
+            node("Gemm", &["x", "w2"], &["y2"], vec![attr_int("transB", 1)]),
+            node("Conv", &["img", "w3"], &["y3"], vec![pads]),
+        ],
+        vec![
+            f32_in("x", &[m as i64, k as i64]),
+            f32_in("img", &[1, c as i64, hw as i64, hw as i64]),
+        ],
+        vec![f32_out("y1"), f32_out("y2"), f32_out("y3")],
+        vec![
+            init("w1", &[k as i64, n as i64], w1.clone()),
+            init("w2", &[n as i64, k as i64], w2.clone()),
+            init("w3", &[oc as i64, c as i64, 3, 3], w3.clone()),
+        ],
+        17,
+    );
+    let (x, img) = (randv(&mut r, m * k), randv(&mut r, c * hw * hw));
+    let feeds = [
+        ("x", vec![m, k], x.clone()),
+        ("img", vec![1, c, hw, hw], img.clone()),
+    ];
+    // The references over rounded operands: (value, absolute sum) per output element.
+    let mut want: Vec<Vec<(f64, f64)>> = vec![Vec::new(); 3];
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s1, mut a1, mut s2, mut a2) = (0.0, 0.0, 0.0, 0.0);
+            for p in 0..k {
+                let t1 = bf16(x[i * k + p]) * bf16(w1[p * n + j]);
+                let t2 = bf16(x[i * k + p]) * bf16(w2[j * k + p]);
+                (s1, a1, s2, a2) = (s1 + t1, a1 + t1.abs(), s2 + t2, a2 + t2.abs());
+            }
+            want[0].push((s1, a1));
+            want[1].push((s2, a2));
+        }
+    }
+    for o in 0..oc {
+        for y in 0..hw {
+            for xx in 0..hw {
+                let (mut s, mut a) = (0.0, 0.0);
+                for ch in 0..c {
+                    for dy in 0..3 {
+                        for dx in 0..3 {
+                            let (iy, ix) = (y + dy, xx + dx);
+                            if iy < 1 || ix < 1 || iy > hw || ix > hw {
+                                continue;
+                            }
+                            let t = bf16(img[(ch * hw + iy - 1) * hw + ix - 1])
+                                * bf16(w3[((o * c + ch) * 3 + dy) * 3 + dx]);
+                            (s, a) = (s + t, a + t.abs());
+                        }
+                    }
+                }
+                want[2].push((s, a));
+            }
+        }
+    }
+    let within = |got: &[Vec<f32>]| {
+        got.iter().zip(&want).all(|(g, w)| {
+            g.len() == w.len()
+                && g.iter()
+                    .zip(w)
+                    .all(|(&g, &(v, a))| (g as f64 - v).abs() <= 1e-5 * a + 1e-30)
+        })
+    };
+    let opts = |precision| SessionOptions {
+        opt_level: OptLevel::All,
+        precision,
+    };
+    let f32s = Session::from_bytes_with(&encode(&mp), &opts(Precision::F32)).unwrap();
+    let bf = Session::from_bytes_with(&encode(&mp), &opts(Precision::Bf16)).unwrap();
+    let (plain, got) = (outputs(&f32s, &feeds), outputs(&bf, &feeds));
+    assert!(
+        !within(&plain),
+        "the f32 products match the rounded reference: a weak test"
+    );
+    if ferrum_kernels::gemm::bf16_supported() {
+        assert_eq!(bf.optimization_report().precision, Precision::Bf16);
+        assert!(within(&got), "bf16 products against the rounded reference");
+    } else {
+        eprintln!("no AMX-BF16 here: checking the f32 fallback");
+        assert_eq!(bf.optimization_report().precision, Precision::F32);
+        assert_eq!(got, plain);
+    }
 }
 
 /// An 8-bit initializer (ONNX type 3 = int8, 2 = uint8) from raw bytes.

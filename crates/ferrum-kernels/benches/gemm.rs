@@ -1,6 +1,10 @@
 //! f32 GEMM throughput (GFLOP/s) on square and network-shaped problems, per thread count:
 //! `cargo bench -p ferrum-kernels --bench gemm [-- THREADS... [--all-isas | --isa NAME]
-//! [--reps N] [--shape MxNxK]...]`.
+//! [--reps N] [--shape MxNxK]... [--bf16]]`.
+//!
+//! `--bf16` also times each shape with one operand packed ahead, in f32 and in bf16 (the tile
+//! unit, where the CPU has AMX-BF16): B packed (a MatMul's weight) and A packed (a Conv's
+//! filter, B rounded at each call).
 //!
 //! Each figure is the median of `--reps` timed runs (default 9) after one warm-up run; by default
 //! only the best microkernel ([`isa`]) is measured, `--all-isas` measures every one this CPU runs.
@@ -9,8 +13,8 @@
 use std::time::Instant;
 
 use ferrum_kernels::gemm::{
-    available_isas, gemm_batch_with, gemm_ex_with, gemm_with, isa, Act, Bias, Epilogue, Isa, Lhs,
-    Mat, PackedB, Rhs,
+    available_isas, bf16_supported, gemm_batch_with, gemm_ex_with, gemm_with, isa, Act, Bias,
+    Epilogue, Isa, Lhs, Mat, PackedA, PackedB, Precision, Rhs,
 };
 
 /// Median seconds of `reps` runs of `f` after one warm-up run (and the fastest, with
@@ -35,6 +39,7 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let all_isas = args.iter().any(|a| a == "--all-isas");
+    let bf16 = args.iter().any(|a| a == "--bf16");
     let reps = args
         .iter()
         .position(|a| a == "--reps")
@@ -124,10 +129,60 @@ fn main() {
                     "{t} threads {isa:?} {m}x{n}x{k}: {:.3} ms, {gf:.1} GFLOP/s",
                     s * 1e3
                 );
+                if bf16 {
+                    packed(isa, t, reps, (m, n, k), (&a, &b));
+                }
             }
             if only.is_empty() {
                 extras(isa, t, reps);
             }
+        }
+    }
+}
+
+/// One shape with B packed ahead and with A packed ahead, in f32 and (where the CPU runs it)
+/// bf16.
+fn packed(
+    isa: Isa,
+    t: usize,
+    reps: usize,
+    (m, n, k): (usize, usize, usize),
+    (a, b): (&[f32], &[f32]),
+) {
+    let mut c = vec![0f32; m * n];
+    let mut precisions = vec![Precision::F32];
+    if bf16_supported() {
+        precisions.push(Precision::Bf16);
+    }
+    for p in precisions {
+        let (am, bm) = (Mat::row_major(a, k), Mat::row_major(b, n));
+        let pb = PackedB::with_precision(k, n, bm, p);
+        let pa = PackedA::with_precision(m, k, am, p);
+        for (what, lhs, rhs) in [
+            ("B packed", Lhs::Mat(am), Rhs::Packed(&pb)),
+            ("A packed", Lhs::Packed(&pa), Rhs::Mat(bm)),
+        ] {
+            let s = time(reps, || {
+                gemm_ex_with(
+                    isa,
+                    t,
+                    m,
+                    n,
+                    k,
+                    1.0,
+                    lhs,
+                    rhs,
+                    0.0,
+                    &mut c,
+                    n,
+                    &Epilogue::NONE,
+                )
+            });
+            let gf = 2.0 * (m * n * k) as f64 / s / 1e9;
+            println!(
+                "{t} threads {p:?} {what} {m}x{n}x{k}: {:.3} ms, {gf:.1} GFLOP/s",
+                s * 1e3
+            );
         }
     }
 }

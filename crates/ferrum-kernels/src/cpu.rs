@@ -10,9 +10,9 @@
 //! | `FERRUM_NO_AVX_VNNI=1` | AVX-VNNI (the 256-bit `vpdpbusd`) is reported absent |
 //! | `FERRUM_NO_AMX=1` | AMX (the tile unit) is reported absent |
 //!
-//! AMX is not a tier: it serves the graph runtime's integer GEMM only (exact, so the same
-//! results as the VNNI tile), on top of [`Tier::Avx512Vnni`], and goes with it when AVX-512 is
-//! switched off. The kernel asks the OS once for the tile state (Linux `arch_prctl`); where
+//! AMX is not a tier: it serves the graph runtime's integer GEMM (exact, so the same results as
+//! the VNNI tile) and its opt-in bf16 GEMM, on top of [`Tier::Avx512Vnni`], and goes with it
+//! when AVX-512 is switched off. The kernel asks the OS once for the tile state (Linux `arch_prctl`); where
 //! that is refused AMX counts as absent.
 //!
 //! [`Tier`] orders the kernel families from the portable one up; a planner picks a kernel by
@@ -37,6 +37,8 @@ pub struct Features {
     pub avxvnni: bool,
     /// AMX tiles with the 8-bit dot products (`tdpbusd`), and the OS lets this process use them.
     pub amx_int8: bool,
+    /// AMX tiles with the bf16 dot products (`tdpbf16ps`), and the OS lets this process use them.
+    pub amx_bf16: bool,
     pub neon: bool,
     pub dotprod: bool,
     pub sve: bool,
@@ -98,7 +100,7 @@ pub fn detected() -> Features {
         f.avx512vnni = has!("avx512vnni");
         f.avx512bf16 = has!("avx512bf16");
         f.avxvnni = has!("avxvnni");
-        f.amx_int8 = amx_int8();
+        (f.amx_int8, f.amx_bf16) = amx();
     }
     #[cfg(target_arch = "aarch64")]
     {
@@ -110,18 +112,26 @@ pub fn detected() -> Features {
     f
 }
 
-/// AMX-TILE and AMX-INT8 by CPUID (leaf 7, EDX bits 24 and 25), and the tile data state granted
-/// to this process by the OS (asked once; without it the first tile instruction faults).
+/// AMX-INT8 and AMX-BF16 by CPUID (leaf 7, EDX bits 25 and 22, each with AMX-TILE, bit 24),
+/// when the OS grants this process the tile data state (asked here; without it the first tile
+/// instruction faults).
 #[cfg(target_arch = "x86_64")]
-fn amx_int8() -> bool {
+fn amx() -> (bool, bool) {
     // CPUID is present on every x86_64 CPU; leaf 7 is read only when the CPU reports it.
     if std::arch::x86_64::__cpuid(0).eax < 7 {
-        return false;
+        return (false, false);
     }
     let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
-    if edx & (1 << 24) == 0 || edx & (1 << 25) == 0 {
-        return false;
+    let (int8, bf16) = (edx & (1 << 25) != 0, edx & (1 << 22) != 0);
+    if edx & (1 << 24) == 0 || !(int8 || bf16) || !tile_state_granted() {
+        return (false, false);
     }
+    (int8, bf16)
+}
+
+/// Asks the OS for the AMX tile data state (Linux `arch_prctl(ARCH_REQ_XCOMP_PERM)`).
+#[cfg(target_arch = "x86_64")]
+fn tile_state_granted() -> bool {
     #[cfg(target_os = "linux")]
     {
         const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
@@ -160,6 +170,7 @@ pub fn with_overrides(mut f: Features, scalar: bool, no_avx512: bool, no_vnni: b
         f.avx512vnni = false;
         f.avx512bf16 = false;
         f.amx_int8 = false;
+        f.amx_bf16 = false;
     }
     if no_vnni {
         f.avxvnni = false;
@@ -172,12 +183,15 @@ fn base() -> &'static Features {
     static F: OnceLock<Features> = OnceLock::new();
     F.get_or_init(|| {
         let mut f = with_overrides(
-            detected(),
+            *hardware(),
             env_set("FERRUM_FORCE_SCALAR"),
             env_set("FERRUM_NO_AVX512"),
             env_set("FERRUM_NO_AVX_VNNI"),
         );
-        f.amx_int8 &= !env_set("FERRUM_NO_AMX");
+        if env_set("FERRUM_NO_AMX") {
+            f.amx_int8 = false;
+            f.amx_bf16 = false;
+        }
         f
     })
 }

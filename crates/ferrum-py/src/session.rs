@@ -367,6 +367,7 @@ impl InferenceSession {
                 GraphOptimizationLevel::ORT_ENABLE_LAYOUT
                 | GraphOptimizationLevel::ORT_ENABLE_ALL => OptLevel::All,
             },
+            ..Default::default()
         };
         let loaded: Result<(Session, ModelMetadata), ferrum_graph::Error> = if let Ok(b) =
             path_or_bytes.cast::<PyBytes>()

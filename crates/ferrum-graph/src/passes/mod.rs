@@ -6,7 +6,7 @@
 //! | level | passes |
 //! |---|---|
 //! | 0 `Disabled` | none: the graph runs as imported |
-//! | 1 `Basic` | constant folding, Identity/Dropout elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights; then constant weights packed for the GEMM ([`PackedWeights`]) |
+//! | 1 `Basic` | constant folding, Identity/Dropout elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights; then constant weights packed for the GEMM ([`PackedWeights`]; in bf16 for the tile unit with [`Precision::Bf16`]) |
 //! | 2 `Extended` | level 1, then the erf form of GELU into one node, a dynamically quantized MatMul's MatMulInteger + Cast + scale Mul (+ bias Add) into one MatMulIntegerToFloat, and bias, residual Add and activation fused into the Conv, Gemm or MatMul (activation only: MatMulIntegerToFloat) that produces their input ([`crate::ops`]' `com.ferrum` ops) |
 //! | 3 `All` | level 2 (layout passes belong here) |
 //!
@@ -24,6 +24,8 @@ mod qdq;
 pub use prepack::{PackedWeights, Role};
 
 use std::collections::{HashMap, HashSet};
+
+pub use ferrum_kernels::gemm::Precision;
 
 use crate::ir::{Attr, Graph, Model, Node, ValueId, ValueInfo, ValueType};
 use crate::tensor::{DType, Tensor, Value};
@@ -58,6 +60,9 @@ impl OptLevel {
 #[derive(Clone, Debug, Default)]
 pub struct Report {
     pub level: OptLevel,
+    /// The arithmetic of the prepacked float products (bf16 only when asked for and the CPU
+    /// runs it).
+    pub precision: Precision,
     pub nodes_before: usize,
     pub nodes_after: usize,
     /// Per pass: its name and how many rewrites it made.
@@ -66,10 +71,17 @@ pub struct Report {
     pub fused: Vec<String>,
 }
 
-/// Rewrites `model`'s main graph at `level` and returns what was done.
-pub fn optimize(model: &mut Model, level: OptLevel) -> Result<Report> {
+/// Rewrites `model`'s main graph at `level` and returns what was done. `precision` is that of
+/// the float products whose constant operand is prepacked (level 1 and up); a caller asking for
+/// [`Precision::Bf16`] checks [`ferrum_kernels::gemm::bf16_supported`] first.
+pub fn optimize(model: &mut Model, level: OptLevel, precision: Precision) -> Result<Report> {
     let mut report = Report {
         level,
+        precision: if level >= OptLevel::Basic {
+            precision
+        } else {
+            Precision::F32
+        },
         nodes_before: model.graph.nodes.len(),
         ..Default::default()
     };
@@ -114,7 +126,7 @@ pub fn optimize(model: &mut Model, level: OptLevel) -> Result<Report> {
     model.graph.plan_frees();
     report.nodes_after = model.graph.nodes.len();
     if level >= OptLevel::Basic {
-        let n = prepack::prepack(&mut model.graph);
+        let n = prepack::prepack(&mut model.graph, precision);
         tracing::debug!(operands = n, "weights prepacked");
         report.passes.push(("weight prepacking", n));
     }

@@ -3,14 +3,15 @@
 //! (one group) as its A in row panels, a MatMulInteger's (or MatMulIntegerToFloat's) constant
 //! 8-bit B in the integer kernel's panels ([`PackedI8`]), a QLinearConv's 8-bit filter (one
 //! group) likewise. The graph is unchanged; the packed copies sit in
-//! [`Graph::packed`] under the initializer they were made from, and the products take them from
+//! [`Graph::packed`] under the initializer they were made from (the float ones in f32, or rounded
+//! to bf16 when the session asks for bf16: products with them then run on the tile unit), and the products take them from
 //! there ([`crate::ops::Ctx::packed_b`], [`crate::ops::Ctx::packed_a`]).
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use ferrum_kernels::gemm::{Mat, PackedA, PackedB};
+use ferrum_kernels::gemm::{Mat, PackedA, PackedB, Precision};
 use ferrum_kernels::qgemm::{Bytes, PackedI8};
 
 use super::{constant, DOMAIN};
@@ -92,8 +93,9 @@ impl PackedWeights {
 }
 
 /// Packs every constant operand of the graph's float32 products that the kernels can take
-/// packed; returns how many. Inputs whose initializer the caller may override are left alone.
-pub fn prepack(g: &mut Graph) -> usize {
+/// packed, in `precision` (bf16: rounded for the tile unit, so those products run in bf16);
+/// returns how many. Inputs whose initializer the caller may override are left alone.
+pub fn prepack(g: &mut Graph, precision: Precision) -> usize {
     let mut packed = HashMap::new();
     for n in &g.nodes {
         let std = n.domain.is_empty() || n.domain == "ai.onnx";
@@ -133,7 +135,7 @@ pub fn prepack(g: &mut Graph) -> usize {
             ("MatMul", true, _) | ("FusedMatMul", _, true) if s.len() == 2 => {
                 let (k, nn) = (s[0], s[1]);
                 (k > 0 && nn > 0).then(|| {
-                    let p = PackedB::new(k, nn, Mat::row_major(data, nn));
+                    let p = PackedB::with_precision(k, nn, Mat::row_major(data, nn), precision);
                     (Role::B, Packed::B(p))
                 })
             }
@@ -145,13 +147,18 @@ pub fn prepack(g: &mut Graph) -> usize {
                 } else {
                     (Role::B, Mat::row_major(data, nn))
                 };
-                (k > 0 && nn > 0).then(|| (role, Packed::B(PackedB::new(k, nn, b))))
+                (k > 0 && nn > 0).then(|| {
+                    (
+                        role,
+                        Packed::B(PackedB::with_precision(k, nn, b, precision)),
+                    )
+                })
             }
             ("Conv", true, _) | ("FusedConv", _, true) if s.len() == 4 => {
                 let (m, kk) = (s[0], s[1] * s[2] * s[3]);
                 // One group only (the filter is then the whole A).
                 (int_attr("group", 1) == 1 && m > 0 && kk > 0).then(|| {
-                    let p = PackedA::new(m, kk, Mat::row_major(data, kk));
+                    let p = PackedA::with_precision(m, kk, Mat::row_major(data, kk), precision);
                     (Role::ConvFilter, Packed::A(p))
                 })
             }

@@ -38,6 +38,7 @@
 //! split or the thread count; the AVX-512 and AVX2 kernels sum alike (one FMA chain per output,
 //! `kc()` steps at a time, added to C), so they give the same bits too.
 
+mod bf16;
 mod epilogue;
 #[cfg(test)]
 mod tests;
@@ -48,6 +49,7 @@ use std::cell::RefCell;
 use std::mem::MaybeUninit;
 use std::sync::{Mutex, OnceLock};
 
+pub use bf16::supported as bf16_supported;
 pub use epilogue::{Act, Bias, Epilogue};
 
 use crate::pool;
@@ -576,43 +578,128 @@ impl Packed {
     }
 }
 
-/// The left operand `A` (`m x k`) packed once for the kernel in use ([`isa`]), so products
-/// with it skip packing it (conv weights). `alpha` is not folded in.
-pub struct PackedA(Packed);
+/// The arithmetic of products with a packed operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// f32 operands and sums.
+    #[default]
+    F32,
+    /// Both operands rounded to bf16 (nearest even), products exact, sums in f32, on the AMX
+    /// tile unit: opt-in, where [`bf16_supported`].
+    Bf16,
+}
+
+/// A packed operand's data: f32 panels for the FMA kernels, or bf16 for the tile unit.
+enum Repr {
+    F32(Packed),
+    Bf16(bf16::Bf16Operand),
+}
+
+impl Repr {
+    fn rows_k(&self) -> (usize, usize) {
+        match self {
+            Repr::F32(p) => (p.rows, p.k),
+            Repr::Bf16(b) => (b.rows, b.k),
+        }
+    }
+
+    fn precision(&self) -> Precision {
+        match self {
+            Repr::F32(_) => Precision::F32,
+            Repr::Bf16(_) => Precision::Bf16,
+        }
+    }
+
+    fn size_bytes(&self) -> usize {
+        match self {
+            Repr::F32(p) => p
+                .by_width
+                .iter()
+                .filter_map(|w| w.get())
+                .map(|v| 4 * v.len())
+                .sum(),
+            Repr::Bf16(b) => b.size_bytes(),
+        }
+    }
+}
+
+/// The left operand `A` (`m x k`) packed once for the kernel in use ([`isa`]), or rounded to
+/// bf16 for the tile unit ([`Precision::Bf16`]), so products with it skip packing it (conv
+/// weights). `alpha` is not folded in.
+pub struct PackedA(Repr);
 
 impl PackedA {
     pub fn new(m: usize, k: usize, a: Mat) -> PackedA {
-        PackedA(Packed::new(a, m, k, isa().tile().0))
+        PackedA(Repr::F32(Packed::new(a, m, k, isa().tile().0)))
+    }
+
+    /// Packed in `precision` (products with a [`Precision::Bf16`] operand need
+    /// [`bf16_supported`]).
+    pub fn with_precision(m: usize, k: usize, a: Mat, precision: Precision) -> PackedA {
+        match precision {
+            Precision::F32 => PackedA::new(m, k, a),
+            Precision::Bf16 => PackedA(Repr::Bf16(bf16::Bf16Operand::rows(a, m, k))),
+        }
     }
 
     /// Rows (`m`).
     pub fn m(&self) -> usize {
-        self.0.rows
+        self.0.rows_k().0
     }
 
     /// Columns (`k`).
     pub fn k(&self) -> usize {
-        self.0.k
+        self.0.rows_k().1
+    }
+
+    /// The arithmetic of products with it.
+    pub fn precision(&self) -> Precision {
+        self.0.precision()
+    }
+
+    /// Bytes held.
+    pub fn size_bytes(&self) -> usize {
+        self.0.size_bytes()
     }
 }
 
-/// The right operand `B` (`k x n`) packed once for the kernel in use ([`isa`]), so products
-/// with it skip packing it (MatMul / Gemm weights).
-pub struct PackedB(Packed);
+/// The right operand `B` (`k x n`) packed once for the kernel in use ([`isa`]), or rounded to
+/// bf16 for the tile unit ([`Precision::Bf16`]), so products with it skip packing it (MatMul /
+/// Gemm weights).
+pub struct PackedB(Repr);
 
 impl PackedB {
     pub fn new(k: usize, n: usize, b: Mat) -> PackedB {
-        PackedB(Packed::new(b.t(), n, k, isa().tile().1))
+        PackedB(Repr::F32(Packed::new(b.t(), n, k, isa().tile().1)))
+    }
+
+    /// Packed in `precision` (products with a [`Precision::Bf16`] operand need
+    /// [`bf16_supported`]).
+    pub fn with_precision(k: usize, n: usize, b: Mat, precision: Precision) -> PackedB {
+        match precision {
+            Precision::F32 => PackedB::new(k, n, b),
+            Precision::Bf16 => PackedB(Repr::Bf16(bf16::Bf16Operand::panels(b.t(), n, k))),
+        }
     }
 
     /// Rows (`k`).
     pub fn k(&self) -> usize {
-        self.0.k
+        self.0.rows_k().1
     }
 
     /// Columns (`n`).
     pub fn n(&self) -> usize {
-        self.0.rows
+        self.0.rows_k().0
+    }
+
+    /// The arithmetic of products with it.
+    pub fn precision(&self) -> Precision {
+        self.0.precision()
+    }
+
+    /// Bytes held.
+    pub fn size_bytes(&self) -> usize {
+        self.0.size_bytes()
     }
 }
 
@@ -1086,26 +1173,14 @@ fn gemm_dst(
         "gemm: C ({m} x {n}, ldc {ldc}) exceeds its {c_len} elements"
     );
     // Both operands as X (rows x k): A, and B transposed.
-    let xa = match a {
-        Lhs::Mat(v) => {
-            v.check(m, k, "A");
-            Side::Raw(v)
-        }
-        Lhs::Packed(p) => {
-            assert!(p.0.rows == m && p.0.k == k, "gemm: PackedA shape");
-            Side::Pre(&p.0)
-        }
-    };
-    let xb = match b {
-        Rhs::Mat(v) => {
-            v.check(k, n, "B");
-            Side::Raw(v.t())
-        }
-        Rhs::Packed(p) => {
-            assert!(p.0.rows == n && p.0.k == k, "gemm: PackedB shape");
-            Side::Pre(&p.0)
-        }
-    };
+    match a {
+        Lhs::Mat(v) => v.check(m, k, "A"),
+        Lhs::Packed(p) => assert!(p.0.rows_k() == (m, k), "gemm: PackedA shape"),
+    }
+    match b {
+        Rhs::Mat(v) => v.check(k, n, "B"),
+        Rhs::Packed(p) => assert!(p.0.rows_k() == (n, k), "gemm: PackedB shape"),
+    }
     let (row_bias, col_bias) = match epi.bias {
         Bias::None => (None, None),
         Bias::Row(v) => {
@@ -1158,6 +1233,31 @@ fn gemm_dst(
         // The kernels only write through it (`acc` is false: beta is 0, checked above).
         Dst::Uninit(c) => c.as_mut_ptr().cast::<f32>(),
     };
+    // A bf16 operand makes the product bf16 (the other operand is rounded at the call).
+    if let Some((sa, sb)) = bf16_sources(a, b) {
+        let d = bf16::Dest {
+            c: CPtr(c_ptr),
+            ldc,
+            alpha,
+            acc,
+            row_bias,
+            col_bias,
+            act: epi.act,
+            epi: !epi.is_none(),
+        };
+        return bf16::gemm(m, n, k, sa, sb, &d, threads);
+    }
+    // Both operands as X (rows x k): A, and B transposed.
+    let xa = match a {
+        Lhs::Mat(v) => Side::Raw(v),
+        Lhs::Packed(PackedA(Repr::F32(p))) => Side::Pre(p),
+        Lhs::Packed(_) => unreachable!("bf16 handled above"),
+    };
+    let xb = match b {
+        Rhs::Mat(v) => Side::Raw(v.t()),
+        Rhs::Packed(PackedB(Repr::F32(p))) => Side::Pre(p),
+        Rhs::Packed(_) => unreachable!("bf16 handled above"),
+    };
     let mut p = Prob {
         m,
         n,
@@ -1195,6 +1295,27 @@ fn gemm_dst(
     // (an uninitialised C is only written: `acc` is false); the bias slices cover the rows and
     // columns; the ISA is supported.
     unsafe { run_isa(isa, &p, threads) };
+}
+
+/// The operands of a bf16 product (`B` as `X = B^T`), when either is packed in bf16. Panics
+/// when the other is packed in f32: a product has one precision.
+fn bf16_sources<'a>(a: Lhs<'a>, b: Rhs<'a>) -> Option<(bf16::Src<'a>, bf16::Src<'a>)> {
+    let a16 = matches!(a, Lhs::Packed(PackedA(Repr::Bf16(_))));
+    let b16 = matches!(b, Rhs::Packed(PackedB(Repr::Bf16(_))));
+    if !a16 && !b16 {
+        return None;
+    }
+    let sa = match a {
+        Lhs::Mat(v) => bf16::Src::Raw(v),
+        Lhs::Packed(PackedA(Repr::Bf16(o))) => bf16::Src::Ready(o),
+        Lhs::Packed(_) => panic!("gemm: an f32-packed A with a bf16-packed B"),
+    };
+    let sb = match b {
+        Rhs::Mat(v) => bf16::Src::Raw(v.t()),
+        Rhs::Packed(PackedB(Repr::Bf16(o))) => bf16::Src::Ready(o),
+        Rhs::Packed(_) => panic!("gemm: a bf16-packed A with an f32-packed B"),
+    };
+    Some((sa, sb))
 }
 
 /// `count` independent products `C_i = alpha * A_i B_i` (`A_i = a(i)`, `m x k`; `B_i = b(i)`,

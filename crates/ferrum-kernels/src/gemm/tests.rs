@@ -84,6 +84,8 @@ struct Case {
     act: Act,
     packed_a: bool,
     packed_b: bool,
+    /// Packed operands in bf16 (at least one packed): the reference takes both operands rounded.
+    bf16: bool,
 }
 
 /// Checks `got` against `want` (the reference before the activation) elementwise, with `abs`
@@ -141,11 +143,18 @@ fn run_case(rng: &mut impl Rng, cs: &Case, isa: Isa, threads: usize) {
     let mut pre = vec![0f64; m * n];
     let mut abs = vec![0f64; m * n];
     let (av, bv) = (a.mat(), b.mat());
+    let round = |x: f32| {
+        if cs.bf16 {
+            crate::quant::blocks::bf16_bits_to_f32(crate::quant::blocks::f32_to_bf16_bits(x))
+        } else {
+            x
+        }
+    };
     for i in 0..m {
         for j in 0..n {
             let (mut s, mut t) = (0f64, 0f64);
             for p in 0..k {
-                let x = alpha as f64 * av.at(i, p) as f64 * bv.at(p, j) as f64;
+                let x = alpha as f64 * round(av.at(i, p)) as f64 * round(bv.at(p, j)) as f64;
                 s += x;
                 t += x.abs();
             }
@@ -163,8 +172,16 @@ fn run_case(rng: &mut impl Rng, cs: &Case, isa: Isa, threads: usize) {
             abs[i * n + j] = t + bb.abs();
         }
     }
-    let pa = cs.packed_a.then(|| PackedA::new(m, k, av));
-    let pb = cs.packed_b.then(|| PackedB::new(k, n, bv));
+    let precision = if cs.bf16 {
+        Precision::Bf16
+    } else {
+        Precision::F32
+    };
+    let pa = cs
+        .packed_a
+        .then(|| PackedA::with_precision(m, k, av, precision));
+    let pb = (cs.packed_b || (cs.bf16 && !cs.packed_a))
+        .then(|| PackedB::with_precision(k, n, bv, precision));
     let lhs = pa.as_ref().map_or(Lhs::Mat(av), Lhs::Packed);
     let rhs = pb.as_ref().map_or(Rhs::Mat(bv), Rhs::Packed);
     let mut got = c0.clone();
@@ -173,8 +190,8 @@ fn run_case(rng: &mut impl Rng, cs: &Case, isa: Isa, threads: usize) {
     );
     let what = format!(
         "{isa:?} t{threads} m{m} n{n} k{k} ta{} tb{} alpha {alpha} beta {beta} bias {} {:?} \
-         packed {} {}",
-        a.transposed, b.transposed, cs.bias, cs.act, cs.packed_a, cs.packed_b
+         packed {} {} bf16 {}",
+        a.transposed, b.transposed, cs.bias, cs.act, cs.packed_a, cs.packed_b, cs.bf16
     );
     check(&what, m, n, ldc, &got, &pre, &abs, cs.act);
     // Columns past n (the slack of ldc) are never written.
@@ -210,9 +227,67 @@ fn gemm_ex_random_epilogues_and_packed_operands_match_the_f64_reference() {
                 act: ACTS[rng.gen_range(0..ACTS.len())],
                 packed_a: rng.gen(),
                 packed_b: rng.gen(),
+                bf16: false,
             };
             run_case(&mut rng, &c, isa, 1 + case % 3);
         }
+    }
+}
+
+#[test]
+fn bf16_products_match_the_f64_reference_on_rounded_operands() {
+    if !bf16_supported() {
+        eprintln!("skipped: this CPU (or FERRUM_NO_AMX) runs no bf16 product");
+        return;
+    }
+    let mut rng = rng();
+    for case in 0..80 {
+        let c = Case {
+            m: random_dim(&mut rng, 40),
+            n: random_dim(&mut rng, 40),
+            k: if case % 17 == 0 {
+                0
+            } else {
+                random_dim(&mut rng, 100)
+            },
+            alpha: [1.0, 0.75, -1.5][case % 3],
+            beta: [0.0, 1.0, -0.5][case % 4 % 3],
+            bias: rng.gen_range(0..3),
+            act: ACTS[rng.gen_range(0..ACTS.len())],
+            packed_a: rng.gen(),
+            packed_b: rng.gen(),
+            bf16: true,
+        };
+        run_case(&mut rng, &c, isa(), 1 + case % 3);
+    }
+    // Shapes that split across threads and blocks (and the tile unit's padding of k and rows).
+    for &(m, n, k) in &[
+        (97, 130, 300),
+        (200, 33, 64),
+        (16, 512, 31),
+        (33, 17, 1),
+        (20, 3000, 40),
+    ] {
+        let c = Case {
+            m,
+            n,
+            k,
+            alpha: 1.0,
+            beta: 0.0,
+            bias: 1,
+            act: Act::Relu,
+            packed_a: true,
+            packed_b: false,
+            bf16: true,
+        };
+        run_case(&mut rng, &c, isa(), 2);
+        let c = Case {
+            bias: 2,
+            packed_a: false,
+            packed_b: true,
+            ..c
+        };
+        run_case(&mut rng, &c, isa(), 3);
     }
 }
 
@@ -244,6 +319,7 @@ fn gemm_ex_transposed_and_threaded_shapes() {
                     act: ACTS[(s * 3 + threads) % ACTS.len()],
                     packed_a: (s + threads) % 2 == 0,
                     packed_b: s % 3 == 0,
+                    bf16: false,
                 };
                 run_case(&mut rng, &c, isa, threads);
             }

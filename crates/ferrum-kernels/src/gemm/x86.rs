@@ -118,7 +118,7 @@ unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize>(
 /// As [`tile_avx512`]: `out` addresses an `R x cols` tile (`csc == 1`) and its bias values.
 #[inline(never)]
 #[target_feature(enable = "avx512f")]
-unsafe fn write_avx512<const R: usize, const NV: usize>(
+pub(super) unsafe fn write_avx512<const R: usize, const NV: usize>(
     t: [[__m512; NV]; R],
     cols: usize,
     out: &Out,

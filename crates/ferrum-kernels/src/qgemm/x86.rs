@@ -54,24 +54,6 @@ pub(super) unsafe fn block_vnni(
 /// Rows of an AMX block: two A tiles of 16 rows.
 const AMX_ROWS: usize = 32;
 
-/// The tile configuration every AMX block loads: palette 1, tiles 0-7 of 16 rows by 64 bytes
-/// (C: 16 x 16 i32; A: 16 rows x 64 bytes of k; B: 16 groups x 16 columns x 4 bytes).
-#[repr(C, align(64))]
-struct TileConfig([u8; 64]);
-
-static TILES_16X64: TileConfig = {
-    let mut c = [0u8; 64];
-    c[0] = 1;
-    let mut t = 0;
-    while t < 8 {
-        // colsb[t] (u16, little-endian) at 16 + 2t, rows[t] at 48 + t.
-        c[16 + 2 * t] = 64;
-        c[48 + t] = 16;
-        t += 1;
-    }
-    TileConfig(c)
-};
-
 /// AMX: rows `rows` of the column block starting at panel `p0` (`np` panels, 1 or 2) of a
 /// [`super::Layout::Tiles`] B, in blocks of 32 rows on the tile unit; the rows left over (fewer
 /// than 32, only at the end of the product) on the VNNI tile, which gives the same integers.
@@ -92,10 +74,8 @@ pub(super) unsafe fn block_amx(
     debug_assert!(fin.b.kp.is_multiple_of(64) && (1..=2).contains(&np));
     let whole = rows.start + (rows.end - rows.start) / AMX_ROWS * AMX_ROWS;
     if whole > rows.start {
-        // SAFETY: the configuration is 64 readable bytes; the CPU has AMX (contract).
-        unsafe {
-            asm!("ldtilecfg [{}]", in(reg) TILES_16X64.0.as_ptr(), options(nostack, readonly))
-        };
+        // SAFETY: the CPU has AMX and the tile state (contract).
+        unsafe { crate::amx::configure() };
         for i in (rows.start..whole).step_by(AMX_ROWS) {
             // SAFETY: rows i..i + 32 are in `rows`, panels in range (contract).
             unsafe {
@@ -106,8 +86,8 @@ pub(super) unsafe fn block_amx(
                 }
             }
         }
-        // SAFETY: as above; leaves the tile state unused (no cost at context switches).
-        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+        // SAFETY: as above.
+        unsafe { crate::amx::release() };
     }
     if whole < rows.end {
         // SAFETY: the VNNI tile reads the `Tiles` layout as `Quads` (same arrangement, kp

@@ -1,0 +1,616 @@
+//! The opt-in bf16 product ([`super::Precision::Bf16`]): both operands rounded to bf16 (round
+//! to nearest even, as `f32_to_bf16_bits` (the GGUF bf16 rounding)), products exact, sums in f32, on the
+//! AMX tile unit (`tdpbf16ps`: per step a 16 x 16 f32 C tile += a 16 x 32 A tile times a
+//! 32 x 16 B tile, the 32 in pairs).
+//!
+//! A weight is rounded and laid out once ([`Bf16Operand`], inside a [`super::PackedA`] or
+//! [`super::PackedB`]); the other operand is rounded and laid out at each product, into the
+//! calling thread's buffer. Two arrangements, both with the inner dimension padded with zeros
+//! to `kp`, a multiple of 32, and the rows padded with zeros to a multiple of 16:
+//! - **rows** (the A side): row `i`, element `p` at `i * kp + p`; an A tile is 16 rows of 64
+//!   bytes read `2 kp` bytes apart;
+//! - **panels** (the B side, held as `X = B^T`): panels of 16 columns of B, k in pairs: panel
+//!   `q`, pair `g`, column `c`, element `r` at `q * kp * 16 + g * 32 + c * 2 + r`; a B tile is
+//!   16 consecutive pairs of a panel (1 KiB, contiguous).
+//!
+//! Blocks of 32 x 32 (two A tiles, two B tiles, four C tiles; 16-wide at the edges) run over the
+//! whole inner dimension; each C tile is then stored to memory and written into C with `alpha`,
+//! the old C, the bias and the activation ([`super::write_tile`] or the AVX-512 writer). The
+//! threads split C into column blocks and row ranges. [`super::gemm_ref`] on the rounded
+//! operands is the reference the randomized tests hold it to.
+
+use super::{write_tile, Act, CPtr, Mat, Out, TileEpi};
+use crate::pool;
+use crate::quant::blocks::f32_to_bf16_bits;
+
+use std::cell::RefCell;
+
+/// Inner-dimension step of one tile product (16 pairs).
+const KSTEP: usize = 32;
+/// Rows (and columns) of a tile.
+const T: usize = 16;
+/// Multiply-adds below which a product stays on one thread.
+const MIN_PARALLEL_MACS: usize = 1 << 18;
+
+/// True when this process runs the bf16 product: AMX-BF16 (granted by the OS) and AVX-512.
+pub fn supported() -> bool {
+    let f = crate::cpu::features();
+    cfg!(target_arch = "x86_64") && f.amx_bf16 && f.avx512()
+}
+
+/// An operand rounded to bf16 and laid out for the tile unit (see the module notes).
+pub(super) struct Bf16Operand {
+    /// Rows of `X` (A's `m`, or B's `n`) and the inner dimension.
+    pub(super) rows: usize,
+    pub(super) k: usize,
+    data: Vec<u16>,
+}
+
+impl Bf16Operand {
+    /// `x` (`rows x k`) in the rows arrangement (the A side).
+    pub(super) fn rows(x: Mat, rows: usize, k: usize) -> Bf16Operand {
+        x.check(rows, k, "bf16 operand");
+        let mut data = vec![0u16; len(rows, k)];
+        fill_rows(x, rows, k, &mut data);
+        Bf16Operand { rows, k, data }
+    }
+
+    /// `x` (`rows x k`, B transposed) in the panels arrangement (the B side).
+    pub(super) fn panels(x: Mat, rows: usize, k: usize) -> Bf16Operand {
+        x.check(rows, k, "bf16 operand");
+        let mut data = vec![0u16; len(rows, k)];
+        fill_panels(x, rows, k, &mut data);
+        Bf16Operand { rows, k, data }
+    }
+
+    /// Bytes held.
+    pub(super) fn size_bytes(&self) -> usize {
+        2 * self.data.len()
+    }
+}
+
+/// `k` padded to whole tile steps.
+fn kp(k: usize) -> usize {
+    k.next_multiple_of(KSTEP)
+}
+
+/// Elements of an operand of `rows x k` in either arrangement.
+fn len(rows: usize, k: usize) -> usize {
+    rows.next_multiple_of(T) * kp(k)
+}
+
+/// Rows per parallel chunk of a conversion (about 64 K elements).
+fn chunk_rows(k: usize) -> usize {
+    ((1usize << 16) / kp(k).max(1)).next_multiple_of(T).max(T)
+}
+
+/// Writes `x` (`rows x k`) rounded to bf16 in the rows arrangement into `out` (`len(rows, k)`),
+/// padding included; split across the pool for large operands.
+fn fill_rows(x: Mat, rows: usize, k: usize, out: &mut [u16]) {
+    let kp = kp(k);
+    let fill = |c: usize, part: &mut [u16]| {
+        let r0 = c * chunk_rows(k);
+        for (r, row) in part.chunks_exact_mut(kp).enumerate() {
+            let i = r0 + r;
+            if i >= rows {
+                row.fill(0);
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if x.cs == 1 && crate::cpu::features().avx512() {
+                // SAFETY: AVX-512 checked; the row's k elements lie in `x` (checked by the
+                // caller), `row` holds kp >= k.
+                unsafe { x86::round_row(&x.data[i * x.rs..][..k], row) };
+                continue;
+            }
+            for (p, d) in row.iter_mut().enumerate() {
+                *d = if p < k {
+                    f32_to_bf16_bits(x.at(i, p))
+                } else {
+                    0
+                };
+            }
+        }
+    };
+    split(out, chunk_rows(k) * kp, fill);
+}
+
+/// Writes `x` (`rows x k`, B transposed) rounded to bf16 in the panels arrangement into `out`
+/// (`len(rows, k)`), padding included; split across the pool for large operands.
+fn fill_panels(x: Mat, rows: usize, k: usize, out: &mut [u16]) {
+    let kp = kp(k);
+    let fill = |c: usize, part: &mut [u16]| {
+        let q0 = c * chunk_rows(k) / T;
+        let j0 = q0 * T;
+        let cols = (part.len() / kp).min(rows.saturating_sub(j0));
+        #[cfg(target_arch = "x86_64")]
+        if x.rs == 1 && cols > 0 && crate::cpu::features().avx512() {
+            // SAFETY: AVX-512 checked; columns j0..j0 + cols of B's k rows lie in `x` (checked
+            // by the caller); `part` holds whole panels for them.
+            unsafe { x86::round_panels(&x.data[j0..], x.cs, k, cols, part) };
+            return;
+        }
+        for (q, panel) in part.chunks_exact_mut(kp * T).enumerate() {
+            let j0 = (q0 + q) * T;
+            let cols = T.min(rows.saturating_sub(j0));
+            for g in 0..kp / 2 {
+                for c in 0..T {
+                    for r in 0..2 {
+                        let p = 2 * g + r;
+                        panel[g * 32 + c * 2 + r] = if c < cols && p < k {
+                            f32_to_bf16_bits(x.at(j0 + c, p))
+                        } else {
+                            0
+                        };
+                    }
+                }
+            }
+        }
+    };
+    split(out, chunk_rows(k) * kp, fill);
+}
+
+/// Runs `f(chunk index, chunk)` over `out` in chunks of `size`, on the pool when there are
+/// several.
+fn split(out: &mut [u16], size: usize, f: impl Fn(usize, &mut [u16]) + Sync) {
+    if out.is_empty() {
+        return;
+    }
+    if out.len() > size && pool::threads() > 1 {
+        pool::parallel_chunks_mut(out, size, f);
+    } else {
+        for (c, part) in out.chunks_mut(size).enumerate() {
+            f(c, part);
+        }
+    }
+}
+
+/// One operand of a product: laid out ahead, or a view rounded at the call.
+#[derive(Clone, Copy)]
+pub(super) enum Src<'a> {
+    Ready(&'a Bf16Operand),
+    Raw(Mat<'a>),
+}
+
+/// Where a product goes: C (row-major, `ldc`), `alpha`, whether the old C is added, and the
+/// epilogue (bias per row or column, activation) when `epi` is set.
+pub(super) struct Dest<'a> {
+    pub c: CPtr,
+    pub ldc: usize,
+    pub alpha: f32,
+    pub acc: bool,
+    pub row_bias: Option<&'a [f32]>,
+    pub col_bias: Option<&'a [f32]>,
+    pub act: Act,
+    pub epi: bool,
+}
+
+thread_local! {
+    /// The calling thread's buffers for the operands rounded at the call (A, B).
+    static BUF: RefCell<(Vec<u16>, Vec<u16>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `C = act(alpha A B (+ C) + bias)` for A `m x k` and B given as `X = B^T` (`n x k`), at most
+/// `threads` tasks.
+///
+/// Panics unless [`supported`]; the caller has checked the shapes, C's extent and the biases.
+pub(super) fn gemm(m: usize, n: usize, k: usize, a: Src, b: Src, d: &Dest, threads: usize) {
+    assert!(
+        supported(),
+        "gemm: a bf16 product on a CPU without AMX-BF16"
+    );
+    let shape = |s: &Src, rows: usize| match s {
+        Src::Ready(o) => assert!(o.rows == rows && o.k == k, "gemm: bf16 operand shape"),
+        Src::Raw(x) => x.check(rows, k, "bf16 operand"),
+    };
+    shape(&a, m);
+    shape(&b, n);
+    BUF.with(|cell| {
+        let mut bufs = cell.borrow_mut();
+        let (abuf, bbuf) = &mut *bufs;
+        let ad: &[u16] = match a {
+            Src::Ready(o) => &o.data,
+            Src::Raw(x) => {
+                let v = at_least(abuf, len(m, k));
+                fill_rows(x, m, k, v);
+                v
+            }
+        };
+        let bd: &[u16] = match b {
+            Src::Ready(o) => &o.data,
+            Src::Raw(x) => {
+                let v = at_least(bbuf, len(n, k));
+                fill_panels(x, n, k, v);
+                v
+            }
+        };
+        run(m, n, k, ad, bd, d, threads);
+    });
+}
+
+/// Grows `v` to at least `n` elements (the fills write every element they are given).
+fn at_least(v: &mut Vec<u16>, n: usize) -> &mut [u16] {
+    if v.len() < n {
+        v.resize(n, 0);
+    }
+    &mut v[..n]
+}
+
+/// The blocked product over laid-out operands (see the module notes).
+fn run(m: usize, n: usize, k: usize, a: &[u16], b: &[u16], d: &Dest, threads: usize) {
+    let (mt, panels) = (m.div_ceil(T), n.div_ceil(T));
+    let (row_blocks, col_blocks) = (mt.div_ceil(2), panels.div_ceil(2));
+    let threads = if m * n * k < MIN_PARALLEL_MACS {
+        1
+    } else {
+        threads.max(1)
+    };
+    // Row chunks per column block: enough tasks for two per thread.
+    let chunks = (2 * threads).div_ceil(col_blocks).clamp(1, row_blocks);
+    let per = row_blocks.div_ceil(chunks);
+    let chunks = row_blocks.div_ceil(per);
+    let task = |t: usize| {
+        let (blk, ch) = (t / chunks, t % chunks);
+        let rb = ch * per..((ch + 1) * per).min(row_blocks);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm` checked `supported()` (AMX-BF16 granted, AVX-512); both operands hold
+        // `len` elements for their shapes, so every tile read lies inside them; C's extent was
+        // checked by the caller and tasks write disjoint blocks of it.
+        unsafe {
+            x86::blocks(a, b, (m, n, k), rb, blk, d)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (rb, blk, a, b, k);
+    };
+    if threads == 1 || col_blocks * chunks == 1 {
+        (0..col_blocks * chunks).for_each(task);
+    } else {
+        pool::parallel_for(col_blocks * chunks, task);
+    }
+}
+
+/// Writes one finished C tile (`rows x cols` of `buf`, row stride 16) at `(i0, j0)` per `d`.
+///
+/// # Safety
+/// `(i0, j0)` and the tile lie inside C as the caller checked it; no other task writes there.
+unsafe fn write(buf: &[f32], rows: usize, cols: usize, i0: usize, j0: usize, d: &Dest) {
+    let out = Out {
+        // SAFETY: inside C (contract).
+        c: unsafe { d.c.0.add(i0 * d.ldc + j0) },
+        rsc: d.ldc,
+        csc: 1,
+        alpha: d.alpha,
+        acc: d.acc,
+        epi: d.epi.then(|| TileEpi {
+            row: d.row_bias.map_or(std::ptr::null(), |v| v[i0..].as_ptr()),
+            col: d.col_bias.map_or(std::ptr::null(), |v| v[j0..].as_ptr()),
+            act: d.act,
+        }),
+    };
+    #[cfg(target_arch = "x86_64")]
+    if rows == T {
+        // SAFETY: AVX-512 is present (checked by `gemm`); the tile is in C (contract).
+        return unsafe { x86::write16(buf, cols, &out) };
+    }
+    // SAFETY: the tile is in C (contract), the bias slices cover its rows and columns.
+    unsafe { write_tile(buf, T, rows, cols, &out) };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::{kp, write, Dest, KSTEP, T};
+
+    /// One C tile as stored from a tile register.
+    #[repr(C, align(64))]
+    struct Tile([f32; T * T]);
+
+    /// Row blocks `rb` (32 rows each) of column block `blk` (32 columns) of the product.
+    ///
+    /// # Safety
+    /// AMX-BF16 granted and AVX-512 present; `a` and `b` hold the operands laid out for
+    /// `m x k` and `n x k`; C as [`write`] needs it.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn blocks(
+        a: &[u16],
+        b: &[u16],
+        (m, n, k): (usize, usize, usize),
+        rb: Range<usize>,
+        blk: usize,
+        d: &Dest,
+    ) {
+        let kp = kp(k);
+        let (mt, panels) = (m.div_ceil(T), n.div_ceil(T));
+        let (q0, np) = (2 * blk, 2.min(panels - 2 * blk));
+        assert!(a.len() >= mt * T * kp && b.len() >= panels * T * kp);
+        let mut c = [
+            Tile([0.0; T * T]),
+            Tile([0.0; T * T]),
+            Tile([0.0; T * T]),
+            Tile([0.0; T * T]),
+        ];
+        // SAFETY: AMX present and granted (contract).
+        unsafe { crate::amx::configure() };
+        for r in rb {
+            let t0 = 2 * r;
+            let nr = 2.min(mt - t0);
+            let ap = a[t0 * T * kp..].as_ptr();
+            let bp = b[q0 * T * kp..].as_ptr();
+            // SAFETY: tiles t0..t0 + nr of A and panels q0..q0 + np of B lie in the slices
+            // (asserted above); the configuration is loaded.
+            unsafe {
+                match (nr, np) {
+                    (2, 2) => block::<2, 2>(ap, bp, kp, &mut c),
+                    (2, _) => block::<2, 1>(ap, bp, kp, &mut c),
+                    (_, 2) => block::<1, 2>(ap, bp, kp, &mut c),
+                    _ => block::<1, 1>(ap, bp, kp, &mut c),
+                }
+            }
+            for (t, tile) in c.iter().enumerate() {
+                let (ri, pj) = (t % 2, t / 2);
+                if ri >= nr || pj >= np {
+                    continue;
+                }
+                let (i0, j0) = ((t0 + ri) * T, (q0 + pj) * T);
+                let (rows, cols) = (T.min(m - i0), T.min(n - j0));
+                // SAFETY: the tile is inside C's m x n (rows and columns clipped), in this
+                // task's block (contract).
+                unsafe { write(&tile.0, rows, cols, i0, j0, d) };
+            }
+        }
+        // SAFETY: as above.
+        unsafe { crate::amx::release() };
+    }
+
+    /// `R` A tiles by `P` B tiles over the whole inner dimension (`kp / 32` steps): C tile
+    /// `r + 2p` in tmm(r + 2p), A tiles in tmm4-5, B tiles in tmm6-7; then the C tiles stored to
+    /// `c[r + 2p]`.
+    ///
+    /// # Safety
+    /// The tile configuration is loaded; `a` addresses `R` tiles of 16 rows of `kp` elements,
+    /// `b` `P` panels of `kp * 16`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn block<const R: usize, const P: usize>(
+        a: *const u16,
+        b: *const u16,
+        kp: usize,
+        c: &mut [Tile; 4],
+    ) {
+        let lda = 2 * kp;
+        let (a0, b0) = (a, b);
+        // SAFETY (every asm block): the configuration is loaded (contract); A tiles read 16 rows
+        // of 64 bytes `lda` bytes apart from tile row 0 or 16, columns 32s..32s + 32; B tiles read
+        // 1 KiB of panel 0 or 1 at pair 16s; all inside the operands (contract).
+        unsafe {
+            let a1 = a0.add(T * kp);
+            let b1 = b0.add(T * kp);
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+            for s in 0..kp / KSTEP {
+                asm!(
+                    "tileloadd tmm4, [{a} + {lda}*1]",
+                    "tileloadd tmm6, [{b} + {s64}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    a = in(reg) a0.add(KSTEP * s),
+                    b = in(reg) b0.add(512 * s),
+                    lda = in(reg) lda,
+                    s64 = in(reg) 64usize,
+                    options(nostack, readonly)
+                );
+                if R == 2 {
+                    asm!(
+                        "tileloadd tmm5, [{a} + {lda}*1]",
+                        "tdpbf16ps tmm1, tmm5, tmm6",
+                        a = in(reg) a1.add(KSTEP * s),
+                        lda = in(reg) lda,
+                        options(nostack, readonly)
+                    );
+                }
+                if P == 2 {
+                    asm!(
+                        "tileloadd tmm7, [{b} + {s64}*1]",
+                        "tdpbf16ps tmm2, tmm4, tmm7",
+                        b = in(reg) b1.add(512 * s),
+                        s64 = in(reg) 64usize,
+                        options(nostack, readonly)
+                    );
+                    if R == 2 {
+                        asm!("tdpbf16ps tmm3, tmm5, tmm7", options(nostack, nomem));
+                    }
+                }
+            }
+            let st = |t: &mut Tile| t.0.as_mut_ptr() as *mut u8;
+            asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) st(&mut c[0]), s = in(reg) 64usize, options(nostack));
+            if R == 2 {
+                asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) st(&mut c[1]), s = in(reg) 64usize, options(nostack));
+            }
+            if P == 2 {
+                asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) st(&mut c[2]), s = in(reg) 64usize, options(nostack));
+                if R == 2 {
+                    asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) st(&mut c[3]), s = in(reg) 64usize, options(nostack));
+                }
+            }
+        }
+    }
+
+    /// A full-height tile (16 rows, `cols` columns) of `buf` written through the AVX-512 writer.
+    ///
+    /// # Safety
+    /// AVX-512 present; `out` addresses a `16 x cols` tile of C and its bias values.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn write16(buf: &[f32], cols: usize, out: &super::Out) {
+        let mut t = [[_mm512_setzero_ps(); 1]; T];
+        for (r, row) in t.iter_mut().enumerate() {
+            row[0] = _mm512_loadu_ps(buf[r * T..][..T].as_ptr());
+        }
+        // SAFETY: forwarded (16 rows, cols <= 16, csc == 1).
+        unsafe { crate::gemm::x86::write_avx512::<T, 1>(t, cols, out) };
+    }
+
+    /// 16 floats to bf16 bits as `f32_to_bf16_bits` (the GGUF bf16 rounding): round to nearest even,
+    /// a NaN keeps its top bits and is made quiet.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn bf16x16(x: __m512) -> __m256i {
+        let u = _mm512_castps_si512(x);
+        let hi = _mm512_srli_epi32::<16>(u);
+        let lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+            u,
+            _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)),
+        ));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+        let quiet = _mm512_or_si512(hi, _mm512_set1_epi32(64));
+        _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet))
+    }
+
+    /// A contiguous row of `k` floats rounded into `out` (`kp` elements, zeros past k).
+    ///
+    /// # Safety
+    /// AVX-512 present; `out.len() >= x.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn round_row(x: &[f32], out: &mut [u16]) {
+        let k = x.len();
+        assert!(out.len() >= k);
+        let mut p = 0;
+        while p < k {
+            let n = 16.min(k - p);
+            let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
+            // SAFETY: the masked lanes are p..p + n < k of `x` and of `out`.
+            unsafe {
+                let v = _mm512_maskz_loadu_ps(mask, x.as_ptr().add(p));
+                _mm256_mask_storeu_epi16(out.as_mut_ptr().add(p) as *mut _, mask, bf16x16(v));
+            }
+            p += 16;
+        }
+        out[k..].fill(0);
+    }
+
+    /// Whole panels: columns `0..cols` of B's `k` rows (row `p` at `b[p * ldb..]`, columns
+    /// contiguous) rounded into `out` (`kp * 16` per panel, `cols.div_ceil(16)` panels or more)
+    /// in pairs, zeros past k and cols. Reads B row by row (a pair of rows across every panel),
+    /// writing each panel's 64 bytes of the pair.
+    ///
+    /// # Safety
+    /// AVX-512 F and BW present; `b` holds `cols` floats from each `p * ldb` for p < k.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn round_panels(
+        b: &[f32],
+        ldb: usize,
+        k: usize,
+        cols: usize,
+        out: &mut [u16],
+    ) {
+        let kp = kp(k);
+        let np = out.len() / (kp * T);
+        assert!(np >= cols.div_ceil(T) && (k == 0 || (k - 1) * ldb + cols <= b.len()));
+        // Lane 2c takes column c of the even row (the low half), 2c + 1 column c of the odd one.
+        let idx = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        for g in 0..kp / 2 {
+            for q in 0..np {
+                let c0 = q * T;
+                let n = T.min(cols.saturating_sub(c0));
+                let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
+                let row = |p: usize| {
+                    if p < k && n > 0 {
+                        // SAFETY: row p < k holds `cols` floats (contract); masked lanes only.
+                        bf16x16(unsafe {
+                            _mm512_maskz_loadu_ps(mask, b.as_ptr().add(p * ldb + c0))
+                        })
+                    } else {
+                        _mm256_setzero_si256()
+                    }
+                };
+                let both =
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(row(2 * g)), row(2 * g + 1));
+                // SAFETY: panel q's pair g (32 elements) lies within `out` (np panels).
+                unsafe {
+                    _mm512_storeu_si512(
+                        out.as_mut_ptr().add(q * kp * T + g * 32) as *mut _,
+                        _mm512_permutexvar_epi16(idx, both),
+                    )
+                };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::blocks::bf16_bits_to_f32;
+    use rand::{Rng, SeedableRng};
+
+    /// Floats with every kind of bit pattern: random bits (NaNs with any payload, infinities,
+    /// subnormals), exact ties between two bf16 values, and ordinary values.
+    fn specials(rng: &mut impl Rng, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| match i % 4 {
+                0 => f32::from_bits(rng.gen()),
+                1 => f32::from_bits((rng.gen::<u32>() & 0xffff_0000) | 0x8000),
+                2 => [
+                    f32::NAN,
+                    f32::INFINITY,
+                    -0.0,
+                    f32::MAX,
+                    f32::MIN_POSITIVE / 3.0,
+                ][i / 4 % 5],
+                _ => rng.gen_range(-4.0..4.0),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn layouts_hold_each_element_rounded_where_the_module_notes_put_it() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+        for _ in 0..20 {
+            let (rows, k) = (rng.gen_range(1..40), rng.gen_range(1..70));
+            let ld = k + rng.gen_range(0..3);
+            let v = specials(&mut rng, rows * ld);
+            let want = |i: usize, p: usize| f32_to_bf16_bits(v[i * ld + p]);
+            let kp = kp(k);
+            // Rows: from a row-major X (the vector path where the CPU has AVX-512) and from its
+            // transposed view (the scalar path).
+            let r = Bf16Operand::rows(Mat::row_major(&v, ld), rows, k);
+            for i in 0..rows.next_multiple_of(T) {
+                for p in 0..kp {
+                    let w = if i < rows && p < k { want(i, p) } else { 0 };
+                    assert_eq!(r.data[i * kp + p], w, "rows ({i}, {p}) of {rows} x {k}");
+                }
+            }
+            // Panels of X = B^T: B row-major (`x.rs == 1`, the vector path where the CPU has
+            // AVX-512) and B transposed (X row-major: the scalar path).
+            let ldb = rows + rng.gen_range(0..3);
+            let bv = specials(&mut rng, k * ldb);
+            for x in [Mat::transposed(&bv, ldb), Mat::row_major(&v, ld)] {
+                let p = Bf16Operand::panels(x, rows, k);
+                for i in 0..rows.next_multiple_of(T) {
+                    for q in 0..kp {
+                        let w = if i < rows && q < k {
+                            f32_to_bf16_bits(x.at(i, q))
+                        } else {
+                            0
+                        };
+                        let at = (i / T) * kp * T + (q / 2) * 32 + (i % T) * 2 + q % 2;
+                        assert_eq!(p.data[at], w, "panels ({i}, {q}) of {rows} x {k}");
+                    }
+                }
+            }
+        }
+        // The rounding itself: ties to even, NaN kept quiet.
+        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x3f80_8000)), 0x3f80);
+        assert!(bf16_bits_to_f32(f32_to_bf16_bits(f32::NAN)).is_nan());
+    }
+}
