@@ -824,11 +824,23 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     }
                     (None, _) => unreachable!(),
                 };
+                // B packed ahead (a weight) comes from memory on its first use, panel after
+                // panel, each then reused from cache by every row tile: while one panel's row
+                // tiles run, the next panel is fetched into L2, a share before each tile (the
+                // hardware prefetcher sees no misses to follow within a panel).
+                let tiles = mc.div_ceil(mr);
+                let lines = (kc * nr).div_ceil(16);
                 for jr in (0..nc).step_by(nr) {
                     let cols = nr.min(nc - jr);
                     let j = jc + jr;
                     let bpanel = bp[jr * kc..][..kc * nr].as_ptr();
+                    let next = (b_whole.is_some() && jr + nr < nc)
+                        .then(|| &bp[(jr + nr) * kc..][..kc * nr.min(nc - jr - nr)]);
                     for ir in (0..mc).step_by(mr) {
+                        if let Some(next) = next {
+                            let t = ir / mr;
+                            prefetch_l2(next, t * lines / tiles, (t + 1) * lines / tiles);
+                        }
                         let rws = mr.min(mc - ir);
                         let i = ic + ir;
                         let apanel = ap[ir * kc..][..kc * mr].as_ptr();
@@ -857,6 +869,24 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
         }
     }
     SCRATCH.with(|s| *s.borrow_mut() = (sa, sb));
+}
+
+/// Asks for the cache lines `l0..l1` (64 bytes each) of `v` to be brought into L2 (a hint:
+/// lines past the end are skipped; no effect on other architectures).
+#[inline]
+fn prefetch_l2(v: &[f32], l0: usize, l1: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for l in l0..l1.min(v.len().div_ceil(16)) {
+        // SAFETY: a prefetch of an address inside `v` (l * 16 < v.len()); prefetches never fault
+        // and change no memory.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                v.as_ptr().add(l * 16).cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (v, l0, l1);
 }
 
 /// How a product is split among tasks: a grid of `tm x tn` ranges of `per_m` rows and `per_n`
