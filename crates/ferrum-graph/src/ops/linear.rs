@@ -584,19 +584,22 @@ fn depthwise(x: &[f32], w: &[f32], out: &mut [f32], (ih, iw): (usize, usize), g:
         pool::parallel_chunks_mut(out, osp, |p, o| {
             let plane = &x[p * isp..][..isp];
             let wk = &w[(p % c) * kh * kw..][..kh * kw];
-            let mut xp = vec![0f32; hp * wp + 2 * vecmath::DW_LANES];
-            let cols = iw.min(wp.saturating_sub(g.pad[1]));
-            for y in 0..ih {
-                let py = y + g.pad[0];
-                if py >= hp {
-                    break;
+            let len = hp * wp + 2 * vecmath::DW_LANES;
+            let key = [len, ih, iw, hp, wp, wp, g.pad[0], g.pad[1], 2];
+            with_padded(len, key, |xp| {
+                let cols = iw.min(wp.saturating_sub(g.pad[1]));
+                for y in 0..ih {
+                    let py = y + g.pad[0];
+                    if py >= hp {
+                        break;
+                    }
+                    xp[py * wp + g.pad[1]..][..cols].copy_from_slice(&plane[y * iw..][..cols]);
                 }
-                xp[py * wp + g.pad[1]..][..cols].copy_from_slice(&plane[y * iw..][..cols]);
-            }
-            let taps: Vec<(usize, usize, f32)> = (0..kh * kw)
-                .map(|t| ((t / kw) * g.d[0], (t % kw) * g.d[1], wk[t]))
-                .collect();
-            vecmath::depthwise_rows_s2(&xp, wp, &taps, o, oh, ow, g.s[0]);
+                let taps: Vec<(usize, usize, f32)> = (0..kh * kw)
+                    .map(|t| ((t / kw) * g.d[0], (t % kw) * g.d[1], wk[t]))
+                    .collect();
+                vecmath::depthwise_rows_s2(xp, wp, &taps, o, oh, ow, g.s[0]);
+            });
         });
         return;
     }
@@ -605,41 +608,83 @@ fn depthwise(x: &[f32], w: &[f32], out: &mut [f32], (ih, iw): (usize, usize), g:
         let wk = &w[(p % c) * kh * kw..][..kh * kw];
         // L values of slack: a row's last block of outputs may read past the row's end (into
         // the next row, or here), for lanes that are not stored.
-        let mut xp = vec![0f32; s1 * hp * wph + vecmath::DW_LANES];
-        for y in 0..ih {
-            let py = y + g.pad[0];
-            if py >= hp {
-                break;
-            }
-            let row = &plane[y * iw..][..iw];
-            let cols = iw.min(wp.saturating_sub(g.pad[1]));
-            if s1 == 1 {
-                xp[py * wph + g.pad[1]..][..cols].copy_from_slice(&row[..cols]);
-            } else {
-                // Phase r holds padded columns r, r + s1, ..: input columns r - pad, r - pad + s1, ..
-                for r in 0..s1 {
-                    let dst = &mut xp[(r * hp + py) * wph..][..wph];
-                    let first = (g.pad[1].saturating_sub(r)).div_ceil(s1);
-                    for (j, d) in dst.iter_mut().enumerate().skip(first) {
-                        let x = j * s1 + r - g.pad[1];
-                        if x >= cols {
-                            break;
-                        }
-                        *d = row[x];
+        let len = s1 * hp * wph + vecmath::DW_LANES;
+        let key = [len, ih, iw, hp, wph, wp, g.pad[0], g.pad[1], s1];
+        with_padded(len, key, |xp| {
+            depthwise_plane(xp, plane, wk, o, (ih, iw), (hp, wph), g)
+        });
+    });
+}
+
+/// One plane of [`depthwise`] (stride 1, or 3 and more along columns): the input copied into
+/// `xp` (whose padding is zero), then the taps summed into `o`.
+fn depthwise_plane(
+    xp: &mut [f32],
+    plane: &[f32],
+    wk: &[f32],
+    o: &mut [f32],
+    (ih, iw): (usize, usize),
+    (hp, wph): (usize, usize),
+    g: &Conv2d,
+) {
+    let ([kh, kw], [oh, ow], s1) = (g.k, g.out, g.s[1]);
+    let wp = (ow - 1) * s1 + (kw - 1) * g.d[1] + 1;
+    for y in 0..ih {
+        let py = y + g.pad[0];
+        if py >= hp {
+            break;
+        }
+        let row = &plane[y * iw..][..iw];
+        let cols = iw.min(wp.saturating_sub(g.pad[1]));
+        if s1 == 1 {
+            xp[py * wph + g.pad[1]..][..cols].copy_from_slice(&row[..cols]);
+        } else {
+            // Phase r holds padded columns r, r + s1, ..: input columns r - pad, r - pad + s1, ..
+            for r in 0..s1 {
+                let dst = &mut xp[(r * hp + py) * wph..][..wph];
+                let first = (g.pad[1].saturating_sub(r)).div_ceil(s1);
+                for (j, d) in dst.iter_mut().enumerate().skip(first) {
+                    let x = j * s1 + r - g.pad[1];
+                    if x >= cols {
+                        break;
                     }
+                    *d = row[x];
                 }
             }
         }
-        // (phase row offset, column offset, weight) of each tap, relative to an output row.
-        let taps: Vec<(usize, usize, f32)> = (0..kh * kw)
-            .map(|t| {
-                let (ky, kx) = (t / kw, t % kw);
-                let off = kx * g.d[1];
-                ((off % s1) * hp + ky * g.d[0], off / s1, wk[t])
-            })
-            .collect();
-        vecmath::depthwise_rows(&xp, wph, &taps, o, oh, ow, g.s[0]);
-    });
+    }
+    // (phase row offset, column offset, weight) of each tap, relative to an output row.
+    let taps: Vec<(usize, usize, f32)> = (0..kh * kw)
+        .map(|t| {
+            let (ky, kx) = (t / kw, t % kw);
+            let off = kx * g.d[1];
+            ((off % s1) * hp + ky * g.d[0], off / s1, wk[t])
+        })
+        .collect();
+    vecmath::depthwise_rows(xp, wph, &taps, o, oh, ow, g.s[0]);
+}
+
+thread_local! {
+    /// [`depthwise`]'s padded plane, kept by each thread with the geometry it was zeroed for:
+    /// a plane's copy writes the same positions every time, so the padding stays zero from one
+    /// plane (and one call of the same geometry) to the next.
+    static DW_PAD: std::cell::RefCell<(Vec<f32>, [usize; 9])> =
+        const { std::cell::RefCell::new((Vec::new(), [0; 9])) };
+}
+
+/// Runs `f` on this thread's padded-plane buffer of `len` floats, zeroed when `key` (the
+/// length and the geometry that decides which positions a copy writes) differs from last time.
+fn with_padded<R>(len: usize, key: [usize; 9], f: impl FnOnce(&mut [f32]) -> R) -> R {
+    DW_PAD.with(|c| {
+        let mut g = c.borrow_mut();
+        let (buf, last) = &mut *g;
+        if *last != key || buf.len() != len {
+            buf.clear();
+            buf.resize(len, 0.0);
+            *last = key;
+        }
+        f(buf)
+    })
 }
 
 #[cfg(test)]
