@@ -69,6 +69,30 @@ impl Bf16Operand {
     }
 }
 
+/// One pair of B's rows (`even`, `odd`: columns `0..cols`) rounded into every panel's slot for
+/// that pair: panel `q`'s 32 elements at `out[q * stride..]`, column `c` at `2c` (even) and
+/// `2c + 1` (odd), zeros past `cols` in the last panel.
+fn round_pair(even: &[f32], odd: &[f32], cols: usize, out: &mut [u16], stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::features().avx512() {
+        // SAFETY: AVX-512 checked; `even` and `odd` hold `cols` floats, `out` holds the slot of
+        // each of the `cols.div_ceil(16)` panels (checked inside).
+        return unsafe { x86::round_pair(even, odd, cols, out, stride) };
+    }
+    for q in 0..cols.div_ceil(T) {
+        for c in 0..T {
+            let j = q * T + c;
+            let (e, o) = if j < cols {
+                (even[j], odd[j])
+            } else {
+                (0.0, 0.0)
+            };
+            out[q * stride + 2 * c] = f32_to_bf16_bits(e);
+            out[q * stride + 2 * c + 1] = f32_to_bf16_bits(o);
+        }
+    }
+}
+
 /// `k` padded to whole tile steps.
 fn kp(k: usize) -> usize {
     k.next_multiple_of(KSTEP)
@@ -123,11 +147,26 @@ fn fill_panels(x: Mat, rows: usize, k: usize, out: &mut [u16]) {
         let q0 = c * chunk_rows(k) / T;
         let j0 = q0 * T;
         let cols = (part.len() / kp).min(rows.saturating_sub(j0));
-        #[cfg(target_arch = "x86_64")]
-        if x.rs == 1 && cols > 0 && crate::cpu::features().avx512() {
-            // SAFETY: AVX-512 checked; columns j0..j0 + cols of B's k rows lie in `x` (checked
-            // by the caller); `part` holds whole panels for them.
-            unsafe { x86::round_panels(&x.data[j0..], x.cs, k, cols, part) };
+        if x.rs == 1 && cols > 0 {
+            // B's rows are contiguous: a pair of rows at a time across every panel (B read row
+            // by row, each panel's 64 bytes of the pair written).
+            let zeros = vec![0f32; cols];
+            let b_row = |p: usize| {
+                if p < k {
+                    &x.data[j0 + p * x.cs..][..cols]
+                } else {
+                    &zeros[..]
+                }
+            };
+            for g in 0..kp / 2 {
+                round_pair(
+                    b_row(2 * g),
+                    b_row(2 * g + 1),
+                    cols,
+                    &mut part[g * 32..],
+                    kp * T,
+                );
+            }
             return;
         }
         for (q, panel) in part.chunks_exact_mut(kp * T).enumerate() {
@@ -495,54 +534,45 @@ mod x86 {
         out[k..].fill(0);
     }
 
-    /// Whole panels: columns `0..cols` of B's `k` rows (row `p` at `b[p * ldb..]`, columns
-    /// contiguous) rounded into `out` (`kp * 16` per panel, `cols.div_ceil(16)` panels or more)
-    /// in pairs, zeros past k and cols. Reads B row by row (a pair of rows across every panel),
-    /// writing each panel's 64 bytes of the pair.
+    /// [`super::round_pair`]: the pair's 16-column pieces rounded, interleaved and stored.
     ///
     /// # Safety
-    /// AVX-512 F and BW present; `b` holds `cols` floats from each `p * ldb` for p < k.
+    /// AVX-512 F and BW present.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn round_panels(
-        b: &[f32],
-        ldb: usize,
-        k: usize,
+    pub(super) unsafe fn round_pair(
+        even: &[f32],
+        odd: &[f32],
         cols: usize,
         out: &mut [u16],
+        stride: usize,
     ) {
-        let kp = kp(k);
-        let np = out.len() / (kp * T);
-        assert!(np >= cols.div_ceil(T) && (k == 0 || (k - 1) * ldb + cols <= b.len()));
+        let np = cols.div_ceil(T);
+        assert!(even.len() >= cols && odd.len() >= cols);
+        assert!(np == 0 || (np - 1) * stride + 32 <= out.len());
         // Lane 2c takes column c of the even row (the low half), 2c + 1 column c of the odd one.
         let idx = _mm512_set_epi16(
             31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
             4, 19, 3, 18, 2, 17, 1, 16, 0,
         );
-        for g in 0..kp / 2 {
-            for q in 0..np {
-                let c0 = q * T;
-                let n = T.min(cols.saturating_sub(c0));
-                let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
-                let row = |p: usize| {
-                    if p < k && n > 0 {
-                        // SAFETY: row p < k holds `cols` floats (contract); masked lanes only.
-                        bf16x16(unsafe {
-                            _mm512_maskz_loadu_ps(mask, b.as_ptr().add(p * ldb + c0))
-                        })
-                    } else {
-                        _mm256_setzero_si256()
-                    }
-                };
-                let both =
-                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(row(2 * g)), row(2 * g + 1));
-                // SAFETY: panel q's pair g (32 elements) lies within `out` (np panels).
-                unsafe {
-                    _mm512_storeu_si512(
-                        out.as_mut_ptr().add(q * kp * T + g * 32) as *mut _,
-                        _mm512_permutexvar_epi16(idx, both),
-                    )
-                };
-            }
+        for q in 0..np {
+            let c0 = q * T;
+            let n = T.min(cols - c0);
+            let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
+            // SAFETY: columns c0..c0 + n < cols of both rows (asserted); masked lanes only.
+            let (e, o) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(mask, even.as_ptr().add(c0)),
+                    _mm512_maskz_loadu_ps(mask, odd.as_ptr().add(c0)),
+                )
+            };
+            let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(bf16x16(e)), bf16x16(o));
+            // SAFETY: panel q's 32 elements lie within `out` (asserted).
+            unsafe {
+                _mm512_storeu_si512(
+                    out.as_mut_ptr().add(q * stride) as *mut _,
+                    _mm512_permutexvar_epi16(idx, both),
+                )
+            };
         }
     }
 }
