@@ -393,10 +393,13 @@ fn pack(x: Mat, rows: usize, kc: usize, w: usize, dst: &mut [f32]) {
         // time), copying each panel's share.
         let full = rows / w;
         let lanes = rows - full * w;
+        let vector = steps_in_registers(x, full, kc, w, dst);
         for p in 0..kc {
             let src = &x.data[p * x.cs..];
-            for q in 0..full {
-                copy_lanes(&mut dst[q * kc * w + p * w..][..w], &src[q * w..][..w]);
+            if !vector {
+                for q in 0..full {
+                    copy_lanes(&mut dst[q * kc * w + p * w..][..w], &src[q * w..][..w]);
+                }
             }
             if lanes > 0 {
                 let o = &mut dst[full * kc * w + p * w..][..w];
@@ -430,6 +433,20 @@ fn pack(x: Mat, rows: usize, kc: usize, w: usize, dst: &mut [f32]) {
                 }
             }
         }
+    }
+}
+
+/// The whole panels of an operand with contiguous lanes (`rs == 1`) packed with AVX-512 loads
+/// and stores, if the CPU has it (else false, nothing written).
+fn steps_in_registers(x: Mat, full: usize, kc: usize, w: usize, dst: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        crate::cpu::features().avx512() && x86::pack_steps(x.data, x.cs, full, kc, w, dst)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (x, full, kc, w, dst);
+        false
     }
 }
 

@@ -457,6 +457,54 @@ fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
     out
 }
 
+/// Packs the `full` whole panels of `w` (16 or 32) lanes of an operand whose lanes are
+/// contiguous (step `p`'s lanes at `src[p * cs..]`): `dst[q * kc * w + p * w..][..w]` =
+/// `src[p * cs + q * w..][..w]`, in registers (per-step copies this small were library calls).
+/// Returns false (and writes nothing) when the CPU lacks AVX-512F or `w` is another width.
+pub fn pack_steps(
+    src: &[f32],
+    cs: usize,
+    full: usize,
+    kc: usize,
+    w: usize,
+    dst: &mut [f32],
+) -> bool {
+    if !(w == 16 || w == 32) || !is_x86_feature_detected!("avx512f") {
+        return false;
+    }
+    if full == 0 || kc == 0 {
+        return true;
+    }
+    assert!((kc - 1) * cs + full * w <= src.len() && full * kc * w <= dst.len());
+    // SAFETY: AVX-512F is present; the assert bounds every read and write made.
+    unsafe { pack_steps_avx512(src.as_ptr(), cs, full, kc, w, dst.as_mut_ptr()) };
+    true
+}
+
+/// # Safety
+/// As [`pack_steps`]'s assert, and the CPU supports AVX-512F.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_steps_avx512(
+    src: *const f32,
+    cs: usize,
+    full: usize,
+    kc: usize,
+    w: usize,
+    dst: *mut f32,
+) {
+    for p in 0..kc {
+        for q in 0..full {
+            for v in (0..w).step_by(16) {
+                // SAFETY: step p < kc, lanes q * w + v + 16 <= full * w: inside both (contract).
+                unsafe {
+                    let x = _mm512_loadu_ps(src.add(p * cs + q * w + v));
+                    _mm512_storeu_ps(dst.add(q * kc * w + p * w + v), x);
+                }
+            }
+        }
+    }
+}
+
 /// Packs one panel from `lanes` rows that are contiguous along K (row `r` at
 /// `src[r * rs..][..kc]`): `out[p * w + r]`, zero for `r >= lanes`. Returns false (and writes
 /// nothing) when the CPU lacks AVX-512F.
