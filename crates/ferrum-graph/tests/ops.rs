@@ -408,3 +408,66 @@ fn view_ops_move_a_last_read_value_and_copy_one_read_again() {
         assert_eq!(t(3).as_slice::<f32>().unwrap(), &x[..]);
     }
 }
+
+#[test]
+fn transposes_that_keep_memory_order_are_views_and_others_move_elements() {
+    // At batch 1, PyTorch's batch-first / sequence-first swaps (perm [1, 0, 2] on 1 x 2 x 3)
+    // keep every element where it is: the executor moves the value under its new shape when
+    // the Transpose is its last reader (a), and copies it otherwise (d, read again by c's
+    // real transpose, [0, 2, 1]).
+    let mp = model(
+        vec![
+            node("Relu", &["x"], &["y"], vec![]),
+            node(
+                "Transpose",
+                &["y"],
+                &["d"],
+                vec![attr_ints("perm", &[1, 0, 2])],
+            ),
+            node(
+                "Transpose",
+                &["y"],
+                &["c"],
+                vec![attr_ints("perm", &[0, 2, 1])],
+            ),
+            node(
+                "Transpose",
+                &["y"],
+                &["a"],
+                vec![attr_ints("perm", &[1, 0, 2])],
+            ),
+            node("Neg", &["a"], &["b"], vec![]),
+        ],
+        vec![value("x", 1, &[Some(1), Some(2), Some(3)])],
+        ["d", "b", "c"]
+            .iter()
+            .map(|n| {
+                let mut v = value(n, 1, &[]);
+                v.r#type = None;
+                v
+            })
+            .collect(),
+        vec![],
+        13,
+    );
+    let x = vec![-1.0f32, 2.0, -3.0, 4.0, 5.0, -6.0];
+    let relu: Vec<f32> = x.iter().map(|v| v.max(0.0)).collect();
+    let s = Session::from_bytes(&encode(&mp)).unwrap();
+    for _ in 0..2 {
+        let out = s
+            .run(vec![(
+                "x".into(),
+                Value::Tensor(Tensor::from_vec(vec![1, 2, 3], x.clone()).unwrap()),
+            )])
+            .unwrap();
+        let t = |i: usize| out[i].1.tensor().unwrap().clone();
+        assert_eq!(t(0).shape(), &[2, 1, 3]);
+        assert_eq!(t(0).as_slice::<f32>().unwrap(), &relu[..]);
+        assert_eq!(t(1).shape(), &[2, 1, 3]);
+        let neg: Vec<f32> = relu.iter().map(|v| -v).collect();
+        assert_eq!(t(1).as_slice::<f32>().unwrap(), &neg[..]);
+        assert_eq!(t(2).shape(), &[1, 3, 2]);
+        let want: Vec<f32> = [0, 3, 1, 4, 2, 5].iter().map(|&i| relu[i]).collect();
+        assert_eq!(t(2).as_slice::<f32>().unwrap(), &want[..]);
+    }
+}

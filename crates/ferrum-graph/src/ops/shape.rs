@@ -213,17 +213,38 @@ fn flatten_dims(cx: &Ctx) -> Result<Vec<usize>> {
     Ok(vec![outer, x.len().checked_div(outer).unwrap_or(0)])
 }
 
-/// The output dims of a view op (Reshape, Flatten, Squeeze, Unsqueeze: the same elements in
-/// the same order under another shape); `None` for other ops. The executor uses it to reshape
-/// a value it can move instead of copying it.
+/// The output dims of a view op (Reshape, Flatten, Squeeze, Unsqueeze, and a Transpose that
+/// only moves dims of size 1: the same elements in the same order under another shape); `None`
+/// for other ops. The executor uses it to reshape a value it can move instead of copying it.
 pub fn view_dims(cx: &Ctx) -> Option<Result<Vec<usize>>> {
     Some(match cx.node.op.as_str() {
         "Reshape" => reshape_dims(cx),
         "Flatten" => flatten_dims(cx),
         "Squeeze" => squeeze_dims(cx),
         "Unsqueeze" => unsqueeze_dims(cx),
+        "Transpose" => return order_keeping_transpose(cx).map(Ok),
         _ => return None,
     })
+}
+
+/// A Transpose's output dims when its permutation keeps the elements' memory order (the dims
+/// larger than 1 stay in order: PyTorch's batch-first / sequence-first swaps at batch 1), else
+/// `None` (including an invalid permutation, left for the op to report).
+fn order_keeping_transpose(cx: &Ctx) -> Option<Vec<usize>> {
+    let x = cx.t(0).ok()?;
+    let r = x.rank();
+    let perm: Vec<usize> = match cx.aints("perm") {
+        Some(p) => p.iter().map(|&a| axis(a, r).ok()).collect::<Option<_>>()?,
+        None => (0..r).rev().collect(),
+    };
+    let mut seen = vec![false; r];
+    if perm.len() != r || perm.iter().any(|&p| std::mem::replace(&mut seen[p], true)) {
+        return None;
+    }
+    let big: Vec<usize> = perm.iter().copied().filter(|&p| x.shape()[p] > 1).collect();
+    big.windows(2)
+        .all(|w| w[0] < w[1])
+        .then(|| perm.iter().map(|&p| x.shape()[p]).collect())
 }
 
 fn concat(ts: &[&Tensor], ax: i64) -> Result<Tensor> {
