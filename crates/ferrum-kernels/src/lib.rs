@@ -12,6 +12,7 @@
 //! - [`pool`]: the thread pool every parallel kernel runs on (`--threads`).
 //! - [`cpu`]: the CPU's features and kernel tier, read once (with the environment's overrides).
 
+mod aligned;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 pub mod attention;

@@ -20,6 +20,7 @@
 //! operands is the reference the randomized tests hold it to.
 
 use super::{write_tile, Act, CPtr, Mat, Out, TileEpi};
+use crate::aligned::Aligned;
 use crate::pool;
 use crate::quant::blocks::f32_to_bf16_bits;
 
@@ -43,29 +44,30 @@ pub(super) struct Bf16Operand {
     /// Rows of `X` (A's `m`, or B's `n`) and the inner dimension.
     pub(super) rows: usize,
     pub(super) k: usize,
-    data: Vec<u16>,
+    /// 64-byte aligned (every tile row within one cache line).
+    data: Aligned,
 }
 
 impl Bf16Operand {
     /// `x` (`rows x k`) in the rows arrangement (the A side).
     pub(super) fn rows(x: Mat, rows: usize, k: usize) -> Bf16Operand {
         x.check(rows, k, "bf16 operand");
-        let mut data = vec![0u16; len(rows, k)];
-        fill_rows(x, rows, k, &mut data);
+        let mut data = Aligned::zeroed(2 * len(rows, k));
+        fill_rows(x, rows, k, data.u16s_mut());
         Bf16Operand { rows, k, data }
     }
 
     /// `x` (`rows x k`, B transposed) in the panels arrangement (the B side).
     pub(super) fn panels(x: Mat, rows: usize, k: usize) -> Bf16Operand {
         x.check(rows, k, "bf16 operand");
-        let mut data = vec![0u16; len(rows, k)];
-        fill_panels(x, rows, k, &mut data);
+        let mut data = Aligned::zeroed(2 * len(rows, k));
+        fill_panels(x, rows, k, data.u16s_mut());
         Bf16Operand { rows, k, data }
     }
 
     /// Bytes held.
     pub(super) fn size_bytes(&self) -> usize {
-        2 * self.data.len()
+        self.data.len()
     }
 }
 
@@ -226,7 +228,7 @@ pub(super) struct Dest<'a> {
 
 thread_local! {
     /// The calling thread's buffers for the operands rounded at the call (A, B).
-    static BUF: RefCell<(Vec<u16>, Vec<u16>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static BUF: RefCell<(Aligned, Aligned)> = RefCell::new(Default::default());
 }
 
 /// `C = act(alpha A B (+ C) + bias)` for A `m x k` and B given as `X = B^T` (`n x k`), at most
@@ -248,31 +250,25 @@ pub(super) fn gemm(m: usize, n: usize, k: usize, a: Src, b: Src, d: &Dest, threa
         let mut bufs = cell.borrow_mut();
         let (abuf, bbuf) = &mut *bufs;
         let ad: &[u16] = match a {
-            Src::Ready(o) => &o.data,
+            Src::Ready(o) => o.data.u16s(),
             Src::Raw(x) => {
-                let v = at_least(abuf, len(m, k));
+                abuf.resize_for(2 * len(m, k));
+                let v = abuf.u16s_mut();
                 fill_rows(x, m, k, v);
                 v
             }
         };
         let bd: &[u16] = match b {
-            Src::Ready(o) => &o.data,
+            Src::Ready(o) => o.data.u16s(),
             Src::Raw(x) => {
-                let v = at_least(bbuf, len(n, k));
+                bbuf.resize_for(2 * len(n, k));
+                let v = bbuf.u16s_mut();
                 fill_panels(x, n, k, v);
                 v
             }
         };
         run(m, n, k, ad, bd, d, threads);
     });
-}
-
-/// Grows `v` to at least `n` elements (the fills write every element they are given).
-fn at_least(v: &mut Vec<u16>, n: usize) -> &mut [u16] {
-    if v.len() < n {
-        v.resize(n, 0);
-    }
-    &mut v[..n]
 }
 
 /// The blocked product over laid-out operands (see the module notes).
@@ -617,7 +613,7 @@ mod tests {
             for i in 0..rows.next_multiple_of(T) {
                 for p in 0..kp {
                     let w = if i < rows && p < k { want(i, p) } else { 0 };
-                    assert_eq!(r.data[i * kp + p], w, "rows ({i}, {p}) of {rows} x {k}");
+                    assert_eq!(r.data.u16s()[i * kp + p], w, "rows ({i}, {p}) of {rows} x {k}");
                 }
             }
             // Panels of X = B^T: B row-major (`x.rs == 1`, the vector path where the CPU has
@@ -634,7 +630,7 @@ mod tests {
                             0
                         };
                         let at = (i / T) * kp * T + (q / 2) * 32 + (i % T) * 2 + q % 2;
-                        assert_eq!(p.data[at], w, "panels ({i}, {q}) of {rows} x {k}");
+                        assert_eq!(p.data.u16s()[at], w, "panels ({i}, {q}) of {rows} x {k}");
                     }
                 }
             }

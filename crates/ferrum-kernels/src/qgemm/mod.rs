@@ -46,6 +46,7 @@ mod x86;
 
 use std::cell::RefCell;
 
+use crate::aligned::Aligned;
 use crate::{cpu, pool};
 
 /// How a [`PackedI8`] lies in memory (see the module notes), and so which kernels read it.
@@ -124,8 +125,9 @@ pub struct PackedI8 {
     /// `k` rounded up to the layout's multiple (4, or 64 for `Tiles`).
     kp: usize,
     layout: Layout,
-    /// `Quads`, `Tiles`: the bytes; `Pairs`: empty.
-    data: Vec<i8>,
+    /// `Quads`, `Tiles`: the bytes (64-byte aligned: a tile row within one cache line);
+    /// `Pairs`: empty.
+    data: Aligned,
     /// `Pairs`: the 16-bit values; else empty.
     wide: Vec<i16>,
     /// Per column: the sum of its stored (signed) bytes.
@@ -152,7 +154,7 @@ impl PackedI8 {
         let kp = k.div_ceil(layout.k_align()) * layout.k_align();
         let (w, step) = (layout.panel(), layout.step());
         let len = n.div_ceil(w) * kp * w;
-        let mut data = vec![0i8; if layout.bytes() { len } else { 0 }];
+        let mut data = Aligned::zeroed(if layout.bytes() { len } else { 0 });
         let mut wide = vec![0i16; if layout.bytes() { 0 } else { len }];
         let mut col_sums = vec![0i32; n];
         let offset = if matches!(b, Bytes::U8(_)) { 128 } else { 0 };
@@ -177,7 +179,7 @@ impl PackedI8 {
             for (g, part) in col.chunks(step).enumerate() {
                 let at = base + g * step * w;
                 if layout.bytes() {
-                    data[at..at + part.len()].copy_from_slice(part);
+                    data.i8s_mut()[at..at + part.len()].copy_from_slice(part);
                 } else {
                     for (d, &v) in wide[at..at + part.len()].iter_mut().zip(part) {
                         *d = v as i16;
@@ -208,7 +210,7 @@ impl PackedI8 {
         let (w, step) = (self.layout.panel(), self.layout.step());
         let at = (j / w) * self.kp * w + (i / step) * step * w + (j % w) * step + i % step;
         if self.layout.bytes() {
-            self.data[at] as i32
+            self.data.i8s()[at] as i32
         } else {
             self.wide[at] as i32
         }
@@ -419,13 +421,16 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
         return;
     }
     // A's rows as the kernels read them: padded with zeros to B's `kp` (whole groups of 4, or of
-    // 64 for the tile unit).
+    // 64 for the tile unit); for the tile unit also copied when its rows do not start on cache
+    // lines (a tile row straddling two lines costs two).
     let padded;
-    let (adata, lda) = if k == b.kp {
+    let misaligned = kernel == Kernel::Amx
+        && (a.data.as_ptr() as usize % 64 != 0 || a.ld % 64 != 0);
+    let (adata, lda) = if k == b.kp && !misaligned {
         (a.data, a.ld)
     } else {
         padded = pad_rows(a.data, m, k, a.ld, b.kp);
-        (&padded[..], b.kp)
+        (padded.bytes(), b.kp)
     };
     let row_terms = row_terms(adata, m, k, lda, a.zero);
     // Everything else, given A widened to 16 bits (`kp` per row) when the AVX2 kernel runs.
@@ -545,10 +550,11 @@ pub fn use_amx() -> bool {
     use_vnni() && cpu::features().amx_int8
 }
 
-fn pad_rows(a: &[u8], m: usize, k: usize, ld: usize, kp: usize) -> Vec<u8> {
-    let mut v = vec![0u8; m * kp];
-    for i in 0..m {
-        v[i * kp..i * kp + k].copy_from_slice(&a[i * ld..i * ld + k]);
+/// A's rows copied `kp` apart (zeros past `k`) into 64-byte aligned memory.
+fn pad_rows(a: &[u8], m: usize, k: usize, ld: usize, kp: usize) -> Aligned {
+    let mut v = Aligned::zeroed(m * kp);
+    for (i, row) in v.bytes_mut().chunks_exact_mut(kp.max(1)).enumerate().take(m) {
+        row[..k].copy_from_slice(&a[i * ld..i * ld + k]);
     }
     v
 }

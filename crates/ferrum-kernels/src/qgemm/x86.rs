@@ -111,7 +111,7 @@ unsafe fn amx_block<const P: usize>(a: &[u8], lda: usize, i0: usize, p0: usize, 
     assert!(b.data.len() >= (p0 + P) * stride);
     let a0 = a.as_ptr().add(i0 * lda);
     let a1 = a0.add(16 * lda);
-    let b0 = b.data.as_ptr().add(p0 * stride) as *const u8;
+    let b0 = b.data.i8s().as_ptr().add(p0 * stride) as *const u8;
     // SAFETY (every asm block below): the tile configuration is loaded (contract); A tiles read
     // 16 rows of 64 bytes at `lda` apart from row i0 or i0 + 16, step kt's bytes 64kt..64kt + 64,
     // inside `a` (asserted: each row holds kp bytes); B tiles read 1 KiB (16 groups of 64 bytes)
@@ -374,7 +374,7 @@ unsafe fn tile<const R: usize, const P: usize>(
     let groups = b.kp / 4;
     let stride = b.kp * PANEL;
     assert!(p0 + P <= b.n.div_ceil(PANEL) && (i0 + R - 1) * lda + b.kp <= a.len());
-    let bp = b.data.as_ptr().add(p0 * stride);
+    let bp = b.data.i8s().as_ptr().add(p0 * stride);
     let ap = a.as_ptr().add(i0 * lda);
     let mut acc = [[_mm512_setzero_si512(); P]; R];
     for g in 0..groups {
