@@ -1,6 +1,6 @@
-//! Byte storage whose first byte is 64-byte aligned, viewed as `u8`, `i8` or `u16`: operands of
-//! the tile unit, whose 64-byte tile rows (at multiples of 64 from the start) then never straddle
-//! two cache lines. A large `Vec` sits 16 bytes into its pages, which made every AMX tile load
+//! Byte storage whose first byte is 64-byte aligned, viewed as `u8`, `i8`, `u16` or `f32`: packed
+//! GEMM operands, whose 64-byte tile rows and AVX-512 vectors (at multiples of 64 from the start)
+//! then never straddle two cache lines. A large `Vec` sits 16 bytes into its pages, which made every AMX tile load
 //! touch twice the lines, and whether an operand was aligned changed with the allocation
 //! history (bf16 ViT-B/16 at one thread: 95 or 120 ms from one build to the next).
 
@@ -23,6 +23,14 @@ impl std::fmt::Debug for Aligned {
 }
 
 impl Aligned {
+    /// No bytes.
+    pub const fn new() -> Aligned {
+        Aligned {
+            lines: Vec::new(),
+            len: 0,
+        }
+    }
+
     /// `n` zero bytes.
     pub fn zeroed(n: usize) -> Aligned {
         Aligned {
@@ -72,6 +80,20 @@ impl Aligned {
         unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<u16>(), self.len / 2) }
     }
 
+    /// The first `len / 4` f32 (native order).
+    pub fn f32s(&self) -> &[f32] {
+        // SAFETY: as in `bytes`; the start is 64-byte aligned (so f32-aligned), and every bit
+        // pattern is an f32.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<f32>(), self.len / 4) }
+    }
+
+    pub fn f32s_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as in `f32s`.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<f32>(), self.len / 4)
+        }
+    }
+
     pub fn u16s_mut(&mut self) -> &mut [u16] {
         // SAFETY: as in `u16s`.
         unsafe {
@@ -92,7 +114,10 @@ mod tests {
             assert!(a.bytes().iter().all(|&b| b == 0));
             assert_eq!(a.bytes().as_ptr() as usize % 64, 0);
             a.resize_for(2 * n + 2);
-            assert_eq!((a.u16s().len(), a.u16s().as_ptr() as usize % 64), (n + 1, 0));
+            assert_eq!(
+                (a.u16s().len(), a.u16s().as_ptr() as usize % 64),
+                (n + 1, 0)
+            );
             a.u16s_mut().fill(7);
             assert!(a.u16s().iter().all(|&v| v == 7));
             assert_eq!(a.i8s_mut().len(), 2 * n + 2);

@@ -613,7 +613,11 @@ mod tests {
             for i in 0..rows.next_multiple_of(T) {
                 for p in 0..kp {
                     let w = if i < rows && p < k { want(i, p) } else { 0 };
-                    assert_eq!(r.data.u16s()[i * kp + p], w, "rows ({i}, {p}) of {rows} x {k}");
+                    assert_eq!(
+                        r.data.u16s()[i * kp + p],
+                        w,
+                        "rows ({i}, {p}) of {rows} x {k}"
+                    );
                 }
             }
             // Panels of X = B^T: B row-major (`x.rs == 1`, the vector path where the CPU has

@@ -52,6 +52,7 @@ use std::sync::{Mutex, OnceLock};
 pub use bf16::supported as bf16_supported;
 pub use epilogue::{Act, Bias, Epilogue};
 
+use crate::aligned::Aligned;
 use crate::pool;
 
 /// Inner-dimension block: a packed B panel (`kc x NR`) is reused from L1 across a row block.
@@ -540,7 +541,8 @@ fn pack_whole(x: Mat, rows: usize, k: usize, w: usize, threads: usize, dst: &mut
 struct Packed {
     rows: usize,
     k: usize,
-    by_width: [OnceLock<Vec<f32>>; WIDTHS.len()],
+    /// 64-byte aligned (no vector load of a panel straddles two cache lines).
+    by_width: [OnceLock<Aligned>; WIDTHS.len()],
 }
 
 /// Every panel width a kernel uses (`MR`s and `NR`s).
@@ -556,8 +558,8 @@ fn width_index(w: usize) -> usize {
 impl Packed {
     fn new(x: Mat, rows: usize, k: usize, w: usize) -> Packed {
         x.check(rows, k, "packed operand");
-        let mut data = vec![0f32; packed_len(rows, k, w)];
-        pack_whole(x, rows, k, w, pool::threads(), &mut data);
+        let mut data = Aligned::zeroed(4 * packed_len(rows, k, w));
+        pack_whole(x, rows, k, w, pool::threads(), data.f32s_mut());
         let p = Packed {
             rows,
             k,
@@ -569,29 +571,32 @@ impl Packed {
 
     /// The operand in panels of `w`.
     fn get(&self, w: usize) -> &[f32] {
-        self.by_width[width_index(w)].get_or_init(|| {
-            let (sw, src) = WIDTHS
-                .iter()
-                .zip(&self.by_width)
-                .find_map(|(&sw, s)| Some((sw, s.get()?)))
-                .expect("gemm: a packed operand has one layout");
-            let (spad, pad) = (
-                self.rows.next_multiple_of(sw),
-                self.rows.next_multiple_of(w),
-            );
-            let mut out = vec![0f32; pad * self.k];
-            for pc in (0..self.k).step_by(kc()) {
-                let kc = kc().min(self.k - pc);
-                let (s, d) = (&src[pc * spad..], &mut out[pc * pad..]);
-                for i in 0..self.rows {
-                    let (so, doff) = ((i / sw) * kc * sw + i % sw, (i / w) * kc * w + i % w);
-                    for p in 0..kc {
-                        d[doff + p * w] = s[so + p * sw];
+        self.by_width[width_index(w)]
+            .get_or_init(|| {
+                let (sw, src) = WIDTHS
+                    .iter()
+                    .zip(&self.by_width)
+                    .find_map(|(&sw, s)| Some((sw, s.get()?)))
+                    .expect("gemm: a packed operand has one layout");
+                let (spad, pad) = (
+                    self.rows.next_multiple_of(sw),
+                    self.rows.next_multiple_of(w),
+                );
+                let src = src.f32s();
+                let mut out = Aligned::zeroed(4 * pad * self.k);
+                for pc in (0..self.k).step_by(kc()) {
+                    let kc = kc().min(self.k - pc);
+                    let (s, d) = (&src[pc * spad..], &mut out.f32s_mut()[pc * pad..]);
+                    for i in 0..self.rows {
+                        let (so, doff) = ((i / sw) * kc * sw + i % sw, (i / w) * kc * w + i % w);
+                        for p in 0..kc {
+                            d[doff + p * w] = s[so + p * sw];
+                        }
                     }
                 }
-            }
-            out
-        })
+                out
+            })
+            .f32s()
     }
 }
 
@@ -633,7 +638,7 @@ impl Repr {
                 .by_width
                 .iter()
                 .filter_map(|w| w.get())
-                .map(|v| 4 * v.len())
+                .map(|v| v.len())
                 .sum(),
             Repr::Bf16(b) => b.size_bytes(),
         }
@@ -787,17 +792,15 @@ struct Prob<'a> {
 
 thread_local! {
     /// Each thread's packing buffers for A and B blocks, kept between calls.
-    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static SCRATCH: RefCell<(Aligned, Aligned)> = const { RefCell::new((Aligned::new(), Aligned::new())) };
     /// The calling thread's buffers for operands (A, B) packed whole for all tasks.
-    static SHARED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static SHARED: RefCell<(Aligned, Aligned)> = const { RefCell::new((Aligned::new(), Aligned::new())) };
 }
 
 /// Grows `v` to at least `n` floats (contents unspecified: the packers write every float).
-fn at_least(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if v.len() < n {
-        v.resize(n, 0.0);
-    }
-    &mut v[..n]
+fn at_least(v: &mut Aligned, n: usize) -> &mut [f32] {
+    v.resize_for(4 * n);
+    v.f32s_mut()
 }
 
 /// One task's share of the product: rows `i0..i1` and columns `j0..j1` of C. Where a side is
@@ -1012,7 +1015,13 @@ unsafe fn run_product<K: Micro>(p: &Prob, threads: usize) {
         unsafe { run_block::<K>(q, i0, i1, j0, j1) };
     });
     // Keep the buffers for the next call unless they are large.
-    let keep = |v: Vec<f32>| if v.len() <= 1 << 22 { v } else { Vec::new() };
+    let keep = |v: Aligned| {
+        if v.len() <= 4 << 22 {
+            v
+        } else {
+            Aligned::new()
+        }
+    };
     SHARED.with(|s| *s.borrow_mut() = (keep(sa), keep(sb)));
 }
 

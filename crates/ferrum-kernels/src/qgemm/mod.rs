@@ -424,8 +424,8 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
     // 64 for the tile unit); for the tile unit also copied when its rows do not start on cache
     // lines (a tile row straddling two lines costs two).
     let padded;
-    let misaligned = kernel == Kernel::Amx
-        && (a.data.as_ptr() as usize % 64 != 0 || a.ld % 64 != 0);
+    let misaligned =
+        kernel == Kernel::Amx && (a.data.as_ptr() as usize % 64 != 0 || a.ld % 64 != 0);
     let (adata, lda) = if k == b.kp && !misaligned {
         (a.data, a.ld)
     } else {
@@ -553,7 +553,12 @@ pub fn use_amx() -> bool {
 /// A's rows copied `kp` apart (zeros past `k`) into 64-byte aligned memory.
 fn pad_rows(a: &[u8], m: usize, k: usize, ld: usize, kp: usize) -> Aligned {
     let mut v = Aligned::zeroed(m * kp);
-    for (i, row) in v.bytes_mut().chunks_exact_mut(kp.max(1)).enumerate().take(m) {
+    for (i, row) in v
+        .bytes_mut()
+        .chunks_exact_mut(kp.max(1))
+        .enumerate()
+        .take(m)
+    {
         row[..k].copy_from_slice(&a[i * ld..i * ld + k]);
     }
     v
