@@ -613,7 +613,7 @@ pub enum Precision {
 
 /// A packed operand's data: f32 panels for the FMA kernels, or bf16 for the tile unit.
 enum Repr {
-    F32(Packed),
+    F32(Box<Packed>),
     Bf16(bf16::Bf16Operand),
 }
 
@@ -652,7 +652,7 @@ pub struct PackedA(Repr);
 
 impl PackedA {
     pub fn new(m: usize, k: usize, a: Mat) -> PackedA {
-        PackedA(Repr::F32(Packed::new(a, m, k, isa().tile().0)))
+        PackedA(Repr::F32(Box::new(Packed::new(a, m, k, isa().tile().0))))
     }
 
     /// Packed in `precision` (products with a [`Precision::Bf16`] operand need
@@ -692,7 +692,12 @@ pub struct PackedB(Repr);
 
 impl PackedB {
     pub fn new(k: usize, n: usize, b: Mat) -> PackedB {
-        PackedB(Repr::F32(Packed::new(b.t(), n, k, isa().tile().1)))
+        PackedB(Repr::F32(Box::new(Packed::new(
+            b.t(),
+            n,
+            k,
+            isa().tile().1,
+        ))))
     }
 
     /// Packed in `precision` (products with a [`Precision::Bf16`] operand need

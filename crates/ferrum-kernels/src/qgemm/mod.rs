@@ -424,8 +424,8 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
     // 64 for the tile unit); for the tile unit also copied when its rows do not start on cache
     // lines (a tile row straddling two lines costs two).
     let padded;
-    let misaligned =
-        kernel == Kernel::Amx && (a.data.as_ptr() as usize % 64 != 0 || a.ld % 64 != 0);
+    let misaligned = kernel == Kernel::Amx
+        && (!(a.data.as_ptr() as usize).is_multiple_of(64) || !a.ld.is_multiple_of(64));
     let (adata, lda) = if k == b.kp && !misaligned {
         (a.data, a.ld)
     } else {
