@@ -1,5 +1,5 @@
-//! The opt-in bf16 product ([`super::Precision::Bf16`]): both operands rounded to bf16 (round
-//! to nearest even, as `f32_to_bf16_bits` (the GGUF bf16 rounding)), products exact, sums in f32, on the
+//! The opt-in bf16 product ([`super::Precision::Bf16`]): both operands rounded to bf16 (to
+//! nearest even, the GGUF rounding of `f32_to_bf16_bits`), products exact, sums in f32, on the
 //! AMX tile unit (`tdpbf16ps`: per step a 16 x 16 f32 C tile += a 16 x 32 A tile times a
 //! 32 x 16 B tile, the 32 in pairs).
 //!
