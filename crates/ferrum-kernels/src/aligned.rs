@@ -11,7 +11,7 @@ struct Line([u8; 64]);
 
 /// 64-byte aligned bytes (see the module notes).
 #[derive(Clone, Default)]
-pub(crate) struct Aligned {
+pub struct Aligned {
     lines: Vec<Line>,
     len: usize,
 }
@@ -50,6 +50,10 @@ impl Aligned {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     pub fn bytes(&self) -> &[u8] {

@@ -9,10 +9,11 @@
 //! - [`attention`]: causal attention over an f16 KV cache.
 //! - [`machine`]: measured ceilings (peak FMA, memory and cache bandwidth).
 //! - [`profile`]: per-operator timing with FLOPs and bytes (`ferrum profile`).
+//! - [`aligned`]: 64-byte aligned byte buffers for GEMM operands.
 //! - [`pool`]: the thread pool every parallel kernel runs on (`--threads`).
 //! - [`cpu`]: the CPU's features and kernel tier, read once (with the environment's overrides).
 
-mod aligned;
+pub mod aligned;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 pub mod attention;

@@ -3,6 +3,7 @@
 
 use std::cell::RefCell;
 
+use ferrum_kernels::aligned::Aligned;
 use ferrum_kernels::pool;
 use ferrum_kernels::qgemm::{self, Bytes, PackedI8};
 
@@ -482,15 +483,14 @@ fn conv_epi(cx: &Ctx, kind: ConvKind, epi: Epi) -> Result<Tensor> {
 
 thread_local! {
     /// [`qlinear_conv_fast`]'s byte buffers, kept by each thread that runs one.
-    static SCRATCH: RefCell<[Vec<u8>; 3]> = RefCell::new(Default::default());
+    static SCRATCH: RefCell<[Aligned; 3]> = RefCell::new(Default::default());
 }
 
-/// The first `len` bytes of `v`, grown (with zeros) when shorter.
-fn scratch(v: &mut Vec<u8>, len: usize) -> &mut [u8] {
-    if v.len() < len {
-        v.resize(len, 0);
-    }
-    &mut v[..len]
+/// The first `len` bytes of `v`, grown (with zeros) when shorter; 64-byte aligned, so the
+/// integer GEMM's tile unit reads A's rows in place (it copies a misaligned A).
+fn scratch(v: &mut Aligned, len: usize) -> &mut [u8] {
+    v.resize_for(len);
+    v.bytes_mut()
 }
 
 /// `src` (`rows x cols` bytes) transposed into `dst` (`cols x rows`), each byte `^ flip`.
