@@ -150,6 +150,29 @@ fn packed(
     (a, b): (&[f32], &[f32]),
 ) {
     let mut c = vec![0f32; m * n];
+    let mut product = |lhs: Lhs, rhs: Rhs| {
+        gemm_ex_with(
+            isa,
+            t,
+            m,
+            n,
+            k,
+            1.0,
+            lhs,
+            rhs,
+            0.0,
+            &mut c,
+            n,
+            &Epilogue::NONE,
+        )
+    };
+    let report = |p: Precision, what: &str, s: f64| {
+        let gf = 2.0 * (m * n * k) as f64 / s / 1e9;
+        println!(
+            "{t} threads {p:?} {what} {m}x{n}x{k}: {:.3} ms, {gf:.1} GFLOP/s",
+            s * 1e3
+        );
+    };
     let mut precisions = vec![Precision::F32];
     if bf16_supported() {
         precisions.push(Precision::Bf16);
@@ -162,58 +185,20 @@ fn packed(
             ("B packed", Lhs::Mat(am), Rhs::Packed(&pb)),
             ("A packed", Lhs::Packed(&pa), Rhs::Mat(bm)),
         ] {
-            let s = time(reps, || {
-                gemm_ex_with(
-                    isa,
-                    t,
-                    m,
-                    n,
-                    k,
-                    1.0,
-                    lhs,
-                    rhs,
-                    0.0,
-                    &mut c,
-                    n,
-                    &Epilogue::NONE,
-                )
-            });
-            let gf = 2.0 * (m * n * k) as f64 / s / 1e9;
-            println!(
-                "{t} threads {p:?} {what} {m}x{n}x{k}: {:.3} ms, {gf:.1} GFLOP/s",
-                s * 1e3
-            );
+            report(p, what, time(reps, || product(lhs, rhs)));
         }
         // B packed, a different copy at each run (the copies together well past the last-level
         // cache): the weights come from memory, as in a network's forward pass.
         let copies = ((1usize << 30) / pb.size_bytes().max(1)).clamp(2, 256);
         let cold: Vec<PackedB> = (0..copies)
-            .map(|_| PackedB::with_precision(k, n, Mat::row_major(b, n), p))
+            .map(|_| PackedB::with_precision(k, n, bm, p))
             .collect();
         let mut next = 0;
         let s = time(reps.max(copies), || {
-            let rhs = Rhs::Packed(&cold[next % copies]);
             next += 1;
-            gemm_ex_with(
-                isa,
-                t,
-                m,
-                n,
-                k,
-                1.0,
-                Lhs::Mat(Mat::row_major(a, k)),
-                rhs,
-                0.0,
-                &mut c,
-                n,
-                &Epilogue::NONE,
-            )
+            product(Lhs::Mat(am), Rhs::Packed(&cold[(next - 1) % copies]))
         });
-        let gf = 2.0 * (m * n * k) as f64 / s / 1e9;
-        println!(
-            "{t} threads {p:?} B packed, from memory {m}x{n}x{k}: {:.3} ms, {gf:.1} GFLOP/s",
-            s * 1e3
-        );
+        report(p, "B packed, from memory", s);
     }
 }
 

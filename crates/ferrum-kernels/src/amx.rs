@@ -43,3 +43,47 @@ pub(crate) unsafe fn release() {
     // SAFETY: the CPU has AMX (contract).
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
+
+/// Zeroes the C tiles, tmm0-3.
+///
+/// # Safety
+/// As [`configure`], with the configuration loaded.
+#[inline]
+pub(crate) unsafe fn zero_c() {
+    // SAFETY: the configuration is loaded (contract); touches tile registers only.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem)
+        )
+    };
+}
+
+/// Stores C tile `tmm{t}` (`t < 4`) as 16 rows of 64 bytes at `dst`.
+///
+/// # Safety
+/// As [`zero_c`]; `dst` is writable for 1 KiB.
+#[inline]
+pub(crate) unsafe fn store_c(t: usize, dst: *mut u8) {
+    // SAFETY: 16 rows of 64 bytes, 64 apart, inside the caller's 1 KiB (contract).
+    unsafe {
+        match t {
+            0 => {
+                asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) dst, s = in(reg) 64usize, options(nostack))
+            }
+            1 => {
+                asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) dst, s = in(reg) 64usize, options(nostack))
+            }
+            2 => {
+                asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) dst, s = in(reg) 64usize, options(nostack))
+            }
+            3 => {
+                asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) dst, s = in(reg) 64usize, options(nostack))
+            }
+            _ => unreachable!("C tiles are tmm0-3"),
+        }
+    };
+}

@@ -423,13 +423,7 @@ mod x86 {
         unsafe {
             let a1 = a0.add(T * kp);
             let b1 = b0.add(T * kp);
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
-            );
+            crate::amx::zero_c();
             for s in 0..kp / KSTEP {
                 asm!(
                     "tileloadd tmm4, [{a} + {lda}*1]",
@@ -463,15 +457,9 @@ mod x86 {
                     }
                 }
             }
-            let st = |t: &mut Tile| t.0.as_mut_ptr() as *mut u8;
-            asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) st(&mut c[0]), s = in(reg) 64usize, options(nostack));
-            if R == 2 {
-                asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) st(&mut c[1]), s = in(reg) 64usize, options(nostack));
-            }
-            if P == 2 {
-                asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) st(&mut c[2]), s = in(reg) 64usize, options(nostack));
-                if R == 2 {
-                    asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) st(&mut c[3]), s = in(reg) 64usize, options(nostack));
+            for (t, tile) in c.iter_mut().enumerate() {
+                if t % 2 < R && t / 2 < P {
+                    crate::amx::store_c(t, tile.0.as_mut_ptr().cast());
                 }
             }
         }

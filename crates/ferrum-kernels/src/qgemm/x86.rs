@@ -116,13 +116,7 @@ unsafe fn amx_block<const P: usize>(a: &[u8], lda: usize, i0: usize, p0: usize, 
     // 16 rows of 64 bytes at `lda` apart from row i0 or i0 + 16, step kt's bytes 64kt..64kt + 64,
     // inside `a` (asserted: each row holds kp bytes); B tiles read 1 KiB (16 groups of 64 bytes)
     // of panel p0 or p0 + 1 at offset 1024kt, inside `b.data` (asserted).
-    asm!(
-        "tilezero tmm0",
-        "tilezero tmm1",
-        "tilezero tmm2",
-        "tilezero tmm3",
-        options(nostack, nomem)
-    );
+    crate::amx::zero_c();
     for kt in 0..b.kp / 64 {
         asm!(
             "tileloadd tmm4, [{a0} + {lda}*1]",
@@ -150,22 +144,8 @@ unsafe fn amx_block<const P: usize>(a: &[u8], lda: usize, i0: usize, p0: usize, 
     }
     let mut c = Aligned([[0i32; PANEL]; 16]);
     for t in 0..2 * P {
-        let cp = c.0.as_mut_ptr() as *mut u8;
-        // SAFETY: `c` holds 16 rows of 64 bytes.
-        match t {
-            0 => {
-                asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) cp, s = in(reg) 64usize, options(nostack))
-            }
-            1 => {
-                asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) cp, s = in(reg) 64usize, options(nostack))
-            }
-            2 => {
-                asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) cp, s = in(reg) 64usize, options(nostack))
-            }
-            _ => {
-                asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) cp, s = in(reg) 64usize, options(nostack))
-            }
-        }
+        // SAFETY: `c` holds 16 rows of 64 bytes; tiles 0..2P hold this block's sums.
+        crate::amx::store_c(t, c.0.as_mut_ptr().cast());
         let (r0, j0) = (i0 + 16 * (t % 2), (p0 + t / 2) * PANEL);
         if j0 + PANEL <= b.n {
             let cols = Cols16::new(fin, j0);
