@@ -44,7 +44,9 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0)]
     pub repeat: usize,
     /// With --repeat: also print the time spent per op type over the timed runs (fused nodes
-    /// under their fused name, e.g. com.ferrum.FusedConv).
+    /// under their fused name, e.g. com.ferrum.FusedConv), then the 20 slowest nodes: time per
+    /// run, share, achieved GFLOP/s (for ops with an operation count: products, convolutions,
+    /// pools, normalisations, elementwise) and the shapes each ran with.
     #[arg(long)]
     pub profile: bool,
     /// Graph optimisation level, as ONNX Runtime's: 0 runs the graph as imported; 1 folds
@@ -200,6 +202,7 @@ fn run_inner(a: RunArgs) -> Result<()> {
                     100.0 * s / total.max(1e-12)
                 );
             }
+            print_nodes(&ferrum_graph::exec::node_profile(), a.repeat, total);
             ferrum_graph::exec::set_op_profiling(false);
         }
         outs
@@ -546,4 +549,52 @@ fn inspect_inner(a: InspectArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The `--profile` table of the slowest nodes: time per run, share of all node time, achieved
+/// GFLOP/s where the op has an operation count, and the shapes the node ran with.
+fn print_nodes(nodes: &[ferrum_graph::exec::NodeTime], repeat: usize, total: f64) {
+    const SHOWN: usize = 20;
+    let dims = |d: &[usize]| {
+        d.iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join("x")
+    };
+    println!(
+        "\nslowest nodes ({} of {}):\n{:>10} {:>6} {:>8}  {:<24} {:<32} shapes (input -> output)",
+        SHOWN.min(nodes.len()),
+        nodes.len(),
+        "ms/run",
+        "share",
+        "GFLOP/s",
+        "op",
+        "node"
+    );
+    for n in nodes.iter().take(SHOWN) {
+        let gflops = if n.flops > 0.0 && n.seconds > 0.0 {
+            let g = n.flops / n.seconds * 1e-9;
+            if g >= 1.0 {
+                format!("{g:.1}")
+            } else {
+                format!("{g:.4}")
+            }
+        } else {
+            "-".into()
+        };
+        let mut name = n.name.clone();
+        if name.chars().count() > 32 {
+            name = name.chars().take(31).collect::<String>() + "~";
+        }
+        println!(
+            "{:>10.3} {:>5.1}% {:>8}  {:<24} {:<32} {} -> {}",
+            n.seconds * 1e3 / repeat.max(1) as f64,
+            100.0 * n.seconds / total.max(1e-12),
+            gflops,
+            n.op,
+            name,
+            dims(&n.input),
+            dims(&n.output)
+        );
+    }
 }

@@ -279,6 +279,26 @@ fn run_repeat_prints_timing_and_profile_and_keeps_outputs() {
         stdout.contains("MatMul") && stdout.contains("Softmax"),
         "{stdout}"
     );
+    // The per-node table: the MatMul with its achieved GFLOP/s and the shapes it ran with.
+    let nodes = stdout
+        .split_once("slowest nodes (")
+        .map(|(_, t)| t)
+        .unwrap_or_else(|| panic!("no node table: {stdout}"));
+    let matmul = nodes
+        .lines()
+        .find(|l| {
+            l.split_whitespace()
+                .nth(3)
+                .is_some_and(|o| o.ends_with("MatMul"))
+        })
+        .unwrap_or_else(|| panic!("no MatMul row: {stdout}"));
+    let cols: Vec<&str> = matmul.split_whitespace().collect();
+    assert!(
+        cols[0].parse::<f64>().is_ok()
+            && cols[2].parse::<f64>().is_ok_and(|g| g >= 0.0)
+            && matmul.contains("2x3 -> 2x"),
+        "{matmul}"
+    );
     let y = read_pb(&d.path("out/output_0.pb"));
     for (a, b) in y.to_f64_vec().unwrap().iter().zip(expected(&x)) {
         assert!((a - b).abs() < 1e-6, "{a} vs {b}");

@@ -54,12 +54,83 @@ impl<'a> Env<'a> {
 
 static PROFILING: AtomicBool = AtomicBool::new(false);
 static PROFILE: Mutex<BTreeMap<String, (usize, f64)>> = Mutex::new(BTreeMap::new());
+/// Per node (keyed by its address, stable while the graph lives): what [`node_profile`] returns.
+static NODES: Mutex<BTreeMap<usize, NodeTime>> = Mutex::new(BTreeMap::new());
+
+/// One node's share of the profiled runs (see [`set_op_profiling`]).
+#[derive(Clone, Debug, Default)]
+pub struct NodeTime {
+    /// The node's name (or `op#index` when the file gives none).
+    pub name: String,
+    /// Its op type, fused nodes under their fused name.
+    pub op: String,
+    /// Its first input's shape and its first output's shape, as last run.
+    pub input: Vec<usize>,
+    pub output: Vec<usize>,
+    /// Times it ran, and the seconds and floating-point operations (multiply-add = 2, from the
+    /// shapes it ran with; 0 for ops without an estimate) over those runs.
+    pub runs: usize,
+    pub seconds: f64,
+    pub flops: f64,
+}
 
 /// Turns per-op-type timing on or off (off by default; on, every node run is timed) and clears
 /// what was recorded.
 pub fn set_op_profiling(on: bool) {
     PROFILING.store(on, Ordering::Relaxed);
     PROFILE.lock().unwrap().clear();
+    NODES.lock().unwrap().clear();
+}
+
+/// Per node: its runs, time and operations since profiling was turned on, most expensive first.
+pub fn node_profile() -> Vec<NodeTime> {
+    let mut v: Vec<NodeTime> = NODES.lock().unwrap().values().cloned().collect();
+    v.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+    v
+}
+
+/// Records one timed run of `node`, whose inputs are still in `env` and whose outputs are `outs`.
+fn record(node: &Node, env: &Env, outs: &[Option<Value>], seconds: f64) {
+    let shape = |v: Option<&Value>| match v {
+        Some(Value::Tensor(t)) => Some(t.shape().to_vec()),
+        _ => None,
+    };
+    let mut shapes = crate::infer::Shapes::default();
+    for id in node.inputs.iter().flatten() {
+        if let Some(s) = shape(env.get(*id)) {
+            shapes.shapes.insert(*id, s);
+        }
+    }
+    for (id, v) in node.outputs.iter().zip(outs) {
+        if let (Some(id), Some(s)) = (id, shape(v.as_ref())) {
+            shapes.shapes.insert(*id, s);
+        }
+    }
+    let flops = crate::infer::node_flops(node, &shapes).unwrap_or(0.0);
+    let first = |ids: &[Option<ValueId>]| {
+        shapes
+            .get(ids.first().copied().flatten())
+            .cloned()
+            .unwrap_or_default()
+    };
+    let mut p = PROFILE.lock().unwrap();
+    let e = p.entry(node.op.clone()).or_default();
+    e.0 += 1;
+    e.1 += seconds;
+    drop(p);
+    let mut nodes = NODES.lock().unwrap();
+    let e = nodes
+        .entry(node as *const Node as usize)
+        .or_insert_with(|| NodeTime {
+            name: node.name.clone(),
+            op: node.op.clone(),
+            ..Default::default()
+        });
+    e.input = first(&node.inputs);
+    e.output = first(&node.outputs);
+    e.runs += 1;
+    e.seconds += seconds;
+    e.flops += flops;
 }
 
 /// Per op type: nodes run and seconds spent, most expensive first (see [`set_op_profiling`]).
@@ -98,10 +169,7 @@ pub fn run_graph<'a>(
             None => run_node(node, &env)?,
         };
         if let Some(t) = start {
-            let mut p = PROFILE.lock().unwrap();
-            let e = p.entry(node.op.clone()).or_default();
-            e.0 += 1;
-            e.1 += t.elapsed().as_secs_f64();
+            record(node, &env, &outs, t.elapsed().as_secs_f64());
         }
         for (slot, v) in node.outputs.iter().zip(outs) {
             if let (Some(id), Some(v)) = (slot, v) {
