@@ -40,6 +40,7 @@
 
 mod bf16;
 mod epilogue;
+pub mod patches;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
@@ -51,6 +52,7 @@ use std::sync::{Mutex, OnceLock};
 
 pub use bf16::supported as bf16_supported;
 pub use epilogue::{Act, Bias, Epilogue};
+pub use patches::Patches;
 
 use crate::aligned::Aligned;
 use crate::pool;
@@ -487,7 +489,7 @@ fn packed_len(rows: usize, k: usize, w: usize) -> usize {
 
 /// Packs all of `x` (`rows x k`) into `dst` in the blocked layout (see the module docs), on up to
 /// `threads` tasks that each write their own panels.
-fn pack_whole(x: Mat, rows: usize, k: usize, w: usize, threads: usize, dst: &mut [f32]) {
+fn pack_whole(x: Src, rows: usize, k: usize, w: usize, threads: usize, dst: &mut [f32]) {
     let pad = rows.next_multiple_of(w);
     let panels = pad / w;
     if pad * k == 0 {
@@ -501,7 +503,7 @@ fn pack_whole(x: Mat, rows: usize, k: usize, w: usize, threads: usize, dst: &mut
     let per = panels.div_ceil(groups);
     // One region per (K block, panel group), each a disjoint slice of `dst`.
     struct Region<'a, 'b> {
-        x: Mat<'a>,
+        x: Src<'a>,
         lanes: usize,
         kc: usize,
         out: &'b mut [f32],
@@ -526,7 +528,7 @@ fn pack_whole(x: Mat, rows: usize, k: usize, w: usize, threads: usize, dst: &mut
     let run = |t: usize| {
         let mut g = regions[t].lock().unwrap();
         let r = &mut *g;
-        pack(r.x, r.lanes, r.kc, w, r.out);
+        r.x.pack(r.lanes, r.kc, w, r.out);
     };
     if groups > 1 {
         pool::parallel_for(regions.len(), run);
@@ -559,7 +561,7 @@ impl Packed {
     fn new(x: Mat, rows: usize, k: usize, w: usize) -> Packed {
         x.check(rows, k, "packed operand");
         let mut data = Aligned::zeroed(4 * packed_len(rows, k, w));
-        pack_whole(x, rows, k, w, pool::threads(), data.f32s_mut());
+        pack_whole(Src::Mat(x), rows, k, w, pool::threads(), data.f32s_mut());
         let p = Packed {
             rows,
             k,
@@ -742,13 +744,50 @@ pub enum Lhs<'a> {
 pub enum Rhs<'a> {
     Mat(Mat<'a>),
     Packed(&'a PackedB),
+    /// A convolution's patch matrix, packed straight from the input image (implicit im2col;
+    /// f32 products only).
+    Patches(&'a Patches<'a>),
+}
+
+/// An operand packed block by block as the loop goes: a strided matrix, or the transposed patch
+/// matrix of a convolution (output positions as rows) seen from row `j0`, step `r0`.
+#[derive(Clone, Copy)]
+enum Src<'a> {
+    Mat(Mat<'a>),
+    Patches {
+        x: &'a Patches<'a>,
+        j0: usize,
+        r0: usize,
+    },
+}
+
+impl<'a> Src<'a> {
+    /// The operand starting at row `i`, step `p`.
+    fn offset(self, i: usize, p: usize) -> Src<'a> {
+        match self {
+            Src::Mat(m) => Src::Mat(m.offset(i, p)),
+            Src::Patches { x, j0, r0 } => Src::Patches {
+                x,
+                j0: j0 + i,
+                r0: r0 + p,
+            },
+        }
+    }
+
+    /// Packs `rows x kc` from the start into panels of `w` rows (see [`pack`]).
+    fn pack(self, rows: usize, kc: usize, w: usize, dst: &mut [f32]) {
+        match self {
+            Src::Mat(m) => pack(m, rows, kc, w, dst),
+            Src::Patches { x, j0, r0 } => patches::pack(x, j0, r0, rows, kc, w, dst),
+        }
+    }
 }
 
 /// One operand as the blocked loop reads it: `X` (`rows x k`; A, or B transposed).
 #[derive(Clone, Copy)]
 enum Side<'a> {
     /// Packed block by block as the loop goes.
-    Raw(Mat<'a>),
+    Raw(Src<'a>),
     /// Packed whole in the kernel's width (`pad` = rows rounded up to it).
     Whole(&'a [f32], usize),
     /// A packed operand, in whatever width the side needs.
@@ -833,7 +872,7 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                 (Some((d, pad)), _) => &d[pc * pad + jc * kc..],
                 (None, Side::Raw(x)) => {
                     let buf = at_least(&mut sb, nc.next_multiple_of(nr) * kc);
-                    pack(x.offset(jc, pc), nc, kc, nr, buf);
+                    x.offset(jc, pc).pack(nc, kc, nr, buf);
                     buf
                 }
                 (None, _) => unreachable!(),
@@ -844,7 +883,7 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     (Some((d, pad)), _) => &d[pc * pad + ic * kc..],
                     (None, Side::Raw(x)) => {
                         let buf = at_least(&mut sa, mc.next_multiple_of(mr) * kc);
-                        pack(x.offset(ic, pc), mc, kc, mr, buf);
+                        x.offset(ic, pc).pack(mc, kc, mr, buf);
                         buf
                     }
                     (None, _) => unreachable!(),
@@ -1241,6 +1280,12 @@ fn gemm_dst(
     match b {
         Rhs::Mat(v) => v.check(k, n, "B"),
         Rhs::Packed(p) => assert!(p.0.rows_k() == (n, k), "gemm: PackedB shape"),
+        Rhs::Patches(x) => assert!(
+            (x.rows(), x.cols()) == (k, n),
+            "gemm: patches of {} x {} for B of {k} x {n}",
+            x.rows(),
+            x.cols()
+        ),
     }
     let (row_bias, col_bias) = match epi.bias {
         Bias::None => (None, None),
@@ -1310,12 +1355,13 @@ fn gemm_dst(
     }
     // Both operands as X (rows x k): A, and B transposed.
     let xa = match a {
-        Lhs::Mat(v) => Side::Raw(v),
+        Lhs::Mat(v) => Side::Raw(Src::Mat(v)),
         Lhs::Packed(PackedA(Repr::F32(p))) => Side::Pre(p),
         Lhs::Packed(_) => unreachable!("bf16 handled above"),
     };
     let xb = match b {
-        Rhs::Mat(v) => Side::Raw(v.t()),
+        Rhs::Mat(v) => Side::Raw(Src::Mat(v.t())),
+        Rhs::Patches(x) => Side::Raw(Src::Patches { x, j0: 0, r0: 0 }),
         Rhs::Packed(PackedB(Repr::F32(p))) => Side::Pre(p),
         Rhs::Packed(_) => unreachable!("bf16 handled above"),
     };
@@ -1373,6 +1419,7 @@ fn bf16_sources<'a>(a: Lhs<'a>, b: Rhs<'a>) -> Option<(bf16::Src<'a>, bf16::Src<
     };
     let sb = match b {
         Rhs::Mat(v) => bf16::Src::Raw(v.t()),
+        Rhs::Patches(_) => panic!("gemm: implicit patches with a bf16-packed A"),
         Rhs::Packed(PackedB(Repr::Bf16(o))) => bf16::Src::Ready(o),
         Rhs::Packed(_) => panic!("gemm: a bf16-packed A with an f32-packed B"),
     };

@@ -722,3 +722,166 @@ fn gemm_into_uninitialised_c_writes_every_element_as_beta_zero() {
         }
     }
 }
+
+/// A random convolution geometry for [`Patches`]: channels, input, kernel, stride, dilation,
+/// leading padding and the output size it gives (padding the same on both sides).
+#[allow(clippy::type_complexity)]
+fn random_patches_geometry(
+    rng: &mut impl Rng,
+) -> (
+    usize,
+    [usize; 2],
+    [usize; 2],
+    [usize; 2],
+    [usize; 2],
+    [usize; 2],
+    [usize; 2],
+) {
+    loop {
+        let c = rng.gen_range(1..12);
+        let k = [rng.gen_range(1..6), rng.gen_range(1..6)];
+        let s = [rng.gen_range(1..4), rng.gen_range(1..4)];
+        let d = [rng.gen_range(1..3), rng.gen_range(1..3)];
+        let pad = [rng.gen_range(0..4), rng.gen_range(0..4)];
+        let input = [rng.gen_range(1..40), rng.gen_range(1..70)];
+        let mut out = [0; 2];
+        let mut ok = true;
+        for i in 0..2 {
+            let span = input[i] + 2 * pad[i];
+            let ek = (k[i] - 1) * d[i] + 1;
+            if span < ek || pad[i] >= ek {
+                ok = false;
+                break;
+            }
+            out[i] = (span - ek) / s[i] + 1;
+        }
+        if ok {
+            return (c, input, k, s, d, pad, out);
+        }
+    }
+}
+
+#[test]
+fn patches_pack_the_panel_layout_of_their_definition() {
+    // The implicit im2col packer against `Patches::at` (checked against a direct convolution
+    // below), for every panel width, random origins, lengths and padding lanes.
+    let mut rng = rng();
+    for w in WIDTHS {
+        for _ in 0..20 {
+            let (c, input, k, s, d, pad, out) = random_patches_geometry(&mut rng);
+            let x = random_vec(&mut rng, c * input[0] * input[1]);
+            let p = Patches::new(&x, c, input, k, s, d, pad, out);
+            let (rows, cols) = (p.rows(), p.cols());
+            let j0 = rng.gen_range(0..cols);
+            let r0 = rng.gen_range(0..rows);
+            let n = rng.gen_range(1..=cols - j0);
+            let kc = rng.gen_range(1..=rows - r0);
+            let mut dst = vec![f32::NAN; n.next_multiple_of(w) * kc];
+            patches::pack(&p, j0, r0, n, kc, w, &mut dst);
+            for q in 0..n.div_ceil(w) {
+                for st in 0..kc {
+                    for l in 0..w {
+                        let j = q * w + l;
+                        let want = if j < n { p.at(r0 + st, j0 + j) } else { 0.0 };
+                        let got = dst[q * kc * w + st * w + l];
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "w{w} {p:?} j0 {j0} r0 {r0} n {n} kc {kc}: panel {q} step {st} lane {l}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn products_with_patches_match_the_explicit_patch_matrix_and_a_direct_convolution() {
+    // W (m x c*kh*kw) times the patches: bit for bit the product with the patch matrix written
+    // out (every ISA, 1-3 threads, row counts that put the patches on either side of the
+    // transposed product), and within the f32 tolerance of a direct f64 convolution.
+    let mut rng = rng();
+    for case in 0..24 {
+        let (c, input, k, s, d, pad, out) = random_patches_geometry(&mut rng);
+        let x = random_vec(&mut rng, c * input[0] * input[1]);
+        let p = Patches::new(&x, c, input, k, s, d, pad, out);
+        let (kk, n) = (p.rows(), p.cols());
+        let m = match case % 3 {
+            0 => rng.gen_range(1..20),
+            1 => rng.gen_range(20..90),
+            _ => 2 * n + rng.gen_range(1..40),
+        };
+        let w = random_vec(&mut rng, m * kk);
+        let explicit: Vec<f32> = (0..kk * n).map(|i| p.at(i / n, i % n)).collect();
+        // Direct convolution in f64: every output sums its window's taps.
+        let mut direct = vec![0f64; m * n];
+        let mut scale = vec![0f64; m * n];
+        for (o, (dv, sv)) in direct.iter_mut().zip(scale.iter_mut()).enumerate() {
+            let (row, j) = (o / n, o % n);
+            let (oy, ox) = (j / out[1], j % out[1]);
+            for ch in 0..c {
+                for ky in 0..k[0] {
+                    for kx in 0..k[1] {
+                        let iy = (oy * s[0] + ky * d[0]) as isize - pad[0] as isize;
+                        let ix = (ox * s[1] + kx * d[1]) as isize - pad[1] as isize;
+                        if iy < 0 || ix < 0 || iy >= input[0] as isize || ix >= input[1] as isize {
+                            continue;
+                        }
+                        let xv = x[(ch * input[0] + iy as usize) * input[1] + ix as usize] as f64;
+                        let wv = w[row * kk + (ch * k[0] + ky) * k[1] + kx] as f64;
+                        *dv += wv * xv;
+                        *sv += (wv * xv).abs();
+                    }
+                }
+            }
+        }
+        for isa in available_isas() {
+            let mut want = vec![0f32; m * n];
+            gemm_ex_with(
+                isa,
+                1,
+                m,
+                n,
+                kk,
+                1.0,
+                Lhs::Mat(Mat::row_major(&w, kk)),
+                Rhs::Mat(Mat::row_major(&explicit, n)),
+                0.0,
+                &mut want,
+                n,
+                &Epilogue::NONE,
+            );
+            for threads in 1..=3 {
+                let mut got = vec![f32::NAN; m * n];
+                gemm_ex_with(
+                    isa,
+                    threads,
+                    m,
+                    n,
+                    kk,
+                    1.0,
+                    Lhs::Mat(Mat::row_major(&w, kk)),
+                    Rhs::Patches(&p),
+                    0.0,
+                    &mut got,
+                    n,
+                    &Epilogue::NONE,
+                );
+                for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        e.to_bits(),
+                        "{isa:?} t{threads} m{m} {p:?}: output {i} {g} vs explicit {e}"
+                    );
+                    let tol = 1e-5 * scale[i] + 1e-30;
+                    assert!(
+                        (*g as f64 - direct[i]).abs() <= tol,
+                        "{isa:?} t{threads} m{m} {p:?}: output {i} {g} vs direct {}",
+                        direct[i]
+                    );
+                }
+            }
+        }
+    }
+}

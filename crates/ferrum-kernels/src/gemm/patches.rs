@@ -1,0 +1,199 @@
+//! Implicit im2col: a 2-D convolution's patch matrix as a GEMM operand that is never written
+//! out. Row `r = (channel, ky, kx)` and column `j = (oy, ox)` of the `channels * kh * kw` by
+//! `oh * ow` matrix hold input pixel `(channel, oy * sy + ky * dy - top, ox * sx + kx * dx - left)`,
+//! or 0 where that lies in the padding. The GEMM packs its panels straight from the input image
+//! (see [`pack`]), so the patch matrix (7 MB for a 3x3 convolution over 64 x 56 x 56) does not
+//! make a round trip through memory between im2col and packing.
+
+/// A convolution's input seen as its patch matrix (`k x n`: `channels * kh * kw` rows, `oh * ow`
+/// columns), the right-hand operand `B` of `W * patches` (see [`super::Rhs::Patches`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Patches<'a> {
+    data: &'a [f32],
+    channels: usize,
+    input: [usize; 2],
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    dilation: [usize; 2],
+    /// Padding before the first row and column.
+    pad: [usize; 2],
+    output: [usize; 2],
+}
+
+impl<'a> Patches<'a> {
+    /// The patches of `channels` planes of `input = [ih, iw]` (row-major, one after another in
+    /// `data`) under a `kernel = [kh, kw]` window, with the given stride, dilation, leading
+    /// padding (`[top, left]`) and output size. Panics when `data` is too short, a size is 0
+    /// where it must not be, or an output position's window starts past the padded input.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        data: &'a [f32],
+        channels: usize,
+        input: [usize; 2],
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        dilation: [usize; 2],
+        pad: [usize; 2],
+        output: [usize; 2],
+    ) -> Patches<'a> {
+        assert!(
+            data.len() >= channels * input[0] * input[1],
+            "patches: {} floats for {channels} planes of {input:?}",
+            data.len()
+        );
+        assert!(
+            stride
+                .iter()
+                .chain(&dilation)
+                .chain(&kernel)
+                .all(|&v| v > 0),
+            "patches: zero stride, dilation or kernel size"
+        );
+        Patches {
+            data,
+            channels,
+            input,
+            kernel,
+            stride,
+            dilation,
+            pad,
+            output,
+        }
+    }
+
+    /// Rows of the patch matrix (the product's inner dimension): `channels * kh * kw`.
+    pub fn rows(&self) -> usize {
+        self.channels * self.kernel[0] * self.kernel[1]
+    }
+
+    /// Columns of the patch matrix (output positions): `oh * ow`.
+    pub fn cols(&self) -> usize {
+        self.output[0] * self.output[1]
+    }
+
+    /// Element `(r, j)` of the patch matrix (the plain definition the packer is tested against).
+    pub fn at(&self, r: usize, j: usize) -> f32 {
+        let [kh, kw] = self.kernel;
+        let (ch, ky, kx) = (r / (kh * kw), (r / kw) % kh, r % kw);
+        let (oy, ox) = (j / self.output[1], j % self.output[1]);
+        let iy = (oy * self.stride[0] + ky * self.dilation[0]) as isize - self.pad[0] as isize;
+        let ix = (ox * self.stride[1] + kx * self.dilation[1]) as isize - self.pad[1] as isize;
+        let [ih, iw] = self.input;
+        if iy < 0 || ix < 0 || iy >= ih as isize || ix >= iw as isize {
+            return 0.0;
+        }
+        self.data[(ch * ih + iy as usize) * iw + ix as usize]
+    }
+}
+
+/// The output columns `lo..hi` whose input column `o * s + t - pad` lies in `0..len` (of `out`
+/// output columns), for a tap at offset `t` in the padded input.
+pub fn valid_range(len: usize, out: usize, s: usize, t: usize, pad: usize) -> (usize, usize) {
+    // o * s + t >= pad  and  o * s + t < len + pad
+    let lo = if t >= pad { 0 } else { (pad - t).div_ceil(s) };
+    let hi = if len + pad > t {
+        ((len + pad - t).div_ceil(s)).min(out)
+    } else {
+        0
+    };
+    (lo.min(hi), hi)
+}
+
+/// A run of a panel's lanes that lie in one output row: lanes `lane..lane + len` are output
+/// columns `ox..ox + len` of row `oy`.
+#[derive(Clone, Copy)]
+struct Run {
+    lane: usize,
+    len: usize,
+    oy: usize,
+    ox: usize,
+}
+
+/// Packs `cols x kc` of the transposed patch matrix (`X = B^T`: output positions `j0..j0 + cols`
+/// as the panels' lanes, patch rows `r0..r0 + kc` as their steps) into panels of `w` lanes, the
+/// layout of the GEMM's other packers: panel `q`, step `p`, lane `l` at `q * kc * w + p * w + l`,
+/// lanes past `cols` zero. Writes every float of those panels.
+pub(super) fn pack(
+    x: &Patches,
+    j0: usize,
+    r0: usize,
+    cols: usize,
+    kc: usize,
+    w: usize,
+    dst: &mut [f32],
+) {
+    let [kh, kw] = x.kernel;
+    let [ih, iw] = x.input;
+    let [oh, ow] = x.output;
+    let [sy, sx] = x.stride;
+    let [dy, dx] = x.dilation;
+    let [top, left] = x.pad;
+    debug_assert!(j0 + cols <= oh * ow && r0 + kc <= x.rows());
+    // Each kx's valid output columns, for the runs' zero edges.
+    let valid: Vec<(usize, usize)> = (0..kw)
+        .map(|kx| valid_range(iw, ow, sx, kx * dx, left))
+        .collect();
+    let mut runs: Vec<Run> = Vec::with_capacity(w);
+    for (q, panel) in dst[..cols.div_ceil(w) * kc * w]
+        .chunks_exact_mut(kc * w)
+        .enumerate()
+    {
+        // The panel's lanes split where output rows end.
+        runs.clear();
+        let lanes = w.min(cols - q * w);
+        let start = j0 + q * w;
+        let (mut oy, mut ox) = (start / ow, start % ow);
+        let mut lane = 0;
+        while lane < lanes {
+            let len = (lanes - lane).min(ow - ox);
+            runs.push(Run { lane, len, oy, ox });
+            lane += len;
+            ox += len;
+            if ox == ow {
+                ox = 0;
+                oy += 1;
+            }
+        }
+        let (mut ch, mut ky, mut kx) = (r0 / (kh * kw), (r0 / kw) % kh, r0 % kw);
+        for step in panel.chunks_exact_mut(w) {
+            step[lanes..].fill(0.0);
+            let plane = &x.data[ch * ih * iw..][..ih * iw];
+            let (xlo, xhi) = valid[kx];
+            let tx = kx * dx;
+            for run in &runs {
+                let d = &mut step[run.lane..][..run.len];
+                let iy = (run.oy * sy + ky * dy) as isize - top as isize;
+                if iy < 0 || iy >= ih as isize {
+                    d.fill(0.0);
+                    continue;
+                }
+                let row = &plane[iy as usize * iw..][..iw];
+                let (lo, hi) = (run.ox, run.ox + run.len);
+                let a = xlo.clamp(lo, hi);
+                let b = xhi.clamp(a, hi);
+                d[..a - lo].fill(0.0);
+                d[b - lo..].fill(0.0);
+                if a < b {
+                    let first = a * sx + tx - left;
+                    let mid = &mut d[a - lo..b - lo];
+                    if sx == 1 {
+                        mid.copy_from_slice(&row[first..first + (b - a)]);
+                    } else {
+                        for (i, v) in mid.iter_mut().enumerate() {
+                            *v = row[first + i * sx];
+                        }
+                    }
+                }
+            }
+            kx += 1;
+            if kx == kw {
+                kx = 0;
+                ky += 1;
+                if ky == kh {
+                    ky = 0;
+                    ch += 1;
+                }
+            }
+        }
+    }
+}
