@@ -116,17 +116,24 @@ impl Act {
         }
     }
 
-    /// Applies the activation to every value, in place, over the pool's threads when large.
-    /// Each activation gets its own loop (the compiler vectorises the simple ones).
-    pub fn apply(self, v: &mut [f32]) {
-        let simd = match self {
-            Act::Identity => return,
+    /// The vector kernels' form of this activation, for those they apply as they store.
+    pub fn lane_op(self) -> Option<Unary> {
+        match self {
             Act::Relu => Some(Unary::Relu),
             Act::Clip(lo, hi) => Some(Unary::Clip(lo, hi)),
             Act::LeakyRelu(a) => Some(Unary::LeakyRelu(a)),
             Act::Gelu => Some(Unary::Gelu),
             _ => None,
-        };
+        }
+    }
+
+    /// Applies the activation to every value, in place, over the pool's threads when large.
+    /// Each activation gets its own loop (the compiler vectorises the simple ones).
+    pub fn apply(self, v: &mut [f32]) {
+        if self == Act::Identity {
+            return;
+        }
+        let simd = self.lane_op();
         let per = (v.len().div_ceil(pool::threads() * 4)).max(16 * 1024);
         let go = move |c: &mut [f32]| match simd {
             Some(op) => vecmath::unary_inplace(op, c),

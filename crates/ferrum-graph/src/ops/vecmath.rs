@@ -488,30 +488,61 @@ multiversion! {
 /// Lanes of the depthwise kernel's output blocks.
 pub const DW_LANES: usize = L;
 
-multiversion! {
-    /// One depthwise-convolution output plane `o` (`oh x ow`, holding its starting values)
-    /// from a zero-padded input split by column phase, `xp` (rows of `wph` values, at least
-    /// [`DW_LANES`] values of slack at the end). `taps` holds each tap's (phase row offset,
-    /// column offset, weight); output row `oy` reads phase rows from `oy * s0`. Each block of
-    /// `L` outputs of a row adds its taps in order in registers; a short last block computes
-    /// all lanes and stores the valid ones.
-    pub fn depthwise_rows(xp: &[f32], wph: usize, taps: &[(usize, usize, f32)], o: &mut [f32], oh: usize, ow: usize, s0: usize) {
-        for oy in 0..oh {
-            let orow = &mut o[oy * ow..][..ow];
-            let base = oy * s0;
-            for ox0 in (0..ow).step_by(L) {
-                let n = L.min(ow - ox0);
-                let mut acc = [0f32; L];
-                acc[..n].copy_from_slice(&orow[ox0..ox0 + n]);
-                for &(r, b, wv) in taps {
-                    let src = &xp[(r + base) * wph + b + ox0..][..L];
-                    for l in 0..L {
-                        acc[l] += wv * src[l];
-                    }
-                }
-                orow[ox0..ox0 + n].copy_from_slice(&acc[..n]);
+/// An output block's starting values (`v`: at most `L`, the rest 0): a whole block is one
+/// fixed-size copy (a vector load), not a call to `memcpy` with a run-time length.
+#[inline(always)]
+fn load_block(v: &[f32]) -> [f32; L] {
+    match <&[f32; L]>::try_from(v) {
+        Ok(whole) => *whole,
+        Err(_) => {
+            let mut acc = [0f32; L];
+            acc[..v.len()].copy_from_slice(v);
+            acc
+        }
+    }
+}
+
+/// Stores the first `o.len()` lanes of `acc` (at most `L`), a whole block as one fixed-size copy.
+#[inline(always)]
+fn store_block(acc: &[f32; L], o: &mut [MaybeUninit<f32>]) {
+    match <&mut [MaybeUninit<f32>; L]>::try_from(&mut *o) {
+        Ok(whole) => *whole = acc.map(MaybeUninit::new),
+        Err(_) => {
+            for (d, &v) in o.iter_mut().zip(acc) {
+                d.write(v);
             }
         }
+    }
+}
+
+/// A depthwise output plane's size, and the input rows between output rows (the stride).
+#[derive(Clone, Copy)]
+pub struct DwOut {
+    pub oh: usize,
+    pub ow: usize,
+    pub s0: usize,
+}
+
+/// Where a depthwise plane's outputs start and what follows the taps: output `i` starts at
+/// `z[i] + bias` (a residual) or `0 + bias`, and `act` (if any) is applied to each output before
+/// it is stored.
+#[derive(Clone, Copy)]
+pub struct DwEnds<'a> {
+    pub bias: f32,
+    pub z: Option<&'a [f32]>,
+    pub act: Option<Unary>,
+}
+
+multiversion! {
+    /// One depthwise-convolution output plane `o` (`oh x ow`, every element written) from a
+    /// zero-padded input split by column phase, `xp` (rows of `wph` values, at least
+    /// [`DW_LANES`] values of slack at the end). `taps` holds each tap's (phase row offset,
+    /// column offset, weight); output row `oy` reads phase rows from `oy * s0`. Each block of
+    /// `L` outputs of a row starts as `ends` says, adds its taps in order in registers and is
+    /// stored through `ends.act`; a short last block computes all lanes and stores the valid
+    /// ones.
+    pub fn depthwise_rows(xp: &[f32], wph: usize, taps: &[(usize, usize, f32)], ends: DwEnds, o: &mut [MaybeUninit<f32>], out: DwOut) {
+        dw_plane::<1>(xp, wph, taps, ends, o, out)
     }
 }
 
@@ -520,23 +551,89 @@ multiversion! {
     /// of `wp` values, at least `2 * DW_LANES` values of slack at the end): output column `ox`
     /// of a tap at column offset `b` reads `xp[row * wp + b + 2 * ox]`. The same operations in
     /// the same order as the phase-split form.
-    pub fn depthwise_rows_s2(xp: &[f32], wp: usize, taps: &[(usize, usize, f32)], o: &mut [f32], oh: usize, ow: usize, s0: usize) {
-        for oy in 0..oh {
-            let orow = &mut o[oy * ow..][..ow];
-            let base = oy * s0;
-            for ox0 in (0..ow).step_by(L) {
-                let n = L.min(ow - ox0);
-                let mut acc = [0f32; L];
-                acc[..n].copy_from_slice(&orow[ox0..ox0 + n]);
-                for &(r, b, wv) in taps {
-                    let src = &xp[(r + base) * wp + b + 2 * ox0..][..2 * L];
-                    for l in 0..L {
-                        acc[l] += wv * src[2 * l];
-                    }
-                }
-                orow[ox0..ox0 + n].copy_from_slice(&acc[..n]);
+    pub fn depthwise_rows_s2(xp: &[f32], wp: usize, taps: &[(usize, usize, f32)], ends: DwEnds, o: &mut [MaybeUninit<f32>], out: DwOut) {
+        dw_plane::<2>(xp, wp, taps, ends, o, out)
+    }
+}
+
+/// Output blocks of a depthwise plane computed together: each block's sum is one chain of
+/// dependent adds (a mul and an add per tap, in tap order), so one block at a time waits on
+/// the add's latency at every tap; `DW_GROUP` independent blocks keep both vector ports busy.
+const DW_GROUP: usize = 4;
+
+/// [`depthwise_rows`] (`S = 1`) and [`depthwise_rows_s2`] (`S = 2`): the plane's `L`-wide
+/// output blocks, row by row, [`DW_GROUP`] blocks at a time.
+#[inline(always)]
+fn dw_plane<const S: usize>(
+    xp: &[f32],
+    wr: usize,
+    taps: &[(usize, usize, f32)],
+    ends: DwEnds,
+    o: &mut [MaybeUninit<f32>],
+    out: DwOut,
+) {
+    let DwOut { oh, ow, s0 } = out;
+    let nb = ow.div_ceil(L);
+    let total = oh * nb;
+    let full = total / DW_GROUP * DW_GROUP;
+    for first in (0..full).step_by(DW_GROUP) {
+        dw_blocks::<DW_GROUP, S>(xp, wr, taps, ends, o, ow, s0, first);
+    }
+    for first in full..total {
+        dw_blocks::<1, S>(xp, wr, taps, ends, o, ow, s0, first);
+    }
+}
+
+/// `G` consecutive output blocks of a depthwise plane (block `i`: row `i / nb`, columns from
+/// `(i % nb) * L`), each summed in its own registers: starting value, then every tap in order,
+/// then the activation.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn dw_blocks<const G: usize, const S: usize>(
+    xp: &[f32],
+    wr: usize,
+    taps: &[(usize, usize, f32)],
+    ends: DwEnds,
+    o: &mut [MaybeUninit<f32>],
+    ow: usize,
+    s0: usize,
+    first: usize,
+) {
+    let nb = ow.div_ceil(L);
+    let mut acc = [[0f32; L]; G];
+    // Each block's output offset, length and input offset (of tap offset 0).
+    let mut at = [(0usize, 0usize, 0usize); G];
+    for g in 0..G {
+        let (oy, ox0) = ((first + g) / nb, (first + g) % nb * L);
+        let n = L.min(ow - ox0);
+        at[g] = (oy * ow + ox0, n, oy * s0 * wr + S * ox0);
+        acc[g] = match ends.z {
+            Some(z) => load_block(&z[at[g].0..][..n]),
+            None => [0.0; L],
+        };
+        for v in acc[g].iter_mut() {
+            *v += ends.bias;
+        }
+    }
+    for &(r, b, wv) in taps {
+        let t = r * wr + b;
+        for g in 0..G {
+            let src = &xp[t + at[g].2..][..S * L];
+            for l in 0..L {
+                acc[g][l] += wv * src[S * l];
             }
         }
+    }
+    for g in 0..G {
+        match ends.act {
+            None => {}
+            Some(Unary::Relu) => acc[g] = acc[g].map(|v| unary_lane(Unary::Relu, v)),
+            Some(Unary::Clip(lo, hi)) => {
+                acc[g] = acc[g].map(|v| unary_lane(Unary::Clip(lo, hi), v))
+            }
+            Some(op) => acc[g] = acc[g].map(|v| unary_lane(op, v)),
+        }
+        store_block(&acc[g], &mut o[at[g].0..][..at[g].1]);
     }
 }
 
