@@ -239,10 +239,15 @@ fn matmul_and_gemm_match_the_reference() {
         );
     }
     for case in 0..16 {
-        // Cases 12..16 have one row (a classifier head: the matrix-vector path).
+        // Cases 12..16 have one row (a classifier head: the matrix-vector path, its columns
+        // split across threads in chunks of at least 64).
         let (m, n, k) = (
             if case >= 12 { 1 } else { rng.gen_range(1..40) },
-            rng.gen_range(1..40),
+            if case >= 12 {
+                rng.gen_range(1..300)
+            } else {
+                rng.gen_range(1..40)
+            },
             rng.gen_range(1..300),
         );
         let (ta, tb) = (case % 2 == 1, case % 4 >= 2);

@@ -215,35 +215,11 @@ pub fn gemv(x: &[f32], b: &[f32], bt: bool, k: usize, n: usize, y: &mut [f32]) {
     pool::parallel_chunks_mut(&mut y[..n], per, |ci, ys| {
         let j0 = ci * per;
         if bt {
-            for (j, yj) in ys.iter_mut().enumerate() {
-                *yj = dot16(x, &b[(j0 + j) * k..][..k]);
-            }
+            vecmath::dot16_rows(x, &b[j0 * k..], k, ys);
         } else {
-            for (p, &xp) in x[..k].iter().enumerate() {
-                let row = &b[p * n + j0..][..ys.len()];
-                ys.iter_mut().zip(row).for_each(|(o, &v)| *o += xp * v);
-            }
+            vecmath::axpy_rows(x, &b[j0..], n, ys);
         }
     });
-}
-
-/// A dot product summed in 16 interleaved f32 lanes (which the compiler vectorises), then the
-/// lanes and the tail.
-fn dot16(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for l in 0..16 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 /// 2-D convolution geometry (NCHW).

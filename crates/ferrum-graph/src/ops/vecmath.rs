@@ -485,6 +485,48 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// `y[j] = x . b[j * k..][..k]` for each `j < y.len()`, each dot product summed in 16
+    /// interleaved lanes (a multiply, then an add, per lane and step), then the lanes in order,
+    /// then the tail.
+    pub fn dot16_rows(x: &[f32], b: &[f32], k: usize, y: &mut [f32]) {
+        for (j, yj) in y.iter_mut().enumerate() {
+            *yj = dot16(&x[..k], &b[j * k..][..k]);
+        }
+    }
+}
+
+multiversion! {
+    /// `y[j] = sum over p of x[p] * b[p * n + j]` for `j < y.len()` (`y` starting at 0), rows
+    /// of `b` added one after another.
+    pub fn axpy_rows(x: &[f32], b: &[f32], n: usize, y: &mut [f32]) {
+        y.fill(0.0);
+        for (p, &xp) in x.iter().enumerate() {
+            let row = &b[p * n..][..y.len()];
+            y.iter_mut().zip(row).for_each(|(o, &v)| *o += xp * v);
+        }
+    }
+}
+
+/// A dot product in 16 interleaved lanes, then the lanes and the tail (see [`dot16_rows`]).
+#[inline(always)]
+fn dot16(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..16 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// Lanes of the depthwise kernel's output blocks.
 pub const DW_LANES: usize = L;
 
@@ -645,11 +687,34 @@ multiversion! {
     /// in registers; the channels past the last whole block one by one.
     pub fn depthwise_nhwc_row(x: &[f32], taps: &[usize], w: &[f32], o: &mut [f32], c: usize, ow: usize, step: usize) {
         let full = c / L * L;
+        // DW_GROUP pixels at a time per channel block: independent add chains overlap.
+        let pg = ow / DW_GROUP * DW_GROUP;
+        for px0 in (0..pg).step_by(DW_GROUP) {
+            for cb in (0..full).step_by(L) {
+                let mut acc = [[0f32; L]; DW_GROUP];
+                for (g, a) in acc.iter_mut().enumerate() {
+                    *a = load_block(&o[(px0 + g) * c + cb..][..L]);
+                }
+                for (t, &off) in taps.iter().enumerate() {
+                    let ws = &w[t * c + cb..][..L];
+                    for (g, a) in acc.iter_mut().enumerate() {
+                        let xs = &x[off + (px0 + g) * step + cb..][..L];
+                        for l in 0..L {
+                            a[l] += ws[l] * xs[l];
+                        }
+                    }
+                }
+                for (g, a) in acc.iter().enumerate() {
+                    let o = &mut o[(px0 + g) * c + cb..][..L];
+                    let o: &mut [f32; L] = o.try_into().unwrap();
+                    *o = *a;
+                }
+            }
+        }
         for px in 0..ow {
             let ob = px * c;
-            for cb in (0..full).step_by(L) {
-                let mut acc = [0f32; L];
-                acc.copy_from_slice(&o[ob + cb..][..L]);
+            for cb in (0..if px < pg { 0 } else { full }).step_by(L) {
+                let mut acc = load_block(&o[ob + cb..][..L]);
                 for (t, &off) in taps.iter().enumerate() {
                     let xs = &x[off + px * step + cb..][..L];
                     let ws = &w[t * c + cb..][..L];
@@ -657,7 +722,8 @@ multiversion! {
                         acc[l] += ws[l] * xs[l];
                     }
                 }
-                o[ob + cb..][..L].copy_from_slice(&acc);
+                let o: &mut [f32; L] = (&mut o[ob + cb..][..L]).try_into().unwrap();
+                *o = acc;
             }
             for ch in full..c {
                 let mut a = o[ob + ch];

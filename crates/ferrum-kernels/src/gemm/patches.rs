@@ -122,6 +122,36 @@ pub(super) fn pack(
     w: usize,
     dst: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::features().avx512() {
+        // SAFETY: the CPU has AVX-512F/BW/VL (and AVX2, FMA) and the process allows them.
+        return unsafe { pack_avx512(x, j0, r0, cols, kc, w, dst) };
+    }
+    pack_any(x, j0, r0, cols, kc, w, dst)
+}
+
+/// [`pack_any`] compiled for AVX-512: the runs' copies and the stride-2 gathers in vector
+/// registers (same values).
+///
+/// # Safety
+/// The CPU supports AVX-512F/BW/VL, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn pack_avx512(
+    x: &Patches,
+    j0: usize,
+    r0: usize,
+    cols: usize,
+    kc: usize,
+    w: usize,
+    dst: &mut [f32],
+) {
+    pack_any(x, j0, r0, cols, kc, w, dst)
+}
+
+/// [`pack`] for any CPU.
+#[inline(always)]
+fn pack_any(x: &Patches, j0: usize, r0: usize, cols: usize, kc: usize, w: usize, dst: &mut [f32]) {
     let [kh, kw] = x.kernel;
     let [ih, iw] = x.input;
     let [oh, ow] = x.output;
@@ -178,6 +208,14 @@ pub(super) fn pack(
                     let mid = &mut d[a - lo..b - lo];
                     if sx == 1 {
                         mid.copy_from_slice(&row[first..first + (b - a)]);
+                    } else if sx == 2 {
+                        // Every other value: pairs, so the compiler can deinterleave in
+                        // registers (the last value may have no partner in the row).
+                        let (last, body) = mid.split_last_mut().expect("a < b");
+                        for (v, pair) in body.iter_mut().zip(row[first..].chunks_exact(2)) {
+                            *v = pair[0];
+                        }
+                        *last = row[first + 2 * body.len()];
                     } else {
                         for (i, v) in mid.iter_mut().enumerate() {
                             *v = row[first + i * sx];
