@@ -888,45 +888,60 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     }
                     (None, _) => unreachable!(),
                 };
-                // B packed ahead (a weight) comes from memory on its first use, panel after
-                // panel, each then reused from cache by every row tile: while one panel's row
-                // tiles run, the next panel is fetched into L2, a share before each tile (the
-                // hardware prefetcher sees no misses to follow within a panel).
                 let tiles = mc.div_ceil(mr);
                 let lines = (kc * nr).div_ceil(16);
-                for jr in (0..nc).step_by(nr) {
+                let tile = |jr: usize, ir: usize| {
                     let cols = nr.min(nc - jr);
                     let j = jc + jr;
                     let bpanel = bp[jr * kc..][..kc * nr].as_ptr();
-                    let next = (b_whole.is_some() && jr + nr < nc)
-                        .then(|| &bp[(jr + nr) * kc..][..kc * nr.min(nc - jr - nr)]);
-                    for ir in (0..mc).step_by(mr) {
-                        if let Some(next) = next {
-                            let t = ir / mr;
-                            prefetch_l2(next, t * lines / tiles, (t + 1) * lines / tiles);
+                    let rws = mr.min(mc - ir);
+                    let i = ic + ir;
+                    let apanel = ap[ir * kc..][..kc * mr].as_ptr();
+                    let epi = (last && p.has_epi).then(|| TileEpi {
+                        row: p.row_bias.map_or(std::ptr::null(), |v| v[i..].as_ptr()),
+                        col: p.col_bias.map_or(std::ptr::null(), |v| v[j..].as_ptr()),
+                        act: p.act,
+                    });
+                    let out = Out {
+                        // SAFETY: (i, j) lies inside the product's C (the caller's extent).
+                        c: unsafe { p.c.0.add(i * p.rsc + j * p.csc) },
+                        rsc: p.rsc,
+                        csc: p.csc,
+                        alpha: p.alpha,
+                        acc,
+                        epi,
+                    };
+                    // SAFETY: the panels were sliced to kc * MR and kc * NR floats; the rws x
+                    // cols tile lies inside this task's range of C, and the bias slices were
+                    // checked to cover every row and column; the ISA was checked by the caller.
+                    unsafe { K::tile(kc, apanel, bpanel, rws, cols, &out) };
+                };
+                if b_whole.is_some() {
+                    // B packed ahead (a weight) comes from memory on its first use, panel after
+                    // panel, each then reused from cache by every row tile: while one panel's
+                    // row tiles run, the next panel is fetched into L2, a share before each
+                    // tile (the hardware prefetcher sees no misses to follow within a panel).
+                    for jr in (0..nc).step_by(nr) {
+                        let next = (jr + nr < nc)
+                            .then(|| &bp[(jr + nr) * kc..][..kc * nr.min(nc - jr - nr)]);
+                        for ir in (0..mc).step_by(mr) {
+                            if let Some(next) = next {
+                                let t = ir / mr;
+                                prefetch_l2(next, t * lines / tiles, (t + 1) * lines / tiles);
+                            }
+                            tile(jr, ir);
                         }
-                        let rws = mr.min(mc - ir);
-                        let i = ic + ir;
-                        let apanel = ap[ir * kc..][..kc * mr].as_ptr();
-                        let epi = (last && p.has_epi).then(|| TileEpi {
-                            row: p.row_bias.map_or(std::ptr::null(), |v| v[i..].as_ptr()),
-                            col: p.col_bias.map_or(std::ptr::null(), |v| v[j..].as_ptr()),
-                            act: p.act,
-                        });
-                        let out = Out {
-                            // SAFETY: (i, j) lies inside the product's C (the caller's extent).
-                            c: unsafe { p.c.0.add(i * p.rsc + j * p.csc) },
-                            rsc: p.rsc,
-                            csc: p.csc,
-                            alpha: p.alpha,
-                            acc,
-                            epi,
-                        };
-                        // SAFETY: the panels were sliced to kc * MR and kc * NR floats; the
-                        // rws x cols tile lies inside this task's range of C, and the bias
-                        // slices were checked to cover every row and column; the ISA was
-                        // checked by the caller.
-                        unsafe { K::tile(kc, apanel, bpanel, rws, cols, &out) };
+                    }
+                } else {
+                    // B packed just now (in L2): a strip of MR rows of C at a time, along all
+                    // of the block's columns, so C is written as MR sequential streams (the
+                    // other order writes one tile into each of mc rows in turn: more streams
+                    // than the hardware prefetcher follows, each store a miss when C is cold,
+                    // as a fresh output is).
+                    for ir in (0..mc).step_by(mr) {
+                        for jr in (0..nc).step_by(nr) {
+                            tile(jr, ir);
+                        }
                     }
                 }
             }
