@@ -508,8 +508,9 @@ const DW_NHWC_MAX_OUT: usize = 16 * 16;
 /// Depthwise convolution (one filter per channel) through a channels-last copy: per image, the
 /// zero-padded input and the starting output (bias, residual) are transposed to
 /// `[row][column][channel]`, each output row is computed 16 channels at a time
-/// ([`vecmath::depthwise_nhwc_row`], rows split across threads), and the result is transposed
-/// back. The same operations in the same order as [`depthwise`].
+/// ([`vecmath::depthwise_nhwc_row`]), and the result is transposed back; the threads split the
+/// channels, each doing all of this for its own. The same operations in the same order as
+/// [`depthwise`].
 fn depthwise_nhwc(
     x: &[f32],
     w: &[f32],
@@ -524,45 +525,49 @@ fn depthwise_nhwc(
     // The padded extent the taps read.
     let hp = (oh - 1) * g.s[0] + (kh - 1) * g.d[0] + 1;
     let wp = (ow - 1) * g.s[1] + (kw - 1) * g.d[1] + 1;
-    // Weights as [tap][channel]; each tap's input offset for output pixel (0, 0).
-    let mut wt = vec![0f32; kh * kw * c];
-    for ch in 0..c {
-        for t in 0..kh * kw {
-            wt[t * c + ch] = w[ch * kh * kw + t];
-        }
-    }
-    let taps: Vec<usize> = (0..kh * kw)
-        .map(|t| ((t / kw) * g.d[0] * wp + (t % kw) * g.d[1]) * c)
-        .collect();
-    let mut xt = vec![0f32; hp * wp * c];
-    let mut ot = vec![0f32; osp * c];
+    // Channels split across the threads in whole 16-channel blocks; each task transposes,
+    // computes and transposes back its own channels.
+    let per = c.div_ceil(pool::threads()).next_multiple_of(16).max(16);
     for b in 0..n {
         let xb = &x[b * c * isp..][..c * isp];
         let ob = &mut out[b * c * osp..][..c * osp];
-        if b > 0 {
-            xt.fill(0.0);
-        }
-        let cols = iw.min(wp.saturating_sub(g.pad[1]));
-        for y in 0..ih {
-            let py = y + g.pad[0];
-            if py >= hp {
-                break;
+        pool::parallel_chunks_mut(ob, per * osp, |ci, oc| {
+            let c0 = ci * per;
+            let cn = oc.len() / osp;
+            // Weights as [tap][channel]; each tap's input offset for output pixel (0, 0).
+            let mut wt = vec![0f32; kh * kw * cn];
+            for ch in 0..cn {
+                for t in 0..kh * kw {
+                    wt[t * cn + ch] = w[(c0 + ch) * kh * kw + t];
+                }
             }
-            // Row y of every channel -> padded row py, channels last.
-            transpose(
-                &xb[y * iw..],
-                isp,
-                &mut xt[(py * wp + g.pad[1]) * c..],
-                c,
-                (c, cols),
-            );
-        }
-        transpose(ob, osp, &mut ot, c, (c, osp));
-        pool::parallel_chunks_mut(&mut ot, ow * c, |oy, row| {
-            let off: Vec<usize> = taps.iter().map(|&t| t + oy * g.s[0] * wp * c).collect();
-            vecmath::depthwise_nhwc_row(&xt, &off, &wt, row, c, ow, g.s[1] * c);
+            let taps: Vec<usize> = (0..kh * kw)
+                .map(|t| ((t / kw) * g.d[0] * wp + (t % kw) * g.d[1]) * cn)
+                .collect();
+            let mut xt = vec![0f32; hp * wp * cn];
+            let mut ot = vec![0f32; osp * cn];
+            let cols = iw.min(wp.saturating_sub(g.pad[1]));
+            for y in 0..ih {
+                let py = y + g.pad[0];
+                if py >= hp {
+                    break;
+                }
+                // Row y of every channel -> padded row py, channels last.
+                transpose(
+                    &xb[c0 * isp + y * iw..],
+                    isp,
+                    &mut xt[(py * wp + g.pad[1]) * cn..],
+                    cn,
+                    (cn, cols),
+                );
+            }
+            transpose(oc, osp, &mut ot, cn, (cn, osp));
+            for (oy, row) in ot.chunks_mut(ow * cn).enumerate() {
+                let off: Vec<usize> = taps.iter().map(|&t| t + oy * g.s[0] * wp * cn).collect();
+                vecmath::depthwise_nhwc_row(&xt, &off, &wt, row, cn, ow, g.s[1] * cn);
+            }
+            transpose(&ot, cn, oc, osp, (osp, cn));
         });
-        transpose(&ot, c, ob, osp, (osp, c));
     }
 }
 
