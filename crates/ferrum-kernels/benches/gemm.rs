@@ -240,6 +240,7 @@ fn extras(isa: Isa, t: usize, reps: usize) {
     let epi = Epilogue {
         bias: Bias::Col(&bias),
         act: Act::Gelu,
+        residual: None,
     };
     let mut run = |rhs: Rhs, epi: &Epilogue| {
         time(reps, || {

@@ -79,6 +79,7 @@ pub fn matmul_bias_act(
             let epi = Epilogue {
                 bias: Bias::Col(bt.as_slice::<f32>()?),
                 act: in_gemm,
+                residual: None,
             };
             // Fresh memory that the product fills (no zero-filling pass first).
             let mut out = fast::filled(rows * n, |o| gemm_rows(av, bv, (rows, n, k), pb, o, &epi));
@@ -200,7 +201,11 @@ pub fn gemm_op(
             beta_eff,
             &mut out,
             n,
-            &Epilogue { bias, act: in_gemm },
+            &Epilogue {
+                bias,
+                act: in_gemm,
+                residual: None,
+            },
         );
     }
     after.apply(&mut out);
@@ -332,6 +337,9 @@ pub fn conv2d(
         }
         v
     };
+    // A residual of the output's shape joins an f32 product's epilogue (after the bias, before
+    // the activation: Conv then Add's order); a bf16 product accumulates into a copy of it.
+    let z_in_epi = z.filter(|_| pw.is_none_or(|p| p.precision() == Precision::F32));
     // One product per image and group, each writing its own `mpg x osp` block of the output:
     // accumulated into the residual when the output starts as one, else written into fresh
     // memory (no zero-filling pass first: the blocks cover the whole output).
@@ -354,6 +362,7 @@ pub fn conv2d(
                 let epi_g = Epilogue {
                     bias: bv.map_or(Bias::None, |bv| Bias::Row(&bv[grp * mpg..][..mpg])),
                     act: in_gemm,
+                    residual: z_in_epi.map(|z| &z[at..][..mpg * osp]),
                 };
                 let lhs = match pw {
                     Some(p) if g.group == 1 && p.m() == mpg && p.k() == kk => Lhs::Packed(p),
@@ -388,12 +397,12 @@ pub fn conv2d(
         }
     };
     let out = match z {
-        Some(z) => {
+        Some(z) if z_in_epi.is_none() => {
             let mut out = z.to_vec();
             products(OutBuf::Acc(&mut out));
             out
         }
-        None => fast::filled(n * m * osp, |o| products(OutBuf::Fresh(o))),
+        _ => fast::filled(n * m * osp, |o| products(OutBuf::Fresh(o))),
     };
     if !direct && !implicit {
         COL.with(|c| *c.borrow_mut() = col);

@@ -319,6 +319,7 @@ unsafe fn write(buf: &[f32], rows: usize, cols: usize, i0: usize, j0: usize, d: 
         epi: d.epi.then(|| TileEpi {
             row: d.row_bias.map_or(std::ptr::null(), |v| v[i0..].as_ptr()),
             col: d.col_bias.map_or(std::ptr::null(), |v| v[j0..].as_ptr()),
+            z: std::ptr::null(),
             act: d.act,
         }),
     };

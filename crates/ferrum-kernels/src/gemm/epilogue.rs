@@ -100,11 +100,14 @@ pub enum Bias<'a> {
     Col(&'a [f32]),
 }
 
-/// What [`super::gemm_ex`] applies to each finished tile of C: `act(x + bias)`.
+/// What [`super::gemm_ex`] applies to each finished tile of C: `act((x + bias) + residual)`.
 #[derive(Clone, Copy, Debug)]
 pub struct Epilogue<'a> {
     pub bias: Bias<'a>,
     pub act: Act,
+    /// A matrix of C's shape and row stride (`ldc`) added after the bias, before the activation:
+    /// a residual connection fused into the product that feeds it (f32 products only).
+    pub residual: Option<&'a [f32]>,
 }
 
 impl Epilogue<'_> {
@@ -112,10 +115,11 @@ impl Epilogue<'_> {
     pub const NONE: Epilogue<'static> = Epilogue {
         bias: Bias::None,
         act: Act::Identity,
+        residual: None,
     };
 
     pub(super) fn is_none(&self) -> bool {
-        matches!(self.bias, Bias::None) && self.act == Act::Identity
+        matches!(self.bias, Bias::None) && self.act == Act::Identity && self.residual.is_none()
     }
 }
 

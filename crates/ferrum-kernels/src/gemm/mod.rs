@@ -252,11 +252,13 @@ pub(crate) struct Out {
     pub epi: Option<TileEpi>,
 }
 
-/// The epilogue for one tile: bias pointers at the tile's first row / column (null when absent).
+/// The epilogue for one tile: bias pointers at the tile's first row / column, the residual at
+/// the tile's first element with C's strides (each null when absent).
 #[derive(Clone, Copy)]
 pub(crate) struct TileEpi {
     pub row: *const f32,
     pub col: *const f32,
+    pub z: *const f32,
     pub act: Act,
 }
 
@@ -331,6 +333,9 @@ unsafe fn write_tile_with(
                 }
                 if !e.col.is_null() {
                     v += *e.col.add(j);
+                }
+                if !e.z.is_null() {
+                    v += *e.z.add(r * out.rsc + j * out.csc);
                 }
                 v = act(v);
             }
@@ -831,8 +836,18 @@ struct Prob<'a> {
     row_bias: Option<&'a [f32]>,
     col_bias: Option<&'a [f32]>,
     act: Act,
+    /// The residual, addressed as C is (its extent checked against C's).
+    z: Option<ZPtr>,
     has_epi: bool,
 }
+
+/// The residual's start, shared by tasks that only read it.
+#[derive(Clone, Copy)]
+struct ZPtr(*const f32);
+// SAFETY: the residual is only read, and stays borrowed until every task has finished.
+unsafe impl Send for ZPtr {}
+// SAFETY: as above.
+unsafe impl Sync for ZPtr {}
 
 thread_local! {
     /// Each thread's packing buffers for A and B blocks, kept between calls.
@@ -900,6 +915,10 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     let epi = (last && p.has_epi).then(|| TileEpi {
                         row: p.row_bias.map_or(std::ptr::null(), |v| v[i..].as_ptr()),
                         col: p.col_bias.map_or(std::ptr::null(), |v| v[j..].as_ptr()),
+                        // SAFETY: (i, j) lies inside the residual, which has C's extent.
+                        z: p.z.map_or(std::ptr::null(), |z| unsafe {
+                            z.0.add(i * p.rsc + j * p.csc)
+                        }),
                         act: p.act,
                     });
                     let out = Out {
@@ -1317,6 +1336,13 @@ fn gemm_dst(
             (None, Some(&v[..n]))
         }
     };
+    if let Some(z) = epi.residual {
+        assert!(
+            (m - 1) * ldc + n <= z.len(),
+            "gemm: residual of {} for C ({m} x {n}, ldc {ldc})",
+            z.len()
+        );
+    }
     // beta: 0 overwrites C (first K block), 1 accumulates, anything else scales C first.
     let acc = beta != 0.0;
     if let (Dst::Init(c), true) = (&mut c, beta != 0.0 && beta != 1.0) {
@@ -1326,12 +1352,20 @@ fn gemm_dst(
     }
     if k == 0 {
         let value = |i: usize, j: usize, x: f32| {
-            let bias = row_bias.map_or(0.0, |b| b[i]) + col_bias.map_or(0.0, |b| b[j]);
             if epi.is_none() {
-                x
-            } else {
-                epi.act.apply(x + bias)
+                return x;
             }
+            let mut v = x;
+            if let Some(b) = row_bias {
+                v += b[i];
+            }
+            if let Some(b) = col_bias {
+                v += b[j];
+            }
+            if let Some(z) = epi.residual {
+                v += z[i * ldc + j];
+            }
+            epi.act.apply(v)
         };
         for i in 0..m {
             match &mut c {
@@ -1356,6 +1390,10 @@ fn gemm_dst(
     };
     // A bf16 operand makes the product bf16 (the other operand is rounded at the call).
     if let Some((sa, sb)) = bf16_sources(a, b) {
+        assert!(
+            epi.residual.is_none(),
+            "gemm: a residual epilogue on a bf16 product"
+        );
         let d = bf16::Dest {
             c: CPtr(c_ptr),
             ldc,
@@ -1394,6 +1432,7 @@ fn gemm_dst(
         row_bias,
         col_bias,
         act: epi.act,
+        z: epi.residual.map(|z| ZPtr(z.as_ptr())),
         has_epi: !epi.is_none(),
     };
     // A short, wide-K product with many rows (late CNN layers: 7x7 outputs): the NR-wide panels

@@ -138,8 +138,15 @@ fn run_case(rng: &mut impl Rng, cs: &Case, isa: Isa, threads: usize) {
         2 => Bias::Col(&bias_v[..n]),
         _ => Bias::None,
     };
-    let epi = Epilogue { bias, act: cs.act };
-    // The reference: f64 sums, then the bias, then (in `check`) the activation.
+    // A residual (C's shape and row stride) in about a third of the f32 cases.
+    let zv = (!cs.bf16 && rng.gen_bool(0.35)).then(|| random_vec(rng, ldc * m));
+    let epi = Epilogue {
+        bias,
+        act: cs.act,
+        residual: zv.as_deref(),
+    };
+    // The reference: f64 sums, then the bias and the residual, then (in `check`) the
+    // activation.
     let mut pre = vec![0f64; m * n];
     let mut abs = vec![0f64; m * n];
     let (av, bv) = (a.mat(), b.mat());
@@ -168,8 +175,9 @@ fn run_case(rng: &mut impl Rng, cs: &Case, isa: Isa, threads: usize) {
                 2 => bias_v[j] as f64,
                 _ => 0.0,
             };
-            pre[i * n + j] = s + bb;
-            abs[i * n + j] = t + bb.abs();
+            let zz = zv.as_ref().map_or(0.0, |z| z[i * ldc + j] as f64);
+            pre[i * n + j] = s + bb + zz;
+            abs[i * n + j] = t + bb.abs() + zz.abs();
         }
     }
     let precision = if cs.bf16 {
@@ -190,8 +198,15 @@ fn run_case(rng: &mut impl Rng, cs: &Case, isa: Isa, threads: usize) {
     );
     let what = format!(
         "{isa:?} t{threads} m{m} n{n} k{k} ta{} tb{} alpha {alpha} beta {beta} bias {} {:?} \
-         packed {} {} bf16 {}",
-        a.transposed, b.transposed, cs.bias, cs.act, cs.packed_a, cs.packed_b, cs.bf16
+         packed {} {} bf16 {} residual {}",
+        a.transposed,
+        b.transposed,
+        cs.bias,
+        cs.act,
+        cs.packed_a,
+        cs.packed_b,
+        cs.bf16,
+        zv.is_some()
     );
     check(&what, m, n, ldc, &got, &pre, &abs, cs.act);
     // Columns past n (the slack of ldc) are never written.
@@ -369,6 +384,7 @@ fn vector_activations_give_the_bits_of_act_apply() {
                 let with_bias = Epilogue {
                     bias,
                     act: Act::Identity,
+                    residual: None,
                 };
                 gemm_ex_with(
                     isa,
@@ -398,7 +414,11 @@ fn vector_activations_give_the_bits_of_act_apply() {
                         0.0,
                         &mut fused,
                         n,
-                        &Epilogue { bias, act },
+                        &Epilogue {
+                            bias,
+                            act,
+                            residual: None,
+                        },
                     );
                     for (i, (&p, &f)) in plain.iter().zip(&fused).enumerate() {
                         let w = act.apply(p);
@@ -483,6 +503,7 @@ fn packed_types_are_send_and_sync_and_take_empty_shapes() {
     let epi = Epilogue {
         bias: Bias::Row(&[0.5, -0.5]),
         act: Act::Relu,
+        residual: None,
     };
     gemm_ex(
         2,
@@ -689,12 +710,18 @@ fn gemm_into_uninitialised_c_writes_every_element_as_beta_zero() {
         let (av, bv) = (a.mat(), b.mat());
         let row = random_vec(&mut rng, m);
         let col = random_vec(&mut rng, n);
-        for (bias, act) in [
-            (Bias::None, Act::Identity),
-            (Bias::Row(&row), Act::Relu),
-            (Bias::Col(&col), Act::Gelu),
+        let z = random_vec(&mut rng, m * n);
+        for (bias, act, residual) in [
+            (Bias::None, Act::Identity, None),
+            (Bias::Row(&row), Act::Relu, None),
+            (Bias::Col(&col), Act::Gelu, None),
+            (Bias::Row(&row), Act::Relu, Some(&z[..])),
         ] {
-            let epi = Epilogue { bias, act };
+            let epi = Epilogue {
+                bias,
+                act,
+                residual,
+            };
             let mut want = vec![0f32; m * n];
             gemm_ex(
                 m,

@@ -136,7 +136,8 @@ pub(super) unsafe fn write_avx512<const R: usize, const NV: usize>(
         for (v, &x) in row.iter().enumerate() {
             let mask = if v == NV - 1 { tail } else { 0xffff };
             // SAFETY: r < R rows and the masked columns (< cols) lie in the tile the caller
-            // vouched for; masked-off lanes are neither read nor written.
+            // vouched for (and in the residual, which has C's extent); masked-off lanes are
+            // neither read nor written.
             unsafe {
                 let p = out.c.add(r * out.rsc + 16 * v);
                 let mut x = x;
@@ -152,6 +153,10 @@ pub(super) unsafe fn write_avx512<const R: usize, const NV: usize>(
                     }
                     if !e.col.is_null() {
                         x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, e.col.add(16 * v)));
+                    }
+                    if !e.z.is_null() {
+                        let z = e.z.add(r * out.rsc + 16 * v);
+                        x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, z));
                     }
                     x = act_avx512(e.act, x);
                 }
@@ -201,8 +206,8 @@ unsafe fn write_transposed_avx512<const R: usize, const NV: usize>(
         for (c, &x) in tr.iter().enumerate().take(cols.saturating_sub(16 * v)) {
             let j = 16 * v + c;
             // SAFETY: column j < cols of the tile, its R rows contiguous (rsc == 1), lie in the
-            // tile the caller vouched for, as do the bias values; masked-off lanes are neither
-            // read nor written.
+            // tile the caller vouched for, as do the bias values and the residual (C's extent);
+            // masked-off lanes are neither read nor written.
             unsafe {
                 let p = out.c.add(j * out.csc);
                 let mut x = x;
@@ -218,6 +223,9 @@ unsafe fn write_transposed_avx512<const R: usize, const NV: usize>(
                     }
                     if !e.col.is_null() {
                         x = _mm512_add_ps(x, _mm512_set1_ps(*e.col.add(j)));
+                    }
+                    if !e.z.is_null() {
+                        x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, e.z.add(j * out.csc)));
                     }
                     x = act_avx512(e.act, x);
                 }
@@ -323,7 +331,7 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: 
         };
         for (r, row) in t.iter().enumerate().take(rows) {
             // SAFETY: r < rows and 16 columns lie in the tile the caller vouched for, as do
-            // the bias values.
+            // the bias values and the residual (C's extent).
             unsafe {
                 let p = out.c.add(r * out.rsc);
                 let (mut v0, mut v1) = (row[0], row[1]);
@@ -344,6 +352,11 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: 
                     if let (Some(c0), Some(c1)) = (col0, col1) {
                         v0 = _mm256_add_ps(v0, c0);
                         v1 = _mm256_add_ps(v1, c1);
+                    }
+                    if !e.z.is_null() {
+                        let z = e.z.add(r * out.rsc);
+                        v0 = _mm256_add_ps(v0, _mm256_loadu_ps(z));
+                        v1 = _mm256_add_ps(v1, _mm256_loadu_ps(z.add(8)));
                     }
                     v0 = act_avx2(e.act, v0);
                     v1 = act_avx2(e.act, v1);
