@@ -53,7 +53,6 @@ impl<'a> Env<'a> {
 }
 
 static PROFILING: AtomicBool = AtomicBool::new(false);
-static PROFILE: Mutex<BTreeMap<String, (usize, f64)>> = Mutex::new(BTreeMap::new());
 /// Per node (keyed by its address, stable while the graph lives): what [`node_profile`] returns.
 static NODES: Mutex<BTreeMap<usize, NodeTime>> = Mutex::new(BTreeMap::new());
 
@@ -78,7 +77,6 @@ pub struct NodeTime {
 /// what was recorded.
 pub fn set_op_profiling(on: bool) {
     PROFILING.store(on, Ordering::Relaxed);
-    PROFILE.lock().unwrap().clear();
     NODES.lock().unwrap().clear();
 }
 
@@ -113,11 +111,6 @@ fn record(node: &Node, env: &Env, outs: &[Option<Value>], seconds: f64) {
             .cloned()
             .unwrap_or_default()
     };
-    let mut p = PROFILE.lock().unwrap();
-    let e = p.entry(node.op.clone()).or_default();
-    e.0 += 1;
-    e.1 += seconds;
-    drop(p);
     let mut nodes = NODES.lock().unwrap();
     let e = nodes
         .entry(node as *const Node as usize)
@@ -133,14 +126,16 @@ fn record(node: &Node, env: &Env, outs: &[Option<Value>], seconds: f64) {
     e.flops += flops;
 }
 
-/// Per op type: nodes run and seconds spent, most expensive first (see [`set_op_profiling`]).
+/// Per op type: nodes run and seconds spent, most expensive first (see [`set_op_profiling`]),
+/// summed from the per-node records.
 pub fn op_profile() -> Vec<(String, usize, f64)> {
-    let mut v: Vec<(String, usize, f64)> = PROFILE
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(k, &(n, s))| (k.clone(), n, s))
-        .collect();
+    let mut by_op: BTreeMap<String, (usize, f64)> = BTreeMap::new();
+    for n in NODES.lock().unwrap().values() {
+        let e = by_op.entry(n.op.clone()).or_default();
+        e.0 += n.runs;
+        e.1 += n.seconds;
+    }
+    let mut v: Vec<(String, usize, f64)> = by_op.into_iter().map(|(k, (n, s))| (k, n, s)).collect();
     v.sort_by(|a, b| b.2.total_cmp(&a.2));
     v
 }

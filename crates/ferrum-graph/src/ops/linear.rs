@@ -4,8 +4,8 @@
 //! rounding; other dtypes and forms stay on the reference loops.
 
 use ferrum_kernels::gemm::{
-    gemm_batch, gemm_ex, gemm_ex_uninit, Act as GemmAct, Bias, Epilogue, Lhs, Mat, PackedA,
-    PackedB, Patches, Precision, Rhs,
+    gemm_batch, gemm_ex, gemm_ex_uninit, patches::valid_range, Act as GemmAct, Bias, Epilogue, Lhs,
+    Mat, PackedA, PackedB, Patches, Precision, Rhs,
 };
 use ferrum_kernels::pool;
 
@@ -444,24 +444,6 @@ fn split_act(a: Act) -> (GemmAct, Act) {
         _ => return (GemmAct::Identity, a),
     };
     (g, Act::Identity)
-}
-
-/// The output columns `lo..hi` whose input column `o * s + t - pad` lies in `0..len`.
-pub(crate) fn valid_range(
-    len: usize,
-    out: usize,
-    s: usize,
-    t: usize,
-    pad: usize,
-) -> (usize, usize) {
-    // o * s + t >= pad  and  o * s + t < len + pad
-    let lo = if t >= pad { 0 } else { (pad - t).div_ceil(s) };
-    let hi = if len + pad > t {
-        ((len + pad - t).div_ceil(s)).min(out)
-    } else {
-        0
-    };
-    (lo.min(hi), hi)
 }
 
 /// Fills `col` (`cg * kh * kw` rows of `oh * ow`) with the patches of `x` (`cg` planes).
