@@ -167,6 +167,18 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             batch.push(b[b.len() - 1]);
             Some(batch)
         }
+        "FusedAttention" if n.domain == crate::passes::DOMAIN => {
+            // (Q K) V with K's batch dims; scales and mask of one element or the scores' shape.
+            let (q, k, v) = (x?, inp(1)?, inp(2)?);
+            if q.len() < 2 || k.len() < 2 || v.len() < 2 {
+                return None;
+            }
+            let mut batch = broadcast_shape(&q[..q.len() - 2], &k[..k.len() - 2]).ok()?;
+            batch = broadcast_shape(&batch, &v[..v.len() - 2]).ok()?;
+            batch.push(q[q.len() - 2]);
+            batch.push(v[v.len() - 1]);
+            Some(batch)
+        }
         "Gemm" => {
             let (a, b) = (x?, inp(1)?);
             let ([a0, a1], [b0, b1]) = (a.as_slice(), b.as_slice()) else {
@@ -287,6 +299,16 @@ pub fn node_flops(n: &Node, s: &Shapes) -> Option<f64> {
         "MatMul" => {
             let a = inp(0)?;
             Some(2.0 * numel(out?) * *a.last()? as f64)
+        }
+        "FusedAttention" => {
+            // Both products, per output row: sk * (d + dv) multiply-adds, and the softmax.
+            let (q, v, o) = (inp(0)?, inp(2)?, out?);
+            let (d, sk, dv) = (
+                *q.last()? as f64,
+                v[v.len().checked_sub(2)?] as f64,
+                *o.last()? as f64,
+            );
+            Some(numel(o) / dv.max(1.0) * sk * (2.0 * (d + dv) + 5.0))
         }
         "Gemm" => {
             let a = inp(0)?;

@@ -4,7 +4,7 @@
 //! for rewrites that change float rounding (weights folded, f32 epilogues), exact equality for
 //! the others. NaN never passes.
 
-use ferrum_graph::proto::build::{attr_int, f32_tensor, model, node, value};
+use ferrum_graph::proto::build::{attr_int, attr_ints, f32_tensor, model, node, value};
 use ferrum_graph::proto::{encode, AttributeProto, ModelProto, NodeProto, TensorProto};
 use ferrum_graph::{OptLevel, Precision, Session, SessionOptions, Tensor, Value};
 use rand::{Rng, SeedableRng};
@@ -1103,4 +1103,241 @@ fn quantized_residual_adds_fuse_into_qlinear_add() {
             0.0,
         );
     }
+}
+
+/// Random values with `-inf` at the masked positions: batch 0 masks its last two keys, batch 1
+/// masks every key (its rows come out NaN from Softmax; `Where(IsNaN)` makes them 0).
+fn additive_mask(b: usize, sk: usize) -> Vec<f32> {
+    (0..b * sk)
+        .map(|i| match (i / sk, i % sk) {
+            (0, j) if j + 2 >= sk => f32::NEG_INFINITY,
+            (1, _) => f32::NEG_INFINITY,
+            _ => 0.0,
+        })
+        .collect()
+}
+
+/// BERT's self-attention as `torch.onnx.export` writes `scaled_dot_product_attention` (opset 17):
+/// heads split by Transpose, Q and K^T each times sqrt(1/sqrt(d)), the additive mask,
+/// Softmax, `Where(IsNaN(p), 0, p)`, the product with V, heads merged again.
+#[test]
+fn sdpa_attention_fuses_as_pytorch_exports_it() {
+    let mut r = rng();
+    let (b, s, h, d) = (3, 7, 2, 8);
+    let half_scale = (1.0 / (d as f32).sqrt()).sqrt();
+    let mp = model(
+        vec![
+            node(
+                "Transpose",
+                &["q"],
+                &["qt"],
+                vec![attr_ints("perm", &[0, 2, 1, 3])],
+            ),
+            node(
+                "Transpose",
+                &["k"],
+                &["kt"],
+                vec![attr_ints("perm", &[0, 2, 3, 1])],
+            ),
+            node(
+                "Transpose",
+                &["v"],
+                &["vt"],
+                vec![attr_ints("perm", &[0, 2, 1, 3])],
+            ),
+            node("Mul", &["qt", "c1"], &["qs"], vec![]),
+            node("Mul", &["kt", "c2"], &["ks"], vec![]),
+            node("MatMul", &["qs", "ks"], &["scores"], vec![]),
+            node("Add", &["scores", "mask"], &["masked"], vec![]),
+            node("Softmax", &["masked"], &["p"], vec![attr_int("axis", -1)]),
+            node("IsNaN", &["p"], &["nan"], vec![]),
+            node("Where", &["nan", "zero", "p"], &["pz"], vec![]),
+            node("MatMul", &["pz", "vt"], &["o"], vec![]),
+            node(
+                "Transpose",
+                &["o"],
+                &["y"],
+                vec![attr_ints("perm", &[0, 2, 1, 3])],
+            ),
+        ],
+        vec![
+            f32_in("q", &[b as i64, s as i64, h as i64, d as i64]),
+            f32_in("k", &[b as i64, s as i64, h as i64, d as i64]),
+            f32_in("v", &[b as i64, s as i64, h as i64, d as i64]),
+            f32_in("mask", &[b as i64, 1, 1, s as i64]),
+        ],
+        vec![f32_out("y")],
+        vec![
+            init("c1", &[], vec![half_scale]),
+            init("c2", &[], vec![half_scale]),
+            init("zero", &[1], vec![0.0]),
+        ],
+        17,
+    );
+    let n = b * s * h * d;
+    let feeds = [
+        ("q", vec![b, s, h, d], randv(&mut r, n)),
+        ("k", vec![b, s, h, d], randv(&mut r, n)),
+        ("v", vec![b, s, h, d], randv(&mut r, n)),
+        ("mask", vec![b, 1, 1, s], additive_mask(b, s)),
+    ];
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &[
+            "Transpose",
+            "Transpose",
+            "Transpose",
+            "com.ferrum.FusedAttention",
+            "Transpose",
+        ],
+        1e-5,
+    );
+    // Level 1 keeps the chain.
+    assert_eq!(session(&mp, OptLevel::Basic).model().graph.nodes.len(), 12);
+}
+
+/// ViT's attention (torchvision's `nn.MultiheadAttention` export): the scale computed at run
+/// time from the head size, K transposed by its last two dims, no mask; and the older form that
+/// divides the scores by a constant and adds a broadcast mask.
+#[test]
+fn attention_with_a_run_time_scale_or_a_divided_score_fuses() {
+    let mut r = rng();
+    let (h, s, d) = (3, 70, 16);
+    let mp = model(
+        vec![
+            node("Sqrt", &["scale_sq"], &["scale"], vec![]),
+            node(
+                "Transpose",
+                &["k"],
+                &["kt"],
+                vec![attr_ints("perm", &[0, 1, 3, 2])],
+            ),
+            node("Mul", &["q", "scale"], &["qs"], vec![]),
+            node("Mul", &["kt", "scale"], &["ks"], vec![]),
+            node("MatMul", &["qs", "ks"], &["scores"], vec![]),
+            node("Softmax", &["scores"], &["p"], vec![attr_int("axis", -1)]),
+            node("MatMul", &["p", "v"], &["y"], vec![]),
+        ],
+        vec![
+            f32_in("scale_sq", &[1]),
+            f32_in("q", &[1, h as i64, s as i64, d as i64]),
+            f32_in("k", &[1, h as i64, s as i64, d as i64]),
+            f32_in("v", &[1, h as i64, s as i64, d as i64]),
+        ],
+        vec![f32_out("y")],
+        vec![],
+        17,
+    );
+    let n = h * s * d;
+    let feeds = [
+        ("scale_sq", vec![1], vec![0.25]),
+        ("q", vec![1, h, s, d], randv(&mut r, n)),
+        ("k", vec![1, h, s, d], randv(&mut r, n)),
+        ("v", vec![1, h, s, d], randv(&mut r, n)),
+    ];
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &["Sqrt", "com.ferrum.FusedAttention"],
+        1e-5,
+    );
+
+    let mp = model(
+        vec![
+            node("MatMul", &["q", "kt"], &["scores"], vec![]),
+            node("Div", &["scores", "root_d"], &["scaled"], vec![]),
+            node("Add", &["mask", "scaled"], &["masked"], vec![]),
+            node("Softmax", &["masked"], &["y0"], vec![]),
+            node("MatMul", &["y0", "v"], &["y"], vec![]),
+        ],
+        vec![
+            f32_in("q", &[2, h as i64, s as i64, d as i64]),
+            f32_in("kt", &[2, h as i64, d as i64, s as i64]),
+            f32_in("v", &[2, h as i64, s as i64, 5]),
+            f32_in("mask", &[2, 1, 1, s as i64]),
+        ],
+        vec![f32_out("y")],
+        vec![init("root_d", &[], vec![(d as f32).sqrt()])],
+        17,
+    );
+    let feeds = [
+        ("q", vec![2, h, s, d], randv(&mut r, 2 * n)),
+        ("kt", vec![2, h, d, s], randv(&mut r, 2 * n)),
+        ("v", vec![2, h, s, 5], randv(&mut r, 2 * h * s * 5)),
+        (
+            "mask",
+            vec![2, 1, 1, s],
+            (0..2 * s)
+                .map(|i| if i % 3 == 0 { -1e4 } else { 0.0 })
+                .collect(),
+        ),
+    ];
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &["com.ferrum.FusedAttention"],
+        1e-5,
+    );
+}
+
+/// Chains that must stay: probabilities that are also a graph output, a Softmax over another
+/// axis, and a product with a constant (a weight, not attention).
+#[test]
+fn attention_is_not_fused_where_the_chain_is_needed_or_is_not_attention() {
+    let mut r = rng();
+    let (s, d) = (6, 4);
+    let feeds = [
+        ("q", vec![2, s, d], randv(&mut r, 2 * s * d)),
+        ("kt", vec![2, d, s], randv(&mut r, 2 * s * d)),
+        ("v", vec![2, s, d], randv(&mut r, 2 * s * d)),
+    ];
+    let ins = || {
+        vec![
+            f32_in("q", &[2, s as i64, d as i64]),
+            f32_in("kt", &[2, d as i64, s as i64]),
+            f32_in("v", &[2, s as i64, d as i64]),
+        ]
+    };
+    // P is an output too.
+    let mp = model(
+        vec![
+            node("MatMul", &["q", "kt"], &["scores"], vec![]),
+            node("Softmax", &["scores"], &["p"], vec![]),
+            node("MatMul", &["p", "v"], &["y"], vec![]),
+        ],
+        ins(),
+        vec![f32_out("y"), f32_out("p")],
+        vec![],
+        17,
+    );
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &["MatMul", "Softmax", "MatMul"],
+        0.0,
+    );
+    // Softmax along the queries.
+    let mp = model(
+        vec![
+            node("MatMul", &["q", "kt"], &["scores"], vec![]),
+            node("Softmax", &["scores"], &["p"], vec![attr_int("axis", 1)]),
+            node("MatMul", &["p", "v"], &["y"], vec![]),
+        ],
+        ins(),
+        vec![f32_out("y")],
+        vec![],
+        17,
+    );
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &["MatMul", "Softmax", "MatMul"],
+        0.0,
+    );
 }

@@ -1,6 +1,6 @@
 //! ferrum's fused ops (domain `com.ferrum`), made by the graph passes ([`crate::passes`]):
-//! `FusedConv`, `FusedGemm`, `FusedMatMul`, `Gelu` and `MatMulIntegerToFloat` (in
-//! [`crate::ops::quant`]).
+//! `FusedConv`, `FusedGemm`, `FusedMatMul`, `Gelu`, `MatMulIntegerToFloat` (in
+//! [`crate::ops::quant`]) and `FusedAttention` (in [`crate::ops::attention`]).
 //!
 //! Each is its unfused chain computed at once: the product, then (Conv) a residual `Z` or
 //! (MatMul) a bias along the last axis, then an activation. Activations give the bits their
@@ -237,6 +237,7 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
             Epi { z: None, act }.finish(crate::ops::quant::matmul_integer_to_float(cx)?)?
         }
         "QLinearAdd" => crate::ops::quant::qlinear_add(cx)?,
+        "FusedAttention" => crate::ops::attention::fused_attention(cx)?,
         "Gelu" => {
             let x = cx.t(0)?;
             if x.dtype() != DType::F32 {

@@ -257,6 +257,61 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// Attention's scores to probabilities, in place, row by row (`d` scores a row): each score
+    /// divided by (`post.1`) or multiplied by `post.0`, plus its mask value (`mask[i * mrs + j *
+    /// mcs]` for row `i`, column `j`; `mcs` 0 broadcasts one value over the row), then softmax
+    /// with [`softmax_rows`]' arithmetic; with `nan_to_zero`, a NaN probability (a row of only
+    /// -inf, or holding NaN or +inf) becomes 0. The same bits as the unfused Mul/Div, Add,
+    /// Softmax and `Where(IsNaN(p), 0, p)` nodes on the same scores.
+    pub fn attention_rows(s: &mut [f32], d: usize, post: Option<(f32, bool)>, mask: Option<(&[f32], usize, usize)>, nan_to_zero: bool) {
+        assert!(d > 0 && s.len().is_multiple_of(d));
+        for (i, row) in s.chunks_exact_mut(d).enumerate() {
+            match post {
+                Some((c, true)) => row.iter_mut().for_each(|v| *v /= c),
+                Some((c, false)) => row.iter_mut().for_each(|v| *v *= c),
+                None => {}
+            }
+            match mask {
+                Some((m, mrs, 1)) => {
+                    for (v, &mv) in row.iter_mut().zip(&m[i * mrs..][..d]) {
+                        *v += mv;
+                    }
+                }
+                Some((m, mrs, _)) => {
+                    let mv = m[i * mrs];
+                    row.iter_mut().for_each(|v| *v += mv);
+                }
+                None => {}
+            }
+            let mut acc = [f32::NEG_INFINITY; L];
+            let mut ch = row.chunks_exact(L);
+            for c in &mut ch {
+                let c: &[f32; L] = c.try_into().unwrap();
+                for j in 0..L {
+                    if c[j] > acc[j] {
+                        acc[j] = c[j];
+                    }
+                }
+            }
+            let mut m = f32::NEG_INFINITY;
+            for &v in acc.iter().chain(ch.remainder()) {
+                if v > m {
+                    m = v;
+                }
+            }
+            for v in row.iter_mut() {
+                *v = exp_diff_lane(*v, m);
+            }
+            let inv = 1.0 / sum_f64(row, |v| v);
+            for v in row.iter_mut() {
+                let p = (*v as f64 * inv) as f32;
+                *v = if nan_to_zero && p.is_nan() { 0.0 } else { p };
+            }
+        }
+    }
+}
+
 /// Sum of `f(x[i])` over a slice in f64 lanes.
 #[inline(always)]
 fn sum_f64(x: &[f32], f: impl Fn(f64) -> f64) -> f64 {

@@ -7,15 +7,16 @@
 //! |---|---|
 //! | 0 `Disabled` | none: the graph runs as imported |
 //! | 1 `Basic` | constant folding, Identity/Dropout elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights; then constant weights packed for the GEMM ([`PackedWeights`]; in bf16 for the tile unit with [`Precision::Bf16`]) |
-//! | 2 `Extended` | level 1, then the erf form of GELU into one node, a dynamically quantized MatMul's MatMulInteger + Cast + scale Mul (+ bias Add) into one MatMulIntegerToFloat, and bias, residual Add and activation fused into the Conv, Gemm or MatMul (activation only: MatMulIntegerToFloat) that produces their input ([`crate::ops`]' `com.ferrum` ops) |
+//! | 2 `Extended` | level 1, then the erf form of GELU into one node, multi-head attention (MatMul, scale, mask, Softmax, MatMul) into one `FusedAttention` node, a dynamically quantized MatMul's MatMulInteger + Cast + scale Mul (+ bias Add) into one MatMulIntegerToFloat, and bias, residual Add and activation fused into the Conv, Gemm or MatMul (activation only: MatMulIntegerToFloat) that produces their input ([`crate::ops`]' `com.ferrum` ops) |
 //! | 3 `All` | level 2 (layout passes belong here) |
 //!
 //! Fused nodes live in the `com.ferrum` domain: `FusedConv` (Conv's inputs, then an optional
 //! residual `Z` added before the activation), `FusedGemm`, `FusedMatMul` (A, B, an optional bias
-//! along the last axis) and `Gelu`, each with an `activation` attribute (and
+//! along the last axis), `FusedAttention` (see `attention`) and `Gelu`, each with an `activation` attribute (and
 //! `activation_params`), and `MatMulIntegerToFloat` (A, B, a_scale, a_zero_point, b_scale,
 //! b_zero_point, bias: ONNX Runtime's op of that name, with the same optional activation). Subgraphs (If/Loop/Scan bodies) are left as they are.
 
+mod attention;
 mod fold;
 mod fuse;
 mod prepack;
@@ -114,6 +115,7 @@ pub fn optimize(model: &mut Model, level: OptLevel, precision: Precision) -> Res
     }
     if level >= OptLevel::Extended {
         run(&mut report, "gelu fusion", model, fuse::gelu);
+        run(&mut report, "attention fusion", model, attention::attention);
         run(
             &mut report,
             "integer matmul fusion",
