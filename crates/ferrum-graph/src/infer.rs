@@ -156,7 +156,14 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
         | "LRN"
         | "Reciprocal"
         | "Softplus"
-        | "Mish" => x,
+        | "Mish"
+        | "IsNaN"
+        | "IsInf"
+        | "Not"
+        | "Sign"
+        | "Floor"
+        | "Ceil"
+        | "Round" => x,
         "MatMul" => {
             let (a, b) = (x?, inp(1)?);
             if a.len() < 2 || b.len() < 2 {
@@ -168,8 +175,15 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             Some(batch)
         }
         "FusedAttention" if n.domain == crate::passes::DOMAIN => {
-            // (Q K) V with K's batch dims; scales and mask of one element or the scores' shape.
-            let (q, k, v) = (x?, inp(1)?, inp(2)?);
+            if let Some(o) = ints(n, "out_shape") {
+                return o.iter().map(|&d| usize::try_from(d).ok()).collect();
+            }
+            // (Q K) V, batch dims broadcast; each operand's shape is that of its view if any.
+            let (q, k, v) = (
+                attention_operand(n, "q", x)?,
+                attention_operand(n, "k", inp(1))?,
+                attention_operand(n, "v", inp(2))?,
+            );
             if q.len() < 2 || k.len() < 2 || v.len() < 2 {
                 return None;
             }
@@ -277,16 +291,166 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             }
             Some(out)
         }
+        "Expand" => {
+            let to = s.consts.get(&n.inputs.get(1).copied().flatten()?)?;
+            let to: Vec<usize> = to
+                .iter()
+                .map(|&d| usize::try_from(d).ok())
+                .collect::<Option<_>>()?;
+            broadcast_shape(&x?, &to).ok()
+        }
+        "Gather" => {
+            // data[.., idx, ..] along `axis`; small constant vectors (shapes) carried through.
+            let (x, idx) = (x?, inp(1)?);
+            let a = ai(n, "axis", 0);
+            let a = if a < 0 { a + x.len() as i64 } else { a } as usize;
+            if a >= x.len() {
+                return None;
+            }
+            let konst = |i: usize| s.consts.get(&n.inputs.get(i).copied().flatten()?).cloned();
+            if let (Some(data), Some(ix), Some(Some(o)), 1) =
+                (konst(0), konst(1), n.outputs.first(), x.len())
+            {
+                let picked: Option<Vec<i64>> = ix
+                    .iter()
+                    .map(|&i| {
+                        let i = if i < 0 { i + data.len() as i64 } else { i };
+                        data.get(usize::try_from(i).ok()?).copied()
+                    })
+                    .collect();
+                if let Some(p) = picked {
+                    s.consts.insert(*o, p);
+                }
+            }
+            let mut out = x[..a].to_vec();
+            out.extend_from_slice(&idx);
+            out.extend_from_slice(&x[a + 1..]);
+            Some(out)
+        }
+        "Unsqueeze" | "Squeeze" => {
+            let x = x?;
+            let axes = match ints(n, "axes") {
+                Some(a) => Some(a),
+                None => match n.inputs.get(1).copied().flatten() {
+                    Some(v) => Some(s.consts.get(&v)?.clone()),
+                    None => None,
+                },
+            };
+            let out = if base_op(n) == "Unsqueeze" {
+                let axes = axes?;
+                let r = (x.len() + axes.len()) as i64;
+                let mut at: Vec<usize> = axes
+                    .iter()
+                    .map(|&a| if a < 0 { a + r } else { a })
+                    .map(|a| usize::try_from(a).ok().filter(|&a| a < r as usize))
+                    .collect::<Option<_>>()?;
+                at.sort_unstable();
+                let mut out = x.clone();
+                for a in at {
+                    if a > out.len() {
+                        return None;
+                    }
+                    out.insert(a, 1);
+                }
+                out
+            } else {
+                let r = x.len() as i64;
+                let drop: Vec<usize> = match axes {
+                    Some(axes) => axes
+                        .iter()
+                        .map(|&a| usize::try_from(if a < 0 { a + r } else { a }).ok())
+                        .collect::<Option<_>>()?,
+                    None => (0..x.len()).filter(|&i| x[i] == 1).collect(),
+                };
+                if drop.iter().any(|&a| x.get(a) != Some(&1)) {
+                    return None;
+                }
+                (0..x.len())
+                    .filter(|i| !drop.contains(i))
+                    .map(|i| x[i])
+                    .collect()
+            };
+            if let (Some(c), Some(Some(o))) = (
+                s.consts.get(&n.inputs.first().copied().flatten()?).cloned(),
+                n.outputs.first(),
+            ) {
+                s.consts.insert(*o, c);
+            }
+            Some(out)
+        }
+        "Slice" if n.opset >= 10 => {
+            // Constant starts / ends (axes, steps): the shape, and a constant vector's values.
+            let x = x?;
+            let konst = |i: usize| s.consts.get(&n.inputs.get(i).copied().flatten()?).cloned();
+            let (starts, ends) = (konst(1)?, konst(2)?);
+            let axes = match n.inputs.get(3).copied().flatten() {
+                Some(_) => konst(3)?,
+                None => (0..starts.len() as i64).collect(),
+            };
+            let steps = match n.inputs.get(4).copied().flatten() {
+                Some(_) => konst(4)?,
+                None => vec![1; starts.len()],
+            };
+            if starts.len() != ends.len()
+                || axes.len() != starts.len()
+                || steps.len() != starts.len()
+            {
+                return None;
+            }
+            let mut out = x.clone();
+            let mut ranges = vec![None; x.len()];
+            for i in 0..starts.len() {
+                let a = if axes[i] < 0 {
+                    axes[i] + x.len() as i64
+                } else {
+                    axes[i]
+                };
+                let a = usize::try_from(a).ok().filter(|&a| a < x.len())?;
+                if steps[i] != 1 {
+                    return None;
+                }
+                let dim = x[a] as i64;
+                let clamp = |v: i64| (if v < 0 { v + dim } else { v }).clamp(0, dim);
+                let (b, e) = (clamp(starts[i]), clamp(ends[i]));
+                out[a] = (e - b).max(0) as usize;
+                ranges[a] = Some((b as usize, e.max(b) as usize));
+            }
+            if let (Some(c), Some(Some(o)), 1) = (konst(0), n.outputs.first(), x.len()) {
+                let (b, e) = ranges[0].unwrap_or((0, c.len()));
+                if let Some(v) = c.get(b..e) {
+                    s.consts.insert(*o, v.to_vec());
+                }
+            }
+            Some(out)
+        }
         "Concat" => {
+            let konst = |i: usize| s.consts.get(&n.inputs.get(i).copied().flatten()?).cloned();
+            let joined: Option<Vec<i64>> = (0..n.inputs.len())
+                .map(konst)
+                .collect::<Option<Vec<_>>>()
+                .map(|v| v.concat());
             let mut acc = x?;
             let a = ai(n, "axis", 0);
             let a = if a < 0 { a + acc.len() as i64 } else { a } as usize;
             for i in 1..n.inputs.len() {
                 *acc.get_mut(a)? += inp(i)?.get(a)?;
             }
+            if let (Some(j), Some(Some(o))) = (joined, n.outputs.first()) {
+                if j.len() <= 64 {
+                    s.consts.insert(*o, j);
+                }
+            }
             Some(acc)
         }
         _ => None,
+    }
+}
+
+/// A `FusedAttention` operand's shape: its view's (`{name}_shape`), else its input's.
+fn attention_operand(n: &Node, name: &str, input: Option<Vec<usize>>) -> Option<Vec<usize>> {
+    match ints(n, &format!("{name}_shape")) {
+        Some(v) => v.iter().map(|&d| usize::try_from(d).ok()).collect(),
+        None => input,
     }
 }
 
@@ -302,7 +466,11 @@ pub fn node_flops(n: &Node, s: &Shapes) -> Option<f64> {
         }
         "FusedAttention" => {
             // Both products, per output row: sk * (d + dv) multiply-adds, and the softmax.
-            let (q, v, o) = (inp(0)?, inp(2)?, out?);
+            let (q, v, o) = (
+                attention_operand(n, "q", inp(0).cloned())?,
+                attention_operand(n, "v", inp(2).cloned())?,
+                out?,
+            );
             let (d, sk, dv) = (
                 *q.last()? as f64,
                 v[v.len().checked_sub(2)?] as f64,

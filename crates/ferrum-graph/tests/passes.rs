@@ -1119,83 +1119,223 @@ fn additive_mask(b: usize, sk: usize) -> Vec<f32> {
 
 /// BERT's self-attention as `torch.onnx.export` writes `scaled_dot_product_attention` (opset 17):
 /// heads split by Transpose, Q and K^T each times sqrt(1/sqrt(d)), the additive mask,
-/// Softmax, `Where(IsNaN(p), 0, p)`, the product with V, heads merged again.
+/// Softmax, `Where(IsNaN(p), 0, p)`, the product with V, heads merged again. With static input
+/// shapes the head transposes are read through (strided operands, the output written in the
+/// merged layout); with symbolic dims they stay.
 #[test]
 fn sdpa_attention_fuses_as_pytorch_exports_it() {
     let mut r = rng();
     let (b, s, h, d) = (3, 7, 2, 8);
     let half_scale = (1.0 / (d as f32).sqrt()).sqrt();
+    for static_dims in [true, false] {
+        let dims = |v: &[usize]| {
+            v.iter()
+                .map(|&x| static_dims.then_some(x as i64))
+                .collect::<Vec<_>>()
+        };
+        let mp = model(
+            vec![
+                node(
+                    "Transpose",
+                    &["q"],
+                    &["qt"],
+                    vec![attr_ints("perm", &[0, 2, 1, 3])],
+                ),
+                node(
+                    "Transpose",
+                    &["k"],
+                    &["kt"],
+                    vec![attr_ints("perm", &[0, 2, 3, 1])],
+                ),
+                node(
+                    "Transpose",
+                    &["v"],
+                    &["vt"],
+                    vec![attr_ints("perm", &[0, 2, 1, 3])],
+                ),
+                node("Mul", &["qt", "c1"], &["qs"], vec![]),
+                node("Mul", &["kt", "c2"], &["ks"], vec![]),
+                node("MatMul", &["qs", "ks"], &["scores"], vec![]),
+                node("Add", &["scores", "mask"], &["masked"], vec![]),
+                node("Softmax", &["masked"], &["p"], vec![attr_int("axis", -1)]),
+                node("IsNaN", &["p"], &["nan"], vec![]),
+                node("Where", &["nan", "zero", "p"], &["pz"], vec![]),
+                node("MatMul", &["pz", "vt"], &["o"], vec![]),
+                node(
+                    "Transpose",
+                    &["o"],
+                    &["y"],
+                    vec![attr_ints("perm", &[0, 2, 1, 3])],
+                ),
+            ],
+            vec![
+                value("q", 1, &dims(&[b, s, h, d])),
+                value("k", 1, &dims(&[b, s, h, d])),
+                value("v", 1, &dims(&[b, s, h, d])),
+                value("mask", 1, &dims(&[b, 1, 1, s])),
+            ],
+            vec![f32_out("y")],
+            vec![
+                init("c1", &[], vec![half_scale]),
+                init("c2", &[], vec![half_scale]),
+                init("zero", &[1], vec![0.0]),
+            ],
+            17,
+        );
+        let n = b * s * h * d;
+        let feeds = [
+            ("q", vec![b, s, h, d], randv(&mut r, n)),
+            ("k", vec![b, s, h, d], randv(&mut r, n)),
+            ("v", vec![b, s, h, d], randv(&mut r, n)),
+            ("mask", vec![b, 1, 1, s], additive_mask(b, s)),
+        ];
+        let want: &[&str] = if static_dims {
+            &["com.ferrum.FusedAttention"]
+        } else {
+            &[
+                "Transpose",
+                "Transpose",
+                "Transpose",
+                "com.ferrum.FusedAttention",
+                "Transpose",
+            ]
+        };
+        eprintln!("static dims: {static_dims}");
+        check(&mp, OptLevel::All, &feeds, want, 1e-5);
+        // Level 1 keeps the chain.
+        assert_eq!(session(&mp, OptLevel::Basic).model().graph.nodes.len(), 12);
+    }
+}
+
+/// ViT's whole self-attention block as torchvision's `nn.MultiheadAttention` exports it, in
+/// small: one QKV projection output split into heads by Reshape, Transpose and three Gathers,
+/// the scale computed from the head size through Shape, K^T by Transpose, and the heads merged
+/// by Transpose and Reshape. With static shapes the shape arithmetic folds and every split and
+/// merge is read through: one node is left.
+#[test]
+fn vit_attention_reads_its_head_splits_and_merge_as_views() {
+    let mut r = rng();
+    let (s, h, d) = (11, 3, 4);
+    let e = h * d;
+    let i64_init = |name: &str, v: &[i64]| {
+        let mut t = init(name, &[v.len() as i64], vec![]);
+        t.data_type = 7;
+        t.int64_data = v.to_vec();
+        t
+    };
+    let scalar_idx = |name: &str, v: i64| {
+        let mut t = i64_init(name, &[v]);
+        t.dims.clear();
+        t
+    };
+    let inits = vec![
+        i64_init("shape4", &[s as i64, 3, h as i64, d as i64]),
+        i64_init("merged", &[s as i64, e as i64]),
+        scalar_idx("i0", 0),
+        scalar_idx("i1", 1),
+        scalar_idx("i2", 2),
+        scalar_idx("last", -1),
+        init("one", &[], vec![1.0]),
+    ];
     let mp = model(
         vec![
+            node("Reshape", &["qkv", "shape4"], &["split"], vec![]),
             node(
                 "Transpose",
-                &["q"],
-                &["qt"],
-                vec![attr_ints("perm", &[0, 2, 1, 3])],
+                &["split"],
+                &["heads"],
+                vec![attr_ints("perm", &[1, 2, 0, 3])],
             ),
+            node(
+                "Gather",
+                &["heads", "i0"],
+                &["q"],
+                vec![attr_int("axis", 0)],
+            ),
+            node(
+                "Gather",
+                &["heads", "i1"],
+                &["k"],
+                vec![attr_int("axis", 0)],
+            ),
+            node(
+                "Gather",
+                &["heads", "i2"],
+                &["v"],
+                vec![attr_int("axis", 0)],
+            ),
+            node("Shape", &["q"], &["qshape"], vec![]),
+            node(
+                "Gather",
+                &["qshape", "last"],
+                &["dim"],
+                vec![attr_int("axis", 0)],
+            ),
+            node("Cast", &["dim"], &["dimf"], vec![attr_int("to", 1)]),
+            node("Sqrt", &["dimf"], &["root"], vec![]),
+            node("Div", &["one", "root"], &["inv"], vec![]),
+            node("Sqrt", &["inv"], &["scale"], vec![]),
             node(
                 "Transpose",
                 &["k"],
                 &["kt"],
-                vec![attr_ints("perm", &[0, 2, 3, 1])],
+                vec![attr_ints("perm", &[0, 2, 1])],
             ),
-            node(
-                "Transpose",
-                &["v"],
-                &["vt"],
-                vec![attr_ints("perm", &[0, 2, 1, 3])],
-            ),
-            node("Mul", &["qt", "c1"], &["qs"], vec![]),
-            node("Mul", &["kt", "c2"], &["ks"], vec![]),
+            node("Mul", &["q", "scale"], &["qs"], vec![]),
+            node("Mul", &["kt", "scale"], &["ks"], vec![]),
             node("MatMul", &["qs", "ks"], &["scores"], vec![]),
-            node("Add", &["scores", "mask"], &["masked"], vec![]),
-            node("Softmax", &["masked"], &["p"], vec![attr_int("axis", -1)]),
-            node("IsNaN", &["p"], &["nan"], vec![]),
-            node("Where", &["nan", "zero", "p"], &["pz"], vec![]),
-            node("MatMul", &["pz", "vt"], &["o"], vec![]),
+            node("Softmax", &["scores"], &["p"], vec![attr_int("axis", -1)]),
+            node("MatMul", &["p", "v"], &["o"], vec![]),
             node(
                 "Transpose",
                 &["o"],
-                &["y"],
-                vec![attr_ints("perm", &[0, 2, 1, 3])],
+                &["oh"],
+                vec![attr_ints("perm", &[1, 0, 2])],
             ),
+            node("Reshape", &["oh", "merged"], &["y"], vec![]),
         ],
-        vec![
-            f32_in("q", &[b as i64, s as i64, h as i64, d as i64]),
-            f32_in("k", &[b as i64, s as i64, h as i64, d as i64]),
-            f32_in("v", &[b as i64, s as i64, h as i64, d as i64]),
-            f32_in("mask", &[b as i64, 1, 1, s as i64]),
-        ],
+        vec![f32_in("qkv", &[s as i64, 3 * e as i64])],
         vec![f32_out("y")],
-        vec![
-            init("c1", &[], vec![half_scale]),
-            init("c2", &[], vec![half_scale]),
-            init("zero", &[1], vec![0.0]),
-        ],
+        inits,
         17,
     );
-    let n = b * s * h * d;
-    let feeds = [
-        ("q", vec![b, s, h, d], randv(&mut r, n)),
-        ("k", vec![b, s, h, d], randv(&mut r, n)),
-        ("v", vec![b, s, h, d], randv(&mut r, n)),
-        ("mask", vec![b, 1, 1, s], additive_mask(b, s)),
-    ];
+    let feeds = [("qkv", vec![s, 3 * e], randv(&mut r, s * 3 * e))];
     check(
         &mp,
         OptLevel::All,
         &feeds,
-        &[
-            "Transpose",
-            "Transpose",
-            "Transpose",
-            "com.ferrum.FusedAttention",
-            "Transpose",
-        ],
+        &["com.ferrum.FusedAttention"],
         1e-5,
     );
-    // Level 1 keeps the chain.
-    assert_eq!(session(&mp, OptLevel::Basic).model().graph.nodes.len(), 12);
+}
+
+/// Shape arithmetic on a static shape folds: `x * float(shape(x)[1])` is one Mul by a constant.
+#[test]
+fn shapes_of_static_values_fold_as_constants() {
+    let mut r = rng();
+    let mut idx = f32_tensor("one_idx", &[], &[]);
+    idx.data_type = 7;
+    idx.int64_data = vec![1];
+    let mp = model(
+        vec![
+            node("Relu", &["x"], &["rx"], vec![]),
+            node("Shape", &["rx"], &["sh"], vec![]),
+            node(
+                "Gather",
+                &["sh", "one_idx"],
+                &["n"],
+                vec![attr_int("axis", 0)],
+            ),
+            node("Cast", &["n"], &["nf"], vec![attr_int("to", 1)]),
+            node("Mul", &["rx", "nf"], &["y"], vec![]),
+        ],
+        vec![f32_in("x", &[2, 5])],
+        vec![f32_out("y")],
+        vec![idx],
+        17,
+    );
+    let feeds = [("x", vec![2, 5], randv(&mut r, 10))];
+    check(&mp, OptLevel::Basic, &feeds, &["Relu", "Mul"], 0.0);
 }
 
 /// ViT's attention (torchvision's `nn.MultiheadAttention` export): the scale computed at run

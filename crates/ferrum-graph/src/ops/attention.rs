@@ -1,7 +1,7 @@
 //! Attention (opsets 23-25): scaled dot-product attention with masks, causal and sliding-window
 //! bias, grouped KV heads, past key/value caches and softcap. A reference loop in f64.
 
-use ferrum_kernels::gemm::{gemm_with, isa, Mat};
+use ferrum_kernels::gemm::{gemm_ex_with, isa, Epilogue, Lhs, Mat, PackedB, Rhs};
 use ferrum_kernels::pool;
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, bstrides, cast};
@@ -306,12 +306,19 @@ pub fn flex_attention(cx: &Ctx) -> Result<Vec<Value>> {
 }
 
 /// `com.ferrum.FusedAttention` (made by the attention pass from PyTorch's exported chain):
-/// inputs Q `[.., sq, d]`, K `[.., d, sk]` (the first MatMul's B; `[.., sk, d]` with
-/// `b_transposed = 1`), V `[.., sk, dv]`, then optional: an additive mask broadcasting to the
-/// scores `[.., sq, sk]`, and scalar multipliers of Q and of K. Computes
-/// `softmax((Q q_scale) (K k_scale) post + mask) V` along the last axis, where `post` is a
-/// multiplication by `post_scale` (or a division, `post_div = 1`), and with `nan_to_zero = 1` a
-/// NaN probability is 0 (`Where(IsNaN(p), 0, p)`). Batch dims broadcast as MatMul's do.
+/// inputs Q `[.., sq, d]`, K `[.., d, sk]` (the first MatMul's B), V `[.., sk, dv]`, then
+/// optional: an additive mask broadcasting to the scores `[.., sq, sk]`, and scalar multipliers
+/// of Q and of K. Computes `softmax((Q q_scale) (K k_scale) post + mask) V` along the last
+/// axis, where `post` is a multiplication by `post_scale` (or a division, `post_div = 1`), and
+/// with `nan_to_zero = 1` a NaN probability is 0 (`Where(IsNaN(p), 0, p)`). Batch dims broadcast
+/// as MatMul's do.
+///
+/// Q, K and V may be strided views of the tensors given (the head splits PyTorch writes as
+/// Reshape, Transpose and Gather): `{q,k,v}_shape`, `_strides` and `_offset` describe the
+/// operand read from the input, whose shape must be `{q,k,v}_src_shape`; `b_transposed = 1`
+/// reads K `[.., sk, d]` transposed. The output may be written straight into the layout of the
+/// transposes and reshapes that followed the product: `out_shape` is the tensor produced and
+/// `out_strides` the product's dims' strides in it (its last dim contiguous).
 ///
 /// float32 with scalar scales runs [`attention_f32`]; anything else the f64 reference
 /// [`attention_reference`], rounded once to the output type.
@@ -324,41 +331,84 @@ pub fn fused_attention(cx: &Ctx) -> Result<Tensor> {
         },
         nan_to_zero: cx.ai("nan_to_zero", 0) != 0,
     };
-    let (q, k, v) = (cx.t(0)?, cx.t(1)?, cx.t(2)?);
-    if k.rank() < 2 {
-        kbail!(
-            "FusedAttention: K must have rank 2 or more, got {:?}",
-            k.shape()
-        );
+    let view = |i: usize, name: &str| -> Result<View> {
+        let t = cx.t(i)?;
+        let dims = |a: &str| {
+            cx.aints(&format!("{name}_{a}"))
+                .map(|v| v.iter().map(|&x| x.max(0) as usize).collect::<Vec<usize>>())
+        };
+        match (dims("shape"), dims("strides"), dims("src_shape")) {
+            (Some(shape), Some(strides), Some(src)) => {
+                if src != t.shape() {
+                    kbail!(
+                        "FusedAttention: {name} was planned for a {src:?} input, got {:?}",
+                        t.shape()
+                    );
+                }
+                View::strided(
+                    t,
+                    cx.ai(&format!("{name}_offset"), 0) as usize,
+                    shape,
+                    strides,
+                )
+            }
+            _ => Ok(View::of(t)),
+        }
+    };
+    let (q, mut k, v) = (view(0, "q")?, view(1, "k")?, view(2, "v")?);
+    if cx.ai("b_transposed", 0) != 0 {
+        let r = k.shape.len();
+        if r < 2 {
+            kbail!(
+                "FusedAttention: K must have rank 2 or more, got {:?}",
+                k.shape
+            );
+        }
+        k.shape.swap(r - 2, r - 1);
+        k.strides.swap(r - 2, r - 1);
     }
-    let k = if cx.ai("b_transposed", 0) != 0 {
-        let r = k.rank();
-        let mut perm: Vec<usize> = (0..r).collect();
-        perm.swap(r - 2, r - 1);
-        Operand::Swapped(k, perm)
-    } else {
-        Operand::Plain(k)
+    let out = match (cx.aints("out_shape"), cx.aints("out_strides")) {
+        (Some(sh), Some(st)) => Some((
+            sh.iter()
+                .map(|&x| x.max(0) as usize)
+                .collect::<Vec<usize>>(),
+            st.iter()
+                .map(|&x| x.max(0) as usize)
+                .collect::<Vec<usize>>(),
+        )),
+        _ => None,
     };
     let (mask, qs, ks) = (cx.opt(3), cx.opt(4), cx.opt(5));
     // A scale of one element that does not raise the rank of what it multiplies.
-    let f32_scalar = |s: Option<&Tensor>, of: &Tensor| {
-        s.is_none_or(|s| s.dtype() == DType::F32 && s.len() == 1 && s.rank() <= of.rank())
+    let f32_scalar = |s: Option<&Tensor>, of: &View| {
+        s.is_none_or(|s| s.dtype() == DType::F32 && s.len() == 1 && s.rank() <= of.shape.len())
     };
-    let all_f32 = [Some(q), Some(k.tensor()), Some(v), mask]
+    let all_f32 = [Some(q.t), Some(k.t), Some(v.t), mask]
         .iter()
         .flatten()
         .all(|t| t.dtype() == DType::F32);
-    if all_f32 && f32_scalar(qs, q) && f32_scalar(ks, k.tensor()) && q.rank() >= 2 && v.rank() >= 2
-    {
+    let ranks = q.shape.len() >= 2 && k.shape.len() >= 2 && v.shape.len() >= 2;
+    if all_f32 && ranks && f32_scalar(qs, &q) && f32_scalar(ks, &k) {
         let scalar = |s: Option<&Tensor>| -> Result<Option<f32>> {
             s.map(|s| Ok(s.as_slice::<f32>()?[0])).transpose()
         };
-        if let Some(t) = attention_f32(q, &k, v, mask, (scalar(qs)?, scalar(ks)?), spec)? {
+        let scales = (scalar(qs)?, scalar(ks)?);
+        if let Some(t) = attention_f32(&q, &k, &v, mask, scales, spec, out.as_ref())? {
             return Ok(t);
         }
     }
-    let k = k.materialize()?;
-    attention_reference(q, &k, v, mask, (qs, ks), spec)
+    let o = attention_reference(
+        &q.materialize()?,
+        &k.materialize()?,
+        &v.materialize()?,
+        mask,
+        (qs, ks),
+        spec,
+    )?;
+    match out {
+        Some((shape, strides)) => scatter(&o, shape, &strides),
+        None => Ok(o),
+    }
 }
 
 /// The chain's scalar parts: the scores' multiplier or divisor, and NaN handling.
@@ -369,33 +419,152 @@ pub struct FusedSpec {
     pub nan_to_zero: bool,
 }
 
-/// K as given, or as its last two dims swapped (read through a transposed view).
-enum Operand<'a> {
-    Plain(&'a Tensor),
-    Swapped(&'a Tensor, Vec<usize>),
+/// An operand of [`fused_attention`]: `shape`'s elements read from `t`'s data at `offset + Σ
+/// index · stride` (strides in elements; any stride for a dim of size 1).
+struct View<'a> {
+    t: &'a Tensor,
+    offset: usize,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
 }
 
-impl Operand<'_> {
-    fn tensor(&self) -> &Tensor {
-        match self {
-            Operand::Plain(t) | Operand::Swapped(t, _) => t,
+impl<'a> View<'a> {
+    /// The whole tensor, row-major.
+    fn of(t: &'a Tensor) -> View<'a> {
+        View {
+            t,
+            offset: 0,
+            shape: t.shape().to_vec(),
+            strides: contiguous(t.shape()),
         }
     }
 
-    /// The `[.., d, sk]` operand's shape.
-    fn shape(&self) -> Vec<usize> {
-        match self {
-            Operand::Plain(t) => t.shape().to_vec(),
-            Operand::Swapped(t, perm) => perm.iter().map(|&p| t.shape()[p]).collect(),
+    /// A view of `t`, checked to lie within it.
+    fn strided(
+        t: &'a Tensor,
+        offset: usize,
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+    ) -> Result<View<'a>> {
+        let last = shape
+            .iter()
+            .zip(&strides)
+            .try_fold(offset, |acc, (&n, &s)| {
+                acc.checked_add(n.saturating_sub(1).checked_mul(s)?)
+            });
+        let empty = shape.contains(&0);
+        if shape.len() != strides.len() || !empty && last.is_none_or(|l| l >= t.len()) {
+            kbail!(
+                "FusedAttention: view {shape:?} (strides {strides:?}, offset {offset}) does not fit a {:?} input",
+                t.shape()
+            );
         }
+        Ok(View {
+            t,
+            offset,
+            shape,
+            strides,
+        })
     }
 
+    /// The viewed elements as a row-major tensor of the input's type.
     fn materialize(&self) -> Result<Tensor> {
-        match self {
-            Operand::Plain(t) => Ok((*t).clone()),
-            Operand::Swapped(t, perm) => transpose_t(t, perm),
+        if self.offset == 0
+            && self.shape == self.t.shape()
+            && self.strides == contiguous(&self.shape)
+        {
+            return Ok(self.t.clone());
+        }
+        let src = self.t.to_f64_vec()?;
+        let n: usize = self.shape.iter().product();
+        let mut v = Vec::with_capacity(n);
+        let mut idx = vec![0usize; self.shape.len()];
+        for _ in 0..n {
+            let off: usize = idx.iter().zip(&self.strides).map(|(i, s)| i * s).sum();
+            v.push(src[self.offset + off]);
+            for d in (0..idx.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < self.shape[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        crate::ops::nn::f64_tensor(self.shape.clone(), v, self.t.dtype())
+    }
+}
+
+/// Row-major strides of `shape`.
+fn contiguous(shape: &[usize]) -> Vec<usize> {
+    let mut st = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        st[i] = st[i + 1] * shape[i + 1];
+    }
+    st
+}
+
+/// `o` (row-major) written into a fresh `shape` tensor at `strides` (one per dim of `o`).
+fn scatter(o: &Tensor, shape: Vec<usize>, strides: &[usize]) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    if n != o.len() || strides.len() != o.rank() {
+        kbail!(
+            "FusedAttention: a {:?} product does not fill the planned {shape:?} output",
+            o.shape()
+        );
+    }
+    let src = o.to_f64_vec()?;
+    let mut v = vec![0f64; n];
+    let mut idx = vec![0usize; o.rank()];
+    for x in src {
+        let off: usize = idx.iter().zip(strides).map(|(i, s)| i * s).sum();
+        match v.get_mut(off) {
+            Some(slot) => *slot = x,
+            None => kbail!("FusedAttention: output strides {strides:?} leave the {shape:?} output"),
+        }
+        for d in (0..idx.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < o.shape()[d] {
+                break;
+            }
+            idx[d] = 0;
         }
     }
+    crate::ops::nn::f64_tensor(shape, v, o.dtype())
+}
+
+/// For every entry of `batch` (row-major), the element offset of `v`'s matrix (its batch dims
+/// right-aligned to `batch`, broadcast where they are 1).
+fn batch_offsets(v: &View, batch: &[usize]) -> Vec<usize> {
+    let r = v.shape.len() - 2;
+    let lead = batch.len() - r;
+    let nb: usize = batch.iter().product();
+    let mut out = Vec::with_capacity(nb);
+    let mut idx = vec![0usize; batch.len()];
+    for _ in 0..nb {
+        let off: usize = (0..r)
+            .filter(|&j| v.shape[j] > 1)
+            .map(|j| idx[lead + j] * v.strides[j])
+            .sum();
+        out.push(v.offset + off);
+        for d in (0..batch.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < batch[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    out
+}
+
+/// One matrix of a view: `Mat` over the input's data from `off`.
+fn mat<'a>(v: &View<'a>, off: usize) -> Result<Mat<'a>> {
+    let r = v.shape.len();
+    Ok(Mat {
+        data: &v.t.as_slice::<f32>()?[off..],
+        rs: v.strides[r - 2],
+        cs: v.strides[r - 1],
+    })
 }
 
 /// Query rows per task of [`attention_f32`]: the scores of one task (`ROWS x sk` floats) stay
@@ -403,41 +572,59 @@ impl Operand<'_> {
 const ROWS: usize = 64;
 
 thread_local! {
-    /// [`attention_f32`]'s per-thread buffers: scores, scaled Q rows, scaled K.
-    static SCRATCH: std::cell::RefCell<[Vec<f32>; 3]> = Default::default();
+    /// [`attention_f32`]'s per-thread score buffer.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = Default::default();
 }
 
-/// [`fused_attention`] on float32 with scalar scales: per (batch, block of [`ROWS`] query rows)
-/// one GEMM for the scores, the row pass of [`vecmath::attention_rows`] in place, one GEMM into
-/// the output. Tasks split across the pool by batch entry (and by row block when there are too
-/// few batch entries to keep every thread busy); the score matrix never exists whole. `None`
-/// when the mask would broadcast the scores to a larger shape (left to the reference).
+/// [`fused_attention`] on float32 with scalar scales. Per block of at most [`ROWS`] query rows
+/// and batch entry: one GEMM for the scores, the row pass of [`vecmath::attention_rows`] in
+/// place, one GEMM into the output. The output's layout is `[outer.., sq, inner.., dv]` for
+/// some split of the batch dims (all outer without `out`), so a task owns a contiguous run of
+/// it: one outer entry's rows `r0..r1` for every inner entry. Tasks are outer entries, or row
+/// blocks when there are too few of those to keep every thread busy. The score matrix never
+/// exists whole. `None` when the mask would broadcast the scores to a larger shape, or the
+/// planned output layout is not of that form (both left to the reference).
 fn attention_f32(
-    q: &Tensor,
-    k: &Operand,
-    v: &Tensor,
+    q: &View,
+    k: &View,
+    v: &View,
     mask: Option<&Tensor>,
     (q_scale, k_scale): (Option<f32>, Option<f32>),
     spec: FusedSpec,
+    out: Option<&(Vec<usize>, Vec<usize>)>,
 ) -> Result<Option<Tensor>> {
-    let kshape = k.shape();
-    let d1 = MatmulDims::of(q.shape(), &kshape)?;
+    let d1 = MatmulDims::of(&q.shape, &k.shape)?;
     let (sq, d, sk) = (d1.m, d1.k, d1.n);
     let mut sshape = d1.batch.clone();
     sshape.extend([sq, sk]);
-    let d2 = MatmulDims::of(&sshape, v.shape())?;
+    let d2 = MatmulDims::of(&sshape, &v.shape)?;
     let dv = d2.n;
     let batch = d2.batch.clone();
     let nb: usize = batch.iter().product();
-    // Each operand's batch offset (in matrices) for every output batch entry.
-    let pad = |b: &[usize]| {
-        let mut p = vec![1; batch.len() - b.len().min(batch.len())];
-        p.extend_from_slice(b);
-        p
+    let mut oshape = batch.clone();
+    oshape.extend([sq, dv]);
+    if d == 0 {
+        return Ok(None);
+    }
+    // The output: its shape, and where each product dim lands (strides).
+    let (out_shape, ostrides) = match out {
+        Some((shape, strides)) => {
+            let n: usize = shape.iter().product();
+            if strides.len() != oshape.len() || n != oshape.iter().product::<usize>() {
+                kbail!(
+                    "FusedAttention: a {oshape:?} product does not fill the planned {shape:?} output"
+                );
+            }
+            (shape.clone(), strides.clone())
+        }
+        None => (oshape.clone(), contiguous(&oshape)),
     };
-    let qb = broadcast_offsets(&[&pad(&d1.abatch)], &batch).remove(0);
-    let kb = broadcast_offsets(&[&pad(&d1.bbatch)], &batch).remove(0);
-    let vb = broadcast_offsets(&[&pad(&d2.bbatch)], &batch).remove(0);
+    let Some(split) = Split::of(&oshape, &ostrides) else {
+        return Ok(None);
+    };
+    let qb = batch_offsets(q, &batch);
+    let kb = batch_offsets(k, &batch);
+    let vb = batch_offsets(v, &batch);
     // The mask: its batch offsets, and row / column strides (0 where it broadcasts).
     let mask = match mask {
         Some(m) => {
@@ -448,109 +635,178 @@ fn attention_f32(
             }
             let st = bstrides(m.shape(), &full);
             let r = full.len();
-            let mut mb = m.shape().to_vec();
-            let keep = mb.len().saturating_sub(2);
-            mb.truncate(keep);
-            let mrows = if m.rank() >= 2 {
-                m.shape()[m.rank() - 2]
-            } else {
-                1
+            let mv = View {
+                t: m,
+                offset: 0,
+                shape: [vec![1; r - m.rank()], m.shape().to_vec()].concat(),
+                strides: st.clone(),
             };
-            let mcols = if m.rank() >= 1 {
-                m.shape()[m.rank() - 1]
-            } else {
-                1
-            };
-            let per = mrows * mcols;
-            let offs = broadcast_offsets(&[&pad(&mb)], &batch).remove(0);
-            Some((m.as_slice::<f32>()?, offs, per, st[r - 2], st[r - 1]))
+            Some((
+                m.as_slice::<f32>()?,
+                batch_offsets(&mv, &batch),
+                st[r - 2],
+                st[r - 1],
+            ))
         }
         None => None,
     };
-    let (qv, kv, vv) = (
-        q.as_slice::<f32>()?,
-        k.tensor().as_slice::<f32>()?,
-        v.as_slice::<f32>()?,
-    );
-    let swapped = matches!(k, Operand::Swapped(..));
-    let mut out_shape = batch.clone();
-    out_shape.extend([sq, dv]);
-    if d == 0 {
-        return Ok(None);
-    }
+    let n_out: usize = out_shape.iter().product();
     if nb == 0 || sq == 0 || dv == 0 || sk == 0 {
-        return Tensor::from_vec(out_shape, vec![0f32; nb * sq * dv]).map(Some);
+        return Tensor::from_vec(out_shape, vec![0f32; n_out]).map(Some);
     }
-    let run_block = |bi: usize, r0: usize, o: &mut [f32]| {
-        let cnt = o.len() / dv;
-        SCRATCH.with(|sc| {
-            let mut sc = sc.borrow_mut();
-            let [sbuf, qbuf, kbuf] = &mut *sc;
-            // Q rows, scaled as `Mul(Q, q_scale)` would.
-            let qrows = &qv[(qb[bi] * sq + r0) * d..][..cnt * d];
-            let qm = match q_scale {
-                Some(c) => {
-                    qbuf.clear();
-                    qbuf.extend(qrows.iter().map(|&x| x * c));
-                    Mat::row_major(qbuf, d)
-                }
-                None => Mat::row_major(qrows, d),
-            };
-            let kmat = &kv[kb[bi] * d * sk..][..d * sk];
-            let kdata: &[f32] = match k_scale {
-                Some(c) => {
-                    kbuf.clear();
-                    kbuf.extend(kmat.iter().map(|&x| x * c));
-                    kbuf
-                }
-                None => kmat,
-            };
-            // B = K^T: `[d, sk]` row-major, or the `[sk, d]` K read transposed.
-            let km = if swapped {
-                Mat::transposed(kdata, d)
-            } else {
-                Mat::row_major(kdata, sk)
-            };
-            sbuf.resize(cnt * sk, 0.0);
-            let s = &mut sbuf[..cnt * sk];
-            gemm_with(isa(), 1, cnt, sk, d, 1.0, qm, km, 0.0, s, sk);
-            let m = mask
-                .as_ref()
-                .map(|(mv, offs, per, mrs, mcs)| (&mv[offs[bi] * per + r0 * mrs..], *mrs, *mcs));
-            vecmath::attention_rows(s, sk, spec.post, m, spec.nan_to_zero);
-            let vm = Mat::row_major(&vv[vb[bi] * sk * dv..][..sk * dv], dv);
-            gemm_with(
-                isa(),
-                1,
-                cnt,
-                dv,
-                sk,
-                1.0,
-                Mat::row_major(s, sk),
-                vm,
-                0.0,
-                o,
-                dv,
-            );
-        });
-    };
-    let mut out = vec![0f32; nb * sq * dv];
+    let (vv, ldc) = (v.t.as_slice::<f32>()?, split.inner * dv);
+    // Q's and K's scales join the scores' product as one factor: `(q a)(k b)` rounded as
+    // `(q k)(a b)`, within the product's own rounding of the chain's bits.
+    let alpha = (f64::from(q_scale.unwrap_or(1.0)) * f64::from(k_scale.unwrap_or(1.0))) as f32;
     let threads = pool::threads();
-    if nb >= 2 * threads {
-        // Enough batch entries (heads) for every thread: one task each, row blocks in turn.
-        pool::parallel_chunks_mut(&mut out, sq * dv, |bi, o| {
-            for (blk, ob) in o.chunks_mut(ROWS * dv).enumerate() {
-                run_block(bi, blk * ROWS, ob);
+    // Row blocks per outer entry: one per task when the outer entries alone cannot keep every
+    // thread busy, each at most ROWS rows.
+    let few = split.entries.len() < 2 * threads;
+    let rows = if few {
+        let tasks = threads * sq.div_ceil(threads * ROWS);
+        sq.div_ceil(tasks)
+    } else {
+        sq.min(ROWS)
+    };
+    let vmat = |bi: usize| Mat {
+        data: &vv[vb[bi]..],
+        rs: v.strides[v.shape.len() - 2],
+        cs: v.strides[v.shape.len() - 1],
+    };
+    // K^T and V packed once per batch entry when several row blocks read them (and they fit
+    // in 64 MiB), instead of once per block.
+    let packed_bytes = nb * sk * (d + dv) * 4;
+    let mut packed: Vec<Option<(PackedB, PackedB)>> = Vec::new();
+    if sq > rows && packed_bytes <= 64 << 20 {
+        let kmats: Vec<Mat> = (0..nb).map(|bi| mat(k, kb[bi])).collect::<Result<_>>()?;
+        packed.resize_with(nb, || None);
+        pool::parallel_chunks_mut(&mut packed, 1, |bi, slot| {
+            slot[0] = Some((
+                PackedB::new(d, sk, kmats[bi]),
+                PackedB::new(sk, dv, vmat(bi)),
+            ));
+        });
+    }
+    // Rows `r0..` of outer entry `o` into `chunk` (those rows' run of the output).
+    let run_block = |o: usize, r0: usize, chunk: &mut [f32]| -> Result<()> {
+        let cnt = chunk.len() / ldc;
+        SCRATCH.with(|sc| -> Result<()> {
+            let mut sbuf = sc.borrow_mut();
+            for (i, &bi) in split.entries[o].iter().enumerate() {
+                let qm = Lhs::Mat(mat(q, qb[bi] + r0 * q.strides[q.shape.len() - 2])?);
+                let (km, vm) = match packed.get(bi) {
+                    Some(Some((pk, pv))) => (Rhs::Packed(pk), Rhs::Packed(pv)),
+                    _ => (Rhs::Mat(mat(k, kb[bi])?), Rhs::Mat(vmat(bi))),
+                };
+                sbuf.resize(cnt * sk, 0.0);
+                let s = &mut sbuf[..cnt * sk];
+                let none = &Epilogue::NONE;
+                gemm_ex_with(isa(), 1, cnt, sk, d, alpha, qm, km, 0.0, s, sk, none);
+                let m = mask
+                    .as_ref()
+                    .map(|(mv, offs, mrs, mcs)| (&mv[offs[bi] + r0 * mrs..], *mrs, *mcs));
+                vecmath::attention_rows(s, sk, spec.post, m, spec.nan_to_zero);
+                let p = Lhs::Mat(Mat::row_major(s, sk));
+                let c = &mut chunk[i * dv..];
+                gemm_ex_with(isa(), 1, cnt, dv, sk, 1.0, p, vm, 0.0, c, ldc, none);
+            }
+            Ok(())
+        })
+    };
+    let mut y = vec![0f32; n_out];
+    let per_outer = sq * ldc;
+    let failed = std::sync::Mutex::new(None);
+    let keep = |r: Result<()>| {
+        if let Err(e) = r {
+            *failed.lock().unwrap() = Some(e);
+        }
+    };
+    if few {
+        // The threads split each outer entry's query rows.
+        for (o, yo) in y.chunks_mut(per_outer).enumerate() {
+            pool::parallel_chunks_mut(yo, rows * ldc, |blk, c| keep(run_block(o, blk * rows, c)));
+        }
+    } else {
+        // Enough outer entries for every thread: one task each, row blocks in turn.
+        pool::parallel_chunks_mut(&mut y, per_outer, |o, yo| {
+            for (blk, c) in yo.chunks_mut(rows * ldc).enumerate() {
+                keep(run_block(o, blk * rows, c));
             }
         });
-    } else {
-        // Few batch entries: the threads split each one's query rows.
-        let rows = sq.div_ceil(2 * threads).clamp(1, ROWS);
-        for (bi, ob) in out.chunks_mut(sq * dv).enumerate() {
-            pool::parallel_chunks_mut(ob, rows * dv, |blk, o| run_block(bi, blk * rows, o));
-        }
     }
-    Tensor::from_vec(out_shape, out).map(Some)
+    if let Some(e) = failed.into_inner().unwrap() {
+        return Err(e);
+    }
+    Tensor::from_vec(out_shape, y).map(Some)
+}
+
+/// How a product `[batch.., sq, dv]` lies in its output: the batch dims in front of the rows
+/// (outer) and between the rows and `dv` (inner, in the output's order), as batch entries.
+struct Split {
+    /// Inner entries per outer entry.
+    inner: usize,
+    /// For each outer entry (in output order), its batch entries (row-major indices of the
+    /// product's batch) in output order.
+    entries: Vec<Vec<usize>>,
+}
+
+impl Split {
+    /// `None` unless the output is the product's dims in some order with `dv` last: the
+    /// strides, sorted, are the row-major strides of that order.
+    fn of(shape: &[usize], strides: &[usize]) -> Option<Split> {
+        let r = shape.len();
+        // Dims of size 1 go anywhere; the others by decreasing stride.
+        let mut order: Vec<usize> = (0..r).filter(|&i| shape[i] > 1).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(strides[i]));
+        let mut acc = 1;
+        for &i in order.iter().rev() {
+            if strides[i] != acc {
+                return None;
+            }
+            acc *= shape[i];
+        }
+        let (sq_dim, dv_dim) = (r - 2, r - 1);
+        if shape[dv_dim] > 1 && order.last() != Some(&dv_dim) {
+            return None;
+        }
+        let batch = &shape[..r - 2];
+        // Outer: batch dims laid out beyond the rows; inner: the others (size-1 dims count as
+        // inner and change nothing).
+        let is_outer =
+            |j: usize| shape[j] > 1 && (shape[sq_dim] == 1 || strides[j] > strides[sq_dim]);
+        let inner: usize = (0..r - 2)
+            .filter(|&j| !is_outer(j))
+            .map(|j| shape[j])
+            .product();
+        let nb: usize = batch.iter().product();
+        // Batch entries keyed by (outer position, inner position) in the output's order.
+        let mut keyed: Vec<(usize, usize, usize)> = Vec::with_capacity(nb);
+        let mut idx = vec![0usize; r - 2];
+        for bi in 0..nb {
+            let (mut o, mut i) = (0usize, 0usize);
+            for j in 0..r - 2 {
+                if is_outer(j) {
+                    o += idx[j] * strides[j];
+                } else {
+                    i += idx[j] * strides[j];
+                }
+            }
+            keyed.push((o, i, bi));
+            for d in (0..r - 2).rev() {
+                idx[d] += 1;
+                if idx[d] < batch[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        keyed.sort_unstable();
+        let entries: Vec<Vec<usize>> = keyed
+            .chunks(inner.max(1))
+            .map(|c| c.iter().map(|&(_, _, bi)| bi).collect())
+            .collect();
+        Some(Split { inner, entries })
+    }
 }
 
 /// [`fused_attention`] in f64 for any float type and any broadcasting scales: the plain
@@ -634,18 +890,46 @@ mod tests {
         .unwrap()
     }
 
+    /// A random operand of logical shape `shape` stored with its dims in `order` (source dim
+    /// `j` holds logical dim `order[j]`), and the view of it; also the source.
+    fn stored(
+        r: &mut rand::rngs::StdRng,
+        shape: &[usize],
+        order: &[usize],
+    ) -> (Tensor, Vec<usize>, Vec<usize>) {
+        let src_shape: Vec<usize> = order.iter().map(|&l| shape[l]).collect();
+        let cs = contiguous(&src_shape);
+        let mut strides = vec![0; shape.len()];
+        for (j, &l) in order.iter().enumerate() {
+            strides[l] = cs[j];
+        }
+        (rand_t(r, &src_shape), shape.to_vec(), strides)
+    }
+
+    /// Logical dims in storage order: row-major, or (half the time) the rows dim first, so the
+    /// batch dims (heads) sit between the rows and the last dim, as `[s, h, d]` tensors hold
+    /// them.
+    fn order(r: &mut rand::rngs::StdRng, rank: usize) -> Vec<usize> {
+        if rank >= 3 && r.gen_bool(0.5) {
+            [vec![rank - 2], (0..rank - 2).collect(), vec![rank - 1]].concat()
+        } else {
+            (0..rank).collect()
+        }
+    }
+
     /// The float32 kernel against the f64 reference on fresh random shapes: batch dims that
-    /// broadcast, K read transposed, query counts across several row blocks, masks of every
-    /// broadcast form (fully masked rows with `nan_to_zero`), scales and a divided score, 1-3
-    /// threads. Tolerance: |fast - reference| <= 1e-5 * (1 + d) for inputs in [-1, 1] (scores
-    /// summed over d terms in f32; the probabilities sum to 1, so the output is no larger than
-    /// V). NaN fails.
+    /// broadcast, operands read through strided views (K transposed, heads between rows and
+    /// columns), outputs written in such layouts too, query counts across several row blocks,
+    /// masks of every broadcast form (fully masked rows with `nan_to_zero`), scales and a
+    /// divided score, 1-3 threads. Tolerance: |fast - reference| <= 1e-5 * (1 + d) for inputs
+    /// in [-1, 1] (scores summed over d terms in f32; the probabilities sum to 1, so the
+    /// output is no larger than V). NaN fails unless both are NaN where the chain gives NaN.
     #[test]
     fn the_float32_kernel_matches_the_f64_reference() {
         let seed: u64 = rand::random();
         eprintln!("seed {seed}");
         let mut r = rand::rngs::StdRng::seed_from_u64(seed);
-        for case in 0..60 {
+        for case in 0..80 {
             ferrum_kernels::pool::set_threads(Some(1 + case % 3));
             let (h, sq, sk) = (r.gen_range(1..5), r.gen_range(1..150), r.gen_range(1..90));
             let (d, dv) = (r.gen_range(1..40), r.gen_range(1..40));
@@ -658,14 +942,28 @@ mod tests {
             };
             let vb = if r.gen_bool(0.3) { vec![h] } else { qb.clone() };
             let shape = |b: &[usize], m: usize, n: usize| [b, &[m, n][..]].concat();
-            let q = rand_t(&mut r, &shape(&qb, sq, d));
+            let qshape = shape(&qb, sq, d);
+            let qorder = order(&mut r, qshape.len());
+            let (qt, _, qst) = stored(&mut r, &qshape, &qorder);
+            let q = View::strided(&qt, 0, qshape.clone(), qst).unwrap();
+            // K as [.., d, sk], or stored [.., sk, d] and read transposed.
             let swapped = r.gen_bool(0.5);
-            let k = if swapped {
-                rand_t(&mut r, &shape(&kb, sk, d))
-            } else {
-                rand_t(&mut r, &shape(&kb, d, sk))
-            };
-            let v = rand_t(&mut r, &shape(&vb, sk, dv));
+            let kshape = shape(&kb, d, sk);
+            let kr = kshape.len();
+            let mut korder = order(&mut r, kr);
+            if swapped {
+                let (a, b) = (
+                    korder.iter().position(|&x| x == kr - 2),
+                    korder.iter().position(|&x| x == kr - 1),
+                );
+                korder.swap(a.unwrap(), b.unwrap());
+            }
+            let (kt, _, kst) = stored(&mut r, &kshape, &korder);
+            let k = View::strided(&kt, 0, kshape.clone(), kst).unwrap();
+            let vshape = shape(&vb, sk, dv);
+            let vorder = order(&mut r, vshape.len());
+            let (vt, _, vst) = stored(&mut r, &vshape, &vorder);
+            let v = View::strided(&vt, 0, vshape.clone(), vst).unwrap();
             let nan_to_zero = r.gen_bool(0.5);
             let lead = if two { vec![2, 1] } else { vec![1] };
             let mshape = match r.gen_range(0..5) {
@@ -696,28 +994,31 @@ mod tests {
                 _ => Some((0.3, false)),
             };
             let spec = FusedSpec { post, nan_to_zero };
-            let kop = if swapped {
-                let rk = k.rank();
-                let mut perm: Vec<usize> = (0..rk).collect();
-                perm.swap(rk - 2, rk - 1);
-                Operand::Swapped(&k, perm)
-            } else {
-                Operand::Plain(&k)
-            };
-            let fast = attention_f32(&q, &kop, &v, mask.as_ref(), (qs, ks), spec)
+            // The output row-major, or with its batch dims between the rows and dv.
+            let mut oshape = broadcast_shape(&broadcast_shape(&qb, &kb).unwrap(), &vb).unwrap();
+            oshape.extend([sq, dv]);
+            let oorder = order(&mut r, oshape.len());
+            let ystride = contiguous(&oorder.iter().map(|&l| oshape[l]).collect::<Vec<_>>());
+            let mut ost = vec![0; oshape.len()];
+            for (j, &l) in oorder.iter().enumerate() {
+                ost[l] = ystride[j];
+            }
+            let out = (oorder.iter().map(|&l| oshape[l]).collect::<Vec<_>>(), ost);
+            let fast = attention_f32(&q, &k, &v, mask.as_ref(), (qs, ks), spec, Some(&out))
                 .unwrap()
-                .expect("the mask fits the scores");
+                .expect("the mask and the layout fit");
             let scalar = |s: Option<f32>| s.map(|c| Tensor::from_vec(vec![1], vec![c]).unwrap());
             let (qst, kst) = (scalar(qs), scalar(ks));
             let want = attention_reference(
-                &q,
-                &kop.materialize().unwrap(),
-                &v,
+                &q.materialize().unwrap(),
+                &k.materialize().unwrap(),
+                &v.materialize().unwrap(),
                 mask.as_ref(),
                 (qst.as_ref(), kst.as_ref()),
                 spec,
             )
             .unwrap();
+            let want = scatter(&want, out.0.clone(), &out.1).unwrap();
             assert_eq!(fast.shape(), want.shape(), "case {case}");
             let (a, b) = (
                 fast.as_slice::<f32>().unwrap(),
@@ -727,10 +1028,7 @@ mod tests {
             for (i, (x, y)) in a.iter().zip(b).enumerate() {
                 assert!(
                     (x - y).abs() <= tol || (x.is_nan() && y.is_nan() && !nan_to_zero),
-                    "case {case} (q {:?} k {:?} v {:?} swapped {swapped} spec {spec:?}) element {i}: {x} vs {y}",
-                    q.shape(),
-                    k.shape(),
-                    v.shape()
+                    "case {case} (q {qshape:?} k {kshape:?} v {vshape:?} swapped {swapped} out {out:?} spec {spec:?}) element {i}: {x} vs {y}"
                 );
             }
         }

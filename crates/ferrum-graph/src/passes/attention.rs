@@ -12,9 +12,16 @@
 //!
 //! `?` marks an optional step. A scalar Mul is absorbed when its other input is a constant of
 //! one element or has a static shape of one element (the scale PyTorch computes from the head
-//! size at run time); a Transpose swapping K's last two dims is read through a transposed view.
-//! Every absorbed value must have the chain's next node as its only reader (and not be a graph
-//! output), so nothing else needs it. The reshapes and transposes around the heads stay.
+//! size at run time). Every absorbed value must have the chain's next node as its only reader
+//! (and not be a graph output), so nothing else needs it.
+//!
+//! Where shapes are static, the head splits around the chain are read through instead of run:
+//! Q, K and V become strided views of the tensor before their Reshape / Transpose / Gather (a
+//! constant index) nodes, often the QKV projection's output itself, and the output is written
+//! straight into the layout of the Transposes and Reshapes that follow the product (merging the
+//! heads back), as long as its last dim stays contiguous. Nodes left without readers go with
+//! dead-code elimination. Without static shapes, a Transpose swapping K's last two dims is still
+//! read transposed.
 
 use std::collections::HashSet;
 
@@ -41,16 +48,52 @@ pub fn attention(model: &mut Model, log: &mut Vec<String>) -> usize {
             continue;
         }
         let pv = &g.nodes[found.last];
+        let mut inputs = found.inputs.to_vec();
         let mut n = Node {
             name: pv.name.clone(),
             op: "FusedAttention".into(),
             domain: DOMAIN.into(),
             opset: 1,
-            inputs: found.inputs.to_vec(),
+            inputs: Vec::new(),
             outputs: pv.outputs.clone(),
             attrs: Default::default(),
             implicit_inputs: Vec::new(),
         };
+        let mut b_transposed = found.b_transposed;
+        for (i, name) in ["q", "k", "v"].iter().enumerate() {
+            // K's view starts from the product's operand, before any transpose read past.
+            let operand = if i == 1 {
+                Some(found.k_operand)
+            } else {
+                inputs[i]
+            };
+            let Some(view) = operand.and_then(|x| operand_view(g, &uses, &shapes, x)) else {
+                continue;
+            };
+            if i == 1 {
+                b_transposed = false;
+            }
+            inputs[i] = Some(view.src);
+            let ints = |v: &[usize]| Attr::Ints(v.iter().map(|&x| x as i64).collect());
+            n.attrs
+                .insert(format!("{name}_src_shape"), ints(&view.src_shape));
+            n.attrs.insert(format!("{name}_shape"), ints(&view.shape));
+            n.attrs
+                .insert(format!("{name}_strides"), ints(&view.strides));
+            n.attrs
+                .insert(format!("{name}_offset"), Attr::Int(view.offset as i64));
+        }
+        let mut absorbed_out = Vec::new();
+        if let Some(o) = out(pv) {
+            if let Some(ov) = output_view(g, &uses, &shapes, o) {
+                let ints = |v: &[usize]| Attr::Ints(v.iter().map(|&x| x as i64).collect());
+                n.attrs.insert("out_shape".into(), ints(&ov.shape));
+                n.attrs.insert("out_strides".into(), ints(&ov.strides));
+                n.outputs = vec![Some(ov.value)];
+                absorbed_out = ov.nodes;
+            }
+        }
+        n.inputs = inputs;
         if let Some((c, div)) = found.post {
             n.attrs.insert("post_scale".into(), Attr::Float(c));
             n.attrs.insert("post_div".into(), Attr::Int(div as i64));
@@ -58,21 +101,29 @@ pub fn attention(model: &mut Model, log: &mut Vec<String>) -> usize {
         n.attrs
             .insert("nan_to_zero".into(), Attr::Int(found.nan_to_zero as i64));
         n.attrs
-            .insert("b_transposed".into(), Attr::Int(found.b_transposed as i64));
+            .insert("b_transposed".into(), Attr::Int(b_transposed as i64));
         log.push(format!(
             "{} + {} -> FusedAttention",
             g.nodes[found.first].name,
             found.what.join(" + ")
         ));
         dead.extend(found.nodes.iter().copied());
-        fused.push((found.last, n));
+        // The fused node takes the place of the last node it absorbs, so the readers of its
+        // output (after the output's transposes) still come after it.
+        let at = absorbed_out.last().copied().unwrap_or(found.last);
+        dead.extend(absorbed_out);
+        fused.push((at, n));
     }
     let count = fused.len();
-    for (last, n) in fused {
-        model.graph.nodes[last] = n;
-        dead.remove(&last);
+    for (at, n) in fused {
+        model.graph.nodes[at] = n;
+        dead.remove(&at);
     }
     remove_nodes(&mut model.graph, &dead);
+    if count > 0 {
+        // The head splits the views read past, where nothing else reads them.
+        super::fold::dead_code(model, log);
+    }
     count
 }
 
@@ -80,6 +131,8 @@ pub fn attention(model: &mut Model, log: &mut Vec<String>) -> usize {
 struct Chain {
     /// Q, K, V, mask, q_scale, k_scale.
     inputs: [Option<ValueId>; 6],
+    /// K as the product (or its scale) reads it, before a transpose was read past.
+    k_operand: ValueId,
     post: Option<(f32, bool)>,
     nan_to_zero: bool,
     b_transposed: bool,
@@ -212,6 +265,7 @@ fn match_chain(g: &Graph, uses: &Uses, shapes: &Shapes, si: usize) -> Option<Cha
         what.push("k scale");
         (k, k_scale, k_reader) = (x, Some(s), pi);
     }
+    let k_operand = k;
     let mut b_transposed = false;
     if let Some(ti) = producer_for(k, k_reader) {
         let t = node(ti);
@@ -294,6 +348,7 @@ fn match_chain(g: &Graph, uses: &Uses, shapes: &Shapes, si: usize) -> Option<Cha
     what.reverse();
     Some(Chain {
         inputs: [Some(q), Some(k), Some(v), mask, q_scale, k_scale],
+        k_operand,
         post,
         nan_to_zero,
         b_transposed,
@@ -302,4 +357,218 @@ fn match_chain(g: &Graph, uses: &Uses, shapes: &Shapes, si: usize) -> Option<Cha
         last,
         what,
     })
+}
+
+/// Row-major strides of `shape`.
+fn contiguous(shape: &[usize]) -> Vec<usize> {
+    let mut st = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        st[i] = st[i + 1] * shape[i + 1];
+    }
+    st
+}
+
+/// A strided view of `src` (see `FusedAttention`'s `_shape`, `_strides` and `_offset`).
+struct View {
+    src: ValueId,
+    src_shape: Vec<usize>,
+    offset: usize,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+/// The view `(shape, strides, offset)` over a row-major tensor of shape `sx`, re-expressed over
+/// another tensor in which `sx`'s dim `j` steps by `ys[j]` and whose element 0 is at `base`.
+/// `None` when a viewed dim spans more than one dim of `sx` (a reshape that merged dims).
+fn rebase(
+    sx: &[usize],
+    (shape, strides, offset): (&[usize], &[usize], usize),
+    ys: &[usize],
+    base: usize,
+) -> Option<(Vec<usize>, usize)> {
+    let cx = contiguous(sx);
+    let mut out = Vec::with_capacity(shape.len());
+    for (&n, &t) in shape.iter().zip(strides) {
+        if n <= 1 {
+            out.push(0);
+            continue;
+        }
+        // The dim of `sx` this one steps within: the largest stride that divides `t` and
+        // leaves room for every step.
+        let j = (0..sx.len())
+            .filter(|&j| sx[j] > 1 && cx[j] <= t && t % cx[j] == 0 && t / cx[j] * (n - 1) < sx[j])
+            .max_by_key(|&j| cx[j])?;
+        out.push(t / cx[j] * ys[j]);
+    }
+    let mut rest = offset;
+    let mut off = base;
+    for j in 0..sx.len() {
+        off += rest / cx[j] * ys[j];
+        rest %= cx[j];
+    }
+    Some((out, off))
+}
+
+/// `x` as a view of the tensor before the Reshape / Squeeze / Unsqueeze / Flatten / Identity,
+/// Transpose and constant-index Gather nodes that made it (static shapes only); `None` when no
+/// node could be read past.
+fn operand_view(g: &Graph, uses: &Uses, shapes: &Shapes, x: ValueId) -> Option<View> {
+    let Some(sx) = shapes.get(Some(x)).cloned() else {
+        tracing::debug!(
+            value = x.0,
+            "attention operand without a static shape: read as it is"
+        );
+        return None;
+    };
+    let mut v = View {
+        src: x,
+        src_shape: sx.clone(),
+        offset: 0,
+        strides: contiguous(&sx),
+        shape: sx,
+    };
+    while let Some(&pi) = uses.producer.get(&v.src) {
+        let p = &g.nodes[pi];
+        let Some(y) = p.inputs.first().copied().flatten() else {
+            break;
+        };
+        let Some(sy) = shapes.get(Some(y)).cloned() else {
+            tracing::debug!(op = %p.op, node = %p.name, "attention operand: input shape unknown");
+            break;
+        };
+        let cy = contiguous(&sy);
+        let numel = |s: &[usize]| s.iter().product::<usize>();
+        let (strides, offset) = match p.op.as_str() {
+            _ if !(p.domain.is_empty() || p.domain == "ai.onnx") => break,
+            "Reshape" | "Squeeze" | "Unsqueeze" | "Flatten" | "Identity"
+                if numel(&sy) == numel(&v.src_shape) =>
+            {
+                // The same elements in the same order.
+                (v.strides.clone(), v.offset)
+            }
+            "Transpose" => {
+                let perm: Vec<usize> = match p.attrs.get("perm") {
+                    Some(Attr::Ints(p)) => p.iter().map(|&d| d as usize).collect(),
+                    _ => (0..sy.len()).rev().collect(),
+                };
+                if perm.len() != sy.len() || perm.iter().any(|&d| d >= sy.len()) {
+                    break;
+                }
+                let ys: Vec<usize> = perm.iter().map(|&d| cy[d]).collect();
+                let view = (&v.shape[..], &v.strides[..], v.offset);
+                let Some(r) = rebase(&v.src_shape, view, &ys, 0) else {
+                    break;
+                };
+                r
+            }
+            "Gather" => {
+                // A constant scalar index: one slab of y, its dim `axis` dropped.
+                let Some(t) = p
+                    .inputs
+                    .get(1)
+                    .copied()
+                    .flatten()
+                    .and_then(|i| constant(g, i))
+                else {
+                    break;
+                };
+                let r = sy.len() as i64;
+                let axis = attr_int(p, "axis", 0);
+                let axis = if axis < 0 { axis + r } else { axis };
+                let idx = match t.to_i64_vec() {
+                    Ok(i) if t.rank() == 0 && i.len() == 1 => i[0],
+                    _ => break,
+                };
+                if !(0..r).contains(&axis) {
+                    break;
+                }
+                let a = axis as usize;
+                let idx = if idx < 0 { idx + sy[a] as i64 } else { idx };
+                if !(0..sy[a] as i64).contains(&idx) {
+                    break;
+                }
+                let ys: Vec<usize> = (0..sy.len()).filter(|&j| j != a).map(|j| cy[j]).collect();
+                let view = (&v.shape[..], &v.strides[..], v.offset);
+                let Some(r) = rebase(&v.src_shape, view, &ys, idx as usize * cy[a]) else {
+                    break;
+                };
+                r
+            }
+            _ => break,
+        };
+        v.src = y;
+        v.src_shape = sy;
+        v.strides = strides;
+        v.offset = offset;
+    }
+    (v.src != x).then_some(v)
+}
+
+/// Where a product lands after the Reshape-like and Transpose nodes read past: the last value,
+/// its shape, the product's dims' strides in it, and the nodes read past.
+struct OutView {
+    value: ValueId,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    nodes: Vec<usize>,
+}
+
+/// Where the product `o` can be written straight into the layout of the Reshape-like and
+/// Transpose nodes that follow it, each the only reader of its input. `None` when there are
+/// none, or when `o`'s last dim would not stay contiguous.
+fn output_view(g: &Graph, uses: &Uses, shapes: &Shapes, o: ValueId) -> Option<OutView> {
+    let so = shapes.get(Some(o))?.clone();
+    let (mut cur, mut cur_shape, mut strides) = (o, so.clone(), contiguous(&so));
+    let mut nodes = Vec::new();
+    let mut best = None;
+    while let Some(ri) = uses.sole_reader(cur) {
+        let r = &g.nodes[ri];
+        if !(r.domain.is_empty() || r.domain == "ai.onnx")
+            || r.inputs.first().copied().flatten() != Some(cur)
+        {
+            break;
+        }
+        let Some(next) = out(r) else { break };
+        let Some(ns) = shapes.get(Some(next)).cloned() else {
+            break;
+        };
+        let numel = |s: &[usize]| s.iter().product::<usize>();
+        match r.op.as_str() {
+            "Reshape" | "Squeeze" | "Unsqueeze" | "Flatten" | "Identity"
+                if numel(&ns) == numel(&cur_shape) => {}
+            "Transpose" => {
+                let perm: Vec<usize> = match r.attrs.get("perm") {
+                    Some(Attr::Ints(p)) => p.iter().map(|&d| d as usize).collect(),
+                    _ => (0..cur_shape.len()).rev().collect(),
+                };
+                if perm.len() != cur_shape.len() || perm.iter().any(|&d| d >= cur_shape.len()) {
+                    break;
+                }
+                // `cur`'s dim `perm[q]` becomes dim `q` of the transposed tensor.
+                let cn = contiguous(&ns);
+                let mut ys = vec![0; cur_shape.len()];
+                for (q, &j) in perm.iter().enumerate() {
+                    ys[j] = cn[q];
+                }
+                let Some((st, _)) = rebase(&cur_shape, (&so, &strides, 0), &ys, 0) else {
+                    break;
+                };
+                strides = st;
+            }
+            _ => break,
+        }
+        nodes.push(ri);
+        cur = next;
+        cur_shape = ns;
+        // Kept only while the product's last dim stays contiguous.
+        if so.last().is_none_or(|&n| n <= 1) || strides.last() == Some(&1) {
+            best = Some(OutView {
+                value: cur,
+                shape: cur_shape.clone(),
+                strides: strides.clone(),
+                nodes: nodes.clone(),
+            });
+        }
+    }
+    best
 }

@@ -2,9 +2,10 @@
 
 use std::collections::HashSet;
 
+use crate::infer::{static_shapes, Shapes};
 use crate::ir::{Attr, Model, ValueId};
 use crate::passes::{constant, is_op, remove_nodes, Uses};
-use crate::tensor::Value;
+use crate::tensor::{Tensor, Value};
 
 /// Ops whose result is not a function of their inputs, or that only make sense when run.
 const NOT_FOLDED: &[&str] = &[
@@ -22,8 +23,12 @@ const NOT_FOLDED: &[&str] = &[
 const MAX_FOLDED_BYTES: usize = 64 << 20;
 
 /// Runs every node whose inputs are all constants (including `Constant` nodes, which have none)
-/// once, now, and keeps its outputs as initializers.
+/// once, now, and keeps its outputs as initializers. A `Shape` of a value whose shape is static
+/// (fixed input dims propagated by [`static_shapes`]) is a constant too, so the shape arithmetic
+/// after it (Slice, Cast, Sqrt of a head size, Concat of a Reshape target) folds as well.
 pub fn constant_folding(model: &mut Model, _log: &mut Vec<String>) -> usize {
+    let shapes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| static_shapes(model)))
+        .unwrap_or_default();
     let g = &mut model.graph;
     let mut consts: HashSet<ValueId> = g
         .initializers
@@ -44,6 +49,13 @@ pub fn constant_folding(model: &mut Model, _log: &mut Vec<String>) -> usize {
             && n.outputs.iter().any(Option::is_some)
             && n.inputs.iter().flatten().all(|v| consts.contains(v));
         if !foldable {
+            if let Some(t) = static_shape_of(n, &shapes) {
+                if let Some(Some(o)) = n.outputs.first() {
+                    consts.insert(*o);
+                    new_inits.push((*o, Value::Tensor(t)));
+                    folded.insert(i);
+                }
+            }
             continue;
         }
         let lookup = |v: ValueId| {
@@ -84,6 +96,28 @@ pub fn constant_folding(model: &mut Model, _log: &mut Vec<String>) -> usize {
     g.initializers.extend(new_inits);
     remove_nodes(g, &folded);
     count
+}
+
+/// The output of a `Shape` node whose input's shape is static: int64 dims from `start` to `end`.
+fn static_shape_of(n: &crate::ir::Node, shapes: &Shapes) -> Option<Tensor> {
+    if !is_op(n, "Shape") || n.outputs.len() != 1 {
+        return None;
+    }
+    let dims = shapes.get(n.inputs.first().copied().flatten())?;
+    let r = dims.len() as i64;
+    let at = |name: &str, default: i64| {
+        let v = match n.attrs.get(name) {
+            Some(Attr::Int(v)) => *v,
+            _ => default,
+        };
+        (if v < 0 { v + r } else { v }).clamp(0, r) as usize
+    };
+    let (start, end) = (at("start", 0), at("end", r));
+    let v: Vec<i64> = dims[start..end.max(start)]
+        .iter()
+        .map(|&d| d as i64)
+        .collect();
+    Tensor::from_vec(vec![v.len()], v).ok()
 }
 
 /// Removes Identity nodes (and Dropout in inference: no `training_mode`, or a constant false
