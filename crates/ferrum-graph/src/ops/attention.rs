@@ -6,7 +6,7 @@ use ferrum_kernels::pool;
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, bstrides, cast};
 use crate::ops::nn::{matmul_f64, MatmulDims};
-use crate::ops::shape::{concat_t, transpose_t};
+use crate::ops::shape::{concat_t, strides as row_major, transpose_t};
 use crate::ops::vecmath;
 use crate::ops::Ctx;
 use crate::tensor::{DType, Tensor, Value};
@@ -435,7 +435,7 @@ impl<'a> View<'a> {
             t,
             offset: 0,
             shape: t.shape().to_vec(),
-            strides: contiguous(t.shape()),
+            strides: row_major(t.shape()),
         }
     }
 
@@ -471,7 +471,7 @@ impl<'a> View<'a> {
     fn materialize(&self) -> Result<Tensor> {
         if self.offset == 0
             && self.shape == self.t.shape()
-            && self.strides == contiguous(&self.shape)
+            && self.strides == row_major(&self.shape)
         {
             return Ok(self.t.clone());
         }
@@ -492,15 +492,6 @@ impl<'a> View<'a> {
         }
         crate::ops::nn::f64_tensor(self.shape.clone(), v, self.t.dtype())
     }
-}
-
-/// Row-major strides of `shape`.
-fn contiguous(shape: &[usize]) -> Vec<usize> {
-    let mut st = vec![1; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        st[i] = st[i + 1] * shape[i + 1];
-    }
-    st
 }
 
 /// `o` (row-major) written into a fresh `shape` tensor at `strides` (one per dim of `o`).
@@ -617,7 +608,7 @@ fn attention_f32(
             }
             (shape.clone(), strides.clone())
         }
-        None => (oshape.clone(), contiguous(&oshape)),
+        None => (oshape.clone(), row_major(&oshape)),
     };
     let Some(split) = Split::of(&oshape, &ostrides) else {
         return Ok(None);
@@ -898,7 +889,7 @@ mod tests {
         order: &[usize],
     ) -> (Tensor, Vec<usize>, Vec<usize>) {
         let src_shape: Vec<usize> = order.iter().map(|&l| shape[l]).collect();
-        let cs = contiguous(&src_shape);
+        let cs = row_major(&src_shape);
         let mut strides = vec![0; shape.len()];
         for (j, &l) in order.iter().enumerate() {
             strides[l] = cs[j];
@@ -998,7 +989,7 @@ mod tests {
             let mut oshape = broadcast_shape(&broadcast_shape(&qb, &kb).unwrap(), &vb).unwrap();
             oshape.extend([sq, dv]);
             let oorder = order(&mut r, oshape.len());
-            let ystride = contiguous(&oorder.iter().map(|&l| oshape[l]).collect::<Vec<_>>());
+            let ystride = row_major(&oorder.iter().map(|&l| oshape[l]).collect::<Vec<_>>());
             let mut ost = vec![0; oshape.len()];
             for (j, &l) in oorder.iter().enumerate() {
                 ost[l] = ystride[j];

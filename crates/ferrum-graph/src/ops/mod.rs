@@ -28,6 +28,7 @@ mod training;
 mod vecmath;
 
 pub use elementwise::broadcast_shape;
+pub use shape::strides;
 
 use crate::exec::Env;
 use crate::ir::{Attr, Node};

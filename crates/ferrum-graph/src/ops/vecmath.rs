@@ -230,22 +230,7 @@ multiversion! {
         assert!(d > 0 && x.len() == out.len() && x.len().is_multiple_of(d));
         let mut e = vec![0f32; d];
         for (row, orow) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            let mut acc = [f32::NEG_INFINITY; L];
-            let mut ch = row.chunks_exact(L);
-            for c in &mut ch {
-                let c: &[f32; L] = c.try_into().unwrap();
-                for j in 0..L {
-                    if c[j] > acc[j] {
-                        acc[j] = c[j];
-                    }
-                }
-            }
-            let mut m = f32::NEG_INFINITY;
-            for &v in acc.iter().chain(ch.remainder()) {
-                if v > m {
-                    m = v;
-                }
-            }
+            let m = row_max(row);
             for (o, &v) in e.iter_mut().zip(row) {
                 *o = exp_diff_lane(v, m);
             }
@@ -284,22 +269,7 @@ multiversion! {
                 }
                 None => {}
             }
-            let mut acc = [f32::NEG_INFINITY; L];
-            let mut ch = row.chunks_exact(L);
-            for c in &mut ch {
-                let c: &[f32; L] = c.try_into().unwrap();
-                for j in 0..L {
-                    if c[j] > acc[j] {
-                        acc[j] = c[j];
-                    }
-                }
-            }
-            let mut m = f32::NEG_INFINITY;
-            for &v in acc.iter().chain(ch.remainder()) {
-                if v > m {
-                    m = v;
-                }
-            }
+            let m = row_max(row);
             for v in row.iter_mut() {
                 *v = exp_diff_lane(*v, m);
             }
@@ -310,6 +280,29 @@ multiversion! {
             }
         }
     }
+}
+
+/// The largest value of a row, NaN ignored (-inf for an empty row or one of only NaN), in
+/// lanes.
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; L];
+    let mut ch = row.chunks_exact(L);
+    for c in &mut ch {
+        let c: &[f32; L] = c.try_into().unwrap();
+        for j in 0..L {
+            if c[j] > acc[j] {
+                acc[j] = c[j];
+            }
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for &v in acc.iter().chain(ch.remainder()) {
+        if v > m {
+            m = v;
+        }
+    }
+    m
 }
 
 /// Sum of `f(x[i])` over a slice in f64 lanes.

@@ -27,7 +27,8 @@ use std::collections::HashSet;
 
 use crate::infer::{static_shapes, Shapes};
 use crate::ir::{Attr, Graph, Model, Node, ValueId};
-use crate::passes::{const_f32, const_scalar, constant, is_op, remove_nodes, Uses, DOMAIN};
+use crate::ops::strides as row_major;
+use crate::passes::{attr_i, const_f32, const_scalar, constant, is_op, remove_nodes, Uses, DOMAIN};
 
 /// The attention pass (level 2): returns how many chains it fused.
 pub fn attention(model: &mut Model, log: &mut Vec<String>) -> usize {
@@ -38,7 +39,7 @@ pub fn attention(model: &mut Model, log: &mut Vec<String>) -> usize {
     let mut dead: HashSet<usize> = HashSet::new();
     let mut fused: Vec<(usize, Node)> = Vec::new();
     for (si, sm) in g.nodes.iter().enumerate() {
-        if !is_op(sm, "Softmax") || sm.opset < 13 || attr_int(sm, "axis", -1) != -1 {
+        if !is_op(sm, "Softmax") || sm.opset < 13 || attr_i(sm, "axis", -1) != -1 {
             continue;
         }
         let Some(found) = match_chain(g, &uses, &shapes, si) else {
@@ -141,13 +142,6 @@ struct Chain {
     first: usize,
     last: usize,
     what: Vec<&'static str>,
-}
-
-fn attr_int(n: &Node, name: &str, default: i64) -> i64 {
-    match n.attrs.get(name) {
-        Some(Attr::Int(v)) => *v,
-        _ => default,
-    }
 }
 
 fn out(n: &Node) -> Option<ValueId> {
@@ -359,13 +353,22 @@ fn match_chain(g: &Graph, uses: &Uses, shapes: &Shapes, si: usize) -> Option<Cha
     })
 }
 
-/// Row-major strides of `shape`.
-fn contiguous(shape: &[usize]) -> Vec<usize> {
-    let mut st = vec![1; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        st[i] = st[i + 1] * shape[i + 1];
+/// A Transpose's permutation of a rank-`r` input (reversed dims by default), when valid.
+fn transpose_perm(n: &Node, r: usize) -> Option<Vec<usize>> {
+    let perm: Vec<usize> = match n.attrs.get("perm") {
+        Some(Attr::Ints(p)) => p
+            .iter()
+            .map(|&d| usize::try_from(d).ok())
+            .collect::<Option<_>>()?,
+        _ => (0..r).rev().collect(),
+    };
+    let mut seen = vec![false; r];
+    for &d in &perm {
+        if d >= r || std::mem::replace(&mut seen[d], true) {
+            return None;
+        }
     }
-    st
+    (perm.len() == r).then_some(perm)
 }
 
 /// A strided view of `src` (see `FusedAttention`'s `_shape`, `_strides` and `_offset`).
@@ -386,7 +389,7 @@ fn rebase(
     ys: &[usize],
     base: usize,
 ) -> Option<(Vec<usize>, usize)> {
-    let cx = contiguous(sx);
+    let cx = row_major(sx);
     let mut out = Vec::with_capacity(shape.len());
     for (&n, &t) in shape.iter().zip(strides) {
         if n <= 1 {
@@ -424,7 +427,7 @@ fn operand_view(g: &Graph, uses: &Uses, shapes: &Shapes, x: ValueId) -> Option<V
         src: x,
         src_shape: sx.clone(),
         offset: 0,
-        strides: contiguous(&sx),
+        strides: row_major(&sx),
         shape: sx,
     };
     while let Some(&pi) = uses.producer.get(&v.src) {
@@ -436,7 +439,7 @@ fn operand_view(g: &Graph, uses: &Uses, shapes: &Shapes, x: ValueId) -> Option<V
             tracing::debug!(op = %p.op, node = %p.name, "attention operand: input shape unknown");
             break;
         };
-        let cy = contiguous(&sy);
+        let cy = row_major(&sy);
         let numel = |s: &[usize]| s.iter().product::<usize>();
         let (strides, offset) = match p.op.as_str() {
             _ if !(p.domain.is_empty() || p.domain == "ai.onnx") => break,
@@ -447,13 +450,9 @@ fn operand_view(g: &Graph, uses: &Uses, shapes: &Shapes, x: ValueId) -> Option<V
                 (v.strides.clone(), v.offset)
             }
             "Transpose" => {
-                let perm: Vec<usize> = match p.attrs.get("perm") {
-                    Some(Attr::Ints(p)) => p.iter().map(|&d| d as usize).collect(),
-                    _ => (0..sy.len()).rev().collect(),
-                };
-                if perm.len() != sy.len() || perm.iter().any(|&d| d >= sy.len()) {
+                let Some(perm) = transpose_perm(p, sy.len()) else {
                     break;
-                }
+                };
                 let ys: Vec<usize> = perm.iter().map(|&d| cy[d]).collect();
                 let view = (&v.shape[..], &v.strides[..], v.offset);
                 let Some(r) = rebase(&v.src_shape, view, &ys, 0) else {
@@ -473,7 +472,7 @@ fn operand_view(g: &Graph, uses: &Uses, shapes: &Shapes, x: ValueId) -> Option<V
                     break;
                 };
                 let r = sy.len() as i64;
-                let axis = attr_int(p, "axis", 0);
+                let axis = attr_i(p, "axis", 0);
                 let axis = if axis < 0 { axis + r } else { axis };
                 let idx = match t.to_i64_vec() {
                     Ok(i) if t.rank() == 0 && i.len() == 1 => i[0],
@@ -518,7 +517,7 @@ struct OutView {
 /// none, or when `o`'s last dim would not stay contiguous.
 fn output_view(g: &Graph, uses: &Uses, shapes: &Shapes, o: ValueId) -> Option<OutView> {
     let so = shapes.get(Some(o))?.clone();
-    let (mut cur, mut cur_shape, mut strides) = (o, so.clone(), contiguous(&so));
+    let (mut cur, mut cur_shape, mut strides) = (o, so.clone(), row_major(&so));
     let mut nodes = Vec::new();
     let mut best = None;
     while let Some(ri) = uses.sole_reader(cur) {
@@ -537,15 +536,11 @@ fn output_view(g: &Graph, uses: &Uses, shapes: &Shapes, o: ValueId) -> Option<Ou
             "Reshape" | "Squeeze" | "Unsqueeze" | "Flatten" | "Identity"
                 if numel(&ns) == numel(&cur_shape) => {}
             "Transpose" => {
-                let perm: Vec<usize> = match r.attrs.get("perm") {
-                    Some(Attr::Ints(p)) => p.iter().map(|&d| d as usize).collect(),
-                    _ => (0..cur_shape.len()).rev().collect(),
-                };
-                if perm.len() != cur_shape.len() || perm.iter().any(|&d| d >= cur_shape.len()) {
+                let Some(perm) = transpose_perm(r, cur_shape.len()) else {
                     break;
-                }
+                };
                 // `cur`'s dim `perm[q]` becomes dim `q` of the transposed tensor.
-                let cn = contiguous(&ns);
+                let cn = row_major(&ns);
                 let mut ys = vec![0; cur_shape.len()];
                 for (q, &j) in perm.iter().enumerate() {
                     ys[j] = cn[q];
