@@ -830,3 +830,96 @@ fn qlinear_conv_matches_an_exact_reference() {
         "{near_half} of {total} outputs off by one step"
     );
 }
+
+/// 3x3 stride-1 convolutions with constant filters large enough for the Winograd kernel
+/// (prepacked filters, at least 6 x 6 tiles), fused with bias, residual and Relu as the passes
+/// fuse ResNet's blocks, against a direct f64 convolution: within 1e-5 of the sum of the
+/// products' magnitudes (and the bias and residual), per output.
+#[test]
+fn winograd_convolutions_match_a_direct_sum() {
+    use ferrum_graph::proto::build::f32_tensor;
+    let mut rng = rng();
+    for case in 0..6 {
+        let (c, m) = (rng.gen_range(16..33), rng.gen_range(16..41));
+        let n = rng.gen_range(1..3);
+        let pad = rng.gen_range(0..2);
+        let (ih, iw) = (rng.gen_range(14..40), rng.gen_range(14..40));
+        let (oh, ow) = (ih + 2 * pad - 2, iw + 2 * pad - 2);
+        let x = randv(&mut rng, n * c * ih * iw);
+        let w = randv(&mut rng, m * c * 9);
+        let b = randv(&mut rng, m);
+        let z = randv(&mut rng, n * m * oh * ow);
+        let dims = |d: &[usize]| d.iter().map(|&v| Some(v as i64)).collect::<Vec<_>>();
+        let mp = model(
+            vec![
+                node(
+                    "Conv",
+                    &["x", "w", "b"],
+                    &["c"],
+                    vec![attr_ints("pads", &[pad as i64; 4])],
+                ),
+                node("Add", &["c", "z"], &["s"], vec![]),
+                node("Relu", &["s"], &["y"], vec![]),
+            ],
+            vec![
+                value("x", 1, &dims(&[n, c, ih, iw])),
+                value("z", 1, &dims(&[n, m, oh, ow])),
+            ],
+            vec![value("y", 1, &dims(&[n, m, oh, ow]))],
+            vec![
+                f32_tensor("w", &[m as i64, c as i64, 3, 3], &w),
+                f32_tensor("b", &[m as i64], &b),
+            ],
+            17,
+        );
+        let s = Session::from_bytes(&encode(&mp)).unwrap();
+        let feeds = vec![
+            (
+                "x".to_string(),
+                Value::Tensor(Tensor::from_vec(vec![n, c, ih, iw], x.clone()).unwrap()),
+            ),
+            (
+                "z".to_string(),
+                Value::Tensor(Tensor::from_vec(vec![n, m, oh, ow], z.clone()).unwrap()),
+            ),
+        ];
+        let got = s.run(feeds).unwrap().remove(0).1.into_tensor().unwrap();
+        assert_eq!(got.shape(), &[n, m, oh, ow]);
+        let got = got.to_f64_vec().unwrap();
+        for bi in 0..n {
+            for o in 0..m {
+                for oy in 0..oh {
+                    for ox in 0..ow {
+                        let at = ((bi * m + o) * oh + oy) * ow + ox;
+                        let (mut sum, mut mag) = (b[o] as f64 + z[at] as f64, 0f64);
+                        mag += (b[o] as f64).abs() + (z[at] as f64).abs();
+                        for ci in 0..c {
+                            for ky in 0..3 {
+                                for kx in 0..3 {
+                                    let (iy, ix) = (oy + ky, ox + kx);
+                                    if iy < pad || ix < pad || iy - pad >= ih || ix - pad >= iw {
+                                        continue;
+                                    }
+                                    let p = x[((bi * c + ci) * ih + iy - pad) * iw + ix - pad]
+                                        as f64
+                                        * w[((o * c + ci) * 3 + ky) * 3 + kx] as f64;
+                                    sum += p;
+                                    mag += p.abs();
+                                }
+                            }
+                        }
+                        let want = sum.max(0.0);
+                        let err = (got[at] - want).abs();
+                        assert!(
+                            err <= 1e-5 * mag,
+                            "case {case}: {c} -> {m}, {ih}x{iw} pad {pad} n {n}: output {at}: \
+                             {} vs {want} (err {err:e}, bound {:e})",
+                            got[at],
+                            1e-5 * mag
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -26,3 +26,4 @@ pub mod pool;
 pub mod profile;
 pub mod qgemm;
 pub mod quant;
+pub mod winograd;

@@ -362,7 +362,15 @@ fn conv_epi(cx: &Ctx, kind: ConvKind, epi: Epi) -> Result<Tensor> {
             pad: [g.pad_begin[0], g.pad_begin[1]],
             out: [g.outs[0], g.outs[1]],
         };
-        return linear::conv2d(x, w, cx.opt(2), &geom2, epi, cx.packed_a(1));
+        return linear::conv2d(
+            x,
+            w,
+            cx.opt(2),
+            &geom2,
+            epi,
+            cx.packed_a(1),
+            cx.packed_winograd(1),
+        );
     }
     let (xv, wv, bias) = match kind {
         // Weight zero points (and scales) are per output channel (dim 0).

@@ -8,6 +8,7 @@ use ferrum_kernels::gemm::{
     Mat, PackedA, PackedB, Patches, Precision, Rhs,
 };
 use ferrum_kernels::pool;
+use ferrum_kernels::winograd::{self, WinogradFilter};
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_to};
 use crate::ops::fused::{Act, Epi};
@@ -248,6 +249,7 @@ pub fn conv2d(
     g: &Conv2d,
     epi: Epi,
     pw: Option<&PackedA>,
+    wino: Option<&WinogradFilter>,
 ) -> Result<Tensor> {
     let (n, c, ih, iw) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
     let m = w.shape()[0];
@@ -316,6 +318,32 @@ pub fn conv2d(
         None => split_act(epi.act),
         Some(_) => (GemmAct::Identity, epi.act),
     };
+    if let Some(f) = wino.filter(|f| {
+        g.k == [3, 3]
+            && g.s == [1, 1]
+            && g.d == [1, 1]
+            && g.group == 1
+            && f.cin() == c
+            && f.cout() == m
+            && winograd::worthwhile(c, m, oh, ow)
+    }) {
+        let fin = winograd::Finish {
+            bias: bv,
+            residual: z,
+            act: in_gemm,
+        };
+        let geo = winograd::Geometry {
+            input: [ih, iw],
+            output: [oh, ow],
+            pad: g.pad,
+        };
+        let out = fast::filled(n * m * osp, |o| winograd::conv3x3(f, xv, n, geo, &fin, o));
+        let rest = Epi {
+            z: rest_z,
+            act: after,
+        };
+        return rest.finish(Tensor::from_vec(shape, out)?);
+    }
     let mpg = m / g.group;
     let kk = cg * kh * kw;
     let direct = kh == 1 && kw == 1 && g.s == [1, 1] && g.pad == [0, 0] && g.out == [ih, iw];

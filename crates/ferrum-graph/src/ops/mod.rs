@@ -75,6 +75,14 @@ impl<'a> Ctx<'a> {
         let v = self.node.inputs.get(i).copied().flatten()?;
         self.env.packed()?.a(v)
     }
+    /// Input `i` (a 3x3 filter) transformed ahead for the Winograd convolution.
+    pub fn packed_winograd(
+        &self,
+        i: usize,
+    ) -> Option<&'a ferrum_kernels::winograd::WinogradFilter> {
+        let v = self.node.inputs.get(i).copied().flatten()?;
+        self.env.packed()?.winograd(v)
+    }
     /// Input `i` (an 8-bit constant) packed ahead as an integer product's B.
     pub fn packed_int_b(&self, i: usize) -> Option<&'a ferrum_kernels::qgemm::PackedI8> {
         let v = self.node.inputs.get(i).copied().flatten()?;

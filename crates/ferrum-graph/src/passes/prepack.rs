@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use ferrum_kernels::gemm::{Mat, PackedA, PackedB, Precision};
 use ferrum_kernels::qgemm::{Bytes, PackedI8};
+use ferrum_kernels::winograd::WinogradFilter;
 
 use super::{constant, DOMAIN};
 use crate::ir::{Attr, Graph, ValueId};
@@ -31,12 +32,17 @@ pub enum Role {
     IntB,
     /// QLinearConv's 8-bit filter (`M x C x kh x kw`, one group) as the B of `col(X)^T W^T`.
     IntFilter,
+    /// A 3x3 Conv filter (stride 1, dilation 1, one group) transformed for the Winograd
+    /// convolution ([`ferrum_kernels::winograd`]), kept beside its [`Role::ConvFilter`] panels
+    /// (the run picks by the output's size).
+    Winograd,
 }
 
 enum Packed {
     A(PackedA),
     B(PackedB),
     I8(PackedI8),
+    Winograd(WinogradFilter),
 }
 
 /// The packed constants of one graph, by initializer and role.
@@ -78,6 +84,14 @@ impl PackedWeights {
     pub fn a(&self, v: ValueId) -> Option<&PackedA> {
         match self.0.get(&(v, Role::ConvFilter))?.as_ref() {
             Packed::A(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// The Winograd-transformed filter made from `v`.
+    pub fn winograd(&self, v: ValueId) -> Option<&WinogradFilter> {
+        match self.0.get(&(v, Role::Winograd))?.as_ref() {
+            Packed::Winograd(p) => Some(p),
             _ => None,
         }
     }
@@ -166,6 +180,27 @@ pub fn prepack(g: &mut Graph, precision: Precision) -> usize {
         };
         if let Some((role, p)) = made {
             packed.entry((w, role)).or_insert_with(|| Arc::new(p));
+        }
+        let ones = |name: &str| match n.attrs.get(name) {
+            Some(Attr::Ints(v)) => v.iter().all(|&x| x == 1),
+            _ => true,
+        };
+        let winograd = matches!(
+            (n.op.as_str(), std, fused),
+            ("Conv", true, _) | ("FusedConv", _, true)
+        ) && precision == Precision::F32
+            && s.len() == 4
+            && s[2] == 3
+            && s[3] == 3
+            && s[0] >= 16
+            && s[1] >= 16
+            && int_attr("group", 1) == 1
+            && ones("strides")
+            && ones("dilations");
+        if winograd {
+            packed.entry((w, Role::Winograd)).or_insert_with(|| {
+                Arc::new(Packed::Winograd(WinogradFilter::new(data, s[0], s[1])))
+            });
         }
     }
     let n = packed.len();

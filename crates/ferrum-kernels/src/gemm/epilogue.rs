@@ -82,7 +82,7 @@ impl Act {
     }
 
     /// Whether the AVX-512 kernel applies it in registers.
-    pub(super) fn is_vector(self) -> bool {
+    pub(crate) fn is_vector(self) -> bool {
         matches!(
             self,
             Act::Identity | Act::Relu | Act::Clip { .. } | Act::LeakyRelu(_)

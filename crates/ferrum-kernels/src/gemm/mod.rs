@@ -45,6 +45,8 @@ pub mod patches;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::act_avx512;
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;

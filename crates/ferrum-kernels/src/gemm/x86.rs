@@ -246,7 +246,7 @@ unsafe fn write_transposed_avx512<const R: usize, const NV: usize>(
 /// caller applies them per element).
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn act_avx512(act: Act, x: __m512) -> __m512 {
+pub(crate) fn act_avx512(act: Act, x: __m512) -> __m512 {
     match act {
         // `max(a, b)` is `a > b ? a : b`: NaN gives 0, as `Act::apply`.
         Act::Relu => _mm512_max_ps(x, _mm512_setzero_ps()),
