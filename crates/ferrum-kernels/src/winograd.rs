@@ -282,28 +282,29 @@ fn run(
     let rows_cache = (group_bytes / (XI * cin.max(cout).max(1) * tiles_x * 4))
         .max(MIN_CACHE_TILES.div_ceil(tiles_x))
         .clamp(1, tiles_y);
-    let groups = |rows: usize| -> Vec<Group> {
+    // `per_image` groups of each image's tile rows, their sizes within one of each other.
+    let groups = |per_image: usize| -> Vec<Group> {
         (0..n)
             .flat_map(|b| {
-                (0..tiles_y.div_ceil(rows)).map(move |i| Group {
+                (0..per_image).map(move |i| Group {
                     b,
-                    ty0: i * rows,
-                    ty1: ((i + 1) * rows).min(tiles_y),
+                    ty0: i * tiles_y / per_image,
+                    ty1: (i + 1) * tiles_y / per_image,
                 })
             })
             .collect()
     };
+    let per_image = tiles_y.div_ceil(rows_cache);
     if threads > 1 {
-        // Groups a multiple of the threads (per image when there is one), each large enough.
-        let per_image = tiles_y.div_ceil(rows_cache);
-        let per_image = if n == 1 {
+        // As many groups as the cache wants, rounded up to a multiple of the threads (for one
+        // image), each still large enough.
+        let parallel = if n == 1 {
             per_image.div_ceil(threads) * threads
         } else {
             per_image
         };
-        let rows = tiles_y.div_ceil(per_image);
-        let list = groups(rows);
-        if list.len() >= threads && rows * tiles_x >= MIN_GROUP_TILES {
+        if n * parallel >= threads && (tiles_y / parallel) * tiles_x >= MIN_GROUP_TILES {
+            let list = groups(parallel);
             pool::parallel_for(list.len(), |i| {
                 SCRATCH.with(|s| {
                     let (v, m) = &mut *s.borrow_mut();
@@ -315,7 +316,7 @@ fn run(
         // Too few groups: each one's steps split across the threads.
         SCRATCH.with(|s| {
             let (v, m) = &mut *s.borrow_mut();
-            for grp in groups(rows_cache) {
+            for grp in groups(per_image) {
                 run_group_split(&job, grp, threads, v, m);
             }
         });
@@ -323,7 +324,7 @@ fn run(
     }
     SCRATCH.with(|s| {
         let (v, m) = &mut *s.borrow_mut();
-        for grp in groups(rows_cache) {
+        for grp in groups(per_image) {
             run_group(&job, grp, v, m);
         }
     });

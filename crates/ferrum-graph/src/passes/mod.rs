@@ -128,7 +128,8 @@ pub fn optimize(model: &mut Model, level: OptLevel, precision: Precision) -> Res
     model.graph.plan_frees();
     report.nodes_after = model.graph.nodes.len();
     if level >= OptLevel::Basic {
-        let n = prepack::prepack(&mut model.graph, precision);
+        let shapes = crate::infer::static_shapes(model);
+        let n = prepack::prepack(&mut model.graph, precision, &shapes);
         tracing::debug!(operands = n, "weights prepacked");
         report.passes.push(("weight prepacking", n));
     }

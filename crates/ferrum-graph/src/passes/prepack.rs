@@ -16,6 +16,7 @@ use ferrum_kernels::qgemm::{Bytes, PackedI8};
 use ferrum_kernels::winograd::WinogradFilter;
 
 use super::{constant, DOMAIN};
+use crate::infer::Shapes;
 use crate::ir::{Attr, Graph, ValueId};
 use crate::tensor::DType;
 
@@ -109,7 +110,7 @@ impl PackedWeights {
 /// Packs every constant operand of the graph's float32 products that the kernels can take
 /// packed, in `precision` (bf16: rounded for the tile unit, so those products run in bf16);
 /// returns how many. Inputs whose initializer the caller may override are left alone.
-pub fn prepack(g: &mut Graph, precision: Precision) -> usize {
+pub fn prepack(g: &mut Graph, precision: Precision, shapes: &Shapes) -> usize {
     let mut packed = HashMap::new();
     for n in &g.nodes {
         let std = n.domain.is_empty() || n.domain == "ai.onnx";
@@ -145,6 +146,30 @@ pub fn prepack(g: &mut Graph, precision: Precision) -> usize {
             continue;
         };
         let s = t.shape();
+        let ones = |name: &str| match n.attrs.get(name) {
+            Some(Attr::Ints(v)) => v.iter().all(|&x| x == 1),
+            _ => true,
+        };
+        let conv3x3 = matches!(
+            (n.op.as_str(), std, fused),
+            ("Conv", true, _) | ("FusedConv", _, true)
+        ) && precision == Precision::F32
+            && s.len() == 4
+            && s[2] == 3
+            && s[3] == 3
+            && s[0] >= 16
+            && s[1] >= 16
+            && int_attr("group", 1) == 1
+            && ones("strides")
+            && ones("dilations");
+        // Where the output's size is known, only the kernel that will run gets its filter;
+        // else both are packed and each run picks.
+        let out = shapes
+            .get(n.outputs.first().copied().flatten())
+            .filter(|o| o.len() == 4);
+        let winograd = conv3x3
+            && out.is_none_or(|o| ferrum_kernels::winograd::worthwhile(s[1], s[0], o[2], o[3]));
+        let direct = !(winograd && out.is_some());
         let made = match (n.op.as_str(), std, fused) {
             ("MatMul", true, _) | ("FusedMatMul", _, true) if s.len() == 2 => {
                 let (k, nn) = (s[0], s[1]);
@@ -168,7 +193,7 @@ pub fn prepack(g: &mut Graph, precision: Precision) -> usize {
                     )
                 })
             }
-            ("Conv", true, _) | ("FusedConv", _, true) if s.len() == 4 => {
+            ("Conv", true, _) | ("FusedConv", _, true) if s.len() == 4 && direct => {
                 let (m, kk) = (s[0], s[1] * s[2] * s[3]);
                 // One group only (the filter is then the whole A).
                 (int_attr("group", 1) == 1 && m > 0 && kk > 0).then(|| {
@@ -181,22 +206,6 @@ pub fn prepack(g: &mut Graph, precision: Precision) -> usize {
         if let Some((role, p)) = made {
             packed.entry((w, role)).or_insert_with(|| Arc::new(p));
         }
-        let ones = |name: &str| match n.attrs.get(name) {
-            Some(Attr::Ints(v)) => v.iter().all(|&x| x == 1),
-            _ => true,
-        };
-        let winograd = matches!(
-            (n.op.as_str(), std, fused),
-            ("Conv", true, _) | ("FusedConv", _, true)
-        ) && precision == Precision::F32
-            && s.len() == 4
-            && s[2] == 3
-            && s[3] == 3
-            && s[0] >= 16
-            && s[1] >= 16
-            && int_attr("group", 1) == 1
-            && ones("strides")
-            && ones("dilations");
         if winograd {
             packed.entry((w, Role::Winograd)).or_insert_with(|| {
                 Arc::new(Packed::Winograd(WinogradFilter::new(data, s[0], s[1])))
