@@ -448,6 +448,7 @@ unsafe fn transform_input(job: &Job, grp: Group, (c0, c1): (usize, usize), v: Sh
     let t = grp.tiles(tiles_x);
     // The portable path's zero-padded copy of a tile row's 4 input rows.
     let w = 2 * tiles_x + 2;
+    let avx2 = job.isa != Isa::Scalar && crate::cpu::features().avx2;
     let mut rows = if job.isa == Isa::Avx512 {
         Vec::new()
     } else {
@@ -474,8 +475,16 @@ unsafe fn transform_input(job: &Job, grp: Group, (c0, c1): (usize, usize), v: Sh
                 continue;
             }
             padded_rows(plane, job.g, ty, w, &mut rows);
+            // SAFETY: channel c's first tile of this row, inside `v` (the contract).
+            let at = unsafe { v.0.add(c * t + j0) };
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                // SAFETY: the CPU has AVX2 and FMA; the writes are channel c's, per the caller.
+                unsafe { input_tile_row_avx2(&rows, w, tiles_x, at, stride(cin, t)) };
+                continue;
+            }
             // SAFETY: the writes are channel c's, per the caller.
-            unsafe { input_tile_row(&rows, w, tiles_x, v.0.add(c * t + j0), stride(cin, t)) };
+            unsafe { input_tile_row(&rows, w, tiles_x, at, stride(cin, t)) };
         }
     }
 }
@@ -485,7 +494,19 @@ unsafe fn transform_input(job: &Job, grp: Group, (c0, c1): (usize, usize), v: Sh
 ///
 /// # Safety
 /// `v + xi * step + tx` is writable for every `xi < 16`, `tx < tiles_x`.
+/// [`input_tile_row`] compiled for AVX2 (same values).
+///
+/// # Safety
+/// As [`input_tile_row`], and the CPU supports AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn input_tile_row_avx2(rows: &[f32], w: usize, tiles_x: usize, v: *mut f32, step: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { input_tile_row(rows, w, tiles_x, v, step) }
+}
+
 #[allow(clippy::needless_range_loop)] // the transforms' indices, as in the matrices
+#[inline(always)]
 unsafe fn input_tile_row(rows: &[f32], w: usize, tiles_x: usize, v: *mut f32, step: usize) {
     let d = |r: usize, col: usize| &rows[r * w + col..];
     for tx in 0..tiles_x {
@@ -607,6 +628,7 @@ unsafe fn transform_output(job: &Job, grp: Group, (o0, o1): (usize, usize), m: S
     let tiles_x = job.tiles_x;
     let t = grp.tiles(tiles_x);
     let fin = job.fin;
+    let avx2 = job.isa != Isa::Scalar && crate::cpu::features().avx2;
     for o in o0..o1 {
         let bias = fin.bias.map_or(0.0, |bv| bv[o]);
         let plane = (grp.b * cout + o) * oh * ow;
@@ -624,6 +646,24 @@ unsafe fn transform_output(job: &Job, grp: Group, (o0, o1): (usize, usize), m: S
                 // SAFETY: AVX-512F with this family; pointers as above.
                 unsafe {
                     output_tile_row_avx512(
+                        mx,
+                        stride(cout, t),
+                        tiles_x,
+                        ow,
+                        rows,
+                        bias,
+                        z,
+                        fin.act,
+                        dst,
+                    )
+                };
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                // SAFETY: AVX2 and FMA present; pointers as above.
+                unsafe {
+                    output_tile_row_avx2(
                         mx,
                         stride(cout, t),
                         tiles_x,
@@ -655,6 +695,28 @@ unsafe fn transform_output(job: &Job, grp: Group, (o0, o1): (usize, usize), m: S
     }
 }
 
+/// [`output_tile_row`] compiled for AVX2 (same values).
+///
+/// # Safety
+/// As [`output_tile_row`], and the CPU supports AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn output_tile_row_avx2(
+    m: *const f32,
+    step: usize,
+    tiles_x: usize,
+    ow: usize,
+    rows: usize,
+    bias: f32,
+    z: Option<&[f32]>,
+    act: Act,
+    dst: *mut f32,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe { output_tile_row(m, step, tiles_x, ow, rows, bias, z, act, dst) }
+}
+
 /// One tile row of one output channel (see [`transform_output`]): `m` points at its first
 /// tile's product for `xi = 0`, each further `xi` `step` floats on; `dst` at output row
 /// `2 ty` (`rows` of them, 1 or 2, each `ow` wide); `z` the residual's same rows.
@@ -664,6 +726,7 @@ unsafe fn transform_output(job: &Job, grp: Group, (o0, o1): (usize, usize), m: S
 /// writable floats.
 #[allow(clippy::too_many_arguments)]
 #[allow(clippy::needless_range_loop)] // the transforms' indices, as in the matrices
+#[inline(always)]
 unsafe fn output_tile_row(
     m: *const f32,
     step: usize,
