@@ -448,7 +448,12 @@ unsafe fn transform_input(job: &Job, grp: Group, (c0, c1): (usize, usize), v: Sh
     let t = grp.tiles(tiles_x);
     // The portable path's zero-padded copy of a tile row's 4 input rows.
     let w = 2 * tiles_x + 2;
-    let avx2 = job.isa != Isa::Scalar && crate::cpu::features().avx2;
+    // The portable transform, compiled for AVX2 where the CPU has it.
+    let row: unsafe fn(&[f32], usize, usize, *mut f32, usize) = match job.isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 if crate::cpu::features().avx2 => input_tile_row_avx2,
+        _ => input_tile_row,
+    };
     let mut rows = if job.isa == Isa::Avx512 {
         Vec::new()
     } else {
@@ -475,16 +480,9 @@ unsafe fn transform_input(job: &Job, grp: Group, (c0, c1): (usize, usize), v: Sh
                 continue;
             }
             padded_rows(plane, job.g, ty, w, &mut rows);
-            // SAFETY: channel c's first tile of this row, inside `v` (the contract).
-            let at = unsafe { v.0.add(c * t + j0) };
-            #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                // SAFETY: the CPU has AVX2 and FMA; the writes are channel c's, per the caller.
-                unsafe { input_tile_row_avx2(&rows, w, tiles_x, at, stride(cin, t)) };
-                continue;
-            }
-            // SAFETY: the writes are channel c's, per the caller.
-            unsafe { input_tile_row(&rows, w, tiles_x, at, stride(cin, t)) };
+            // SAFETY: channel c's first tile of this row, inside `v` (the contract); the
+            // kernel suits this CPU; the writes are channel c's, per the caller.
+            unsafe { row(&rows, w, tiles_x, v.0.add(c * t + j0), stride(cin, t)) };
         }
     }
 }
@@ -628,7 +626,7 @@ unsafe fn transform_output(job: &Job, grp: Group, (o0, o1): (usize, usize), m: S
     let tiles_x = job.tiles_x;
     let t = grp.tiles(tiles_x);
     let fin = job.fin;
-    let avx2 = job.isa != Isa::Scalar && crate::cpu::features().avx2;
+    let row = output_row_kernel(job.isa);
     for o in o0..o1 {
         let bias = fin.bias.map_or(0.0, |bv| bv[o]);
         let plane = (grp.b * cout + o) * oh * ow;
@@ -641,58 +639,55 @@ unsafe fn transform_output(job: &Job, grp: Group, (o0, o1): (usize, usize), m: S
             // SAFETY: the output rows 2 ty .. 2 ty + rows of channel o of image b lie inside
             // `out` and are this task's (the contract).
             let dst = unsafe { job.out.0.add(at) };
-            #[cfg(target_arch = "x86_64")]
-            if job.isa == Isa::Avx512 {
-                // SAFETY: AVX-512F with this family; pointers as above.
-                unsafe {
-                    output_tile_row_avx512(
-                        mx,
-                        stride(cout, t),
-                        tiles_x,
-                        ow,
-                        rows,
-                        bias,
-                        z,
-                        fin.act,
-                        dst,
-                    )
-                };
-                continue;
-            }
-            #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                // SAFETY: AVX2 and FMA present; pointers as above.
-                unsafe {
-                    output_tile_row_avx2(
-                        mx,
-                        stride(cout, t),
-                        tiles_x,
-                        ow,
-                        rows,
-                        bias,
-                        z,
-                        fin.act,
-                        dst,
-                    )
-                };
-                continue;
-            }
-            // SAFETY: as above.
-            unsafe {
-                output_tile_row(
-                    mx,
-                    stride(cout, t),
-                    tiles_x,
-                    ow,
-                    rows,
-                    bias,
-                    z,
-                    fin.act,
-                    dst,
-                )
+            let r = OutRow {
+                m: mx,
+                step: stride(cout, t),
+                tiles_x,
+                ow,
+                rows,
+                bias,
+                z,
+                act: fin.act,
+                dst,
             };
+            // SAFETY: the kernel suits this CPU ([`output_row_kernel`]); pointers as above.
+            unsafe { row(&r) };
         }
     }
+}
+
+/// One output tile row of one channel, as [`output_tile_row`] reads and writes it: `m` points at
+/// its first tile's product for `xi = 0`, each further `xi` `step` floats on; `dst` at output
+/// row `2 ty` (`rows` of them, 1 or 2, each `ow` wide); `z` the residual's same rows.
+#[derive(Clone, Copy)]
+struct OutRow<'a> {
+    m: *const f32,
+    step: usize,
+    tiles_x: usize,
+    ow: usize,
+    rows: usize,
+    bias: f32,
+    z: Option<&'a [f32]>,
+    act: Act,
+    dst: *mut f32,
+}
+
+/// The transform of one output tile row (see [`output_tile_row`]).
+type OutputRow = unsafe fn(&OutRow);
+
+/// [`output_tile_row`] in the build the CPU runs best: 16 tiles per AVX-512 vector with the
+/// AVX-512 family (the caller has checked the CPU has it), compiled for AVX2 where present.
+fn output_row_kernel(isa: Isa) -> OutputRow {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == Isa::Avx512 {
+            return output_tile_row_avx512;
+        }
+        if isa != Isa::Scalar && crate::cpu::features().avx2 {
+            return output_tile_row_avx2;
+        }
+    }
+    output_tile_row
 }
 
 /// [`output_tile_row`] compiled for AVX2 (same values).
@@ -701,43 +696,30 @@ unsafe fn transform_output(job: &Job, grp: Group, (o0, o1): (usize, usize), m: S
 /// As [`output_tile_row`], and the CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn output_tile_row_avx2(
-    m: *const f32,
-    step: usize,
-    tiles_x: usize,
-    ow: usize,
-    rows: usize,
-    bias: f32,
-    z: Option<&[f32]>,
-    act: Act,
-    dst: *mut f32,
-) {
+unsafe fn output_tile_row_avx2(r: &OutRow) {
     // SAFETY: forwarded from the caller.
-    unsafe { output_tile_row(m, step, tiles_x, ow, rows, bias, z, act, dst) }
+    unsafe { output_tile_row(r) }
 }
 
-/// One tile row of one output channel (see [`transform_output`]): `m` points at its first
-/// tile's product for `xi = 0`, each further `xi` `step` floats on; `dst` at output row
-/// `2 ty` (`rows` of them, 1 or 2, each `ow` wide); `z` the residual's same rows.
+/// One tile row of one output channel (see [`transform_output`] and [`OutRow`]).
 ///
 /// # Safety
 /// `m + xi * step + tx` is readable for `xi < 16`, `tx < tiles_x`; `dst` has `rows * ow`
 /// writable floats.
-#[allow(clippy::too_many_arguments)]
 #[allow(clippy::needless_range_loop)] // the transforms' indices, as in the matrices
 #[inline(always)]
-unsafe fn output_tile_row(
-    m: *const f32,
-    step: usize,
-    tiles_x: usize,
-    ow: usize,
-    rows: usize,
-    bias: f32,
-    z: Option<&[f32]>,
-    act: Act,
-    dst: *mut f32,
-) {
+unsafe fn output_tile_row(r: &OutRow) {
+    let OutRow {
+        m,
+        step,
+        tiles_x,
+        ow,
+        rows,
+        bias,
+        z,
+        act,
+        dst,
+    } = *r;
     for tx in 0..tiles_x {
         // SAFETY: xi < 16 and tx < tiles_x, per the contract.
         let mv = |xi: usize| unsafe { *m.add(xi * step + tx) };
@@ -772,20 +754,20 @@ unsafe fn output_tile_row(
 /// As [`output_tile_row`], and the CPU supports AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
 #[allow(clippy::needless_range_loop)] // the transforms' indices, as in the matrices
-unsafe fn output_tile_row_avx512(
-    m: *const f32,
-    step: usize,
-    tiles_x: usize,
-    ow: usize,
-    rows: usize,
-    bias: f32,
-    z: Option<&[f32]>,
-    act: Act,
-    dst: *mut f32,
-) {
+unsafe fn output_tile_row_avx512(r: &OutRow) {
     use std::arch::x86_64::*;
+    let OutRow {
+        m,
+        step,
+        tiles_x,
+        ow,
+        rows,
+        bias,
+        z,
+        act,
+        dst,
+    } = *r;
     let lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     let hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     let bv = _mm512_set1_ps(bias);
