@@ -34,8 +34,9 @@ pub enum Role {
     /// QLinearConv's 8-bit filter (`M x C x kh x kw`, one group) as the B of `col(X)^T W^T`.
     IntFilter,
     /// A 3x3 Conv filter (stride 1, dilation 1, one group) transformed for the Winograd
-    /// convolution ([`ferrum_kernels::winograd`]), kept beside its [`Role::ConvFilter`] panels
-    /// (the run picks by the output's size).
+    /// convolution ([`ferrum_kernels::winograd`]): in place of its [`Role::ConvFilter`] panels
+    /// where the output's size is known and Winograd pays, beside them where it is not known
+    /// (each run then picks by the size it sees).
     Winograd,
 }
 
