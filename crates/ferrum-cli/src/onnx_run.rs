@@ -44,11 +44,15 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0)]
     pub repeat: usize,
     /// With --repeat: also print the time spent per op type over the timed runs (fused nodes
-    /// under their fused name, e.g. com.ferrum.FusedConv), then the 20 slowest nodes: time per
-    /// run, share, achieved GFLOP/s (for ops with an operation count: products, convolutions,
-    /// pools, normalisations, elementwise) and the shapes each ran with.
+    /// under their fused name, e.g. com.ferrum.FusedConv), then the slowest nodes (see
+    /// --profile-nodes): time per run, share, achieved GFLOP/s (for ops with an operation
+    /// count: products, convolutions, pools, normalisations, elementwise) and the shapes each
+    /// ran with.
     #[arg(long)]
     pub profile: bool,
+    /// With --profile: how many of the slowest nodes to list (0 lists every node).
+    #[arg(long, default_value_t = 20)]
+    pub profile_nodes: usize,
     /// Graph optimisation level, as ONNX Runtime's: 0 runs the graph as imported; 1 folds
     /// constants, removes Identity/Dropout and dead nodes, and folds BatchNormalization (and
     /// constant Add/Mul) into the preceding Conv; 2 also fuses GELU, biases, residual adds and
@@ -202,7 +206,12 @@ fn run_inner(a: RunArgs) -> Result<()> {
                     100.0 * s / total.max(1e-12)
                 );
             }
-            print_nodes(&ferrum_graph::exec::node_profile(), a.repeat, total);
+            print_nodes(
+                &ferrum_graph::exec::node_profile(),
+                a.repeat,
+                total,
+                a.profile_nodes,
+            );
             ferrum_graph::exec::set_op_profiling(false);
         }
         outs
@@ -553,8 +562,8 @@ fn inspect_inner(a: InspectArgs) -> Result<()> {
 
 /// The `--profile` table of the slowest nodes: time per run, share of all node time, achieved
 /// GFLOP/s where the op has an operation count, and the shapes the node ran with.
-fn print_nodes(nodes: &[ferrum_graph::exec::NodeTime], repeat: usize, total: f64) {
-    const SHOWN: usize = 20;
+fn print_nodes(nodes: &[ferrum_graph::exec::NodeTime], repeat: usize, total: f64, shown: usize) {
+    let shown = if shown == 0 { nodes.len() } else { shown };
     let dims = |d: &[usize]| {
         d.iter()
             .map(|x| x.to_string())
@@ -563,7 +572,7 @@ fn print_nodes(nodes: &[ferrum_graph::exec::NodeTime], repeat: usize, total: f64
     };
     println!(
         "\nslowest nodes ({} of {}):\n{:>10} {:>6} {:>8}  {:<24} {:<32} shapes (input -> output)",
-        SHOWN.min(nodes.len()),
+        shown.min(nodes.len()),
         nodes.len(),
         "ms/run",
         "share",
@@ -571,7 +580,7 @@ fn print_nodes(nodes: &[ferrum_graph::exec::NodeTime], repeat: usize, total: f64
         "op",
         "node"
     );
-    for n in nodes.iter().take(SHOWN) {
+    for n in nodes.iter().take(shown) {
         let gflops = if n.flops > 0.0 && n.seconds > 0.0 {
             let g = n.flops / n.seconds * 1e-9;
             if g >= 1.0 {
@@ -582,9 +591,13 @@ fn print_nodes(nodes: &[ferrum_graph::exec::NodeTime], repeat: usize, total: f64
         } else {
             "-".into()
         };
+        // Long names keep their start and end (where exported names differ).
         let mut name = n.name.clone();
-        if name.chars().count() > 32 {
-            name = name.chars().take(31).collect::<String>() + "~";
+        let chars: Vec<char> = name.chars().collect();
+        if chars.len() > 32 {
+            name = chars[..12].iter().collect::<String>()
+                + "~"
+                + &chars[chars.len() - 19..].iter().collect::<String>();
         }
         println!(
             "{:>10.3} {:>5.1}% {:>8}  {:<24} {:<32} {} -> {}",

@@ -202,6 +202,34 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             let nn = if ai(n, "transB", 0) != 0 { b0 } else { b1 };
             Some(vec![*m, *nn])
         }
+        "NhwcConv" if n.domain == crate::passes::DOMAIN => {
+            // X `[N, H, W, C]`, W `[kh, kw, C/group, M]` -> `[N, OH, OW, M]`.
+            let (x, w) = (x?, inp(1)?);
+            if x.len() != 4 || w.len() != 4 || w[0] == 0 || w[1] == 0 {
+                return None;
+            }
+            let two = |name: &str, d: i64| ints(n, name).unwrap_or(vec![d; 2]);
+            let (st, dl, pads) = (
+                two("strides", 1),
+                two("dilations", 1),
+                ints(n, "pads").unwrap_or(vec![0; 4]),
+            );
+            if st.len() != 2 || dl.len() != 2 || pads.len() != 4 {
+                return None;
+            }
+            let mut out = vec![x[0]];
+            for i in 0..2 {
+                let (s, d) = (usize::try_from(st[i]).ok()?, usize::try_from(dl[i]).ok()?);
+                let (p0, p1) = (
+                    usize::try_from(pads[i]).ok()?,
+                    usize::try_from(pads[i + 2]).ok()?,
+                );
+                let ek = (w[i] - 1).checked_mul(d)? + 1;
+                out.push((x[i + 1].checked_add(p0 + p1)?).checked_sub(ek)? / s.max(1) + 1);
+            }
+            out.push(w[3]);
+            Some(out)
+        }
         "Conv" | "MaxPool" | "AveragePool" => {
             let x = x?;
             let nd = x.len().checked_sub(2)?;
@@ -490,6 +518,11 @@ pub fn node_flops(n: &Node, s: &Shapes) -> Option<f64> {
         "Conv" => {
             let w = inp(1)?;
             Some(2.0 * numel(out?) * w.get(1..)?.iter().map(|&d| d as f64).product::<f64>())
+        }
+        // W `[kh, kw, C/group, M]`.
+        "NhwcConv" => {
+            let w = inp(1)?;
+            Some(2.0 * numel(out?) * w.get(..3)?.iter().map(|&d| d as f64).product::<f64>())
         }
         "MaxPool" | "AveragePool" => {
             let k: usize = ints(n, "kernel_shape")?

@@ -1481,3 +1481,112 @@ fn attention_is_not_fused_where_the_chain_is_needed_or_is_not_attention() {
         0.0,
     );
 }
+
+/// A MobileNetV2-style convolution: `x` `[n, c, h, w]` -> `out` with filter `[m, c/group, k,
+/// k]` and a bias, its initializers pushed to `inits`.
+#[allow(clippy::too_many_arguments)]
+fn mobile_conv(
+    r: &mut Rng64,
+    name: &str,
+    (x, out): (&str, &str),
+    (c, m, k, group): (usize, usize, usize, usize),
+    (stride, pad, dil): (i64, i64, i64),
+    inits: &mut Vec<TensorProto>,
+) -> NodeProto {
+    let (w, b) = (format!("{name}.w"), format!("{name}.b"));
+    let cg = c / group;
+    inits.push(init(
+        &w,
+        &[m as i64, cg as i64, k as i64, k as i64],
+        randv(r, m * cg * k * k),
+    ));
+    inits.push(init(&b, &[m as i64], randv(r, m)));
+    node(
+        "Conv",
+        &[x, &w, &b],
+        &[out],
+        vec![
+            attr_int("group", group as i64),
+            attr_ints("strides", &[stride, stride]),
+            attr_ints("pads", &[pad; 4]),
+            attr_ints("dilations", &[dil, dil]),
+        ],
+    )
+}
+
+#[test]
+fn depthwise_separable_chains_run_channels_last_as_in_mobilenet() {
+    let mut r = rng();
+    let mut inits = Vec::new();
+    inits.push(init("lo", &[], vec![0.0]));
+    inits.push(init("hi", &[], vec![6.0]));
+    // Block 1 (inverted residual): expand 8 -> 48 + Clip, depthwise 3x3 + Clip, project
+    // 48 -> 8 + x. Block 2: expand 8 -> 32 + Relu, depthwise 3x3 stride 2 dilation 2 + Relu,
+    // project 32 -> 16. The result is a graph output and read by a Sigmoid.
+    let nodes = vec![
+        mobile_conv(&mut r, "e1", ("x", "e1"), (8, 48, 1, 1), (1, 0, 1), &mut inits),
+        node("Clip", &["e1", "lo", "hi"], &["e1c"], vec![]),
+        mobile_conv(&mut r, "d1", ("e1c", "d1"), (48, 48, 3, 48), (1, 1, 1), &mut inits),
+        node("Clip", &["d1", "lo", "hi"], &["d1c"], vec![]),
+        mobile_conv(&mut r, "p1", ("d1c", "p1"), (48, 8, 1, 1), (1, 0, 1), &mut inits),
+        node("Add", &["p1", "x"], &["b1"], vec![]),
+        mobile_conv(&mut r, "e2", ("b1", "e2"), (8, 32, 1, 1), (1, 0, 1), &mut inits),
+        node("Relu", &["e2"], &["e2r"], vec![]),
+        mobile_conv(&mut r, "d2", ("e2r", "d2"), (32, 32, 3, 32), (2, 2, 2), &mut inits),
+        node("Relu", &["d2"], &["d2r"], vec![]),
+        mobile_conv(&mut r, "p2", ("d2r", "y"), (32, 16, 1, 1), (1, 0, 1), &mut inits),
+        node("Sigmoid", &["y"], &["s"], vec![]),
+    ];
+    let mp = model(
+        nodes,
+        vec![f32_in("x", &[2, 8, 12, 13])],
+        vec![f32_out("y"), f32_out("s")],
+        inits,
+        17,
+    );
+    let feeds = [("x", vec![2, 8, 12, 13], randv(&mut r, 2 * 8 * 12 * 13))];
+    let nhwc = "com.ferrum.NhwcConv";
+    // One transpose in (x, read as block 1's input and residual), one out (y).
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &["Transpose", nhwc, nhwc, nhwc, nhwc, nhwc, nhwc, "Transpose", "Sigmoid"],
+        1e-5,
+    );
+    let s = session(&mp, OptLevel::All);
+    let log = &s.optimization_report().fused;
+    assert!(
+        log.iter()
+            .any(|l| l.contains("6 convolutions, 1 transposes in, 1 out")),
+        "{log:?}"
+    );
+    // Level 2 keeps NCHW.
+    assert!(!ops(&session(&mp, OptLevel::Extended))
+        .iter()
+        .any(|o| o == nhwc));
+}
+
+#[test]
+fn a_lone_depthwise_convolution_stays_nchw() {
+    // Its two transposes would move as many elements as the convolution reads.
+    let mut r = rng();
+    let mut inits = Vec::new();
+    let nodes = vec![mobile_conv(
+        &mut r,
+        "d",
+        ("x", "y"),
+        (16, 16, 3, 16),
+        (1, 1, 1),
+        &mut inits,
+    )];
+    let mp = model(
+        nodes,
+        vec![f32_in("x", &[1, 16, 9, 9])],
+        vec![f32_out("y")],
+        inits,
+        17,
+    );
+    let feeds = [("x", vec![1, 16, 9, 9], randv(&mut r, 16 * 81))];
+    check(&mp, OptLevel::All, &feeds, &["Conv"], 1e-5);
+}

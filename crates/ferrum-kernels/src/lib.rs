@@ -18,6 +18,7 @@ pub mod aligned;
 mod amx;
 pub mod attention;
 pub mod cpu;
+pub mod depthwise;
 pub mod gemm;
 pub mod machine;
 pub mod matmul;

@@ -1,5 +1,5 @@
 //! ferrum's fused ops (domain `com.ferrum`), made by the graph passes ([`crate::passes`]):
-//! `FusedConv`, `FusedGemm`, `FusedMatMul`, `Gelu`, `MatMulIntegerToFloat` (in
+//! `FusedConv`, `NhwcConv` (in [`crate::ops::nhwc`]), `FusedGemm`, `FusedMatMul`, `Gelu`, `MatMulIntegerToFloat` (in
 //! [`crate::ops::quant`]) and `FusedAttention` (in [`crate::ops::attention`]).
 //!
 //! Each is its unfused chain computed at once: the product, then (Conv) a residual `Z` or
@@ -224,6 +224,7 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
     let act = Act::from_node(cx)?;
     let t = match cx.node.op.as_str() {
         "FusedConv" => crate::ops::conv::conv_fused(cx, Epi { z: cx.opt(3), act })?,
+        "NhwcConv" => crate::ops::nhwc::conv(cx, act)?,
         "FusedGemm" => crate::ops::nn::gemm_act(cx, act)?,
         "FusedMatMul" => {
             let (a, b) = (cx.t(0)?, cx.t(1)?);

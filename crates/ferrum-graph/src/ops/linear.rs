@@ -463,7 +463,7 @@ thread_local! {
 
 /// `act` split into the part the GEMM's epilogue applies in registers, bit for bit as
 /// [`Act::apply1`] (Relu, Clip, LeakyRelu), and the part left to apply afterwards (the others).
-fn split_act(a: Act) -> (GemmAct, Act) {
+pub(crate) fn split_act(a: Act) -> (GemmAct, Act) {
     let g = match a {
         Act::Identity => GemmAct::Identity,
         Act::Relu => GemmAct::Relu,

@@ -16,6 +16,7 @@ mod grid;
 mod linear;
 mod misc;
 mod ml;
+mod nhwc;
 mod nn;
 mod quant;
 mod reduce;

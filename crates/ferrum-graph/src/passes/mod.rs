@@ -8,7 +8,7 @@
 //! | 0 `Disabled` | none: the graph runs as imported |
 //! | 1 `Basic` | constant folding, Identity/Dropout elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights; then constant weights packed for the GEMM ([`PackedWeights`]; in bf16 for the tile unit with [`Precision::Bf16`]) |
 //! | 2 `Extended` | level 1, then the erf form of GELU into one node, multi-head attention (MatMul, scale, mask, Softmax, MatMul) into one `FusedAttention` node, a dynamically quantized MatMul's MatMulInteger + Cast + scale Mul (+ bias Add) into one MatMulIntegerToFloat, and bias, residual Add and activation fused into the Conv, Gemm or MatMul (activation only: MatMulIntegerToFloat) that produces their input ([`crate::ops`]' `com.ferrum` ops) |
-//! | 3 `All` | level 2 (layout passes belong here) |
+//! | 3 `All` | level 2, then chains of depthwise and pointwise convolutions moved to channels-last (`NhwcConv` on `[N, H, W, C]` tensors, transposes at the region's edges; f32 sessions) |
 //!
 //! Fused nodes live in the `com.ferrum` domain: `FusedConv` (Conv's inputs, then an optional
 //! residual `Z` added before the activation), `FusedGemm`, `FusedMatMul` (A, B, an optional bias
@@ -19,6 +19,7 @@
 mod attention;
 mod fold;
 mod fuse;
+mod layout;
 mod prepack;
 mod qdq;
 
@@ -123,6 +124,15 @@ pub fn optimize(model: &mut Model, level: OptLevel, precision: Precision) -> Res
             fuse::int_matmul_to_float,
         );
         run(&mut report, "activation fusion", model, fuse::activations);
+        run(&mut report, "dead-code elimination", model, fold::dead_code);
+    }
+    if level >= OptLevel::All && report.precision == Precision::F32 {
+        run(
+            &mut report,
+            "channels-last layout",
+            model,
+            layout::channels_last,
+        );
         run(&mut report, "dead-code elimination", model, fold::dead_code);
     }
     model.graph.plan_frees();

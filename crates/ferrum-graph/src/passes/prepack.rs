@@ -21,6 +21,8 @@ use crate::ir::{Attr, Graph, ValueId};
 use crate::tensor::DType;
 
 /// How a product reads a constant it has packed.
+///
+/// A channels-last 1x1 filter (`NhwcConv`, stored `[1, 1, C, M]`) is packed as [`Role::B`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
     /// B of `A B` (`k x n`, row-major): MatMul's second input, Gemm's without `transB`.
@@ -192,6 +194,16 @@ pub fn prepack(g: &mut Graph, precision: Precision, shapes: &Shapes) -> usize {
                         role,
                         Packed::B(PackedB::with_precision(k, nn, b, precision)),
                     )
+                })
+            }
+            // A channels-last 1x1 filter (`[1, 1, C, M]`): the B of `X[N*H*W, C] W`.
+            ("NhwcConv", _, true)
+                if s.len() == 4 && s[0] == 1 && s[1] == 1 && int_attr("group", 1) == 1 =>
+            {
+                let (k, nn) = (s[2], s[3]);
+                (k > 0 && nn > 0).then(|| {
+                    let p = PackedB::with_precision(k, nn, Mat::row_major(data, nn), precision);
+                    (Role::B, Packed::B(p))
                 })
             }
             ("Conv", true, _) | ("FusedConv", _, true) if s.len() == 4 && direct => {

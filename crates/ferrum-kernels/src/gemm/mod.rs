@@ -44,7 +44,7 @@ pub mod patches;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
-mod x86;
+pub(crate) mod x86;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::act_avx512;
 

@@ -418,7 +418,7 @@ fn prefetch_c(rows: usize, cols: usize, out: &Out) {
 /// others pass `x` through (the caller applies them per element).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn act_avx2(act: Act, x: __m256) -> __m256 {
+pub(crate) fn act_avx2(act: Act, x: __m256) -> __m256 {
     match act {
         // `max(a, b)` returns b when either is NaN (and for two zeros): NaN and -0 give +0, as
         // `Act::apply`'s `x > 0 ? x : 0`.

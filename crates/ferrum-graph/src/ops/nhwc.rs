@@ -1,0 +1,153 @@
+//! `com.ferrum.NhwcConv`: a convolution on channels-last tensors, made by the layout pass
+//! ([`crate::passes`], level 3) for chains of depthwise and pointwise convolutions.
+//!
+//! Inputs: X `[N, H, W, C]`, W `[kh, kw, C/group, M]`, an optional bias `[M]`, an optional
+//! residual Z `[N, OH, OW, M]`; attributes `group`, `strides`, `pads` (`[top, left, bottom,
+//! right]`), `dilations`, and the fused `activation` (`activation_params`). Output
+//! `[N, OH, OW, M]`: `act(conv(X, W) + bias + Z)`. Two kinds run: depthwise (`group = C = M`,
+//! any kernel, stride, dilation and padding), as a vector multiply-add across channels per
+//! output pixel and tap ([`ferrum_kernels::depthwise`]), and pointwise (1x1, stride 1, no
+//! padding, one group), as one GEMM `X[N*H*W, C] W[C, M]` with the bias, residual and simple
+//! activations in its epilogue. Other geometries are refused (the pass makes none).
+
+use ferrum_kernels::depthwise;
+use ferrum_kernels::gemm::{gemm_ex_uninit, Bias, Epilogue, Lhs, Mat, Rhs};
+
+use crate::ops::fused::{Act, Epi};
+use crate::ops::{fast, unsupported, Ctx};
+use crate::tensor::{DType, Tensor};
+use crate::{kbail, Result};
+
+/// Two values of a 2-D attribute (`default` for both when absent).
+fn pair(cx: &Ctx, name: &str, default: usize) -> Result<[usize; 2]> {
+    match cx.aints(name).as_deref() {
+        None => Ok([default; 2]),
+        Some(&[a, b]) if a >= 0 && b >= 0 => Ok([a as usize, b as usize]),
+        Some(v) => kbail!("NhwcConv: {name} must hold 2 non-negative values, got {v:?}"),
+    }
+}
+
+/// Runs `NhwcConv` with the fused activation `act`.
+pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
+    let (x, w) = (cx.t(0)?, cx.t(1)?);
+    if x.dtype() != DType::F32 || w.dtype() != DType::F32 || x.rank() != 4 || w.rank() != 4 {
+        return Err(unsupported(format!(
+            "NhwcConv takes float32 X and W of rank 4, got {} {:?} and {} {:?}",
+            x.dtype(),
+            x.shape(),
+            w.dtype(),
+            w.shape()
+        )));
+    }
+    let [n, ih, iw, c] = [x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]];
+    let [kh, kw, cg, m] = [w.shape()[0], w.shape()[1], w.shape()[2], w.shape()[3]];
+    let group = cx.ai("group", 1).max(1) as usize;
+    let (s, d) = (pair(cx, "strides", 1)?, pair(cx, "dilations", 1)?);
+    let pads = match cx.aints("pads").as_deref() {
+        None => [0; 4],
+        Some(&[a, b, e, f]) if [a, b, e, f].iter().all(|&v| v >= 0) => {
+            [a as usize, b as usize, e as usize, f as usize]
+        }
+        Some(v) => kbail!("NhwcConv: pads must hold 4 non-negative values, got {v:?}"),
+    };
+    if cg * group != c || s.contains(&0) || d.contains(&0) || kh == 0 || kw == 0 {
+        kbail!(
+            "NhwcConv: input {:?}, filter {:?}, group {group}, strides {s:?}, dilations {d:?} disagree",
+            x.shape(),
+            w.shape()
+        );
+    }
+    let extent = |i: usize, k: usize, p: usize| -> Result<usize> {
+        let ek = (k - 1) * d[i] + 1;
+        let padded = [ih, iw][i] + p;
+        if padded < ek {
+            kbail!("NhwcConv: filter extent {ek} exceeds the padded input {padded}");
+        }
+        Ok((padded - ek) / s[i] + 1)
+    };
+    let (oh, ow) = (
+        extent(0, kh, pads[0] + pads[2])?,
+        extent(1, kw, pads[1] + pads[3])?,
+    );
+    let shape = vec![n, oh, ow, m];
+    let bias = match cx.opt(2) {
+        Some(b) if b.dtype() == DType::F32 && b.len() == m => Some(b.as_slice::<f32>()?),
+        Some(b) => kbail!(
+            "NhwcConv: bias must be float32 with {m} values, got {} {:?}",
+            b.dtype(),
+            b.shape()
+        ),
+        None => None,
+    };
+    let epi = Epi { z: cx.opt(3), act };
+    let z = epi.z_exact(&shape);
+    if epi.z.is_some() && z.is_none() {
+        kbail!("NhwcConv: the residual must be float32 of shape {shape:?}");
+    }
+    let (xv, wv) = (x.as_slice::<f32>()?, w.as_slice::<f32>()?);
+    let depthwise = group == c && cg == 1 && m == c;
+    let pointwise = group == 1 && kh == 1 && kw == 1 && s == [1, 1] && pads == [0; 4];
+    let rows = n * oh * ow;
+    if rows == 0 || m == 0 {
+        return Tensor::from_vec(shape, vec![0f32; rows * m]);
+    }
+    if depthwise {
+        let g = depthwise::Geometry {
+            input: [ih, iw],
+            channels: c,
+            kernel: [kh, kw],
+            stride: s,
+            dilation: d,
+            pad: [pads[0], pads[1]],
+            output: [oh, ow],
+        };
+        let (in_kernel, after) = crate::ops::linear::split_act(act);
+        let fin = depthwise::Finish {
+            bias,
+            residual: z,
+            act: in_kernel,
+        };
+        let out = fast::filled(rows * c, |o| {
+            depthwise::depthwise_nhwc(xv, wv, n, &g, &fin, o)
+        });
+        return Epi {
+            z: None,
+            act: after,
+        }
+        .finish(Tensor::from_vec(shape, out)?);
+    }
+    if !pointwise {
+        return Err(unsupported(format!(
+            "NhwcConv with filter {:?}, group {group}, strides {s:?}, pads {pads:?} (depthwise or 1x1 only)",
+            w.shape()
+        )));
+    }
+    let (in_gemm, after) = crate::ops::linear::split_act(act);
+    let rhs = match cx.packed_b(1, crate::passes::Role::B) {
+        Some(p) if p.k() == c && p.n() == m => Rhs::Packed(p),
+        _ => Rhs::Mat(Mat::row_major(wv, m)),
+    };
+    let e = Epilogue {
+        bias: bias.map_or(Bias::None, Bias::Col),
+        act: in_gemm,
+        residual: z,
+    };
+    let out = fast::filled(rows * m, |o| {
+        gemm_ex_uninit(
+            rows,
+            m,
+            c,
+            1.0,
+            Lhs::Mat(Mat::row_major(xv, c)),
+            rhs,
+            o,
+            m,
+            &e,
+        )
+    });
+    Epi {
+        z: None,
+        act: after,
+    }
+    .finish(Tensor::from_vec(shape, out)?)
+}

@@ -1,0 +1,520 @@
+//! Depthwise convolution on channels-last tensors (one filter per channel: MobileNet's 3x3
+//! layers).
+//!
+//! Input `[n, ih, iw, c]`, filter taps `[kh * kw, c]` (tap-major: each tap's weights for all
+//! channels side by side), output `[n, oh, ow, c]`. Each output is `act(residual + bias +
+//! sum over the taps inside the input of w * x)`, the taps in (ky, kx) order (taps over the
+//! padding add nothing and are skipped). The vector kernels run across channels: per output
+//! pixel and tap one fused multiply-add of a weight vector and an input vector, four pixels at
+//! a time where every tap of the pixels is inside the input, masked for the channels past the
+//! last whole vector. Threads split the output rows. [`depthwise_nhwc_ref`] is the f64
+//! reference.
+
+use std::mem::MaybeUninit;
+
+use crate::gemm::{self, Act, Isa};
+use crate::pool;
+
+/// The shape of a channels-last depthwise convolution.
+#[derive(Clone, Copy, Debug)]
+pub struct Geometry {
+    /// Input rows and columns.
+    pub input: [usize; 2],
+    pub channels: usize,
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub dilation: [usize; 2],
+    /// Padding above and to the left (the output size decides the rest).
+    pub pad: [usize; 2],
+    pub output: [usize; 2],
+}
+
+/// What follows the taps: starting values (`residual`, `[n, oh, ow, c]`, plus `bias`, one per
+/// channel) and the activation (Identity, Relu, Clip or LeakyRelu: the vector ones).
+#[derive(Clone, Copy, Debug)]
+pub struct Finish<'a> {
+    pub bias: Option<&'a [f32]>,
+    pub residual: Option<&'a [f32]>,
+    pub act: Act,
+}
+
+/// Pixels of a group whose taps are all inside the input.
+const GROUP: usize = 4;
+
+/// The depthwise convolution of `n` images (see the module's documentation) into `out`
+/// (`n * oh * ow * c`, every element written). Panics when a buffer is too short or the
+/// activation is not a vector one.
+pub fn depthwise_nhwc(
+    x: &[f32],
+    w: &[f32],
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+    out: &mut [MaybeUninit<f32>],
+) {
+    depthwise_nhwc_with(gemm::isa(), pool::threads(), x, w, n, g, fin, out)
+}
+
+/// [`depthwise_nhwc`] with a chosen kernel family and at most `threads` tasks at a time.
+#[allow(clippy::too_many_arguments)]
+pub fn depthwise_nhwc_with(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    w: &[f32],
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+    out: &mut [MaybeUninit<f32>],
+) {
+    let ([ih, iw], c, [kh, kw]) = (g.input, g.channels, g.kernel);
+    let [oh, ow] = g.output;
+    assert!(
+        g.stride.iter().chain(&g.dilation).all(|&v| v > 0) && kh > 0 && kw > 0,
+        "depthwise: zero stride, dilation or kernel in {g:?}"
+    );
+    assert!(
+        x.len() >= n * ih * iw * c && w.len() >= kh * kw * c && out.len() >= n * oh * ow * c,
+        "depthwise: buffers too short for {n} images of {g:?}"
+    );
+    assert!(
+        fin.bias.is_none_or(|b| b.len() >= c),
+        "depthwise: short bias"
+    );
+    assert!(
+        fin.residual.is_none_or(|z| z.len() >= n * oh * ow * c),
+        "depthwise: short residual"
+    );
+    assert!(
+        fin.act.is_vector(),
+        "depthwise: {:?} is not a vector activation",
+        fin.act
+    );
+    assert!(
+        available(isa),
+        "depthwise: {isa:?} is not supported by this CPU"
+    );
+    let row = ow * c;
+    if row == 0 || n * oh == 0 {
+        return;
+    }
+    let rows = &mut out[..n * oh * row];
+    let work = |r: usize, o: &mut [MaybeUninit<f32>]| {
+        let (b, oy) = (r / oh, r % oh);
+        let img = &x[b * ih * iw * c..][..ih * iw * c];
+        let z = fin.residual.map(|z| &z[r * row..][..row]);
+        out_row(isa, img, w, g, oy, fin.bias, z, fin.act, o);
+    };
+    if threads <= 1 {
+        for (r, o) in rows.chunks_mut(row).enumerate() {
+            work(r, o);
+        }
+    } else {
+        pool::parallel_chunks_mut(rows, row, work);
+    }
+}
+
+fn available(isa: Isa) -> bool {
+    gemm::available_isas().contains(&isa)
+}
+
+/// The filter rows of output row `oy` that fall inside the input: `ky0..ky1`, the first
+/// reading input row `iy0`. A contiguous range: the input row grows with `ky`.
+fn tap_rows(g: &Geometry, oy: usize) -> (usize, usize, usize) {
+    let iy = |ky: usize| (oy * g.stride[0] + ky * g.dilation[0]) as isize - g.pad[0] as isize;
+    let kh = g.kernel[0];
+    let ky0 = (0..kh).find(|&ky| iy(ky) >= 0).unwrap_or(kh);
+    let ky1 = (ky0..kh)
+        .find(|&ky| iy(ky) >= g.input[0] as isize)
+        .unwrap_or(kh);
+    (ky0, ky1, if ky0 < ky1 { iy(ky0) as usize } else { 0 })
+}
+
+/// The output columns whose every tap is inside the input: `lo..hi`.
+fn inner_cols(g: &Geometry) -> (usize, usize) {
+    let (iw, ow, s, p) = (g.input[1], g.output[1], g.stride[1], g.pad[1]);
+    let span = (g.kernel[1] - 1) * g.dilation[1];
+    let lo = p.div_ceil(s).min(ow);
+    let hi = if iw + p > span {
+        ((iw + p - span - 1) / s + 1).min(ow)
+    } else {
+        0
+    };
+    (lo, hi.max(lo))
+}
+
+/// One output row, every channel, by `isa`'s kernel.
+#[allow(clippy::too_many_arguments)]
+fn out_row(
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    g: &Geometry,
+    oy: usize,
+    bias: Option<&[f32]>,
+    z: Option<&[f32]>,
+    act: Act,
+    o: &mut [MaybeUninit<f32>],
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the ISA is supported (checked by the caller); `x` holds the image, `w` the
+        // taps, `z` and `o` one output row, `bias` the channels (lengths checked by the
+        // caller), and the kernel reads and writes only inside them.
+        Isa::Avx512 => unsafe { x86::row_avx512(x, w, g, oy, bias, z, act, o) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for AVX2 and FMA.
+        Isa::Avx2 => unsafe { x86::row_avx2(x, w, g, oy, bias, z, act, o) },
+        _ => row_portable(x, w, g, oy, bias, z, act, o),
+    }
+}
+
+/// [`out_row`] in plain Rust, one channel at a time.
+#[allow(clippy::too_many_arguments)]
+fn row_portable(
+    x: &[f32],
+    w: &[f32],
+    g: &Geometry,
+    oy: usize,
+    bias: Option<&[f32]>,
+    z: Option<&[f32]>,
+    act: Act,
+    o: &mut [MaybeUninit<f32>],
+) {
+    let (c, iw, [_, kw]) = (g.channels, g.input[1], g.kernel);
+    let (ky0, ky1, iy0) = tap_rows(g, oy);
+    for ox in 0..g.output[1] {
+        for ch in 0..c {
+            let mut a = z.map_or(0.0, |z| z[ox * c + ch]) + bias.map_or(0.0, |b| b[ch]);
+            for (r, ky) in (ky0..ky1).enumerate() {
+                let iy = iy0 + r * g.dilation[0];
+                for kx in 0..kw {
+                    let ix = (ox * g.stride[1] + kx * g.dilation[1]) as isize - g.pad[1] as isize;
+                    if ix < 0 || ix as usize >= iw {
+                        continue;
+                    }
+                    a = w[(ky * kw + kx) * c + ch].mul_add(x[(iy * iw + ix as usize) * c + ch], a);
+                }
+            }
+            o[ox * c + ch].write(act.apply(a));
+        }
+    }
+}
+
+/// The f64 reference: every output of [`depthwise_nhwc`] for `n` images, computed directly
+/// from the definition (zero padding, no skipped taps), before rounding.
+pub fn depthwise_nhwc_ref(x: &[f32], w: &[f32], n: usize, g: &Geometry, fin: &Finish) -> Vec<f64> {
+    let ([ih, iw], c, [kh, kw]) = (g.input, g.channels, g.kernel);
+    let [oh, ow] = g.output;
+    let mut out = vec![0f64; n * oh * ow * c];
+    for b in 0..n {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for ch in 0..c {
+                    let i = ((b * oh + oy) * ow + ox) * c + ch;
+                    let mut a = fin.residual.map_or(0.0, |z| z[i] as f64)
+                        + fin.bias.map_or(0.0, |v| v[ch] as f64);
+                    for ky in 0..kh {
+                        for kx in 0..kw {
+                            let iy = (oy * g.stride[0] + ky * g.dilation[0]) as isize
+                                - g.pad[0] as isize;
+                            let ix = (ox * g.stride[1] + kx * g.dilation[1]) as isize
+                                - g.pad[1] as isize;
+                            let v = if iy < 0 || ix < 0 || iy as usize >= ih || ix as usize >= iw {
+                                0.0
+                            } else {
+                                x[((b * ih + iy as usize) * iw + ix as usize) * c + ch] as f64
+                            };
+                            a += w[(ky * kw + kx) * c + ch] as f64 * v;
+                        }
+                    }
+                    out[i] = a;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    use super::{inner_cols, tap_rows, Geometry, GROUP};
+    use crate::gemm::x86::{act_avx2, act_avx512};
+    use crate::gemm::Act;
+
+    /// [`super::out_row`] on AVX-512: 16 channels a vector (masked past the last whole one).
+    ///
+    /// # Safety
+    /// AVX-512F must be supported; `x` holds one image `[ih, iw, c]`, `w` at least `kh * kw *
+    /// c` taps, `bias` (when given) `c` values, `z` (when given) and `o` one output row
+    /// (`ow * c`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn row_avx512(
+        x: &[f32],
+        w: &[f32],
+        g: &Geometry,
+        oy: usize,
+        bias: Option<&[f32]>,
+        z: Option<&[f32]>,
+        act: Act,
+        o: &mut [MaybeUninit<f32>],
+    ) {
+        let (c, iw, [_, kw], [_, ow]) = (g.channels, g.input[1], g.kernel, g.output);
+        let (ky0, ky1, iy0) = tap_rows(g, oy);
+        let (lo, hi) = inner_cols(g);
+        let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        let (s1, d0, d1, p1) = (g.stride[1], g.dilation[0], g.dilation[1], g.pad[1] as isize);
+        // Output pixels ox..ox + np, the channels cb..cb + 16 under `m`; `inside` when every
+        // tap of these pixels is inside the input.
+        let block = |ox: usize, np: usize, cb: usize, m: __mmask16, inside: bool| {
+            let mut acc = [_mm512_setzero_ps(); GROUP];
+            let b = match bias {
+                Some(b) => _mm512_maskz_loadu_ps(m, b.as_ptr().add(cb)),
+                None => _mm512_setzero_ps(),
+            };
+            for (p, a) in acc.iter_mut().enumerate().take(np) {
+                *a = match z {
+                    Some(z) => _mm512_add_ps(
+                        _mm512_maskz_loadu_ps(m, z.as_ptr().add((ox + p) * c + cb)),
+                        b,
+                    ),
+                    None => _mm512_add_ps(_mm512_setzero_ps(), b),
+                };
+            }
+            for (r, ky) in (ky0..ky1).enumerate() {
+                let row = xp.add((iy0 + r * d0) * iw * c + cb);
+                for kx in 0..kw {
+                    let wv = _mm512_maskz_loadu_ps(m, wp.add((ky * kw + kx) * c + cb));
+                    let ix0 = (ox * s1 + kx * d1) as isize - p1;
+                    if inside {
+                        let at = row.offset(ix0 * c as isize);
+                        for (p, a) in acc.iter_mut().enumerate().take(np) {
+                            let xv = _mm512_maskz_loadu_ps(m, at.add(p * s1 * c));
+                            *a = _mm512_fmadd_ps(wv, xv, *a);
+                        }
+                    } else {
+                        for (p, a) in acc.iter_mut().enumerate().take(np) {
+                            let ix = ix0 + (p * s1) as isize;
+                            if ix < 0 || ix as usize >= iw {
+                                continue;
+                            }
+                            let xv = _mm512_maskz_loadu_ps(m, row.add(ix as usize * c));
+                            *a = _mm512_fmadd_ps(wv, xv, *a);
+                        }
+                    }
+                }
+            }
+            for (p, a) in acc.iter().enumerate().take(np) {
+                _mm512_mask_storeu_ps(op.add((ox + p) * c + cb), m, act_avx512(act, *a));
+            }
+        };
+        let mask = |cb: usize| -> __mmask16 {
+            let left = c - cb;
+            if left >= 16 {
+                0xffff
+            } else {
+                (1u16 << left) - 1
+            }
+        };
+        let mut ox = lo;
+        while ox + GROUP <= hi {
+            for cb in (0..c).step_by(16) {
+                block(ox, GROUP, cb, mask(cb), true);
+            }
+            ox += GROUP;
+        }
+        for ox in (0..lo).chain(ox..ow) {
+            let inside = ox >= lo && ox < hi;
+            for cb in (0..c).step_by(16) {
+                block(ox, 1, cb, mask(cb), inside);
+            }
+        }
+    }
+
+    /// [`row_avx512`] on AVX2 and FMA: 8 channels a vector (masked past the last whole one).
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be supported; the buffers as for [`row_avx512`].
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn row_avx2(
+        x: &[f32],
+        w: &[f32],
+        g: &Geometry,
+        oy: usize,
+        bias: Option<&[f32]>,
+        z: Option<&[f32]>,
+        act: Act,
+        o: &mut [MaybeUninit<f32>],
+    ) {
+        let (c, iw, [_, kw], [_, ow]) = (g.channels, g.input[1], g.kernel, g.output);
+        let (ky0, ky1, iy0) = tap_rows(g, oy);
+        let (lo, hi) = inner_cols(g);
+        let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        let (s1, d0, d1, p1) = (g.stride[1], g.dilation[0], g.dilation[1], g.pad[1] as isize);
+        let block = |ox: usize, np: usize, cb: usize, m: __m256i, inside: bool| {
+            let mut acc = [_mm256_setzero_ps(); GROUP];
+            let b = match bias {
+                Some(b) => _mm256_maskload_ps(b.as_ptr().add(cb), m),
+                None => _mm256_setzero_ps(),
+            };
+            for (p, a) in acc.iter_mut().enumerate().take(np) {
+                *a = match z {
+                    Some(z) => {
+                        _mm256_add_ps(_mm256_maskload_ps(z.as_ptr().add((ox + p) * c + cb), m), b)
+                    }
+                    None => _mm256_add_ps(_mm256_setzero_ps(), b),
+                };
+            }
+            for (r, ky) in (ky0..ky1).enumerate() {
+                let row = xp.add((iy0 + r * d0) * iw * c + cb);
+                for kx in 0..kw {
+                    let wv = _mm256_maskload_ps(wp.add((ky * kw + kx) * c + cb), m);
+                    let ix0 = (ox * s1 + kx * d1) as isize - p1;
+                    for (p, a) in acc.iter_mut().enumerate().take(np) {
+                        let ix = ix0 + (p * s1) as isize;
+                        if !inside && (ix < 0 || ix as usize >= iw) {
+                            continue;
+                        }
+                        let xv = _mm256_maskload_ps(row.offset(ix * c as isize), m);
+                        *a = _mm256_fmadd_ps(wv, xv, *a);
+                    }
+                }
+            }
+            for (p, a) in acc.iter().enumerate().take(np) {
+                _mm256_maskstore_ps(op.add((ox + p) * c + cb), m, act_avx2(act, *a));
+            }
+        };
+        let mask = |cb: usize| -> __m256i {
+            let left = (c - cb).min(8) as i32;
+            _mm256_cmpgt_epi32(
+                _mm256_set1_epi32(left),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            )
+        };
+        let mut ox = lo;
+        while ox + GROUP <= hi {
+            for cb in (0..c).step_by(8) {
+                block(ox, GROUP, cb, mask(cb), true);
+            }
+            ox += GROUP;
+        }
+        for ox in (0..lo).chain(ox..ow) {
+            let inside = ox >= lo && ox < hi;
+            for cb in (0..c).step_by(8) {
+                block(ox, 1, cb, mask(cb), inside);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Every kernel family against the f64 reference on fresh random shapes: channels below,
+    /// at and past whole vectors, kernels 1-5, strides 1-3, dilations 1-2, paddings 0-3 on
+    /// either side, batches 1-2, bias / residual / each vector activation, 1-3 threads. Bound:
+    /// 4e-6 x (the sum of the products' magnitudes + 1e-3), 1.5x after an activation (which
+    /// moves no value further from the reference); the output starts as NaN, so an element
+    /// left unwritten fails.
+    #[test]
+    fn matches_the_f64_reference() {
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for case in 0..60 {
+            let c = rng.gen_range(1..40);
+            let k = [rng.gen_range(1..6), rng.gen_range(1..6)];
+            let s = [rng.gen_range(1..4), rng.gen_range(1..4)];
+            let d = [rng.gen_range(1..3), rng.gen_range(1..3)];
+            let pad = [rng.gen_range(0..4), rng.gen_range(0..4)];
+            let pad_end = [rng.gen_range(0..4), rng.gen_range(0..4)];
+            let input = [rng.gen_range(1..20), rng.gen_range(1..30)];
+            let ext = |i: usize| (k[i] - 1) * d[i] + 1;
+            if (0..2).any(|i| input[i] + pad[i] + pad_end[i] < ext(i)) {
+                continue;
+            }
+            let output = [
+                (input[0] + pad[0] + pad_end[0] - ext(0)) / s[0] + 1,
+                (input[1] + pad[1] + pad_end[1] - ext(1)) / s[1] + 1,
+            ];
+            let n = rng.gen_range(1..3);
+            let g = Geometry {
+                input,
+                channels: c,
+                kernel: k,
+                stride: s,
+                dilation: d,
+                pad,
+                output,
+            };
+            let mut rand_vec = |len: usize| -> Vec<f32> {
+                (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+            };
+            let x = rand_vec(n * input[0] * input[1] * c);
+            let w = rand_vec(k[0] * k[1] * c);
+            let bias = rand_vec(c);
+            let z = rand_vec(n * output[0] * output[1] * c);
+            let act = match case % 4 {
+                0 => Act::Identity,
+                1 => Act::Relu,
+                2 => Act::Clip { lo: -0.5, hi: 0.7 },
+                _ => Act::LeakyRelu(0.1),
+            };
+            let fin = Finish {
+                bias: (case % 3 != 0).then_some(&bias[..]),
+                residual: (case % 2 == 0).then_some(&z[..]),
+                act,
+            };
+            let want = depthwise_nhwc_ref(
+                &x,
+                &w,
+                n,
+                &g,
+                &Finish {
+                    act: Act::Identity,
+                    ..fin
+                },
+            );
+            // The sum of the magnitudes of each output's terms.
+            let mag = depthwise_nhwc_ref(
+                &x.iter().map(|v| v.abs()).collect::<Vec<_>>(),
+                &w.iter().map(|v| v.abs()).collect::<Vec<_>>(),
+                n,
+                &g,
+                &Finish {
+                    bias: None,
+                    residual: None,
+                    act: Act::Identity,
+                },
+            );
+            for isa in gemm::available_isas() {
+                for threads in 1..4 {
+                    let mut out = vec![MaybeUninit::new(f32::NAN); want.len()];
+                    depthwise_nhwc_with(isa, threads, &x, &w, n, &g, &fin, &mut out);
+                    for (i, o) in out.iter().enumerate() {
+                        // SAFETY: initialised above (NaN), then overwritten by the kernel.
+                        let got = unsafe { o.assume_init() } as f64;
+                        let ch = i % c;
+                        let extra = fin.bias.map_or(0.0, |b| b[ch].abs() as f64)
+                            + fin.residual.map_or(0.0, |z| z[i].abs() as f64);
+                        let mut tol = 4e-6 * (mag[i] + extra + 1e-3);
+                        if act != Act::Identity {
+                            tol *= 1.5;
+                        }
+                        let exp = act.apply(want[i] as f32) as f64;
+                        assert!(
+                            (got - exp).abs() <= tol,
+                            "seed {seed} case {case} {isa:?} {threads}t {g:?} n {n} at {i}: {got} vs {exp} (tol {tol})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
