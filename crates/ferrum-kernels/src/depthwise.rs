@@ -110,7 +110,14 @@ pub fn depthwise_nhwc_with(
             work(r, o);
         }
     } else {
-        pool::parallel_chunks_mut(rows, row, work);
+        // Runs of consecutive rows, two per thread: each streams its own part of the input
+        // (rows claimed one at a time interleave the threads' reads).
+        let per = (n * oh).div_ceil(2 * threads).max(1);
+        pool::parallel_chunks_mut(rows, per * row, |t, o| {
+            for (i, o) in o.chunks_mut(row).enumerate() {
+                work(t * per + i, o);
+            }
+        });
     }
 }
 

@@ -1,17 +1,20 @@
 //! `com.ferrum.NhwcConv`: a convolution on channels-last tensors, made by the layout pass
-//! ([`crate::passes`], level 3) for chains of depthwise and pointwise convolutions.
+//! ([`crate::passes`], level 3) for chains of depthwise and dense convolutions.
 //!
 //! Inputs: X `[N, H, W, C]`, W `[kh, kw, C/group, M]`, an optional bias `[M]`, an optional
 //! residual Z `[N, OH, OW, M]`; attributes `group`, `strides`, `pads` (`[top, left, bottom,
 //! right]`), `dilations`, and the fused `activation` (`activation_params`). Output
 //! `[N, OH, OW, M]`: `act(conv(X, W) + bias + Z)`. Two kinds run: depthwise (`group = C = M`,
 //! any kernel, stride, dilation and padding), as a vector multiply-add across channels per
-//! output pixel and tap ([`ferrum_kernels::depthwise`]), and pointwise (1x1, stride 1, no
-//! padding, one group), as one GEMM `X[N*H*W, C] W[C, M]` with the bias, residual and simple
-//! activations in its epilogue. Other geometries are refused (the pass makes none).
+//! output pixel and tap ([`ferrum_kernels::depthwise`]), and dense (one group), as a GEMM of
+//! each image's patches `[OH*OW, kh*kw*C]` with W `[kh*kw*C, M]` (for a 1x1 with stride 1 and
+//! no padding the input itself, all images at once), with the bias, residual and simple
+//! activations in its epilogue. Grouped convolutions that are not depthwise are refused (the
+//! pass makes none).
 
 use ferrum_kernels::depthwise;
 use ferrum_kernels::gemm::{gemm_ex_uninit, Bias, Epilogue, Lhs, Mat, Rhs};
+use ferrum_kernels::pool;
 
 use crate::ops::fused::{Act, Epi};
 use crate::ops::{fast, unsupported, Ctx};
@@ -116,15 +119,14 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
         }
         .finish(Tensor::from_vec(shape, out)?);
     }
-    if !pointwise {
+    if group != 1 {
         return Err(unsupported(format!(
-            "NhwcConv with filter {:?}, group {group}, strides {s:?}, pads {pads:?} (depthwise or 1x1 only)",
-            w.shape()
+            "NhwcConv with {group} groups of {cg} channels (depthwise or one group only)"
         )));
     }
     let (in_gemm, after) = crate::ops::linear::split_act(act);
     let rhs = match cx.packed_b(1, crate::passes::Role::B) {
-        Some(p) if p.k() == c && p.n() == m => Rhs::Packed(p),
+        Some(p) if p.k() == kh * kw * c && p.n() == m => Rhs::Packed(p),
         _ => Rhs::Mat(Mat::row_major(wv, m)),
     };
     let e = Epilogue {
@@ -132,22 +134,106 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
         act: in_gemm,
         residual: z,
     };
-    let out = fast::filled(rows * m, |o| {
-        gemm_ex_uninit(
-            rows,
-            m,
+    let kk = kh * kw * c;
+    let out = if pointwise {
+        fast::filled(rows * m, |o| {
+            gemm_ex_uninit(
+                rows,
+                m,
+                c,
+                1.0,
+                Lhs::Mat(Mat::row_major(xv, c)),
+                rhs,
+                o,
+                m,
+                &e,
+            )
+        })
+    } else {
+        // Per image: its patches as rows (`[oh * ow, kh * kw * c]`, in the filter's (ky, kx,
+        // c) order), times the filter.
+        let (osp, isz) = (oh * ow, ih * iw * c);
+        let mut col = COL.with(|v| std::mem::take(&mut *v.borrow_mut()));
+        if col.len() < osp * kk {
+            col = vec![0f32; osp * kk];
+        }
+        let geo = Patches {
+            input: [ih, iw],
             c,
-            1.0,
-            Lhs::Mat(Mat::row_major(xv, c)),
-            rhs,
-            o,
-            m,
-            &e,
-        )
-    });
+            k: [kh, kw],
+            s,
+            d,
+            pad: [pads[0], pads[1]],
+            ow,
+        };
+        let out = fast::filled(rows * m, |o| {
+            for (b, ob) in o.chunks_mut(osp * m).enumerate() {
+                patches(&xv[b * isz..][..isz], &geo, &mut col[..osp * kk]);
+                let e = Epilogue {
+                    residual: z.map(|z| &z[b * osp * m..][..osp * m]),
+                    ..e
+                };
+                let lhs = Lhs::Mat(Mat::row_major(&col, kk));
+                gemm_ex_uninit(osp, m, kk, 1.0, lhs, rhs, ob, m, &e);
+            }
+        });
+        COL.with(|v| *v.borrow_mut() = col);
+        out
+    };
     Epi {
         z: None,
         act: after,
     }
     .finish(Tensor::from_vec(shape, out)?)
+}
+
+thread_local! {
+    /// A dense [`conv`]'s patch matrix, kept by each thread that runs one (the largest so far).
+    static COL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The geometry of one image's patches.
+struct Patches {
+    input: [usize; 2],
+    c: usize,
+    k: [usize; 2],
+    s: [usize; 2],
+    d: [usize; 2],
+    /// Top and left.
+    pad: [usize; 2],
+    ow: usize,
+}
+
+/// Fills `col` (one row of `kh * kw * c` per output pixel, (ky, kx, c) order, zeros for taps
+/// over the padding) from the channels-last image `x`; rows split across the threads.
+fn patches(x: &[f32], g: &Patches, col: &mut [f32]) {
+    let ([ih, iw], c, [kh, kw]) = (g.input, g.c, g.k);
+    let kk = kh * kw * c;
+    let per = (col.len() / kk).div_ceil(pool::threads() * 4).max(1);
+    pool::parallel_chunks_mut(col, per * kk, |ci, chunk| {
+        for (r, row) in chunk.chunks_mut(kk).enumerate() {
+            let p = ci * per + r;
+            let (oy, ox) = (p / g.ow, p % g.ow);
+            for ky in 0..kh {
+                let iy = (oy * g.s[0] + ky * g.d[0]) as isize - g.pad[0] as isize;
+                for kx in 0..kw {
+                    let ix = (ox * g.s[1] + kx * g.d[1]) as isize - g.pad[1] as isize;
+                    let dst = &mut row[(ky * kw + kx) * c..][..c];
+                    if iy < 0 || ix < 0 || iy as usize >= ih || ix as usize >= iw {
+                        dst.fill(0.0);
+                    } else {
+                        let src = &x[(iy as usize * iw + ix as usize) * c..][..c];
+                        // A few channels (an image's 3) as fixed-size moves, not a call to
+                        // `memcpy` per tap.
+                        match c {
+                            1 => dst[0] = src[0],
+                            3 => dst[..3].copy_from_slice(&src[..3]),
+                            4 => dst[..4].copy_from_slice(&src[..4]),
+                            _ => dst.copy_from_slice(src),
+                        }
+                    }
+                }
+            }
+        }
+    });
 }

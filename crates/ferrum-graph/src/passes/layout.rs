@@ -1,15 +1,15 @@
-//! Channels-last layout (level 3): chains of depthwise and pointwise convolutions (MobileNet's
-//! inverted residual blocks) run on `[N, H, W, C]` tensors.
+//! Channels-last layout (level 3): chains of depthwise and dense convolutions (MobileNet's
+//! stem and inverted residual blocks) run on `[N, H, W, C]` tensors.
 //!
 //! In NCHW a depthwise convolution walks each channel's plane on its own: short rows, borders
 //! on every plane, vectors that run along a row. In NHWC the same convolution is a vector
-//! multiply-add over channels per output pixel and tap, reading whole cache lines, and a 1x1
-//! convolution is one GEMM over all pixels of all images (`[N*H*W, C] x [C, M]`). A region of
-//! such convolutions linked through their data input or residual becomes `com.ferrum.NhwcConv`
-//! nodes (weights stored `[kh, kw, C/group, M]`, a GEMM's B for a pointwise one and
-//! tap-major rows for a depthwise one), with a `Transpose` where a value enters the region and
-//! one where a value leaves it (read outside, or a graph output). A region is changed only
-//! when it holds a depthwise convolution and its boundary transposes move at most a quarter of
+//! multiply-add over channels per output pixel and tap, reading whole cache lines, and a dense
+//! (one group) convolution is one GEMM of the pixels' patches (`[H*W, kh*kw*C]`; the input
+//! itself for a 1x1) with the filter. A region of such convolutions linked through their data
+//! input or residual becomes `com.ferrum.NhwcConv` nodes (weights stored `[kh, kw, C/group,
+//! M]`: a GEMM's B for a dense one, tap-major rows for a depthwise one), with a `Transpose`
+//! where a value enters the region and one where a value leaves it (read outside, or a graph
+//! output). A region is changed only when it holds a depthwise convolution and its boundary transposes move at most a quarter of
 //! the elements its depthwise convolutions read, so networks without depthwise convolutions
 //! (ResNet) are left alone. Needs static shapes. `FERRUM_NO_NHWC=1` turns the pass off.
 
@@ -88,9 +88,8 @@ fn candidate(model: &Model, shapes: &crate::infer::Shapes, i: usize, n: &Node) -
         return None;
     }
     let depthwise = group == c && cg == 1 && m == c;
-    let pointwise =
-        group == 1 && cg == c && kh == 1 && kw == 1 && strides == [1, 1] && pads == [0, 0, 0, 0];
-    if !(depthwise || pointwise) || out[0] != xs[0] || out[1] != m {
+    let dense = group == 1 && cg == c;
+    if !(depthwise || dense) || out[0] != xs[0] || out[1] != m || kh == 0 || kw == 0 {
         return None;
     }
     let z = if fused {
@@ -328,11 +327,7 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
         log.push(format!(
             "{} -> NhwcConv ({})",
             n.name,
-            if c.depthwise {
-                "depthwise"
-            } else {
-                "pointwise"
-            }
+            if c.depthwise { "depthwise" } else { "dense" }
         ));
         out_nodes.push(Node {
             name: n.name.clone(),
