@@ -11,7 +11,8 @@
 //! | 3 `All` | level 2, then chains of depthwise and pointwise convolutions moved to channels-last (`NhwcConv` on `[N, H, W, C]` tensors, transposes at the region's edges; f32 sessions) |
 //!
 //! Fused nodes live in the `com.ferrum` domain: `FusedConv` (Conv's inputs, then an optional
-//! residual `Z` added before the activation), `FusedGemm`, `FusedMatMul` (A, B, an optional bias
+//! residual `Z` added before the activation), `NhwcConv` (the same on channels-last tensors,
+//! filter `[kh, kw, C/group, M]`; see `layout`), `FusedGemm`, `FusedMatMul` (A, B, an optional bias
 //! along the last axis), `FusedAttention` (see `attention`) and `Gelu`, each with an `activation` attribute (and
 //! `activation_params`), and `MatMulIntegerToFloat` (A, B, a_scale, a_zero_point, b_scale,
 //! b_zero_point, bias: ONNX Runtime's op of that name, with the same optional activation). Subgraphs (If/Loop/Scan bodies) are left as they are.
