@@ -19,6 +19,7 @@ mod amx;
 pub mod attention;
 pub mod cpu;
 pub mod depthwise;
+pub mod direct;
 pub mod gemm;
 pub mod machine;
 pub mod matmul;

@@ -9,12 +9,13 @@
 //! output pixel and tap ([`ferrum_kernels::depthwise`]), and dense (one group), as a GEMM of
 //! each image's patches `[OH*OW, kh*kw*C]` with W `[kh*kw*C, M]` (for a 1x1 with stride 1 and
 //! no padding the input itself, all images at once), with the bias, residual and simple
-//! activations in its epilogue. Grouped convolutions that are not depthwise are refused (the
+//! activations in its epilogue; with at most [`direct::MAX_CIN`] input channels (an image) on
+//! AVX-512, directly ([`ferrum_kernels::direct`]). Grouped convolutions that are not depthwise are refused (the
 //! pass makes none).
 
-use ferrum_kernels::depthwise;
 use ferrum_kernels::gemm::{gemm_ex_uninit, Bias, Epilogue, Lhs, Mat, Rhs};
 use ferrum_kernels::pool;
+use ferrum_kernels::{depthwise, direct};
 
 use crate::ops::fused::{Act, Epi};
 use crate::ops::{fast, unsupported, Ctx};
@@ -135,6 +136,28 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
         residual: z,
     };
     let kk = kh * kw * c;
+    if !pointwise && direct::worthwhile(c) {
+        let g = depthwise::Geometry {
+            input: [ih, iw],
+            channels: c,
+            kernel: [kh, kw],
+            stride: s,
+            dilation: d,
+            pad: [pads[0], pads[1]],
+            output: [oh, ow],
+        };
+        let fin = depthwise::Finish {
+            bias,
+            residual: z,
+            act: in_gemm,
+        };
+        let out = fast::filled(rows * m, |o| direct::dense_nhwc(xv, wv, m, n, &g, &fin, o));
+        return Epi {
+            z: None,
+            act: after,
+        }
+        .finish(Tensor::from_vec(shape, out)?);
+    }
     let out = if pointwise {
         fast::filled(rows * m, |o| {
             gemm_ex_uninit(

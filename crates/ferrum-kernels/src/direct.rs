@@ -1,0 +1,404 @@
+//! Dense convolution on channels-last tensors with few input channels (a network's first
+//! layer, over an image's 3 channels), computed directly.
+//!
+//! Input `[n, ih, iw, cin]`, filter `[kh * kw * cin, cout]` (rows in (ky, kx, ci) order), output
+//! `[n, oh, ow, cout]`: `act(residual + bias + sum over the taps inside the input of
+//! x[.., ci] * w[tap, ci, ..])`. Through a patch matrix, such a layer's GEMM has `kh * kw * cin`
+//! (27) columns, so packing the patches costs as much as the products; here each input value is
+//! broadcast once per pixel and tap against the output channels' weights (up to 64 output
+//! channels, four pixels at a time in registers). AVX-512 only (other ISAs take the patch
+//! matrix and the GEMM: [`worthwhile`]); [`dense_nhwc_ref`] is the f64 reference.
+
+use std::mem::MaybeUninit;
+
+use crate::depthwise::{Finish, Geometry};
+use crate::gemm::{self, Isa};
+use crate::pool;
+
+/// Input channels up to which [`dense_nhwc`] is used for a dense channels-last convolution.
+pub const MAX_CIN: usize = 4;
+
+/// True when [`dense_nhwc`] runs on this CPU for `cin` input channels.
+pub fn worthwhile(cin: usize) -> bool {
+    cin <= MAX_CIN && gemm::isa() == Isa::Avx512 && std::env::var_os("FERRUM_NO_DIRECT").is_none()
+}
+
+/// The convolution of `n` images (see the module's documentation; `g.channels` is `cin`) into
+/// `out` (`n * oh * ow * cout`, every element written). Panics when a buffer is too short, the
+/// activation is not a vector one, or AVX-512 is missing.
+pub fn dense_nhwc(
+    x: &[f32],
+    w: &[f32],
+    cout: usize,
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+    out: &mut [MaybeUninit<f32>],
+) {
+    dense_nhwc_with(pool::threads(), x, w, cout, n, g, fin, out)
+}
+
+/// [`dense_nhwc`] with at most `threads` tasks at a time.
+#[allow(clippy::too_many_arguments)]
+pub fn dense_nhwc_with(
+    threads: usize,
+    x: &[f32],
+    w: &[f32],
+    cout: usize,
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+    out: &mut [MaybeUninit<f32>],
+) {
+    let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
+    let [oh, ow] = g.output;
+    assert!(
+        g.stride.iter().chain(&g.dilation).all(|&v| v > 0) && kh > 0 && kw > 0,
+        "direct: zero stride, dilation or kernel in {g:?}"
+    );
+    assert!(
+        x.len() >= n * ih * iw * cin
+            && w.len() >= kh * kw * cin * cout
+            && out.len() >= n * oh * ow * cout,
+        "direct: buffers too short for {n} images of {g:?} -> {cout}"
+    );
+    assert!(
+        fin.bias.is_none_or(|b| b.len() >= cout),
+        "direct: short bias"
+    );
+    assert!(
+        fin.residual.is_none_or(|z| z.len() >= n * oh * ow * cout),
+        "direct: short residual"
+    );
+    assert!(
+        fin.act.is_vector(),
+        "direct: {:?} is not a vector activation",
+        fin.act
+    );
+    assert!(
+        gemm::available_isas().contains(&Isa::Avx512),
+        "direct: needs AVX-512"
+    );
+    let row = ow * cout;
+    if row == 0 || n * oh == 0 {
+        return;
+    }
+    let rows = &mut out[..n * oh * row];
+    let work = |r: usize, o: &mut [MaybeUninit<f32>]| {
+        let (b, oy) = (r / oh, r % oh);
+        let img = &x[b * ih * iw * cin..][..ih * iw * cin];
+        let z = fin.residual.map(|z| &z[r * row..][..row]);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512 is supported (asserted above); `img` is one image, `w` the filter,
+        // `z` and `o` one output row, the bias `cout` values (lengths asserted above).
+        unsafe {
+            x86::row(img, w, cout, g, oy, fin.bias, z, fin.act, o)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (img, z, o);
+    };
+    let per = (n * oh).div_ceil(2 * threads.max(1)).max(1);
+    if threads <= 1 {
+        for (r, o) in rows.chunks_mut(row).enumerate() {
+            work(r, o);
+        }
+    } else {
+        pool::parallel_chunks_mut(rows, per * row, |t, o| {
+            for (i, o) in o.chunks_mut(row).enumerate() {
+                work(t * per + i, o);
+            }
+        });
+    }
+}
+
+/// The f64 reference of [`dense_nhwc`] (zero padding, every tap), before the activation and
+/// rounding.
+pub fn dense_nhwc_ref(
+    x: &[f32],
+    w: &[f32],
+    cout: usize,
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+) -> Vec<f64> {
+    let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
+    let [oh, ow] = g.output;
+    let mut out = vec![0f64; n * oh * ow * cout];
+    for b in 0..n {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for m in 0..cout {
+                    let i = ((b * oh + oy) * ow + ox) * cout + m;
+                    let mut a = fin.residual.map_or(0.0, |z| z[i] as f64)
+                        + fin.bias.map_or(0.0, |v| v[m] as f64);
+                    for ky in 0..kh {
+                        for kx in 0..kw {
+                            let iy = (oy * g.stride[0] + ky * g.dilation[0]) as isize
+                                - g.pad[0] as isize;
+                            let ix = (ox * g.stride[1] + kx * g.dilation[1]) as isize
+                                - g.pad[1] as isize;
+                            if iy < 0 || ix < 0 || iy as usize >= ih || ix as usize >= iw {
+                                continue;
+                            }
+                            for ci in 0..cin {
+                                let xv = x[((b * ih + iy as usize) * iw + ix as usize) * cin + ci];
+                                a += xv as f64 * w[((ky * kw + kx) * cin + ci) * cout + m] as f64;
+                            }
+                        }
+                    }
+                    out[i] = a;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    use crate::depthwise::Geometry;
+    use crate::gemm::x86::act_avx512;
+    use crate::gemm::Act;
+
+    /// Pixels computed together.
+    const P: usize = 4;
+
+    /// One output row (every pixel and output channel).
+    ///
+    /// # Safety
+    /// AVX-512F must be supported; `x` one image `[ih, iw, cin]`, `w` `kh * kw * cin * cout`
+    /// values, `bias` (when given) `cout`, `z` (when given) and `o` `ow * cout`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn row(
+        x: &[f32],
+        w: &[f32],
+        cout: usize,
+        g: &Geometry,
+        oy: usize,
+        bias: Option<&[f32]>,
+        z: Option<&[f32]>,
+        act: Act,
+        o: &mut [MaybeUninit<f32>],
+    ) {
+        let mut ox = 0;
+        let ow = g.output[1];
+        while ox < ow {
+            let np = P.min(ow - ox);
+            let mut mb = 0;
+            while mb < cout {
+                let left = (cout - mb).div_ceil(16);
+                // SAFETY: forwarded; the block covers pixels ox..ox + np and channels mb.. of
+                // this row.
+                unsafe {
+                    match left {
+                        1 => block::<1>(x, w, cout, g, oy, ox, np, mb, bias, z, act, o),
+                        2 => block::<2>(x, w, cout, g, oy, ox, np, mb, bias, z, act, o),
+                        3 => block::<3>(x, w, cout, g, oy, ox, np, mb, bias, z, act, o),
+                        _ => block::<4>(x, w, cout, g, oy, ox, np, mb, bias, z, act, o),
+                    }
+                }
+                mb += 64;
+            }
+            ox += np;
+        }
+    }
+
+    /// Pixels `ox..ox + np` (at most [`P`]) of output row `oy`, output channels `mb..` in `V`
+    /// vectors of 16 (masked past `cout`).
+    ///
+    /// # Safety
+    /// As [`row`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block<const V: usize>(
+        x: &[f32],
+        w: &[f32],
+        cout: usize,
+        g: &Geometry,
+        oy: usize,
+        ox: usize,
+        np: usize,
+        mb: usize,
+        bias: Option<&[f32]>,
+        z: Option<&[f32]>,
+        act: Act,
+        o: &mut [MaybeUninit<f32>],
+    ) {
+        let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
+        let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        let mut m = [0u16; V];
+        for (v, m) in m.iter_mut().enumerate() {
+            let left = cout.saturating_sub(mb + 16 * v).min(16);
+            *m = if left == 16 {
+                0xffff
+            } else {
+                (1u16 << left) - 1
+            };
+        }
+        let mut acc = [[_mm512_setzero_ps(); V]; P];
+        // SAFETY (all pointer reads and writes below): channel offsets stay below `cout`
+        // under the masks, pixel offsets below `ow`, input offsets inside the image (taps
+        // outside are skipped).
+        unsafe {
+            for v in 0..V {
+                let b = match bias {
+                    Some(b) => _mm512_maskz_loadu_ps(m[v], b.as_ptr().add(mb + 16 * v)),
+                    None => _mm512_setzero_ps(),
+                };
+                for (p, a) in acc.iter_mut().enumerate().take(np) {
+                    a[v] = match z {
+                        Some(z) => _mm512_add_ps(
+                            _mm512_maskz_loadu_ps(
+                                m[v],
+                                z.as_ptr().add((ox + p) * cout + mb + 16 * v),
+                            ),
+                            b,
+                        ),
+                        None => _mm512_add_ps(_mm512_setzero_ps(), b),
+                    };
+                }
+            }
+            for ky in 0..kh {
+                let iy = (oy * g.stride[0] + ky * g.dilation[0]) as isize - g.pad[0] as isize;
+                if iy < 0 || iy as usize >= ih {
+                    continue;
+                }
+                for kx in 0..kw {
+                    let tap = ky * kw + kx;
+                    for (p, a) in acc.iter_mut().enumerate().take(np) {
+                        let ix = ((ox + p) * g.stride[1] + kx * g.dilation[1]) as isize
+                            - g.pad[1] as isize;
+                        if ix < 0 || ix as usize >= iw {
+                            continue;
+                        }
+                        let src = xp.add((iy as usize * iw + ix as usize) * cin);
+                        for ci in 0..cin {
+                            let xv = _mm512_set1_ps(*src.add(ci));
+                            let wr = wp.add((tap * cin + ci) * cout + mb);
+                            for v in 0..V {
+                                let wv = _mm512_maskz_loadu_ps(m[v], wr.add(16 * v));
+                                a[v] = _mm512_fmadd_ps(wv, xv, a[v]);
+                            }
+                        }
+                    }
+                }
+            }
+            for (p, a) in acc.iter().enumerate().take(np) {
+                for v in 0..V {
+                    _mm512_mask_storeu_ps(
+                        op.add((ox + p) * cout + mb + 16 * v),
+                        m[v],
+                        act_avx512(act, a[v]),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm::Act;
+    use rand::{Rng, SeedableRng};
+
+    /// Against the f64 reference on fresh random shapes: 1-4 input channels, 1-90 output
+    /// channels (below, at and past whole vectors and the 64-channel blocks), kernels 1-7,
+    /// strides 1-3, dilations 1-2, paddings 0-3, batches 1-2, bias / residual / each vector
+    /// activation, 1-3 threads. Bound: 4e-6 x (the sum of the terms' magnitudes + 1e-3), 1.5x
+    /// after an activation; the output starts as NaN, so an element left unwritten fails.
+    #[test]
+    fn matches_the_f64_reference() {
+        if !gemm::available_isas().contains(&Isa::Avx512) {
+            return;
+        }
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for case in 0..40 {
+            let cin = rng.gen_range(1..=MAX_CIN);
+            let cout = rng.gen_range(1..91);
+            let k = [rng.gen_range(1..8), rng.gen_range(1..8)];
+            let s = [rng.gen_range(1..4), rng.gen_range(1..4)];
+            let d = [rng.gen_range(1..3), rng.gen_range(1..3)];
+            let pad = [rng.gen_range(0..4), rng.gen_range(0..4)];
+            let input = [rng.gen_range(1..20), rng.gen_range(1..30)];
+            let ext = |i: usize| (k[i] - 1) * d[i] + 1;
+            if (0..2).any(|i| input[i] + 2 * pad[i] < ext(i)) {
+                continue;
+            }
+            let output = [
+                (input[0] + 2 * pad[0] - ext(0)) / s[0] + 1,
+                (input[1] + 2 * pad[1] - ext(1)) / s[1] + 1,
+            ];
+            let n = rng.gen_range(1..3);
+            let g = Geometry {
+                input,
+                channels: cin,
+                kernel: k,
+                stride: s,
+                dilation: d,
+                pad,
+                output,
+            };
+            let mut v = |len: usize| -> Vec<f32> {
+                (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+            };
+            let x = v(n * input[0] * input[1] * cin);
+            let w = v(k[0] * k[1] * cin * cout);
+            let bias = v(cout);
+            let z = v(n * output[0] * output[1] * cout);
+            let act = match case % 4 {
+                0 => Act::Identity,
+                1 => Act::Relu,
+                2 => Act::Clip { lo: -0.5, hi: 0.7 },
+                _ => Act::LeakyRelu(0.1),
+            };
+            let fin = Finish {
+                bias: (case % 3 != 0).then_some(&bias[..]),
+                residual: (case % 2 == 0).then_some(&z[..]),
+                act,
+            };
+            let plain = Finish {
+                bias: None,
+                residual: None,
+                act: Act::Identity,
+            };
+            let want = dense_nhwc_ref(
+                &x,
+                &w,
+                cout,
+                n,
+                &g,
+                &Finish {
+                    act: Act::Identity,
+                    ..fin
+                },
+            );
+            let abs = |v: &[f32]| v.iter().map(|a| a.abs()).collect::<Vec<_>>();
+            let mag = dense_nhwc_ref(&abs(&x), &abs(&w), cout, n, &g, &plain);
+            for threads in 1..4 {
+                let mut out = vec![MaybeUninit::new(f32::NAN); want.len()];
+                dense_nhwc_with(threads, &x, &w, cout, n, &g, &fin, &mut out);
+                for (i, o) in out.iter().enumerate() {
+                    // SAFETY: initialised above (NaN), then overwritten by the kernel.
+                    let got = unsafe { o.assume_init() } as f64;
+                    let extra = fin.bias.map_or(0.0, |b| b[i % cout].abs() as f64)
+                        + fin.residual.map_or(0.0, |z| z[i].abs() as f64);
+                    let mut tol = 4e-6 * (mag[i] + extra + 1e-3);
+                    if act != Act::Identity {
+                        tol *= 1.5;
+                    }
+                    let exp = act.apply(want[i] as f32) as f64;
+                    assert!(
+                        (got - exp).abs() <= tol,
+                        "seed {seed} case {case} {threads}t {g:?} -> {cout}, n {n}, at {i}: {got} vs {exp} (tol {tol})"
+                    );
+                }
+            }
+        }
+    }
+}
