@@ -67,54 +67,87 @@ pub fn depthwise_nhwc_with(
     fin: &Finish,
     out: &mut [MaybeUninit<f32>],
 ) {
-    let ([ih, iw], c, [kh, kw]) = (g.input, g.channels, g.kernel);
-    let [oh, ow] = g.output;
-    assert!(
-        g.stride.iter().chain(&g.dilation).all(|&v| v > 0) && kh > 0 && kw > 0,
-        "depthwise: zero stride, dilation or kernel in {g:?}"
-    );
-    assert!(
-        x.len() >= n * ih * iw * c && w.len() >= kh * kw * c && out.len() >= n * oh * ow * c,
-        "depthwise: buffers too short for {n} images of {g:?}"
-    );
-    assert!(
-        fin.bias.is_none_or(|b| b.len() >= c),
-        "depthwise: short bias"
-    );
-    assert!(
-        fin.residual.is_none_or(|z| z.len() >= n * oh * ow * c),
-        "depthwise: short residual"
-    );
-    assert!(
-        fin.act.is_vector(),
-        "depthwise: {:?} is not a vector activation",
-        fin.act
-    );
     assert!(
         available(isa),
         "depthwise: {isa:?} is not supported by this CPU"
     );
-    let row = ow * c;
-    if row == 0 || n * oh == 0 {
+    let (c, [kh, kw]) = (g.channels, g.kernel);
+    let wlen = kh * kw * c;
+    for_each_row(
+        "depthwise",
+        threads,
+        x,
+        (w, wlen),
+        c,
+        n,
+        g,
+        fin,
+        out,
+        |img, oy, z, o| out_row(isa, img, w, g, oy, fin.bias, z, fin.act, o),
+    );
+}
+
+/// Checks the buffers of a channels-last convolution of `n` images (`g`, `cout` output
+/// channels, a filter of at least `w.1` values) and runs `row(image, oy, residual row, output
+/// row)` for every output row: in runs of consecutive rows, two per thread, so each thread
+/// streams its own part of the input (rows claimed one at a time interleave the threads'
+/// reads). Panics on a zero stride, dilation or kernel, a short buffer or an activation that
+/// is not a vector one.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn for_each_row(
+    what: &str,
+    threads: usize,
+    x: &[f32],
+    w: (&[f32], usize),
+    cout: usize,
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+    out: &mut [MaybeUninit<f32>],
+    row: impl Fn(&[f32], usize, Option<&[f32]>, &mut [MaybeUninit<f32>]) + Sync,
+) {
+    let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
+    let [oh, ow] = g.output;
+    let isz = ih * iw * cin;
+    assert!(
+        g.stride.iter().chain(&g.dilation).all(|&v| v > 0) && kh > 0 && kw > 0,
+        "{what}: zero stride, dilation or kernel in {g:?}"
+    );
+    assert!(
+        x.len() >= n * isz && w.0.len() >= w.1 && out.len() >= n * oh * ow * cout,
+        "{what}: buffers too short for {n} images of {g:?} -> {cout}"
+    );
+    assert!(
+        fin.bias.is_none_or(|b| b.len() >= cout),
+        "{what}: short bias"
+    );
+    assert!(
+        fin.residual.is_none_or(|z| z.len() >= n * oh * ow * cout),
+        "{what}: short residual"
+    );
+    assert!(
+        fin.act.is_vector(),
+        "{what}: {:?} is not a vector activation",
+        fin.act
+    );
+    let len = ow * cout;
+    if len == 0 || n * oh == 0 {
         return;
     }
-    let rows = &mut out[..n * oh * row];
+    let rows = &mut out[..n * oh * len];
     let work = |r: usize, o: &mut [MaybeUninit<f32>]| {
-        let (b, oy) = (r / oh, r % oh);
-        let img = &x[b * ih * iw * c..][..ih * iw * c];
-        let z = fin.residual.map(|z| &z[r * row..][..row]);
-        out_row(isa, img, w, g, oy, fin.bias, z, fin.act, o);
+        let img = &x[r / oh * isz..][..isz];
+        let z = fin.residual.map(|z| &z[r * len..][..len]);
+        row(img, r % oh, z, o);
     };
     if threads <= 1 {
-        for (r, o) in rows.chunks_mut(row).enumerate() {
+        for (r, o) in rows.chunks_mut(len).enumerate() {
             work(r, o);
         }
     } else {
-        // Runs of consecutive rows, two per thread: each streams its own part of the input
-        // (rows claimed one at a time interleave the threads' reads).
         let per = (n * oh).div_ceil(2 * threads).max(1);
-        pool::parallel_chunks_mut(rows, per * row, |t, o| {
-            for (i, o) in o.chunks_mut(row).enumerate() {
+        pool::parallel_chunks_mut(rows, per * len, |t, o| {
+            for (i, o) in o.chunks_mut(len).enumerate() {
                 work(t * per + i, o);
             }
         });

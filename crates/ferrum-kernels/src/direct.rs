@@ -11,7 +11,7 @@
 
 use std::mem::MaybeUninit;
 
-use crate::depthwise::{Finish, Geometry};
+use crate::depthwise::{for_each_row, Finish, Geometry};
 use crate::gemm::{self, Isa};
 use crate::pool;
 
@@ -50,65 +50,33 @@ pub fn dense_nhwc_with(
     fin: &Finish,
     out: &mut [MaybeUninit<f32>],
 ) {
-    let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
-    let [oh, ow] = g.output;
-    assert!(
-        g.stride.iter().chain(&g.dilation).all(|&v| v > 0) && kh > 0 && kw > 0,
-        "direct: zero stride, dilation or kernel in {g:?}"
-    );
-    assert!(
-        x.len() >= n * ih * iw * cin
-            && w.len() >= kh * kw * cin * cout
-            && out.len() >= n * oh * ow * cout,
-        "direct: buffers too short for {n} images of {g:?} -> {cout}"
-    );
-    assert!(
-        fin.bias.is_none_or(|b| b.len() >= cout),
-        "direct: short bias"
-    );
-    assert!(
-        fin.residual.is_none_or(|z| z.len() >= n * oh * ow * cout),
-        "direct: short residual"
-    );
-    assert!(
-        fin.act.is_vector(),
-        "direct: {:?} is not a vector activation",
-        fin.act
-    );
     assert!(
         gemm::available_isas().contains(&Isa::Avx512),
         "direct: needs AVX-512"
     );
-    let row = ow * cout;
-    if row == 0 || n * oh == 0 {
-        return;
-    }
-    let rows = &mut out[..n * oh * row];
-    let work = |r: usize, o: &mut [MaybeUninit<f32>]| {
-        let (b, oy) = (r / oh, r % oh);
-        let img = &x[b * ih * iw * cin..][..ih * iw * cin];
-        let z = fin.residual.map(|z| &z[r * row..][..row]);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX-512 is supported (asserted above); `img` is one image, `w` the filter,
-        // `z` and `o` one output row, the bias `cout` values (lengths asserted above).
-        unsafe {
-            x86::row(img, w, cout, g, oy, fin.bias, z, fin.act, o)
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (img, z, o);
-    };
-    let per = (n * oh).div_ceil(2 * threads.max(1)).max(1);
-    if threads <= 1 {
-        for (r, o) in rows.chunks_mut(row).enumerate() {
-            work(r, o);
-        }
-    } else {
-        pool::parallel_chunks_mut(rows, per * row, |t, o| {
-            for (i, o) in o.chunks_mut(row).enumerate() {
-                work(t * per + i, o);
-            }
-        });
-    }
+    let wlen = g.kernel[0] * g.kernel[1] * g.channels * cout;
+    for_each_row(
+        "direct",
+        threads,
+        x,
+        (w, wlen),
+        cout,
+        n,
+        g,
+        fin,
+        out,
+        |img, oy, z, o| {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512 is supported (asserted above); `img` is one image, `w` the filter,
+            // `z` and `o` one output row, the bias `cout` values (lengths checked by
+            // `for_each_row`).
+            unsafe {
+                x86::row(img, w, cout, g, oy, fin.bias, z, fin.act, o)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (img, oy, z, o);
+        },
+    );
 }
 
 /// The f64 reference of [`dense_nhwc`] (zero padding, every tap), before the activation and

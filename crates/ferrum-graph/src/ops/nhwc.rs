@@ -95,69 +95,51 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
     if rows == 0 || m == 0 {
         return Tensor::from_vec(shape, vec![0f32; rows * m]);
     }
+    let g = depthwise::Geometry {
+        input: [ih, iw],
+        channels: c,
+        kernel: [kh, kw],
+        stride: s,
+        dilation: d,
+        pad: [pads[0], pads[1]],
+        output: [oh, ow],
+    };
+    // The kernels apply the vector activations as they store; the others follow.
+    let (in_kernel, after) = crate::ops::linear::split_act(act);
+    let fin = depthwise::Finish {
+        bias,
+        residual: z,
+        act: in_kernel,
+    };
+    let rest = Epi {
+        z: None,
+        act: after,
+    };
     if depthwise {
-        let g = depthwise::Geometry {
-            input: [ih, iw],
-            channels: c,
-            kernel: [kh, kw],
-            stride: s,
-            dilation: d,
-            pad: [pads[0], pads[1]],
-            output: [oh, ow],
-        };
-        let (in_kernel, after) = crate::ops::linear::split_act(act);
-        let fin = depthwise::Finish {
-            bias,
-            residual: z,
-            act: in_kernel,
-        };
         let out = fast::filled(rows * c, |o| {
             depthwise::depthwise_nhwc(xv, wv, n, &g, &fin, o)
         });
-        return Epi {
-            z: None,
-            act: after,
-        }
-        .finish(Tensor::from_vec(shape, out)?);
+        return rest.finish(Tensor::from_vec(shape, out)?);
     }
     if group != 1 {
         return Err(unsupported(format!(
             "NhwcConv with {group} groups of {cg} channels (depthwise or one group only)"
         )));
     }
-    let (in_gemm, after) = crate::ops::linear::split_act(act);
+    if !pointwise && direct::worthwhile(c) {
+        let out = fast::filled(rows * m, |o| direct::dense_nhwc(xv, wv, m, n, &g, &fin, o));
+        return rest.finish(Tensor::from_vec(shape, out)?);
+    }
     let rhs = match cx.packed_b(1, crate::passes::Role::B) {
         Some(p) if p.k() == kh * kw * c && p.n() == m => Rhs::Packed(p),
         _ => Rhs::Mat(Mat::row_major(wv, m)),
     };
     let e = Epilogue {
         bias: bias.map_or(Bias::None, Bias::Col),
-        act: in_gemm,
+        act: in_kernel,
         residual: z,
     };
     let kk = kh * kw * c;
-    if !pointwise && direct::worthwhile(c) {
-        let g = depthwise::Geometry {
-            input: [ih, iw],
-            channels: c,
-            kernel: [kh, kw],
-            stride: s,
-            dilation: d,
-            pad: [pads[0], pads[1]],
-            output: [oh, ow],
-        };
-        let fin = depthwise::Finish {
-            bias,
-            residual: z,
-            act: in_gemm,
-        };
-        let out = fast::filled(rows * m, |o| direct::dense_nhwc(xv, wv, m, n, &g, &fin, o));
-        return Epi {
-            z: None,
-            act: after,
-        }
-        .finish(Tensor::from_vec(shape, out)?);
-    }
     let out = if pointwise {
         fast::filled(rows * m, |o| {
             gemm_ex_uninit(
@@ -203,11 +185,7 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
         COL.with(|v| *v.borrow_mut() = col);
         out
     };
-    Epi {
-        z: None,
-        act: after,
-    }
-    .finish(Tensor::from_vec(shape, out)?)
+    rest.finish(Tensor::from_vec(shape, out)?)
 }
 
 thread_local! {
