@@ -15,17 +15,18 @@ use crate::ops::{unsupported, Ctx};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
 
-/// Spatial geometry shared by Conv and the pools.
-struct Geom {
-    ins: Vec<usize>,
-    k: Vec<usize>,
-    s: Vec<usize>,
-    d: Vec<usize>,
-    pad_begin: Vec<usize>,
-    outs: Vec<usize>,
+/// Spatial geometry shared by Conv, the pools and the channels-last `NhwcConv`.
+pub(crate) struct Geom {
+    pub ins: Vec<usize>,
+    pub k: Vec<usize>,
+    pub s: Vec<usize>,
+    pub d: Vec<usize>,
+    pub pad_begin: Vec<usize>,
+    pub outs: Vec<usize>,
 }
 
-fn geom(cx: &Ctx, ins: &[usize], k: &[usize], ceil: bool) -> Result<Geom> {
+/// The node's strides, dilations, pads and `auto_pad` over input dims `ins` and kernel `k`.
+pub(crate) fn geom(cx: &Ctx, ins: &[usize], k: &[usize], ceil: bool) -> Result<Geom> {
     let nd = ins.len();
     let s: Vec<usize> = cx
         .aints("strides")

@@ -22,15 +22,6 @@ use crate::ops::{fast, unsupported, Ctx};
 use crate::tensor::{DType, Tensor};
 use crate::{kbail, Result};
 
-/// Two values of a 2-D attribute (`default` for both when absent).
-fn pair(cx: &Ctx, name: &str, default: usize) -> Result<[usize; 2]> {
-    match cx.aints(name).as_deref() {
-        None => Ok([default; 2]),
-        Some(&[a, b]) if a >= 0 && b >= 0 => Ok([a as usize, b as usize]),
-        Some(v) => kbail!("NhwcConv: {name} must hold 2 non-negative values, got {v:?}"),
-    }
-}
-
 /// Runs `NhwcConv` with the fused activation `act`.
 pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
     let (x, w) = (cx.t(0)?, cx.t(1)?);
@@ -46,33 +37,17 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
     let [n, ih, iw, c] = [x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]];
     let [kh, kw, cg, m] = [w.shape()[0], w.shape()[1], w.shape()[2], w.shape()[3]];
     let group = cx.ai("group", 1).max(1) as usize;
-    let (s, d) = (pair(cx, "strides", 1)?, pair(cx, "dilations", 1)?);
-    let pads = match cx.aints("pads").as_deref() {
-        None => [0; 4],
-        Some(&[a, b, e, f]) if [a, b, e, f].iter().all(|&v| v >= 0) => {
-            [a as usize, b as usize, e as usize, f as usize]
-        }
-        Some(v) => kbail!("NhwcConv: pads must hold 4 non-negative values, got {v:?}"),
-    };
-    if cg * group != c || s.contains(&0) || d.contains(&0) || kh == 0 || kw == 0 {
+    if cg * group != c || kh == 0 || kw == 0 {
         kbail!(
-            "NhwcConv: input {:?}, filter {:?}, group {group}, strides {s:?}, dilations {d:?} disagree",
+            "NhwcConv: input {:?}, filter {:?} and group {group} disagree",
             x.shape(),
             w.shape()
         );
     }
-    let extent = |i: usize, k: usize, p: usize| -> Result<usize> {
-        let ek = (k - 1) * d[i] + 1;
-        let padded = [ih, iw][i] + p;
-        if padded < ek {
-            kbail!("NhwcConv: filter extent {ek} exceeds the padded input {padded}");
-        }
-        Ok((padded - ek) / s[i] + 1)
-    };
-    let (oh, ow) = (
-        extent(0, kh, pads[0] + pads[2])?,
-        extent(1, kw, pads[1] + pads[3])?,
-    );
+    let geo = crate::ops::conv::geom(cx, &[ih, iw], &[kh, kw], false)?;
+    let (s, d) = ([geo.s[0], geo.s[1]], [geo.d[0], geo.d[1]]);
+    let pad = [geo.pad_begin[0], geo.pad_begin[1]];
+    let (oh, ow) = (geo.outs[0], geo.outs[1]);
     let shape = vec![n, oh, ow, m];
     let bias = match cx.opt(2) {
         Some(b) if b.dtype() == DType::F32 && b.len() == m => Some(b.as_slice::<f32>()?),
@@ -90,7 +65,7 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
     }
     let (xv, wv) = (x.as_slice::<f32>()?, w.as_slice::<f32>()?);
     let depthwise = group == c && cg == 1 && m == c;
-    let pointwise = group == 1 && kh == 1 && kw == 1 && s == [1, 1] && pads == [0; 4];
+    let pointwise = group == 1 && kh == 1 && kw == 1 && s == [1, 1] && [oh, ow] == [ih, iw];
     let rows = n * oh * ow;
     if rows == 0 || m == 0 {
         return Tensor::from_vec(shape, vec![0f32; rows * m]);
@@ -101,7 +76,7 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
         kernel: [kh, kw],
         stride: s,
         dilation: d,
-        pad: [pads[0], pads[1]],
+        pad,
         output: [oh, ow],
     };
     // The kernels apply the vector activations as they store; the others follow.
@@ -168,7 +143,7 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
             k: [kh, kw],
             s,
             d,
-            pad: [pads[0], pads[1]],
+            pad,
             ow,
         };
         let out = fast::filled(rows * m, |o| {

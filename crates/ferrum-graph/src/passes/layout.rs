@@ -113,6 +113,17 @@ fn candidate(model: &Model, shapes: &crate::infer::Shapes, i: usize, n: &Node) -
     })
 }
 
+/// True when `c`'s output is needed in NCHW: a graph output, or read by a node that `region`
+/// does not place (by candidate index) among the region's members, or by a member other than
+/// as its data input or residual.
+fn leaves(uses: &Uses, cands: &[Cand], c: &Cand, region: impl Fn(usize) -> Option<usize>) -> bool {
+    uses.pinned.contains(&c.y)
+        || uses.readers.get(&c.y).is_some_and(|rs| {
+            rs.iter()
+                .any(|&ri| region(ri).is_none_or(|q| cands[q].x != c.y && cands[q].z != Some(c.y)))
+        })
+}
+
 fn find(p: &mut [usize], mut i: usize) -> usize {
     while p[i] != i {
         p[i] = p[p[i]];
@@ -232,18 +243,9 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
                     shapes.get(Some(v)).map_or(0, |s| s.iter().product());
             }
         }
-        let outside = uses.pinned.contains(&c.y)
-            || uses.readers.get(&c.y).is_some_and(|rs| {
-                rs.iter().any(|ri| {
-                    by_node.get(ri).is_none_or(|&q| {
-                        roots[q] != r || {
-                            // Read by a region member, but not as its data input or residual.
-                            let q = &cands[q];
-                            q.x != c.y && q.z != Some(c.y)
-                        }
-                    })
-                })
-            });
+        let outside = leaves(&uses, &cands, c, |ri| {
+            by_node.get(&ri).copied().filter(|&q| roots[q] == r)
+        });
         if outside {
             *boundary.entry(r).or_default() += c.out.iter().product::<usize>();
         }
@@ -340,12 +342,7 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
             implicit_inputs: vec![],
         });
         moved += 1;
-        let read_outside = uses.pinned.contains(&c.y)
-            || uses.readers.get(&c.y).is_some_and(|rs| {
-                rs.iter().any(|&ri| {
-                    member(ri).is_none_or(|q| cands[q].x != c.y && cands[q].z != Some(c.y))
-                })
-            });
+        let read_outside = leaves(&uses, &cands, c, member);
         if read_outside {
             out_nodes.push(transpose_node(format!("{}#nchw", n.name), y, c.y, TO_NCHW));
             left += 1;
