@@ -199,6 +199,18 @@ fn packed(
             product(Lhs::Mat(am), Rhs::Packed(&cold[(next - 1) % copies]))
         });
         report(p, "B packed, from memory", s);
+        // The same for A packed (a convolution's filter), B the call's activations.
+        drop(cold);
+        let copies = ((1usize << 30) / pa.size_bytes().max(1)).clamp(2, 256);
+        let cold: Vec<PackedA> = (0..copies)
+            .map(|_| PackedA::with_precision(m, k, am, p))
+            .collect();
+        let mut next = 0;
+        let s = time(reps.max(copies), || {
+            next += 1;
+            product(Lhs::Packed(&cold[(next - 1) % copies]), Rhs::Mat(bm))
+        });
+        report(p, "A packed, from memory", s);
     }
 }
 
