@@ -131,6 +131,8 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             Some(acc)
         }
         "Relu"
+        | "QuantizeLinear"
+        | "DequantizeLinear"
         | "Sigmoid"
         | "Tanh"
         | "Exp"
@@ -230,11 +232,42 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             out.push(w[3]);
             Some(out)
         }
-        "Conv" | "MaxPool" | "AveragePool" => {
+        "NhwcQLinearConv" if n.domain == crate::passes::DOMAIN => {
+            // X `[N, H, W, C]`, W `[M, C, kh, kw]` -> `[N, OH, OW, M]`: the NCHW rule on the
+            // dimensions moved.
+            let (x, w) = (x?, inp(3)?);
+            if x.len() != 4 || w.len() != 4 || w[2] == 0 || w[3] == 0 {
+                return None;
+            }
+            let two = |name: &str, d: i64| ints(n, name).unwrap_or(vec![d; 2]);
+            let (st, dl, pads) = (
+                two("strides", 1),
+                two("dilations", 1),
+                ints(n, "pads").unwrap_or(vec![0; 4]),
+            );
+            if st.len() != 2 || dl.len() != 2 || pads.len() != 4 {
+                return None;
+            }
+            let mut out = vec![x[0]];
+            for i in 0..2 {
+                let (s, d) = (usize::try_from(st[i]).ok()?, usize::try_from(dl[i]).ok()?);
+                let (p0, p1) = (
+                    usize::try_from(pads[i]).ok()?,
+                    usize::try_from(pads[i + 2]).ok()?,
+                );
+                let ek = (w[i + 2] - 1).checked_mul(d)? + 1;
+                out.push((x[i + 1].checked_add(p0 + p1)?).checked_sub(ek)? / s.max(1) + 1);
+            }
+            out.push(w[0]);
+            Some(out)
+        }
+        "Conv" | "QLinearConv" | "MaxPool" | "AveragePool" => {
             let x = x?;
             let nd = x.len().checked_sub(2)?;
-            let k: Vec<usize> = if base_op(n) == "Conv" {
-                inp(1)?.get(2..)?.to_vec()
+            let conv = matches!(base_op(n), "Conv" | "QLinearConv");
+            let filter = if base_op(n) == "QLinearConv" { 3 } else { 1 };
+            let k: Vec<usize> = if conv {
+                inp(filter)?.get(2..)?.to_vec()
             } else {
                 ints(n, "kernel_shape")?
                     .iter()
@@ -253,14 +286,7 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             }
             let auto =
                 matches!(n.attrs.get("auto_pad"), Some(Attr::Str(v)) if v.starts_with(b"SAME"));
-            let mut out = vec![
-                x[0],
-                if base_op(n) == "Conv" {
-                    *inp(1)?.first()?
-                } else {
-                    x[1]
-                },
-            ];
+            let mut out = vec![x[0], if conv { *inp(filter)?.first()? } else { x[1] }];
             for i in 0..nd {
                 let o = if auto {
                     x[i + 2].div_ceil(st[i])
@@ -517,6 +543,11 @@ pub fn node_flops(n: &Node, s: &Shapes) -> Option<f64> {
         }
         "Conv" => {
             let w = inp(1)?;
+            Some(2.0 * numel(out?) * w.get(1..)?.iter().map(|&d| d as f64).product::<f64>())
+        }
+        // W `[M, C, kh, kw]` (input 3); 8-bit multiply-adds counted as FLOPs.
+        "QLinearConv" | "NhwcQLinearConv" => {
+            let w = inp(3)?;
             Some(2.0 * numel(out?) * w.get(1..)?.iter().map(|&d| d as f64).product::<f64>())
         }
         // W `[kh, kw, C/group, M]`.

@@ -962,7 +962,8 @@ fn statically_quantized_convs_fuse_into_qlinear_conv() {
         17,
     );
     let plain = session(&mp, OptLevel::Disabled);
-    let opt = session(&mp, OptLevel::All);
+    // Level 2, where the QDQ fusions run (level 3 may also move them to channels-last).
+    let opt = session(&mp, OptLevel::Extended);
     let got_ops = ops(&opt);
     assert_eq!(
         got_ops.iter().filter(|o| *o == "QLinearConv").count(),
@@ -998,6 +999,270 @@ fn statically_quantized_convs_fuse_into_qlinear_conv() {
         basic.iter().filter(|o| *o == "Conv").count(),
         2,
         "{basic:?}"
+    );
+}
+
+/// Two bottleneck blocks of a statically quantized ResNet in QDQ form (as
+/// `onnxruntime.quantization.quantize_static` writes them): 1x1, 3x3 and 1x1 convolutions, the
+/// second block with stride 2 and a strided 1x1 shortcut, each block's residual added and
+/// quantized; activations unsigned except the second block's 3x3 output (signed).
+fn quantized_bottlenecks(r: &mut Rng64, c0: usize, mid: usize, c2: usize) -> ModelProto {
+    let mut nodes: Vec<NodeProto> = Vec::new();
+    let mut inits: Vec<TensorProto> = Vec::new();
+    let dq = |x: &str, s: &str, z: &str, y: &str| {
+        let ins: Vec<&str> = if z.is_empty() {
+            vec![x, s]
+        } else {
+            vec![x, s, z]
+        };
+        node("DequantizeLinear", &ins, &[y], vec![])
+    };
+    // One quantized activation: its scale and zero point.
+    inits.push(init("xq_s", &[], vec![0.02]));
+    inits.push(int8_init("xq_z", &[], false, vec![128]));
+    nodes.push(node(
+        "QuantizeLinear",
+        &["x", "xq_s", "xq_z"],
+        &["xq"],
+        vec![],
+    ));
+    // A quantized convolution reading the 8-bit `src` (scale `src_s`), writing `dst` (8-bit).
+    let mut conv = |src: &str,
+                    dst: &str,
+                    (cin, cout, k, stride): (usize, usize, usize, i64),
+                    (ys, yz, signed): (f32, u8, bool),
+                    nodes: &mut Vec<NodeProto>,
+                    inits: &mut Vec<TensorProto>,
+                    src_scale: f32| {
+        let w: Vec<u8> = (0..cout * cin * k * k)
+            .map(|_| r.gen_range(-127i8..=127) as u8)
+            .collect();
+        let ws: Vec<f32> = (0..cout).map(|_| r.gen_range(2e-3..2e-2)).collect();
+        let b: Vec<i32> = (0..cout).map(|_| r.gen_range(-2000..2000)).collect();
+        let bs: Vec<f32> = ws.iter().map(|&s| s * src_scale).collect();
+        let dims = [cout as i64, cin as i64, k as i64, k as i64];
+        inits.push(int8_init(&format!("{dst}_w"), &dims, true, w));
+        inits.push(init(&format!("{dst}_ws"), &[cout as i64], ws));
+        inits.push(int8_init(
+            &format!("{dst}_wz"),
+            &[cout as i64],
+            true,
+            vec![0; cout],
+        ));
+        inits.push(i32_init(&format!("{dst}_b"), &[cout as i64], &b));
+        inits.push(init(&format!("{dst}_bs"), &[cout as i64], bs));
+        inits.push(init(&format!("{dst}_s"), &[], vec![ys]));
+        inits.push(int8_init(&format!("{dst}_z"), &[], signed, vec![yz]));
+        let p = (k / 2) as i64;
+        let (xd, wd, bd, y) = (
+            format!("{dst}_xd"),
+            format!("{dst}_wd"),
+            format!("{dst}_bd"),
+            format!("{dst}_f"),
+        );
+        nodes.push(dq(src, &format!("{src}_s"), &format!("{src}_z"), &xd));
+        let mut wdq = dq(
+            &format!("{dst}_w"),
+            &format!("{dst}_ws"),
+            &format!("{dst}_wz"),
+            &wd,
+        );
+        wdq.attribute.push(attr_int("axis", 0));
+        nodes.push(wdq);
+        let mut bdq = dq(&format!("{dst}_b"), &format!("{dst}_bs"), "", &bd);
+        bdq.attribute.push(attr_int("axis", 0));
+        nodes.push(bdq);
+        nodes.push(node(
+            "Conv",
+            &[&xd, &wd, &bd],
+            &[&y],
+            vec![
+                attr_ints("pads", &[p, p, p, p]),
+                attr_ints("strides", &[stride, stride]),
+            ],
+        ));
+        nodes.push(node(
+            "QuantizeLinear",
+            &[&y, &format!("{dst}_s"), &format!("{dst}_z")],
+            &[dst],
+            vec![],
+        ));
+    };
+    let add = |a: &str, b: &str, dst: &str, nodes: &mut Vec<NodeProto>| {
+        let (ad, bd, sum) = (format!("{dst}_ad"), format!("{dst}_bd"), format!("{dst}_f"));
+        nodes.push(dq(a, &format!("{a}_s"), &format!("{a}_z"), &ad));
+        nodes.push(dq(b, &format!("{b}_s"), &format!("{b}_z"), &bd));
+        nodes.push(node("Add", &[&ad, &bd], &[&sum], vec![]));
+        nodes.push(node(
+            "QuantizeLinear",
+            &[&sum, &format!("{dst}_s"), &format!("{dst}_z")],
+            &[dst],
+            vec![],
+        ));
+    };
+    // Block 1: identity shortcut.
+    conv(
+        "xq",
+        "a1",
+        (c0, mid, 1, 1),
+        (0.05, 3, false),
+        &mut nodes,
+        &mut inits,
+        0.02,
+    );
+    conv(
+        "a1",
+        "a2",
+        (mid, mid, 3, 1),
+        (0.06, 5, false),
+        &mut nodes,
+        &mut inits,
+        0.05,
+    );
+    conv(
+        "a2",
+        "a3",
+        (mid, c0, 1, 1),
+        (0.07, 120, false),
+        &mut nodes,
+        &mut inits,
+        0.06,
+    );
+    inits.push(init("o1_s", &[], vec![0.08]));
+    inits.push(int8_init("o1_z", &[], false, vec![7]));
+    add("a3", "xq", "o1", &mut nodes);
+    // Block 2: stride 2, a signed 3x3 output, a strided 1x1 shortcut.
+    conv(
+        "o1",
+        "b1",
+        (c0, mid, 1, 1),
+        (0.05, 2, false),
+        &mut nodes,
+        &mut inits,
+        0.08,
+    );
+    conv(
+        "b1",
+        "b2",
+        (mid, mid, 3, 2),
+        (0.06, (-3i8) as u8, true),
+        &mut nodes,
+        &mut inits,
+        0.05,
+    );
+    conv(
+        "b2",
+        "b3",
+        (mid, c2, 1, 1),
+        (0.07, 110, false),
+        &mut nodes,
+        &mut inits,
+        0.06,
+    );
+    conv(
+        "o1",
+        "sc",
+        (c0, c2, 1, 2),
+        (0.07, 125, false),
+        &mut nodes,
+        &mut inits,
+        0.08,
+    );
+    inits.push(init("o2_s", &[], vec![0.09]));
+    inits.push(int8_init("o2_z", &[], false, vec![9]));
+    add("b3", "sc", "o2", &mut nodes);
+    nodes.push(dq("o2", "o2_s", "o2_z", "y"));
+    // Block 1's output is also a graph output (leaves the region in the middle).
+    nodes.push(dq("o1", "o1_s", "o1_z", "y1"));
+    model(
+        nodes,
+        vec![f32_in("x", &[1, c0 as i64, 11, 9])],
+        vec![f32_out("y"), f32_out("y1")],
+        inits,
+        17,
+    )
+}
+
+#[test]
+fn quantized_bottlenecks_run_channels_last() {
+    // Level 3 keeps the 8-bit activations channels-last across the blocks: every QLinearConv
+    // becomes NhwcQLinearConv, the QLinearAdds read and write channels-last bytes, one
+    // transpose where the quantized input enters and one per value read in NCHW (the two
+    // outputs). The integer products are the same, so the outputs equal level 2's bit for bit,
+    // on every kernel the CPU runs (64 and 128 channels: the GEMM reads a 1x1 convolution's
+    // input in place; 8 and 24: it pads the rows).
+    let mut r = rng();
+    for (c0, mid, c2) in [(8, 4, 24), (64, 64, 128)] {
+        let mp = quantized_bottlenecks(&mut r, c0, mid, c2);
+        let two = session(&mp, OptLevel::Extended);
+        let three = session(&mp, OptLevel::All);
+        let conv = "com.ferrum.NhwcQLinearConv";
+        let add = "com.ferrum.QLinearAdd";
+        assert_eq!(
+            ops(&three),
+            [
+                "QuantizeLinear",
+                "Transpose",
+                conv,
+                conv,
+                conv,
+                add,
+                "Transpose",
+                conv,
+                conv,
+                conv,
+                conv,
+                add,
+                "Transpose",
+                "DequantizeLinear",
+                "DequantizeLinear"
+            ],
+            "{c0} -> {mid} -> {c2}"
+        );
+        let log = &three.optimization_report().fused;
+        assert!(
+            log.iter()
+                .any(|l| l == "8-bit channels-last: 9 nodes, 1 transposes in, 2 out"),
+            "{log:?}"
+        );
+        for _ in 0..2 {
+            let x: Vec<f32> = randv(&mut r, c0 * 11 * 9).iter().map(|v| v * 3.0).collect();
+            let feeds = [("x", vec![1, c0, 11, 9], x)];
+            assert_eq!(
+                outputs(&two, &feeds),
+                outputs(&three, &feeds),
+                "{c0} channels"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_lone_quantized_convolution_stays_nchw() {
+    // One QLinearConv between a QuantizeLinear and a DequantizeLinear: transposes around it
+    // would move as many bytes as the kernel turns around itself, so it is left as it is.
+    let mut r = rng();
+    let mp = quantized_bottlenecks(&mut r, 8, 4, 8);
+    let mut mp1 = mp.clone();
+    let g = mp1.graph.as_mut().unwrap();
+    // Keep the first convolution only: its output dequantized is the graph's output.
+    let keep = g
+        .node
+        .iter()
+        .position(|n| n.op_type == "QuantizeLinear" && n.output[0] == "a1")
+        .unwrap();
+    g.node.truncate(keep + 1);
+    g.node.push(node(
+        "DequantizeLinear",
+        &["a1", "a1_s", "a1_z"],
+        &["y"],
+        vec![],
+    ));
+    g.output.truncate(1);
+    let three = session(&mp1, OptLevel::All);
+    assert_eq!(
+        ops(&three),
+        ["QuantizeLinear", "QLinearConv", "DequantizeLinear"]
     );
 }
 
@@ -1053,55 +1318,63 @@ fn quantized_residual_adds_fuse_into_qlinear_add() {
     // Here one unsigned, one signed and broadcast per channel, into an unsigned sum: one
     // com.ferrum.QLinearAdd with the chain's own float32 operations, so the same bits. A second
     // Add whose sum is also read unquantized stays as it is.
+    // Then both unsigned and of one shape (a quantized ResNet's residual: the vector kernel).
     let mut r = rng();
     let (c, h, w) = (3usize, 5usize, 4usize);
-    let mp = model(
-        vec![
-            node("QuantizeLinear", &["x1", "s1", "z1"], &["q1"], vec![]),
-            node("DequantizeLinear", &["q1", "s1", "z1"], &["d1"], vec![]),
-            node("QuantizeLinear", &["x2", "s2", "z2"], &["q2"], vec![]),
-            node("DequantizeLinear", &["q2", "s2", "z2"], &["d2"], vec![]),
-            node("Add", &["d1", "d2"], &["sum"], vec![]),
-            node("QuantizeLinear", &["sum", "s3", "z3"], &["q3"], vec![]),
-            node("DequantizeLinear", &["q3", "s3", "z3"], &["y"], vec![]),
-            node("Add", &["d2", "d1"], &["sum2"], vec![]),
-            node("QuantizeLinear", &["sum2", "s3", "z3"], &["q4"], vec![]),
-            node("DequantizeLinear", &["q4", "s3", "z3"], &["y2"], vec![]),
-        ],
-        vec![
-            f32_in("x1", &[1, c as i64, h as i64, w as i64]),
-            f32_in("x2", &[1, c as i64, 1, 1]),
-        ],
-        vec![f32_out("y"), f32_out("y2"), f32_out("sum2")],
-        vec![
-            init("s1", &[], vec![0.031]),
-            int8_init("z1", &[], false, vec![117]),
-            init("s2", &[], vec![0.017]),
-            int8_init("z2", &[], true, vec![(-9i8) as u8]),
-            init("s3", &[], vec![0.043]),
-            int8_init("z3", &[], false, vec![131]),
-        ],
-        17,
-    );
-    let ops_all = ops(&session(&mp, OptLevel::All));
-    assert_eq!(
-        ops_all
-            .iter()
-            .filter(|o| *o == "com.ferrum.QLinearAdd")
-            .count(),
-        1,
-        "{ops_all:?}"
-    );
-    for _ in 0..3 {
-        let x1: Vec<f32> = randv(&mut r, c * h * w).iter().map(|v| v * 4.0).collect();
-        let x2: Vec<f32> = randv(&mut r, c).iter().map(|v| v * 2.0).collect();
-        check(
-            &mp,
-            OptLevel::All,
-            &[("x1", vec![1, c, h, w], x1), ("x2", vec![1, c, 1, 1], x2)],
-            &ops_all.iter().map(String::as_str).collect::<Vec<_>>(),
-            0.0,
+    for (x2_hw, z2) in [((1usize, 1usize), (-9i8) as u8), ((h, w), 77u8)] {
+        let signed = x2_hw == (1, 1);
+        let mp = model(
+            vec![
+                node("QuantizeLinear", &["x1", "s1", "z1"], &["q1"], vec![]),
+                node("DequantizeLinear", &["q1", "s1", "z1"], &["d1"], vec![]),
+                node("QuantizeLinear", &["x2", "s2", "z2"], &["q2"], vec![]),
+                node("DequantizeLinear", &["q2", "s2", "z2"], &["d2"], vec![]),
+                node("Add", &["d1", "d2"], &["sum"], vec![]),
+                node("QuantizeLinear", &["sum", "s3", "z3"], &["q3"], vec![]),
+                node("DequantizeLinear", &["q3", "s3", "z3"], &["y"], vec![]),
+                node("Add", &["d2", "d1"], &["sum2"], vec![]),
+                node("QuantizeLinear", &["sum2", "s3", "z3"], &["q4"], vec![]),
+                node("DequantizeLinear", &["q4", "s3", "z3"], &["y2"], vec![]),
+            ],
+            vec![
+                f32_in("x1", &[1, c as i64, h as i64, w as i64]),
+                f32_in("x2", &[1, c as i64, x2_hw.0 as i64, x2_hw.1 as i64]),
+            ],
+            vec![f32_out("y"), f32_out("y2"), f32_out("sum2")],
+            vec![
+                init("s1", &[], vec![0.031]),
+                int8_init("z1", &[], false, vec![117]),
+                init("s2", &[], vec![0.017]),
+                int8_init("z2", &[], signed, vec![z2]),
+                init("s3", &[], vec![0.043]),
+                int8_init("z3", &[], false, vec![131]),
+            ],
+            17,
         );
+        let ops_all = ops(&session(&mp, OptLevel::All));
+        assert_eq!(
+            ops_all
+                .iter()
+                .filter(|o| *o == "com.ferrum.QLinearAdd")
+                .count(),
+            1,
+            "{ops_all:?}"
+        );
+        for _ in 0..3 {
+            let x1: Vec<f32> = randv(&mut r, c * h * w).iter().map(|v| v * 4.0).collect();
+            let n2 = c * x2_hw.0 * x2_hw.1;
+            let x2: Vec<f32> = randv(&mut r, n2).iter().map(|v| v * 2.0).collect();
+            check(
+                &mp,
+                OptLevel::All,
+                &[
+                    ("x1", vec![1, c, h, w], x1),
+                    ("x2", vec![1, c, x2_hw.0, x2_hw.1], x2),
+                ],
+                &ops_all.iter().map(String::as_str).collect::<Vec<_>>(),
+                0.0,
+            );
+        }
     }
 }
 

@@ -172,12 +172,36 @@ fn scalar_f32(t: &Tensor) -> Option<f64> {
 /// reference by one step where the exact value lies within float32 rounding of a half), and
 /// stores it channels-first. `None` for the other forms, left to the reference.
 fn qlinear_conv_fast(cx: &Ctx) -> Result<Option<Tensor>> {
+    qlinear_conv_layout(cx, false)
+}
+
+/// `com.ferrum.NhwcQLinearConv` (made by the layout pass): QLinearConv's inputs and attributes
+/// with X and Y channels-last (`[N, H, W, C]`, `[N, OH, OW, M]`), the filter as QLinearConv's
+/// (`[M, C, kh, kw]`). The same integer products and requantization as [`qlinear_conv_fast`]
+/// (the same bytes), without turning X and Y around. Only the forms that function takes (the
+/// pass checks them on the constant parameters).
+pub(crate) fn nhwc_qlinear_conv(cx: &Ctx) -> Result<Tensor> {
+    match qlinear_conv_layout(cx, true)? {
+        Some(t) => Ok(t),
+        None => Err(super::unsupported(format!(
+            "NhwcQLinearConv {}: a form the channels-last kernel does not take",
+            cx.node.name
+        ))),
+    }
+}
+
+/// [`qlinear_conv_fast`] (`nhwc` false) or [`nhwc_qlinear_conv`] (`nhwc` true).
+fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
     let (x, w) = (cx.t(0)?, cx.t(3)?);
     let eight = |t: &Tensor| matches!(t.dtype(), DType::U8 | DType::I8);
     if x.rank() != 4 || w.rank() != 4 || !eight(x) || !eight(w) || cx.ai("group", 1) != 1 {
         return Ok(None);
     }
-    let (n, c, m) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+    let (n, c, m) = (
+        x.shape()[0],
+        x.shape()[if nhwc_io { 3 } else { 1 }],
+        w.shape()[0],
+    );
     if w.shape()[1] != c || m == 0 || c == 0 || n == 0 {
         return Ok(None);
     }
@@ -219,13 +243,23 @@ fn qlinear_conv_fast(cx: &Ctx) -> Result<Option<Tensor>> {
         Some(_) => return Ok(None),
     };
     let k = [w.shape()[2], w.shape()[3]];
-    let g = geom(cx, &x.shape()[2..], &k, false)?;
+    let spatial = if nhwc_io {
+        &x.shape()[1..3]
+    } else {
+        &x.shape()[2..]
+    };
+    let g = geom(cx, spatial, &k, false)?;
     let (oh, ow) = (g.outs[0], g.outs[1]);
     let (ih, iw) = (g.ins[0], g.ins[1]);
     let osp = oh * ow;
     let kk = c * k[0] * k[1];
+    let shape = if nhwc_io {
+        vec![n, oh, ow, m]
+    } else {
+        vec![n, m, oh, ow]
+    };
     if osp == 0 {
-        return Ok(Some(Tensor::from_vec(vec![n, m, oh, ow], vec![0u8; 0])?));
+        return Ok(Some(Tensor::zeros(y_dtype, shape)?));
     }
     // Per output channel: the float32 multiplier and the bias in output steps.
     let scale: Vec<f32> = (0..m)
@@ -254,6 +288,7 @@ fn qlinear_conv_fast(cx: &Ctx) -> Result<Option<Tensor>> {
     let signed_bytes: Vec<u8>;
     let xb: &[u8] = match x.dtype() {
         DType::U8 => x.as_slice::<u8>()?,
+        // The same bits as unsigned bytes (flipped below).
         _ => {
             signed_bytes = x.as_slice::<i8>()?.iter().map(|&v| v as u8).collect();
             &signed_bytes
@@ -278,47 +313,81 @@ fn qlinear_conv_fast(cx: &Ctx) -> Result<Option<Tensor>> {
     SCRATCH.with(|cell| {
         let mut bufs = cell.borrow_mut();
         let [nhwc, col, rows_out] = &mut *bufs;
-        let nhwc = scratch(nhwc, isp * c);
-        let col = scratch(col, if direct { 0 } else { osp * kk });
-        let rows_out = scratch(rows_out, osp * m);
         for (b, yb) in y.chunks_exact_mut(m * osp).enumerate() {
-            transpose_bytes(&xb[b * c * isp..(b + 1) * c * isp], c, isp, flip, nhwc);
+            let xin = &xb[b * c * isp..(b + 1) * c * isp];
+            // The image channels-last, unsigned: X itself where it already is (and, for the
+            // tile unit, which reads A's rows in place, starts on a cache line), else a copy.
+            let image: &[u8] = if !nhwc_io {
+                let t = scratch(nhwc, isp * c);
+                transpose_bytes(xin, c, isp, flip, t);
+                t
+            } else if flip != 0 || (direct && !(xin.as_ptr() as usize).is_multiple_of(64)) {
+                let t = scratch(nhwc, isp * c);
+                copy_flipped(xin, flip, t);
+                t
+            } else {
+                xin
+            };
+            let col = scratch(col, if direct { 0 } else { osp * kk });
             if !direct {
                 let rows = osp.div_ceil(pool::threads() * 4).max(16);
                 pool::parallel_chunks_mut(col, rows * kk, |ci, chunk| {
-                    geo.rows(nhwc, ci * rows, chunk)
+                    geo.rows(image, ci * rows, chunk)
                 });
             }
-            // Output position p, channel o at p * m + o, then turned channels-first as Y is
-            // stored.
-            qgemm::qgemm(
-                qgemm::QuantA {
-                    data: if direct { nhwc } else { col },
-                    m: osp,
-                    ld: kk,
-                    zero: &[xz],
-                },
-                packed,
-                &wz,
-                qgemm::QOut::Q8 {
-                    out: rows_out,
-                    rs: m,
-                    cs: 1,
-                    scale: &scale,
-                    bias: bias_f.as_deref(),
-                    zero: yz,
-                    signed: y_dtype == DType::I8,
-                },
-            );
-            transpose_bytes(rows_out, osp, m, 0, yb);
+            // Output position p, channel o at p * m + o: Y itself when channels-last, else
+            // turned channels-first as Y is stored.
+            let a_rows: &[u8] = if direct { image } else { col };
+            let product = |out: &mut [u8]| {
+                qgemm::qgemm(
+                    qgemm::QuantA {
+                        data: a_rows,
+                        m: osp,
+                        ld: kk,
+                        zero: &[xz],
+                    },
+                    packed,
+                    &wz,
+                    qgemm::QOut::Q8 {
+                        out,
+                        rs: m,
+                        cs: 1,
+                        scale: &scale,
+                        bias: bias_f.as_deref(),
+                        zero: yz,
+                        signed: y_dtype == DType::I8,
+                    },
+                )
+            };
+            if nhwc_io {
+                product(yb);
+            } else {
+                let staged = scratch(rows_out, osp * m);
+                product(staged);
+                transpose_bytes(staged, osp, m, 0, yb);
+            }
         }
     });
-    let shape = vec![n, m, oh, ow];
     Ok(Some(if y_dtype == DType::I8 {
         Tensor::from_vec(shape, y.into_iter().map(|v| v as i8).collect())?
     } else {
         Tensor::from_vec(shape, y)?
     }))
+}
+
+/// `src` into `dst`, each byte `^ flip`, split across the pool.
+fn copy_flipped(src: &[u8], flip: u8, dst: &mut [u8]) {
+    const PART: usize = 1 << 16;
+    pool::parallel_chunks_mut(&mut dst[..src.len()], PART, |ci, part| {
+        let from = &src[ci * PART..ci * PART + part.len()];
+        if flip == 0 {
+            part.copy_from_slice(from);
+        } else {
+            for (d, &v) in part.iter_mut().zip(from) {
+                *d = v ^ flip;
+            }
+        }
+    });
 }
 
 /// `FusedConv`: Conv (float) followed by the residual and activation of `epi`.
@@ -500,6 +569,40 @@ thread_local! {
 fn scratch(v: &mut Aligned, len: usize) -> &mut [u8] {
     v.resize_for(len);
     v.bytes_mut()
+}
+
+/// Transpose of 8-bit `[N, C, H, W]` to `[N, H, W, C]` (perm `[0, 2, 3, 1]`) or back (`[0, 3, 1,
+/// 2]`), the layout pass's boundary transposes on quantized tensors: per image one byte matrix
+/// transposed by [`transpose_bytes`]. `None` for other types and permutations.
+pub(crate) fn transpose_channels_u8(x: &Tensor, perm: &[usize]) -> Result<Option<Tensor>> {
+    if x.rank() != 4 || !matches!(x.dtype(), DType::U8 | DType::I8) {
+        return Ok(None);
+    }
+    let s = x.shape();
+    // Per image: rows x cols bytes become cols x rows.
+    let (rows, cols) = match perm {
+        [0, 2, 3, 1] => (s[1], s[2] * s[3]),
+        [0, 3, 1, 2] => (s[1] * s[2], s[3]),
+        _ => return Ok(None),
+    };
+    let shape: Vec<usize> = perm.iter().map(|&p| s[p]).collect();
+    let per = rows * cols;
+    let go = |src: &[u8]| {
+        let mut out = vec![0u8; src.len()];
+        if per > 0 {
+            for (d, sv) in out.chunks_exact_mut(per).zip(src.chunks_exact(per)) {
+                transpose_bytes(sv, rows, cols, 0, d);
+            }
+        }
+        out
+    };
+    Ok(Some(match x.dtype() {
+        DType::U8 => Tensor::from_vec(shape, go(x.as_slice::<u8>()?))?,
+        _ => {
+            let bytes: Vec<u8> = x.as_slice::<i8>()?.iter().map(|&v| v as u8).collect();
+            Tensor::from_vec(shape, go(&bytes).into_iter().map(|v| v as i8).collect())?
+        }
+    }))
 }
 
 /// `src` (`rows x cols` bytes) transposed into `dst` (`cols x rows`), each byte `^ flip`.
@@ -999,8 +1102,36 @@ pub fn deform_conv(cx: &Ctx) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
-    use super::transpose_bytes;
+    use super::{transpose_bytes, transpose_channels_u8};
+    use crate::tensor::Tensor;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn channel_transposes_of_bytes_match_the_generic_transpose() {
+        // Both directions, signed and unsigned, batch 1-2, against the strided gather.
+        let seed: u64 = rand::random();
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        for case in 0..20 {
+            let s: Vec<usize> = vec![
+                r.gen_range(1..3),
+                r.gen_range(1..20),
+                r.gen_range(1..13),
+                r.gen_range(1..11),
+            ];
+            let n: usize = s.iter().product();
+            let bytes: Vec<u8> = (0..n).map(|_| r.gen()).collect();
+            let x = if case % 2 == 0 {
+                Tensor::from_vec(s.clone(), bytes).unwrap()
+            } else {
+                Tensor::from_vec(s.clone(), bytes.iter().map(|&v| v as i8).collect()).unwrap()
+            };
+            for perm in [[0, 2, 3, 1], [0, 3, 1, 2]] {
+                let got = transpose_channels_u8(&x, &perm).unwrap().unwrap();
+                let want = crate::ops::shape::transpose_t(&x, &perm).unwrap();
+                assert_eq!(got, want, "seed {seed} case {case} {s:?} {perm:?}");
+            }
+        }
+    }
 
     #[test]
     fn byte_transpose_matches_the_plain_one() {

@@ -238,6 +238,7 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
             Epi { z: None, act }.finish(crate::ops::quant::matmul_integer_to_float(cx)?)?
         }
         "QLinearAdd" => crate::ops::quant::qlinear_add(cx)?,
+        "NhwcQLinearConv" => crate::ops::conv::nhwc_qlinear_conv(cx)?,
         "FusedAttention" => crate::ops::attention::fused_attention(cx)?,
         "Gelu" => {
             let x = cx.t(0)?;

@@ -540,6 +540,16 @@ pub(crate) fn qlinear_add(cx: &Ctx) -> Result<Tensor> {
     let shape = broadcast_shape(a.shape(), b.shape())?;
     let offs = (a.shape() != b.shape()).then(|| broadcast_offsets(&[a.shape(), b.shape()], &shape));
     let len: usize = shape.iter().product();
+    // Unsigned bytes of one shape into unsigned bytes (a quantized ResNet's residuals): the
+    // same operations in one vector pass.
+    if let (Q8::U8(av), Q8::U8(bv), DType::U8, None) = (&qa, &qb, to, &offs) {
+        let mut out = vec![0u8; len];
+        pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
+            let r = c * CHUNK..c * CHUNK + o.len();
+            qgemm::qadd_u8(&av[r.clone()], (za, sa), &bv[r], (zb, sb), (zc, sc), o)
+        });
+        return Tensor::from_vec(shape, out);
+    }
     // The float32 sums, a block at a time, then quantized as QuantizeLinear does.
     const BLOCK: usize = 1024;
     let sum = |start: usize, t: &mut [f32]| {

@@ -834,6 +834,9 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
             if x.dtype() == DType::F32 && perm.len() == x.rank() {
                 return one(crate::ops::fast::transpose_f32(x, &perm)?);
             }
+            if let Some(t) = crate::ops::conv::transpose_channels_u8(x, &perm)? {
+                return one(t);
+            }
             one(transpose(x, &perm)?)
         }
         "Concat" => {

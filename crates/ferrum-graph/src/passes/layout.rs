@@ -141,11 +141,20 @@ const TO_NHWC: [usize; 4] = [0, 2, 3, 1];
 const TO_NCHW: [usize; 4] = [0, 3, 1, 2];
 
 fn new_value(model: &mut Model, name: String, shape: &[usize]) -> ValueId {
+    new_typed_value(model, name, shape, Some(DType::F32))
+}
+
+fn new_typed_value(
+    model: &mut Model,
+    name: String,
+    shape: &[usize],
+    dtype: Option<DType>,
+) -> ValueId {
     let id = ValueId(model.values.len() as u32);
     model.values.push(ValueInfo {
         name,
         ty: ValueType::Tensor {
-            dtype: Some(DType::F32),
+            dtype,
             shape: Some(shape.iter().map(|&d| Dim::Known(d)).collect()),
         },
     });
@@ -355,4 +364,277 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
         ));
     }
     moved
+}
+
+/// A node of an 8-bit channels-last region: a QLinearConv the channels-last kernel takes, or a
+/// QLinearAdd of two tensors of one shape.
+struct QMember {
+    node: usize,
+    conv: bool,
+    /// The data inputs (X; or A and B) and the output, with the output's NCHW shape.
+    data: Vec<ValueId>,
+    y: ValueId,
+    out: Vec<usize>,
+    /// Elements the NCHW kernel turns around (a QLinearConv's X and Y).
+    turned: usize,
+}
+
+/// A constant of `len` values (one of the given lengths) and type `dtype` at input `i`, or no
+/// input there when `optional`.
+fn q_param(g: &crate::ir::Graph, n: &Node, i: usize, dtypes: &[DType], lens: &[usize]) -> bool {
+    match n.inputs.get(i).copied().flatten() {
+        None => false,
+        Some(v) => constant(g, v).is_some_and(|t| {
+            dtypes.contains(&t.dtype())
+                && lens.contains(&t.len())
+                && (t.dtype() != DType::F32
+                    || t.as_slice::<f32>()
+                        .is_ok_and(|x| x.iter().all(|v| v.is_finite())))
+        }),
+    }
+}
+
+fn q_member(model: &Model, shapes: &crate::infer::Shapes, i: usize, n: &Node) -> Option<QMember> {
+    let g = &model.graph;
+    let y = n.outputs.first().copied().flatten()?;
+    let out = shapes.get(Some(y)).filter(|s| s.len() == 4)?.clone();
+    if out.contains(&0) || n.outputs.len() != 1 {
+        return None;
+    }
+    let eight = [DType::U8, DType::I8];
+    if n.domain == DOMAIN && n.op == "QLinearAdd" {
+        let (a, b) = (
+            n.inputs.first().copied().flatten()?,
+            n.inputs.get(3).copied().flatten()?,
+        );
+        if shapes.get(Some(a)) != Some(&out) || shapes.get(Some(b)) != Some(&out) {
+            return None;
+        }
+        return Some(QMember {
+            node: i,
+            conv: false,
+            data: vec![a, b],
+            y,
+            out,
+            turned: 0,
+        });
+    }
+    if !is_op(n, "QLinearConv") || attr_i(n, "group", 1) != 1 {
+        return None;
+    }
+    if let Some(Attr::Str(p)) = n.attrs.get("auto_pad") {
+        if p.as_slice() != b"NOTSET" {
+            return None;
+        }
+    }
+    let x = n.inputs.first().copied().flatten()?;
+    let xs = shapes.get(Some(x)).filter(|s| s.len() == 4)?;
+    let w = constant(g, n.inputs.get(3).copied().flatten()?)?;
+    if !eight.contains(&w.dtype()) || w.rank() != 4 || w.shape()[1] != xs[1] || xs.contains(&0) {
+        return None;
+    }
+    let m = w.shape()[0];
+    if out[0] != xs[0] || out[1] != m {
+        return None;
+    }
+    // The parameters the channels-last kernel takes (as `qlinear_conv_layout` checks them at
+    // run time): per-tensor X and Y, W per tensor or per output channel, an int32 bias.
+    let x_zp = n
+        .inputs
+        .get(2)
+        .copied()
+        .flatten()
+        .and_then(|v| constant(g, v))?;
+    let ok = q_param(g, n, 1, &[DType::F32], &[1])
+        && x_zp.len() == 1
+        && eight.contains(&x_zp.dtype())
+        && q_param(g, n, 4, &[DType::F32], &[1, m])
+        && (n.inputs.get(5).copied().flatten().is_none()
+            || q_param(g, n, 5, &[w.dtype()], &[1, m]))
+        && q_param(g, n, 6, &[DType::F32], &[1])
+        && q_param(g, n, 7, &eight, &[1])
+        && (n.inputs.get(8).copied().flatten().is_none() || q_param(g, n, 8, &[DType::I32], &[m]));
+    if !ok {
+        return None;
+    }
+    if let ValueType::Tensor { dtype: Some(t), .. } = &model.value(x).ty {
+        if *t != x_zp.dtype() {
+            return None;
+        }
+    }
+    Some(QMember {
+        node: i,
+        conv: true,
+        data: vec![x],
+        y,
+        turned: xs.iter().product::<usize>() + out.iter().product::<usize>(),
+        out,
+    })
+}
+
+/// The 8-bit twin of [`channels_last`] (level 3): QLinearConvs (one group) and the QLinearAdds
+/// between them (a statically quantized ResNet's blocks) linked through their data inputs run
+/// on `[N, H, W, C]` bytes: each QLinearConv becomes `com.ferrum.NhwcQLinearConv` (the same
+/// inputs and filter; the kernel already makes its GEMM rows channels-last, so X and Y are no
+/// longer turned around at every convolution), QLinearAdd reads and writes the channels-last
+/// tensors as they are (elementwise). Transposes where a value enters or leaves the region; a
+/// region changes only when they move fewer bytes than its convolutions turn now. Needs static
+/// shapes; `FERRUM_NO_NHWC=1` turns it off. Returns the number of nodes moved.
+pub fn quantized_channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
+    if std::env::var("FERRUM_NO_NHWC").is_ok_and(|v| v != "0") {
+        return 0;
+    }
+    let g = &model.graph;
+    if !g.nodes.iter().any(|n| is_op(n, "QLinearConv"))
+        || g.nodes
+            .iter()
+            .any(|n| n.domain == DOMAIN && n.op == "NhwcQLinearConv")
+    {
+        return 0;
+    }
+    let shapes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| static_shapes(model)))
+        .unwrap_or_default();
+    let g = &model.graph;
+    let cands: Vec<QMember> = g
+        .nodes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, n)| q_member(model, &shapes, i, n))
+        .collect();
+    if !cands.iter().any(|c| c.conv) {
+        return 0;
+    }
+    let uses = Uses::of(g);
+    let by_node: HashMap<usize, usize> =
+        cands.iter().enumerate().map(|(k, c)| (c.node, k)).collect();
+    let by_output: HashMap<ValueId, usize> =
+        cands.iter().enumerate().map(|(k, c)| (c.y, k)).collect();
+    let mut parent: Vec<usize> = (0..cands.len()).collect();
+    for (k, c) in cands.iter().enumerate() {
+        for v in &c.data {
+            if let Some(&p) = by_output.get(v) {
+                let (a, b) = (find(&mut parent, p), find(&mut parent, k));
+                parent[a] = b;
+            }
+        }
+    }
+    let roots: Vec<usize> = (0..cands.len()).map(|k| find(&mut parent, k)).collect();
+    // True when `c`'s output is read other than as a data input of a member of `region`.
+    let leaves_q = |c: &QMember, region: &dyn Fn(usize) -> Option<usize>| {
+        uses.pinned.contains(&c.y)
+            || uses.readers.get(&c.y).is_some_and(|rs| {
+                rs.iter().any(|&ri| {
+                    region(ri).is_none_or(|q| !cands[q].data.contains(&c.y))
+                        || g.nodes[ri].inputs.iter().enumerate().any(|(slot, v)| {
+                            *v == Some(c.y) && !data_slot(&cands[by_node[&ri]], slot)
+                        })
+                })
+            })
+    };
+    // Per region: bytes the NCHW kernels turn around, and bytes its boundary transposes move.
+    let mut turned: HashMap<usize, usize> = HashMap::new();
+    let mut boundary: HashMap<usize, usize> = HashMap::new();
+    let mut entries: HashSet<(usize, ValueId)> = HashSet::new();
+    for (k, c) in cands.iter().enumerate() {
+        let r = roots[k];
+        *turned.entry(r).or_default() += c.turned;
+        for &v in &c.data {
+            let inside = by_output.get(&v).is_some_and(|&p| roots[p] == r);
+            if !inside && entries.insert((r, v)) {
+                *boundary.entry(r).or_default() += shapes
+                    .get(Some(v))
+                    .map_or(usize::MAX / 4, |s| s.iter().product());
+            }
+        }
+        let region = |ri: usize| by_node.get(&ri).copied().filter(|&q| roots[q] == r);
+        if leaves_q(c, &region) {
+            *boundary.entry(r).or_default() += c.out.iter().product::<usize>();
+        }
+    }
+    let chosen: HashSet<usize> = turned
+        .iter()
+        .filter(|&(r, &t)| boundary.get(r).copied().unwrap_or(0) < t)
+        .map(|(&r, _)| r)
+        .collect();
+    if chosen.is_empty() {
+        return 0;
+    }
+    let member = |node: usize| {
+        by_node
+            .get(&node)
+            .filter(|&&k| chosen.contains(&roots[k]))
+            .copied()
+    };
+    // Members whose output is also needed in NCHW.
+    let exits: Vec<bool> = cands.iter().map(|c| leaves_q(c, &member)).collect();
+    let nodes = std::mem::take(&mut model.graph.nodes);
+    let mut out_nodes: Vec<Node> = Vec::with_capacity(nodes.len() + 8);
+    let mut nhwc_of: HashMap<ValueId, ValueId> = HashMap::new();
+    let (mut moved, mut entered, mut left) = (0, 0, 0);
+    for (i, mut n) in nodes.into_iter().enumerate() {
+        let Some(k) = member(i) else {
+            out_nodes.push(n);
+            continue;
+        };
+        let c = &cands[k];
+        for slot in 0..n.inputs.len() {
+            let Some(v) = n.inputs[slot] else { continue };
+            if !data_slot(c, slot) {
+                continue;
+            }
+            let t = match nhwc_of.get(&v) {
+                Some(&t) => t,
+                None => {
+                    let s = permuted(shapes.get(Some(v)).expect("a static shape"), TO_NHWC);
+                    let name = format!("{}#nhwc", model.value(v).name);
+                    let dtype = value_dtype(model, v);
+                    let t = new_typed_value(model, name.clone(), &s, dtype);
+                    out_nodes.push(transpose_node(name, v, t, TO_NHWC));
+                    entered += 1;
+                    nhwc_of.insert(v, t);
+                    t
+                }
+            };
+            n.inputs[slot] = Some(t);
+        }
+        let dtype = value_dtype(model, c.y);
+        let yname = format!("{}#nhwc", model.value(c.y).name);
+        let y = new_typed_value(model, yname, &permuted(&c.out, TO_NHWC), dtype);
+        nhwc_of.insert(c.y, y);
+        n.outputs = vec![Some(y)];
+        if c.conv {
+            n.op = "NhwcQLinearConv".into();
+            n.domain = DOMAIN.into();
+            n.opset = 1;
+        }
+        log.push(format!("{} -> {} (channels-last)", n.name, n.op));
+        let name = n.name.clone();
+        out_nodes.push(n);
+        moved += 1;
+        if exits[k] {
+            out_nodes.push(transpose_node(format!("{name}#nchw"), y, c.y, TO_NCHW));
+            left += 1;
+        }
+    }
+    model.graph.nodes = out_nodes;
+    log.push(format!(
+        "8-bit channels-last: {moved} nodes, {entered} transposes in, {left} out"
+    ));
+    moved
+}
+
+/// True when input `slot` of member `c`'s node is a data input (X; A or B).
+fn data_slot(c: &QMember, slot: usize) -> bool {
+    if c.conv {
+        slot == 0
+    } else {
+        slot == 0 || slot == 3
+    }
+}
+
+fn value_dtype(model: &Model, v: ValueId) -> Option<DType> {
+    match &model.value(v).ty {
+        ValueType::Tensor { dtype, .. } => *dtype,
+        _ => None,
+    }
 }

@@ -122,7 +122,8 @@ pub fn prepack(g: &mut Graph, precision: Precision, shapes: &Shapes) -> usize {
             Some(Attr::Int(i)) => *i,
             _ => default,
         };
-        if std && n.op == "QLinearConv" && int_attr("group", 1) == 1 {
+        let qconv = (std && n.op == "QLinearConv") || (fused && n.op == "NhwcQLinearConv");
+        if qconv && int_attr("group", 1) == 1 {
             let filter = n.inputs.get(3).copied().flatten();
             if let Some(w) = filter.filter(|&w| constant(g, w).is_some()) {
                 if let Ok(p) = crate::ops::conv::pack_int_filter(constant(g, w).unwrap()) {

@@ -766,6 +766,56 @@ pub fn quantize_u8(x: &[f32], scale: f32, zp: f32, out: &mut [u8]) {
     quantize_u8_portable(x, scale, zp, out);
 }
 
+/// The quantized sum of two unsigned 8-bit tensors of one shape (ONNX Runtime's QLinearAdd):
+/// per element `QuantizeLinear(DequantizeLinear(a) + DequantizeLinear(b))`, in the chain's own
+/// float32 operations: `da = (a - za) * sa`, `db = (b - zb) * sb`, `da + db`, then
+/// [`quantize_u8`]'s rule with `sc`, `zc`. The same bits as [`qadd_u8_portable`] on every
+/// instruction set.
+#[allow(clippy::too_many_arguments)]
+pub fn qadd_u8(
+    a: &[u8],
+    (za, sa): (f32, f32),
+    b: &[u8],
+    (zb, sb): (f32, f32),
+    (zc, sc): (f32, f32),
+    out: &mut [u8],
+) {
+    assert!(
+        a.len() == out.len() && b.len() == out.len(),
+        "qadd_u8: lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        let f = cpu::features();
+        if f.avx512() {
+            // SAFETY: AVX-512 F/BW/VL checked just above; lengths checked above.
+            unsafe { x86::qadd_u8_avx512(a, (za, sa), b, (zb, sb), (zc, sc), out) };
+            return;
+        }
+        if f.x86_simd() {
+            // SAFETY: AVX2 checked just above; lengths checked above.
+            unsafe { x86::qadd_u8_avx2(a, (za, sa), b, (zb, sb), (zc, sc), out) };
+            return;
+        }
+    }
+    qadd_u8_portable(a, (za, sa), b, (zb, sb), (zc, sc), out);
+}
+
+/// The portable form of [`qadd_u8`] (and its reference).
+pub fn qadd_u8_portable(
+    a: &[u8],
+    (za, sa): (f32, f32),
+    b: &[u8],
+    (zb, sb): (f32, f32),
+    (zc, sc): (f32, f32),
+    out: &mut [u8],
+) {
+    for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+        let v = (x as f32 - za) * sa + (y as f32 - zb) * sb;
+        *o = ((v / sc).round_ties_even() + zc).clamp(0.0, 255.0) as u8;
+    }
+}
+
 /// The portable form of [`quantize_u8`] (and its reference).
 pub fn quantize_u8_portable(x: &[f32], scale: f32, zp: f32, out: &mut [u8]) {
     for (o, &v) in out.iter_mut().zip(x) {

@@ -326,6 +326,42 @@ fn quantizer_matches_portable_form_and_reference_rule() {
 }
 
 #[test]
+fn quantized_add_matches_the_chain() {
+    // Every instruction set against the portable form (bit for bit), and that against an f64
+    // evaluation of the chain: the two may differ by one step only where the float32 sum lies
+    // within rounding of a half.
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    for case in 0..40 {
+        let n = rng.gen_range(0..200);
+        let a: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
+        let b: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
+        let p = |rng: &mut rand::rngs::StdRng| {
+            (
+                rng.gen_range(0..=255u8) as f32,
+                rng.gen_range(1e-3f32..0.2) * if case % 5 == 0 { 10.0 } else { 1.0 },
+            )
+        };
+        let (pa, pb, pc) = (p(&mut rng), p(&mut rng), p(&mut rng));
+        let mut want = vec![0u8; n];
+        qadd_u8_portable(&a, pa, &b, pb, pc, &mut want);
+        for i in 0..n {
+            let v = (a[i] as f64 - pa.0 as f64) * pa.1 as f64
+                + (b[i] as f64 - pb.0 as f64) * pb.1 as f64;
+            let r = ((v / pc.1 as f64).round() + pc.0 as f64).clamp(0.0, 255.0);
+            assert!(
+                (r - want[i] as f64).abs() <= 1.0,
+                "seed {seed} case {case} element {i}: {} vs {r}",
+                want[i]
+            );
+        }
+        let mut got = vec![7u8; n];
+        qadd_u8(&a, pa, &b, pb, pc, &mut got);
+        assert_eq!(got, want, "seed {seed} case {case}");
+    }
+}
+
+#[test]
 fn dynamic_quantizer_scale_and_zero_point() {
     pool::set_threads(Some(2));
     let seed: u64 = rand::random();

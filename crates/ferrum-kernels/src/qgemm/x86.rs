@@ -520,6 +520,115 @@ pub(super) unsafe fn quantize_u8_avx512(x: &[f32], scale: f32, zp: f32, out: &mu
     super::quantize_u8_portable(&x[n16..], scale, zp, &mut out[n16..]);
 }
 
+/// [`super::qadd_u8`] in 16 lanes: the portable form's operations, lane by lane (no fused
+/// multiply-add), then [`quantize_u8_avx512`]'s.
+///
+/// # Safety
+/// AVX-512 F/BW/VL must be present; the three slices have one length.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn qadd_u8_avx512(
+    a: &[u8],
+    (za, sa): (f32, f32),
+    b: &[u8],
+    (zb, sb): (f32, f32),
+    (zc, sc): (f32, f32),
+    out: &mut [u8],
+) {
+    let n16 = out.len() / 16 * 16;
+    let (za_v, sa_v, zb_v, sb_v) = (
+        _mm512_set1_ps(za),
+        _mm512_set1_ps(sa),
+        _mm512_set1_ps(zb),
+        _mm512_set1_ps(sb),
+    );
+    let (s, z) = (_mm512_set1_ps(sc), _mm512_set1_ps(zc));
+    let (lo, hi) = (_mm512_setzero_ps(), _mm512_set1_ps(255.0));
+    for i in (0..n16).step_by(16) {
+        // SAFETY: i + 16 <= len for the three slices (one length, checked by the caller).
+        unsafe {
+            let x = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                a.as_ptr().add(i) as *const _
+            )));
+            let y = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                b.as_ptr().add(i) as *const _
+            )));
+            let v = _mm512_add_ps(
+                _mm512_mul_ps(_mm512_sub_ps(x, za_v), sa_v),
+                _mm512_mul_ps(_mm512_sub_ps(y, zb_v), sb_v),
+            );
+            let q = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_div_ps(v, s),
+            );
+            let q = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(q, z), lo), hi);
+            let r = _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(q));
+            _mm_storeu_si128(out.as_mut_ptr().add(i) as *mut _, r);
+        }
+    }
+    super::qadd_u8_portable(
+        &a[n16..],
+        (za, sa),
+        &b[n16..],
+        (zb, sb),
+        (zc, sc),
+        &mut out[n16..],
+    );
+}
+
+/// [`super::qadd_u8`] in 8 lanes (AVX2): the same operations as the AVX-512 form.
+///
+/// # Safety
+/// AVX2 must be present; the three slices have one length.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn qadd_u8_avx2(
+    a: &[u8],
+    (za, sa): (f32, f32),
+    b: &[u8],
+    (zb, sb): (f32, f32),
+    (zc, sc): (f32, f32),
+    out: &mut [u8],
+) {
+    let n8 = out.len() / 8 * 8;
+    let (za_v, sa_v, zb_v, sb_v) = (
+        _mm256_set1_ps(za),
+        _mm256_set1_ps(sa),
+        _mm256_set1_ps(zb),
+        _mm256_set1_ps(sb),
+    );
+    let (s, z) = (_mm256_set1_ps(sc), _mm256_set1_ps(zc));
+    let (lo, hi) = (_mm256_setzero_ps(), _mm256_set1_ps(255.0));
+    for i in (0..n8).step_by(8) {
+        // SAFETY: i + 8 <= len for the three slices (one length, checked by the caller).
+        unsafe {
+            let x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                a.as_ptr().add(i) as *const _
+            )));
+            let y = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                b.as_ptr().add(i) as *const _
+            )));
+            let v = _mm256_add_ps(
+                _mm256_mul_ps(_mm256_sub_ps(x, za_v), sa_v),
+                _mm256_mul_ps(_mm256_sub_ps(y, zb_v), sb_v),
+            );
+            let q = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_div_ps(v, s),
+            );
+            let q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, z), lo), hi);
+            let w = _mm256_cvttps_epi32(q);
+            let p16 = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256::<1>(w));
+            let p8 = _mm_packus_epi16(p16, p16);
+            _mm_storel_epi64(out.as_mut_ptr().add(i) as *mut _, p8);
+        }
+    }
+    super::qadd_u8_portable(
+        &a[n8..],
+        (za, sa),
+        &b[n8..],
+        (zb, sb),
+        (zc, sc),
+        &mut out[n8..],
+    );
+}
+
 /// [`super::quantize_u8`] in 8 lanes (AVX2): the same operations as the AVX-512 form.
 ///
 /// # Safety
