@@ -78,6 +78,7 @@ fn main() {
                         m,
                         ld: k,
                         zero: &[120],
+                        zero_padded: false,
                     },
                     &packed,
                     &[0],

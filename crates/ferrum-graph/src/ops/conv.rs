@@ -307,6 +307,9 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
     };
     // A 1x1 filter at stride 1 without padding reads the channels-last image as it is.
     let direct = k == [1, 1] && geo.s == [1, 1] && geo.pad == [0, 0] && osp == isp;
+    // Patch rows are written as far apart as the kernels read them, zeros past kk (an RGB
+    // stem's 147 bytes in rows of 192), so the GEMM reads them in place.
+    let ld = packed.kp().max(kk);
     let mut y = vec![0u8; n * m * osp];
     // The channels-last image, A's rows and the channels-last output: scratch kept by the
     // thread between calls (every byte is written before it is read).
@@ -328,11 +331,11 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
             } else {
                 xin
             };
-            let col = scratch(col, if direct { 0 } else { osp * kk });
+            let col = scratch(col, if direct { 0 } else { osp * ld });
             if !direct {
                 let rows = osp.div_ceil(pool::threads() * 4).max(16);
-                pool::parallel_chunks_mut(col, rows * kk, |ci, chunk| {
-                    geo.rows(image, ci * rows, chunk)
+                pool::parallel_chunks_mut(col, rows * ld, |ci, chunk| {
+                    geo.rows(image, ci * rows, ld, chunk)
                 });
             }
             // Output position p, channel o at p * m + o: Y itself when channels-last, else
@@ -343,8 +346,9 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
                     qgemm::QuantA {
                         data: a_rows,
                         m: osp,
-                        ld: kk,
+                        ld: if direct { kk } else { ld },
                         zero: &[xz],
+                        zero_padded: !direct,
                     },
                     packed,
                     &wz,
@@ -710,26 +714,43 @@ struct Patches {
 }
 
 impl Patches {
-    /// Writes rows `first..` of `col(X)^T` into `out` (whole rows of `kh kw C` bytes) from the
-    /// channels-last image `x`.
-    fn rows(&self, x: &[u8], first: usize, out: &mut [u8]) {
+    /// Writes rows `first..` of `col(X)^T` into `out` (rows `ld` bytes apart: `kh kw C` bytes,
+    /// then zeros) from the channels-last image `x`.
+    fn rows(&self, x: &[u8], first: usize, ld: usize, out: &mut [u8]) {
         let [kh, kw] = self.k;
         let [ih, iw] = self.ins;
         let c = self.c;
-        for (r, row) in out.chunks_exact_mut(kh * kw * c).enumerate() {
+        for (r, row) in out.chunks_exact_mut(ld).enumerate() {
+            let (row, tail) = row.split_at_mut(kh * kw * c);
+            tail.fill(0);
             let p = first + r;
             let (oy, ox) = (p / self.ow, p % self.ow);
             let y0 = (oy * self.s[0]) as isize - self.pad[0] as isize;
             let x0 = (ox * self.s[1]) as isize - self.pad[1] as isize;
-            for (t, run) in row.chunks_exact_mut(c).enumerate() {
-                let (ky, kx) = (t / kw, t % kw);
+            // Taps along a filter row read one run of kw * C bytes when they are adjacent
+            // (dilation 1) and all inside: one copy instead of kw (an RGB stem's runs are 3
+            // bytes).
+            let whole_rows = self.d[1] == 1 && x0 >= 0 && x0 as usize + kw <= iw;
+            for (ky, taps) in row.chunks_exact_mut(kw * c).enumerate() {
                 let iy = y0 + (ky * self.d[0]) as isize;
-                let ix = x0 + (kx * self.d[1]) as isize;
-                if iy < 0 || ix < 0 || iy >= ih as isize || ix >= iw as isize {
-                    run.fill(self.fill);
-                } else {
-                    let at = (iy as usize * iw + ix as usize) * c;
-                    run.copy_from_slice(&x[at..at + c]);
+                if iy < 0 || iy >= ih as isize {
+                    taps.fill(self.fill);
+                    continue;
+                }
+                let line = iy as usize * iw;
+                if whole_rows {
+                    let at = (line + x0 as usize) * c;
+                    taps.copy_from_slice(&x[at..at + kw * c]);
+                    continue;
+                }
+                for (kx, run) in taps.chunks_exact_mut(c).enumerate() {
+                    let ix = x0 + (kx * self.d[1]) as isize;
+                    if ix < 0 || ix >= iw as isize {
+                        run.fill(self.fill);
+                    } else {
+                        let at = (line + ix as usize) * c;
+                        run.copy_from_slice(&x[at..at + c]);
+                    }
                 }
             }
         }

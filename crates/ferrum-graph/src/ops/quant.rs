@@ -45,6 +45,7 @@ impl IntProduct<'_> {
             m: self.m,
             ld: self.b.k(),
             zero: &self.a_zero,
+            zero_padded: false,
         };
         qgemm::qgemm(a, &self.b, &self.b_zero, out);
     }

@@ -217,6 +217,11 @@ impl PackedI8 {
     }
 
     /// Rows (`k`).
+    /// K padded as the kernels read A's rows (whole groups of 4, or of 64 for the tile unit).
+    pub fn kp(&self) -> usize {
+        self.kp
+    }
+
     pub fn k(&self) -> usize {
         self.k
     }
@@ -240,6 +245,9 @@ pub struct QuantA<'a> {
     pub m: usize,
     pub ld: usize,
     pub zero: &'a [i32],
+    /// Bytes `k..ld` of every row are zero: with `ld` equal to [`PackedI8::kp`], the kernels
+    /// read the rows in place (else they are copied, padded with zeros).
+    pub zero_padded: bool,
 }
 
 /// What the product writes, row-major with leading dimension `ld`.
@@ -426,7 +434,8 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
     let padded;
     let misaligned = kernel == Kernel::Amx
         && (!(a.data.as_ptr() as usize).is_multiple_of(64) || !a.ld.is_multiple_of(64));
-    let (adata, lda) = if k == b.kp && !misaligned {
+    let in_place = k == b.kp || (a.zero_padded && a.ld == b.kp);
+    let (adata, lda) = if in_place && !misaligned {
         (a.data, a.ld)
     } else {
         padded = pad_rows(a.data, m, k, a.ld, b.kp);

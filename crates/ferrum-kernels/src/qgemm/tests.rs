@@ -144,6 +144,7 @@ fn qgemm_matches_reference() {
             m: c.m,
             ld: lda,
             zero: &c.a_zero,
+            zero_padded: false,
         };
         // Requantized outputs: scales such that the values spread over about +-150 steps.
         let big = want_f.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
@@ -273,6 +274,7 @@ fn large_product_splits_rows_and_columns_alike() {
                     m,
                     ld: k,
                     zero: &[128],
+                    zero_padded: false,
                 },
                 &packed,
                 &[3],
@@ -322,6 +324,54 @@ fn quantizer_matches_portable_form_and_reference_rule() {
         let mut got = vec![7u8; n];
         quantize_u8(&x, scale, zp, &mut got);
         assert_eq!(got, want, "seed {seed} case {case}");
+    }
+}
+
+#[test]
+fn zero_padded_rows_give_the_compact_rows_product() {
+    // A's rows `kp` apart with zeros past k (an im2col written for the kernels) against the
+    // same rows packed tight: the same exact products, on every kernel this CPU runs.
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    for case in 0..20 {
+        let (m, k, n) = (
+            rng.gen_range(1..80),
+            rng.gen_range(1..200),
+            rng.gen_range(1..70),
+        );
+        let a: Vec<u8> = (0..m * k).map(|_| rng.gen()).collect();
+        let b: Vec<u8> = (0..k * n).map(|_| rng.gen()).collect();
+        let packed = PackedI8::new(k, n, Bytes::U8(&b), n, 1);
+        let kp = packed.kp();
+        let mut wide = crate::aligned::Aligned::zeroed(m * kp);
+        for i in 0..m {
+            wide.bytes_mut()[i * kp..i * kp + k].copy_from_slice(&a[i * k..(i + 1) * k]);
+        }
+        let za = [rng.gen_range(0..256)];
+        let product = |data: &[u8], ld: usize, zero_padded: bool| {
+            let mut out = vec![0i32; m * n];
+            qgemm(
+                QuantA {
+                    data,
+                    m,
+                    ld,
+                    zero: &za,
+                    zero_padded,
+                },
+                &packed,
+                &[3],
+                QOut::I32 {
+                    out: &mut out,
+                    ld: n,
+                },
+            );
+            out
+        };
+        assert_eq!(
+            product(wide.bytes(), kp, true),
+            product(&a, k, false),
+            "seed {seed} case {case}: {m} x {k} x {n}, kp {kp}"
+        );
     }
 }
 
