@@ -232,10 +232,20 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             out.push(w[3]);
             Some(out)
         }
-        "NhwcQLinearConv" if n.domain == crate::passes::DOMAIN => {
-            // X `[N, H, W, C]`, W `[M, C, kh, kw]` -> `[N, OH, OW, M]`: the NCHW rule on the
-            // dimensions moved.
-            let (x, w) = (x?, inp(3)?);
+        "NhwcQLinearConv" | "NhwcMaxPool" if n.domain == crate::passes::DOMAIN => {
+            // X `[N, H, W, C]`, W `[M, C, kh, kw]` -> `[N, OH, OW, M]` (a pool: kernel_shape,
+            // C channels out): the NCHW rule on the dimensions moved.
+            let x = x?;
+            let w = if n.op == "NhwcMaxPool" {
+                let k = ints(n, "kernel_shape")?;
+                let k: Vec<usize> = k
+                    .iter()
+                    .map(|&v| usize::try_from(v).ok())
+                    .collect::<Option<_>>()?;
+                vec![*x.get(3)?, 0, *k.first()?, *k.get(1)?]
+            } else {
+                inp(3)?
+            };
             if x.len() != 4 || w.len() != 4 || w[2] == 0 || w[3] == 0 {
                 return None;
             }

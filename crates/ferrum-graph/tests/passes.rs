@@ -1006,7 +1006,16 @@ fn statically_quantized_convs_fuse_into_qlinear_conv() {
 /// `onnxruntime.quantization.quantize_static` writes them): 1x1, 3x3 and 1x1 convolutions, the
 /// second block with stride 2 and a strided 1x1 shortcut, each block's residual added and
 /// quantized; activations unsigned except the second block's 3x3 output (signed).
-fn quantized_bottlenecks(r: &mut Rng64, c0: usize, mid: usize, c2: usize) -> ModelProto {
+///
+/// With `stem`, first a 3x3 stride-2 convolution (signed output) and a 3x3 stride-2 max pool
+/// on its dequantized values, quantized again with the same parameters (ResNet's stem).
+fn quantized_bottlenecks(
+    r: &mut Rng64,
+    c0: usize,
+    mid: usize,
+    c2: usize,
+    stem: bool,
+) -> ModelProto {
     let mut nodes: Vec<NodeProto> = Vec::new();
     let mut inits: Vec<TensorProto> = Vec::new();
     let dq = |x: &str, s: &str, z: &str, y: &str| {
@@ -1100,15 +1109,48 @@ fn quantized_bottlenecks(r: &mut Rng64, c0: usize, mid: usize, c2: usize) -> Mod
             vec![],
         ));
     };
+    let (src, src_scale) = if stem {
+        conv(
+            "xq",
+            "st",
+            (c0, c0, 3, 2),
+            (0.04, (-5i8) as u8, true),
+            &mut nodes,
+            &mut inits,
+            0.02,
+        );
+        nodes.push(dq("st", "st_s", "st_z", "st_d"));
+        nodes.push(node(
+            "MaxPool",
+            &["st_d"],
+            &["mp_f"],
+            vec![
+                attr_ints("kernel_shape", &[3, 3]),
+                attr_ints("strides", &[2, 2]),
+                attr_ints("pads", &[1, 1, 1, 1]),
+            ],
+        ));
+        nodes.push(node(
+            "QuantizeLinear",
+            &["mp_f", "st_s", "st_z"],
+            &["mp"],
+            vec![],
+        ));
+        inits.push(init("mp_s", &[], vec![0.04]));
+        inits.push(int8_init("mp_z", &[], true, vec![(-5i8) as u8]));
+        ("mp", 0.04)
+    } else {
+        ("xq", 0.02)
+    };
     // Block 1: identity shortcut.
     conv(
-        "xq",
+        src,
         "a1",
         (c0, mid, 1, 1),
         (0.05, 3, false),
         &mut nodes,
         &mut inits,
-        0.02,
+        src_scale,
     );
     conv(
         "a1",
@@ -1130,7 +1172,7 @@ fn quantized_bottlenecks(r: &mut Rng64, c0: usize, mid: usize, c2: usize) -> Mod
     );
     inits.push(init("o1_s", &[], vec![0.08]));
     inits.push(int8_init("o1_z", &[], false, vec![7]));
-    add("a3", "xq", "o1", &mut nodes);
+    add("a3", src, "o1", &mut nodes);
     // Block 2: stride 2, a signed 3x3 output, a strided 1x1 shortcut.
     conv(
         "o1",
@@ -1193,7 +1235,7 @@ fn quantized_bottlenecks_run_channels_last() {
     // input in place; 8 and 24: it pads the rows).
     let mut r = rng();
     for (c0, mid, c2) in [(8, 4, 24), (64, 64, 128)] {
-        let mp = quantized_bottlenecks(&mut r, c0, mid, c2);
+        let mp = quantized_bottlenecks(&mut r, c0, mid, c2, false);
         let two = session(&mp, OptLevel::Extended);
         let three = session(&mp, OptLevel::All);
         let conv = "com.ferrum.NhwcQLinearConv";
@@ -1238,11 +1280,58 @@ fn quantized_bottlenecks_run_channels_last() {
 }
 
 #[test]
+fn a_quantized_stem_and_max_pool_run_channels_last() {
+    // ResNet's stem in QDQ form: its convolution's (signed) output dequantized, max-pooled and
+    // quantized with the same parameters. The three become one max pool on the channels-last
+    // bytes inside the region (so the stem joins it too); the outputs equal level 2's (the
+    // float max pool between dequantize and quantize) bit for bit.
+    let mut r = rng();
+    for c0 in [8, 64] {
+        let mp = quantized_bottlenecks(&mut r, c0, 16, 32, true);
+        let two = session(&mp, OptLevel::Extended);
+        let three = session(&mp, OptLevel::All);
+        let conv = "com.ferrum.NhwcQLinearConv";
+        let add = "com.ferrum.QLinearAdd";
+        assert_eq!(
+            ops(&three),
+            [
+                "QuantizeLinear",
+                "Transpose",
+                conv,
+                "com.ferrum.NhwcMaxPool",
+                conv,
+                conv,
+                conv,
+                add,
+                "Transpose",
+                conv,
+                conv,
+                conv,
+                conv,
+                add,
+                "Transpose",
+                "DequantizeLinear",
+                "DequantizeLinear"
+            ]
+        );
+        for _ in 0..2 {
+            let x: Vec<f32> = randv(&mut r, c0 * 11 * 9).iter().map(|v| v * 3.0).collect();
+            let feeds = [("x", vec![1, c0, 11, 9], x)];
+            assert_eq!(
+                outputs(&two, &feeds),
+                outputs(&three, &feeds),
+                "{c0} channels"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_lone_quantized_convolution_stays_nchw() {
     // One QLinearConv between a QuantizeLinear and a DequantizeLinear: transposes around it
     // would move as many bytes as the kernel turns around itself, so it is left as it is.
     let mut r = rng();
-    let mp = quantized_bottlenecks(&mut r, 8, 4, 8);
+    let mp = quantized_bottlenecks(&mut r, 8, 4, 8, false);
     let mut mp1 = mp.clone();
     let g = mp1.graph.as_mut().unwrap();
     // Keep the first convolution only: its output dequantized is the graph's output.

@@ -575,6 +575,85 @@ fn scratch(v: &mut Aligned, len: usize) -> &mut [u8] {
     v.bytes_mut()
 }
 
+/// `com.ferrum.NhwcMaxPool` (made by the 8-bit layout pass from a dequantize, max pool,
+/// quantize chain): MaxPool's attributes (2-D, `ceil_mode` 0) on channels-last bytes
+/// `[N, H, W, C]`, unsigned or signed: each output pixel the channel-wise maximum of the
+/// input pixels its window covers (padding covers none).
+pub(crate) fn nhwc_max_pool(cx: &Ctx) -> Result<Tensor> {
+    let x = cx.t(0)?;
+    if x.rank() != 4 {
+        kbail!("NhwcMaxPool expects [N, H, W, C], got {:?}", x.shape());
+    }
+    let k: Vec<usize> = cx
+        .aints("kernel_shape")
+        .ok_or_else(|| crate::kerr!("kernel_shape is required"))?
+        .iter()
+        .map(|&v| v.max(0) as usize)
+        .collect();
+    if k.len() != 2 || k.contains(&0) {
+        kbail!("NhwcMaxPool needs a 2-D kernel, got {k:?}");
+    }
+    let (n, c) = (x.shape()[0], x.shape()[3]);
+    let g = geom(cx, &x.shape()[1..3], &k, false)?;
+    let (ih, iw) = (g.ins[0], g.ins[1]);
+    let (oh, ow) = (g.outs[0], g.outs[1]);
+    let shape = vec![n, oh, ow, c];
+    // A window over padding only gives the type's lowest value (the float chain's -inf,
+    // quantized).
+    fn run<T: Copy + Ord + Default + Send + Sync>(
+        x: &[T],
+        lowest: T,
+        (n, c): (usize, usize),
+        (ih, iw, oh, ow): (usize, usize, usize, usize),
+        g: &Geom,
+    ) -> Vec<T> {
+        let mut out = vec![T::default(); n * oh * ow * c];
+        if out.is_empty() {
+            return out;
+        }
+        // One output row (ow pixels of c channels) per task.
+        pool::parallel_chunks_mut(&mut out, ow * c, |r, o| {
+            let (b, oy) = (r / oh, r % oh);
+            let img = &x[b * ih * iw * c..][..ih * iw * c];
+            for (ox, px) in o.chunks_exact_mut(c).enumerate() {
+                let mut first = true;
+                for ky in 0..g.k[0] {
+                    let iy = (oy * g.s[0] + ky * g.d[0]) as isize - g.pad_begin[0] as isize;
+                    if iy < 0 || iy >= ih as isize {
+                        continue;
+                    }
+                    for kx in 0..g.k[1] {
+                        let ix = (ox * g.s[1] + kx * g.d[1]) as isize - g.pad_begin[1] as isize;
+                        if ix < 0 || ix >= iw as isize {
+                            continue;
+                        }
+                        let at = (iy as usize * iw + ix as usize) * c;
+                        let src = &img[at..at + c];
+                        if first {
+                            px.copy_from_slice(src);
+                            first = false;
+                        } else {
+                            for (d, &v) in px.iter_mut().zip(src) {
+                                *d = (*d).max(v);
+                            }
+                        }
+                    }
+                }
+                if first {
+                    px.fill(lowest);
+                }
+            }
+        });
+        out
+    }
+    let dims = (ih, iw, oh, ow);
+    match x.dtype() {
+        DType::U8 => Tensor::from_vec(shape, run(x.as_slice::<u8>()?, 0, (n, c), dims, &g)),
+        DType::I8 => Tensor::from_vec(shape, run(x.as_slice::<i8>()?, -128, (n, c), dims, &g)),
+        d => kbail!("NhwcMaxPool on {d} (8-bit only)"),
+    }
+}
+
 /// Transpose of 8-bit `[N, C, H, W]` to `[N, H, W, C]` (perm `[0, 2, 3, 1]`) or back (`[0, 3, 1,
 /// 2]`), the layout pass's boundary transposes on quantized tensors: per image one byte matrix
 /// transposed by [`transpose_bytes`]. `None` for other types and permutations.

@@ -239,6 +239,7 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
         }
         "QLinearAdd" => crate::ops::quant::qlinear_add(cx)?,
         "NhwcQLinearConv" => crate::ops::conv::nhwc_qlinear_conv(cx)?,
+        "NhwcMaxPool" => crate::ops::conv::nhwc_max_pool(cx)?,
         "FusedAttention" => crate::ops::attention::fused_attention(cx)?,
         "Gelu" => {
             let x = cx.t(0)?;

@@ -371,6 +371,10 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
 struct QMember {
     node: usize,
     conv: bool,
+    /// A max pool on the quantized values: `QuantizeLinear(MaxPool(DequantizeLinear(q)))` with
+    /// one scale and zero point (`node` is the QuantizeLinear), the DequantizeLinear and MaxPool
+    /// nodes that it replaces.
+    pool: Option<[usize; 2]>,
     /// The data inputs (X; or A and B) and the output, with the output's NCHW shape.
     data: Vec<ValueId>,
     y: ValueId,
@@ -394,7 +398,13 @@ fn q_param(g: &crate::ir::Graph, n: &Node, i: usize, dtypes: &[DType], lens: &[u
     }
 }
 
-fn q_member(model: &Model, shapes: &crate::infer::Shapes, i: usize, n: &Node) -> Option<QMember> {
+fn q_member(
+    model: &Model,
+    shapes: &crate::infer::Shapes,
+    uses: &Uses,
+    i: usize,
+    n: &Node,
+) -> Option<QMember> {
     let g = &model.graph;
     let y = n.outputs.first().copied().flatten()?;
     let out = shapes.get(Some(y)).filter(|s| s.len() == 4)?.clone();
@@ -402,6 +412,9 @@ fn q_member(model: &Model, shapes: &crate::infer::Shapes, i: usize, n: &Node) ->
         return None;
     }
     let eight = [DType::U8, DType::I8];
+    if is_op(n, "QuantizeLinear") {
+        return q_pool(model, shapes, uses, i, n, y, out);
+    }
     if n.domain == DOMAIN && n.op == "QLinearAdd" {
         let (a, b) = (
             n.inputs.first().copied().flatten()?,
@@ -413,6 +426,7 @@ fn q_member(model: &Model, shapes: &crate::infer::Shapes, i: usize, n: &Node) ->
         return Some(QMember {
             node: i,
             conv: false,
+            pool: None,
             data: vec![a, b],
             y,
             out,
@@ -465,10 +479,87 @@ fn q_member(model: &Model, shapes: &crate::infer::Shapes, i: usize, n: &Node) ->
     Some(QMember {
         node: i,
         conv: true,
+        pool: None,
         data: vec![x],
         y,
         turned: xs.iter().product::<usize>() + out.iter().product::<usize>(),
         out,
+    })
+}
+
+/// `QuantizeLinear(MaxPool(DequantizeLinear(q, s, z)), s, z)` (node `i` the QuantizeLinear,
+/// output `y` of NCHW shape `out`): the maximum of the dequantized values requantized with the
+/// same constant scale (positive) and zero point is the maximum of the bytes (dequantizing is
+/// increasing, and a byte dequantized and quantized again with the same parameters comes back),
+/// so the three become one max pool on the bytes. 2-D, no indices output, `ceil_mode` 0; each
+/// intermediate value read by the next node only.
+fn q_pool(
+    model: &Model,
+    shapes: &crate::infer::Shapes,
+    uses: &Uses,
+    i: usize,
+    n: &Node,
+    y: ValueId,
+    out: Vec<usize>,
+) -> Option<QMember> {
+    let g = &model.graph;
+    let input = |n: &Node, k: usize| n.inputs.get(k).copied().flatten();
+    let pooled = input(n, 0)?;
+    let pi = uses
+        .sole_reader(pooled)
+        .and(uses.producer.get(&pooled).copied())?;
+    let pool = &g.nodes[pi];
+    if !is_op(pool, "MaxPool") || pool.outputs.len() != 1 || attr_i(pool, "ceil_mode", 0) != 0 {
+        return None;
+    }
+    if let Some(Attr::Str(p)) = pool.attrs.get("auto_pad") {
+        if p.as_slice() != b"NOTSET" {
+            return None;
+        }
+    }
+    if ints(pool, "kernel_shape").is_none_or(|k| k.len() != 2 || k.iter().any(|&v| v < 1)) {
+        return None;
+    }
+    let deq = input(pool, 0)?;
+    let di = uses
+        .sole_reader(deq)
+        .and(uses.producer.get(&deq).copied())?;
+    let dq = &g.nodes[di];
+    if !is_op(dq, "DequantizeLinear") {
+        return None;
+    }
+    let q = input(dq, 0)?;
+    // One positive float32 scale and one 8-bit zero point, the same constants on both sides.
+    let same = |k: usize| -> Option<Tensor> {
+        let (a, b) = (constant(g, input(dq, k)?)?, constant(g, input(n, k)?)?);
+        (a == b && a.len() == 1).then(|| a.clone())
+    };
+    let scale = same(1)?;
+    let zero = same(2)?;
+    if scale.dtype() != DType::F32
+        || !scale
+            .as_slice::<f32>()
+            .ok()?
+            .iter()
+            .all(|&v| v > 0.0 && v.is_finite())
+        || !matches!(zero.dtype(), DType::U8 | DType::I8)
+        || n.attrs.keys().any(|k| k != "axis")
+        || dq.attrs.keys().any(|k| k != "axis")
+    {
+        return None;
+    }
+    let qs = shapes.get(Some(q)).filter(|s| s.len() == 4)?;
+    if qs.contains(&0) || out[..2] != qs[..2] {
+        return None;
+    }
+    Some(QMember {
+        node: i,
+        conv: false,
+        pool: Some([di, pi]),
+        data: vec![q],
+        y,
+        out,
+        turned: 0,
     })
 }
 
@@ -477,7 +568,9 @@ fn q_member(model: &Model, shapes: &crate::infer::Shapes, i: usize, n: &Node) ->
 /// on `[N, H, W, C]` bytes: each QLinearConv becomes `com.ferrum.NhwcQLinearConv` (the same
 /// inputs and filter; the kernel already makes its GEMM rows channels-last, so X and Y are no
 /// longer turned around at every convolution), QLinearAdd reads and writes the channels-last
-/// tensors as they are (elementwise). Transposes where a value enters or leaves the region; a
+/// tensors as they are (elementwise), and a dequantize, max pool, quantize chain with one scale
+/// and zero point (ResNet's stem pool) becomes `com.ferrum.NhwcMaxPool` on the bytes.
+/// Transposes where a value enters or leaves the region; a
 /// region changes only when they move fewer bytes than its convolutions turn now. Needs static
 /// shapes; `FERRUM_NO_NHWC=1` turns it off. Returns the number of nodes moved.
 pub fn quantized_channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
@@ -495,18 +588,25 @@ pub fn quantized_channels_last(model: &mut Model, log: &mut Vec<String>) -> usiz
     let shapes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| static_shapes(model)))
         .unwrap_or_default();
     let g = &model.graph;
+    let uses = Uses::of(g);
     let cands: Vec<QMember> = g
         .nodes
         .iter()
         .enumerate()
-        .filter_map(|(i, n)| q_member(model, &shapes, i, n))
+        .filter_map(|(i, n)| q_member(model, &shapes, &uses, i, n))
         .collect();
     if !cands.iter().any(|c| c.conv) {
         return 0;
     }
-    let uses = Uses::of(g);
     let by_node: HashMap<usize, usize> =
         cands.iter().enumerate().map(|(k, c)| (c.node, k)).collect();
+    // The node that reads each member's data inputs: the member's own, or a max pool's
+    // DequantizeLinear.
+    let by_reader: HashMap<usize, usize> = cands
+        .iter()
+        .enumerate()
+        .map(|(k, c)| (c.pool.map_or(c.node, |[di, _]| di), k))
+        .collect();
     let by_output: HashMap<ValueId, usize> =
         cands.iter().enumerate().map(|(k, c)| (c.y, k)).collect();
     let mut parent: Vec<usize> = (0..cands.len()).collect();
@@ -526,7 +626,7 @@ pub fn quantized_channels_last(model: &mut Model, log: &mut Vec<String>) -> usiz
                 rs.iter().any(|&ri| {
                     region(ri).is_none_or(|q| !cands[q].data.contains(&c.y))
                         || g.nodes[ri].inputs.iter().enumerate().any(|(slot, v)| {
-                            *v == Some(c.y) && !data_slot(&cands[by_node[&ri]], slot)
+                            *v == Some(c.y) && !data_slot(&cands[by_reader[&ri]], slot)
                         })
                 })
             })
@@ -546,7 +646,7 @@ pub fn quantized_channels_last(model: &mut Model, log: &mut Vec<String>) -> usiz
                     .map_or(usize::MAX / 4, |s| s.iter().product());
             }
         }
-        let region = |ri: usize| by_node.get(&ri).copied().filter(|&q| roots[q] == r);
+        let region = |ri: usize| by_reader.get(&ri).copied().filter(|&q| roots[q] == r);
         if leaves_q(c, &region) {
             *boundary.entry(r).or_default() += c.out.iter().product::<usize>();
         }
@@ -566,17 +666,48 @@ pub fn quantized_channels_last(model: &mut Model, log: &mut Vec<String>) -> usiz
             .copied()
     };
     // Members whose output is also needed in NCHW.
-    let exits: Vec<bool> = cands.iter().map(|c| leaves_q(c, &member)).collect();
+    let reader_member = |node: usize| {
+        by_reader
+            .get(&node)
+            .filter(|&&k| chosen.contains(&roots[k]))
+            .copied()
+    };
+    let exits: Vec<bool> = cands.iter().map(|c| leaves_q(c, &reader_member)).collect();
+    // Nodes folded into a max pool member, and that pool's attributes.
+    let mut folded: HashSet<usize> = HashSet::new();
+    let mut pool_attrs: HashMap<usize, std::collections::BTreeMap<String, Attr>> = HashMap::new();
+    for (k, c) in cands.iter().enumerate() {
+        if let (Some([di, pi]), true) = (c.pool, chosen.contains(&roots[k])) {
+            folded.extend([di, pi]);
+            pool_attrs.insert(k, g.nodes[pi].attrs.clone());
+        }
+    }
     let nodes = std::mem::take(&mut model.graph.nodes);
     let mut out_nodes: Vec<Node> = Vec::with_capacity(nodes.len() + 8);
     let mut nhwc_of: HashMap<ValueId, ValueId> = HashMap::new();
     let (mut moved, mut entered, mut left) = (0, 0, 0);
     for (i, mut n) in nodes.into_iter().enumerate() {
+        if folded.contains(&i) {
+            continue;
+        }
         let Some(k) = member(i) else {
             out_nodes.push(n);
             continue;
         };
         let c = &cands[k];
+        if c.pool.is_some() {
+            // The QuantizeLinear's place: a max pool on the channels-last bytes.
+            n = Node {
+                name: n.name.clone(),
+                op: "NhwcMaxPool".into(),
+                domain: DOMAIN.into(),
+                opset: 1,
+                inputs: vec![Some(c.data[0])],
+                outputs: n.outputs.clone(),
+                attrs: pool_attrs.remove(&k).unwrap_or_default(),
+                implicit_inputs: vec![],
+            };
+        }
         for slot in 0..n.inputs.len() {
             let Some(v) = n.inputs[slot] else { continue };
             if !data_slot(c, slot) {
