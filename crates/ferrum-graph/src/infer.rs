@@ -204,49 +204,27 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             let nn = if ai(n, "transB", 0) != 0 { b0 } else { b1 };
             Some(vec![*m, *nn])
         }
-        "NhwcConv" if n.domain == crate::passes::DOMAIN => {
-            // X `[N, H, W, C]`, W `[kh, kw, C/group, M]` -> `[N, OH, OW, M]`.
-            let (x, w) = (x?, inp(1)?);
-            if x.len() != 4 || w.len() != 4 || w[0] == 0 || w[1] == 0 {
-                return None;
-            }
-            let two = |name: &str, d: i64| ints(n, name).unwrap_or(vec![d; 2]);
-            let (st, dl, pads) = (
-                two("strides", 1),
-                two("dilations", 1),
-                ints(n, "pads").unwrap_or(vec![0; 4]),
-            );
-            if st.len() != 2 || dl.len() != 2 || pads.len() != 4 {
-                return None;
-            }
-            let mut out = vec![x[0]];
-            for i in 0..2 {
-                let (s, d) = (usize::try_from(st[i]).ok()?, usize::try_from(dl[i]).ok()?);
-                let (p0, p1) = (
-                    usize::try_from(pads[i]).ok()?,
-                    usize::try_from(pads[i + 2]).ok()?,
-                );
-                let ek = (w[i] - 1).checked_mul(d)? + 1;
-                out.push((x[i + 1].checked_add(p0 + p1)?).checked_sub(ek)? / s.max(1) + 1);
-            }
-            out.push(w[3]);
-            Some(out)
-        }
-        "NhwcQLinearConv" | "NhwcMaxPool" if n.domain == crate::passes::DOMAIN => {
-            // X `[N, H, W, C]`, W `[M, C, kh, kw]` -> `[N, OH, OW, M]` (a pool: kernel_shape,
-            // C channels out): the NCHW rule on the dimensions moved.
+        "NhwcConv" | "NhwcQLinearConv" | "NhwcMaxPool" if n.domain == crate::passes::DOMAIN => {
+            // X `[N, H, W, C]` -> `[N, OH, OW, M]`, the window (kh, kw) and M from the filter
+            // (`[kh, kw, C/group, M]`; QLinearConv's `[M, C, kh, kw]`) or, for a pool,
+            // kernel_shape and C.
             let x = x?;
-            let w = if n.op == "NhwcMaxPool" {
-                let k = ints(n, "kernel_shape")?;
-                let k: Vec<usize> = k
-                    .iter()
-                    .map(|&v| usize::try_from(v).ok())
-                    .collect::<Option<_>>()?;
-                vec![*x.get(3)?, 0, *k.first()?, *k.get(1)?]
-            } else {
-                inp(3)?
+            let (kh, kw, m) = match n.op.as_str() {
+                "NhwcConv" => {
+                    let w = inp(1)?;
+                    (*w.first()?, *w.get(1)?, *w.get(3)?)
+                }
+                "NhwcQLinearConv" => {
+                    let w = inp(3)?;
+                    (*w.get(2)?, *w.get(3)?, *w.first()?)
+                }
+                _ => {
+                    let k = ints(n, "kernel_shape")?;
+                    let dim = |i: usize| usize::try_from(*k.get(i)?).ok();
+                    (dim(0)?, dim(1)?, *x.get(3)?)
+                }
             };
-            if x.len() != 4 || w.len() != 4 || w[2] == 0 || w[3] == 0 {
+            if x.len() != 4 || kh == 0 || kw == 0 {
                 return None;
             }
             let two = |name: &str, d: i64| ints(n, name).unwrap_or(vec![d; 2]);
@@ -259,16 +237,16 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
                 return None;
             }
             let mut out = vec![x[0]];
-            for i in 0..2 {
+            for (i, k) in [kh, kw].into_iter().enumerate() {
                 let (s, d) = (usize::try_from(st[i]).ok()?, usize::try_from(dl[i]).ok()?);
                 let (p0, p1) = (
                     usize::try_from(pads[i]).ok()?,
                     usize::try_from(pads[i + 2]).ok()?,
                 );
-                let ek = (w[i + 2] - 1).checked_mul(d)? + 1;
+                let ek = (k - 1).checked_mul(d)? + 1;
                 out.push((x[i + 1].checked_add(p0 + p1)?).checked_sub(ek)? / s.max(1) + 1);
             }
-            out.push(w[0]);
+            out.push(m);
             Some(out)
         }
         "Conv" | "QLinearConv" | "MaxPool" | "AveragePool" => {
