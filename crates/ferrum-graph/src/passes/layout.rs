@@ -179,6 +179,32 @@ fn transpose_node(name: String, from: ValueId, to: ValueId, perm: [usize; 4]) ->
     }
 }
 
+/// Where values enter a channels-last region during a rewrite: the nodes written so far, each
+/// entering value's NHWC twin, and the count of transposes made.
+struct Edge<'a> {
+    shapes: &'a crate::infer::Shapes,
+    out_nodes: &'a mut Vec<Node>,
+    nhwc_of: &'a mut HashMap<ValueId, ValueId>,
+    entered: &'a mut usize,
+}
+
+impl Edge<'_> {
+    /// The channels-last twin of `v` (elements `dtype`): made once, by a transpose appended to
+    /// the nodes, then reused.
+    fn twin(&mut self, model: &mut Model, v: ValueId, dtype: Option<DType>) -> ValueId {
+        if let Some(&t) = self.nhwc_of.get(&v) {
+            return t;
+        }
+        let s = permuted(self.shapes.get(Some(v)).expect("a static shape"), TO_NHWC);
+        let name = format!("{}#nhwc", model.value(v).name);
+        let t = new_typed_value(model, name.clone(), &s, dtype);
+        self.out_nodes.push(transpose_node(name, v, t, TO_NHWC));
+        *self.entered += 1;
+        self.nhwc_of.insert(v, t);
+        t
+    }
+}
+
 /// The filter `[M, C/group, kh, kw]` as `[kh, kw, C/group, M]`.
 pub(crate) fn oihw_to_hwio(w: &Tensor) -> Option<Tensor> {
     let s = w.shape();
@@ -289,16 +315,13 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
         };
         let c = &cands[k];
         let mut twin = |model: &mut Model, out_nodes: &mut Vec<Node>, v: ValueId| -> ValueId {
-            if let Some(&t) = nhwc_of.get(&v) {
-                return t;
-            }
-            let s = permuted(shapes.get(Some(v)).expect("a static shape"), TO_NHWC);
-            let name = format!("{}#nhwc", model.value(v).name);
-            let t = new_value(model, name.clone(), &s);
-            out_nodes.push(transpose_node(name, v, t, TO_NHWC));
-            entered += 1;
-            nhwc_of.insert(v, t);
-            t
+            let mut edge = Edge {
+                shapes: &shapes,
+                out_nodes,
+                nhwc_of: &mut nhwc_of,
+                entered: &mut entered,
+            };
+            edge.twin(model, v, Some(DType::F32))
         };
         let x = twin(model, &mut out_nodes, c.x);
         let z = c.z.map(|z| twin(model, &mut out_nodes, z));
@@ -713,20 +736,14 @@ pub fn quantized_channels_last(model: &mut Model, log: &mut Vec<String>) -> usiz
             if !data_slot(c, slot) {
                 continue;
             }
-            let t = match nhwc_of.get(&v) {
-                Some(&t) => t,
-                None => {
-                    let s = permuted(shapes.get(Some(v)).expect("a static shape"), TO_NHWC);
-                    let name = format!("{}#nhwc", model.value(v).name);
-                    let dtype = value_dtype(model, v);
-                    let t = new_typed_value(model, name.clone(), &s, dtype);
-                    out_nodes.push(transpose_node(name, v, t, TO_NHWC));
-                    entered += 1;
-                    nhwc_of.insert(v, t);
-                    t
-                }
+            let dtype = value_dtype(model, v);
+            let mut edge = Edge {
+                shapes: &shapes,
+                out_nodes: &mut out_nodes,
+                nhwc_of: &mut nhwc_of,
+                entered: &mut entered,
             };
-            n.inputs[slot] = Some(t);
+            n.inputs[slot] = Some(edge.twin(model, v, dtype));
         }
         let dtype = value_dtype(model, c.y);
         let yname = format!("{}#nhwc", model.value(c.y).name);

@@ -820,14 +820,19 @@ pub fn qadd_u8_portable(
     out: &mut [u8],
 ) {
     for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-        let v = (x as f32 - za) * sa + (y as f32 - zb) * sb;
-        *o = ((v / sc).round_ties_even() + zc).clamp(0.0, 255.0) as u8;
+        *o = quantize_one_u8((x as f32 - za) * sa + (y as f32 - zb) * sb, sc, zc);
     }
 }
 
 /// The portable form of [`quantize_u8`] (and its reference).
 pub fn quantize_u8_portable(x: &[f32], scale: f32, zp: f32, out: &mut [u8]) {
     for (o, &v) in out.iter_mut().zip(x) {
-        *o = ((v / scale).round_ties_even() + zp).clamp(0.0, 255.0) as u8;
+        *o = quantize_one_u8(v, scale, zp);
     }
+}
+
+/// One value by [`quantize_u8`]'s rule.
+#[inline]
+fn quantize_one_u8(v: f32, scale: f32, zp: f32) -> u8 {
+    ((v / scale).round_ties_even() + zp).clamp(0.0, 255.0) as u8
 }
