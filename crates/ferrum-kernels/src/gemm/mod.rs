@@ -84,6 +84,21 @@ pub const NC: usize = 1024;
 /// Rows of the AVX-512 kernel's panels.
 const AVX512_MR: usize = 12;
 
+/// Columns of C up to which a row-major A is read in place rather than packed ([`Side::InPlace`])
+/// whatever its depth.
+const IN_PLACE_MAX_N: usize = 64;
+
+/// True when the kernels read a row-major A in place for a product of `n` columns and depth `k`
+/// (`FERRUM_GEMM_PACK_A=1`: never): when B is at most two panels wide (each packed value would
+/// serve one or two tiles, so packing costs about what the products do), or when K fits one
+/// block (its rows then stay in L1 and L2 across the tiles; deeper ones read packed panels
+/// faster: measured on 1x1 convolutions and transformer shapes, `benches/gemm.rs`).
+fn reads_a_in_place(n: usize, k: usize) -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    (n <= IN_PLACE_MAX_N || k <= kc())
+        && !*OFF.get_or_init(|| std::env::var_os("FERRUM_GEMM_PACK_A").is_some())
+}
+
 /// Multiply-adds below which a product is not worth another thread.
 const MIN_TASK_MACS: usize = 1 << 19;
 
@@ -352,18 +367,37 @@ unsafe fn write_tile_with(
     }
 }
 
+/// Where a tile's A values lie: a packed panel (`lda == 0`: step `p` of row `r` at `p * MR + r`,
+/// `kc * MR` floats), or the operand itself, read in place (`lda > 0`: row `r`, step `p` at
+/// `r * lda + p`, only the tile's `rows` rows).
+#[derive(Clone, Copy)]
+pub(crate) struct APanel {
+    pub ptr: *const f32,
+    pub lda: usize,
+}
+
+impl APanel {
+    /// The tile's row pointers when read in place (rows past `rows` repeat the last one, so a
+    /// kernel that always computes `R` rows reads nothing outside the operand).
+    #[inline(always)]
+    fn rows<const R: usize>(self, rows: usize) -> [*const f32; R] {
+        core::array::from_fn(|r| self.ptr.wrapping_add(r.min(rows.max(1) - 1) * self.lda))
+    }
+}
+
 /// A register-tiled kernel: a `rows x cols` tile (at most `MR x NR`) from an A panel (`kc x MR`,
-/// row index fastest) and a B panel (`kc x NR`, column index fastest).
+/// row index fastest, or A's rows in place: [`APanel`]) and a B panel (`kc x NR`, column index
+/// fastest).
 trait Micro {
     const MR: usize;
     const NR: usize;
     /// Computes the tile and writes it per `out`.
     ///
     /// # Safety
-    /// `a` holds `kc * MR` floats, `b` holds `kc * NR`, `rows <= MR`, `cols <= NR`, `out`
-    /// addresses a `rows x cols` tile (bias pointers: `rows` and `cols` values), and the CPU has
-    /// the kernel's features.
-    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out);
+    /// `a` addresses `kc` steps of the tile's rows ([`APanel`]), `b` holds `kc * NR` floats,
+    /// `rows <= MR`, `cols <= NR`, `out` addresses a `rows x cols` tile (bias pointers: `rows`
+    /// and `cols` values), and the CPU has the kernel's features.
+    unsafe fn tile(kc: usize, a: APanel, b: *const f32, rows: usize, cols: usize, out: &Out);
 }
 
 /// The portable kernel (4 x 8), plain Rust: a separate multiply and add (`mul_add` would be a
@@ -373,19 +407,24 @@ struct Scalar;
 impl Micro for Scalar {
     const MR: usize = 4;
     const NR: usize = 8;
-    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out) {
-        // SAFETY: the caller guarantees the panel sizes (kc * MR, kc * NR).
-        let (a, b) = unsafe {
-            (
-                std::slice::from_raw_parts(a, kc * 4),
-                std::slice::from_raw_parts(b, kc * 8),
-            )
-        };
+    unsafe fn tile(kc: usize, a: APanel, b: *const f32, rows: usize, cols: usize, out: &Out) {
+        // SAFETY: the caller guarantees the panel size (kc * NR).
+        let b = unsafe { std::slice::from_raw_parts(b, kc * 8) };
+        let rp = a.rows::<4>(rows);
         let mut t = [0f32; 32];
-        for (ap, bp) in a.chunks_exact(4).zip(b.chunks_exact(8)) {
+        for (p, bp) in b.chunks_exact(8).enumerate() {
             for r in 0..4 {
+                // SAFETY: p < kc; a packed panel holds kc * MR floats, a row read in place kc
+                // (rows past `rows` repeat the last).
+                let x = unsafe {
+                    if a.lda == 0 {
+                        *a.ptr.add(p * 4 + r)
+                    } else {
+                        *rp[r].add(p)
+                    }
+                };
                 for j in 0..8 {
-                    t[r * 8 + j] += ap[r] * bp[j];
+                    t[r * 8 + j] += x * bp[j];
                 }
             }
         }
@@ -799,13 +838,17 @@ enum Side<'a> {
     Whole(&'a [f32], usize),
     /// A packed operand, in whatever width the side needs.
     Pre(&'a Packed),
+    /// A's rows read in place by the kernels (`cs == 1`): a product whose B is one or two
+    /// panels wide would use each packed A value once or twice, so packing it costs as much as
+    /// the product ([`IN_PLACE_MAX_N`]).
+    InPlace(Mat<'a>),
 }
 
 impl<'a> Side<'a> {
     /// The whole-packed data in width `w`, if it is.
     fn whole(self, rows: usize, w: usize) -> Option<(&'a [f32], usize)> {
         match self {
-            Side::Raw(_) => None,
+            Side::Raw(_) | Side::InPlace(_) => None,
             Side::Whole(d, pad) => Some((d, pad)),
             Side::Pre(p) => Some((p.get(w), rows.next_multiple_of(w))),
         }
@@ -896,13 +939,14 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
             };
             for ic in (i0..i1).step_by(mcb) {
                 let mc = mcb.min(i1 - ic);
-                let ap: &[f32] = match (a_whole, p.a) {
-                    (Some((d, pad)), _) => &d[pc * pad + ic * kc..],
+                let ap: Result<&[f32], Mat> = match (a_whole, p.a) {
+                    (Some((d, pad)), _) => Ok(&d[pc * pad + ic * kc..]),
                     (None, Side::Raw(x)) => {
                         let buf = at_least(&mut sa, mc.next_multiple_of(mr) * kc);
                         x.offset(ic, pc).pack(mc, kc, mr, buf);
-                        buf
+                        Ok(buf)
                     }
+                    (None, Side::InPlace(x)) => Err(x.offset(ic, pc)),
                     (None, _) => unreachable!(),
                 };
                 let tiles = mc.div_ceil(mr);
@@ -913,7 +957,17 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     let bpanel = bp[jr * kc..][..kc * nr].as_ptr();
                     let rws = mr.min(mc - ir);
                     let i = ic + ir;
-                    let apanel = ap[ir * kc..][..kc * mr].as_ptr();
+                    let apanel = match ap {
+                        Ok(ap) => APanel {
+                            ptr: ap[ir * kc..][..kc * mr].as_ptr(),
+                            lda: 0,
+                        },
+                        // Rows ir.. of the block, `kc` steps each (inside A: `check`).
+                        Err(x) => APanel {
+                            ptr: x.data[ir * x.rs..][..kc].as_ptr(),
+                            lda: x.rs,
+                        },
+                    };
                     let epi = (last && p.has_epi).then(|| TileEpi {
                         row: p.row_bias.map_or(std::ptr::null(), |v| v[i..].as_ptr()),
                         col: p.col_bias.map_or(std::ptr::null(), |v| v[j..].as_ptr()),
@@ -932,7 +986,8 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                         acc,
                         epi,
                     };
-                    // SAFETY: the panels were sliced to kc * MR and kc * NR floats; the rws x
+                    // SAFETY: the panels were sliced to kc * MR and kc * NR floats (A read in
+                    // place: its rws rows of kc steps lie inside A, checked at entry); the rws x
                     // cols tile lies inside this task's range of C, and the bias slices were
                     // checked to cover every row and column; the ISA was checked by the caller.
                     unsafe { K::tile(kc, apanel, bpanel, rws, cols, &out) };
@@ -1409,7 +1464,9 @@ fn gemm_dst(
         return bf16::gemm(m, n, k, sa, sb, &d, threads);
     }
     // Both operands as X (rows x k): A, and B transposed.
+    let in_place = matches!(a, Lhs::Mat(v) if v.cs == 1) && reads_a_in_place(n, k);
     let xa = match a {
+        Lhs::Mat(v) if in_place => Side::InPlace(v),
         Lhs::Mat(v) => Side::Raw(Src::Mat(v)),
         Lhs::Packed(PackedA(Repr::F32(p))) => Side::Pre(p),
         Lhs::Packed(_) => unreachable!("bf16 handled above"),
@@ -1441,7 +1498,7 @@ fn gemm_dst(
     // would be mostly padding, so compute C^T = B^T A^T (the operands swap roles, C is written
     // through a column stride).
     let util = |x: usize| x as f64 / isa.padded_cols(x) as f64;
-    if n < 128 && m >= 2 * n && util(m) > util(n) + 0.1 {
+    if !in_place && n < 128 && m >= 2 * n && util(m) > util(n) + 0.1 {
         p = Prob {
             m: n,
             n: m,

@@ -438,7 +438,15 @@ fn vector_activations_give_the_bits_of_act_apply() {
 fn packed_operands_give_the_bits_of_plain_views() {
     let mut rng = rng();
     for isa in available_isas() {
-        for &(m, n, k) in &[(37, 300, 301), (250, 33, 90), (13, 5, 7), (130, 200, 520)] {
+        for &(m, n, k) in &[
+            (37, 300, 301),
+            (250, 33, 90),
+            (13, 5, 7),
+            (130, 200, 520),
+            (301, 24, 144),
+            (97, 16, 600),
+            (61, 150, 40),
+        ] {
             let a = Operand::new(&mut rng, m, k);
             let b = Operand::new(&mut rng, k, n);
             let (av, bv) = (a.mat(), b.mat());

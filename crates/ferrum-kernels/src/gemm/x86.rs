@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{write_tile, Act, Micro, Out};
+use super::{write_tile, APanel, Act, Micro, Out};
 
 /// The AVX-512 kernel: panels of `MR` rows and 32 columns.
 pub struct Avx512<const MR: usize>;
@@ -19,52 +19,61 @@ impl<const MR: usize> Micro for Avx512<MR> {
     const MR: usize = MR;
     const NR: usize = 32;
     #[inline]
-    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out) {
+    unsafe fn tile(kc: usize, a: APanel, b: *const f32, rows: usize, cols: usize, out: &Out) {
         macro_rules! by_rows {
-            ($nv:literal, $($r:literal)*) => {
+            ($nv:literal, $ip:literal, $($r:literal)*) => {
                 match rows {
                     // SAFETY: forwarded from the caller (panel sizes, tile extent, AVX-512F);
                     // `rows <= MR` is checked by the match arm's bound.
-                    $($r if $r <= MR => unsafe { tile_avx512::<MR, $r, $nv>(kc, a, b, cols, out) },)*
+                    $($r if $r <= MR => unsafe {
+                        tile_avx512::<MR, $r, $nv, $ip>(kc, a, b, cols, out)
+                    },)*
                     _ => unreachable!("gemm: {rows} rows in an AVX-512 tile of {MR}"),
                 }
             };
         }
-        if cols <= 16 {
-            by_rows!(1, 1 2 3 4 5 6 7 8 9 10 11 12 13 14)
-        } else {
-            by_rows!(2, 1 2 3 4 5 6 7 8 9 10 11 12 13 14)
+        match (cols <= 16, a.lda == 0) {
+            (true, true) => by_rows!(1, false, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
+            (false, true) => by_rows!(2, false, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
+            (true, false) => by_rows!(1, true, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
+            (false, false) => by_rows!(2, true, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
         }
     }
 }
 
-/// The `R x 16*NV` tile of `a`'s panel (row stride `MR`) times `b`'s panel (row stride 32),
-/// written per `out` for its first `cols` columns.
+/// The `R x 16*NV` tile of `a` (a panel of row stride `MR`, or with `IN_PLACE` A's rows
+/// `a.lda` apart: [`APanel`]) times `b`'s panel (row stride 32), written per `out` for its first
+/// `cols` columns.
 ///
 /// # Safety
-/// `a` holds `kc * MR` floats, `b` holds `kc * 32`, `R <= MR`, `cols <= 16 * NV`, `out` addresses
-/// an `R x cols` tile (and its bias pointers `R` and `cols` values), and the CPU supports
-/// AVX-512F.
+/// `a` addresses `kc` steps of `R` rows (`kc * MR` floats packed), `b` holds `kc * 32`,
+/// `R <= MR`, `cols <= 16 * NV`, `out` addresses an `R x cols` tile (and its bias pointers `R`
+/// and `cols` values), and the CPU supports AVX-512F.
 #[target_feature(enable = "avx512f")]
-unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize>(
+unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize, const IN_PLACE: bool>(
     kc: usize,
-    a: *const f32,
+    a: APanel,
     b: *const f32,
     cols: usize,
     out: &Out,
 ) {
     let mut t = [[_mm512_setzero_ps(); NV]; R];
+    let rp = a.rows::<R>(R);
     for p in 0..kc {
-        // SAFETY: p < kc and R <= MR, so the loads stay inside the panels the caller vouched for.
+        // SAFETY: p < kc and R <= MR, so the loads stay inside the panels the caller vouched for
+        // (A read in place: inside its R rows of kc steps).
         unsafe {
             let bp = b.add(p * 32);
             let mut bv = [_mm512_setzero_ps(); NV];
             for (v, x) in bv.iter_mut().enumerate() {
                 *x = _mm512_loadu_ps(bp.add(16 * v));
             }
-            let ap = a.add(p * MR);
             for (r, row) in t.iter_mut().enumerate() {
-                let av = _mm512_set1_ps(*ap.add(r));
+                let av = _mm512_set1_ps(if IN_PLACE {
+                    *rp[r].add(p)
+                } else {
+                    *a.ptr.add(p * MR + r)
+                });
                 for (acc, &x) in row.iter_mut().zip(&bv) {
                     *acc = _mm512_fmadd_ps(av, x, *acc);
                 }
@@ -269,21 +278,36 @@ impl Micro for Avx2 {
     const MR: usize = 6;
     const NR: usize = 16;
     #[inline]
-    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out) {
+    unsafe fn tile(kc: usize, a: APanel, b: *const f32, rows: usize, cols: usize, out: &Out) {
         // SAFETY: forwarded from the caller (panel sizes, tile extent, AVX2 and FMA present).
-        unsafe { tile_avx2(kc, a, b, rows, cols, out) };
+        unsafe {
+            if a.lda == 0 {
+                tile_avx2::<false>(kc, a, b, rows, cols, out)
+            } else {
+                tile_avx2::<true>(kc, a, b, rows, cols, out)
+            }
+        };
     }
 }
 
-/// The full 6 x 16 product of the panels, written per `out` for its first `rows x cols`: whole
+/// The full 6 x 16 product of the panels (with `IN_PLACE`, of A's rows read in place, rows past
+/// `rows` repeating the last: [`APanel`]), written per `out` for its first `rows x cols`: whole
 /// tiles without an epilogue straight from registers, others through [`write_tile`].
 ///
 /// # Safety
-/// `a` holds `kc * 6` floats, `b` holds `kc * 16`, `out` addresses a `rows x cols` tile (and its
-/// bias values), and the CPU supports AVX2 and FMA.
+/// `a` addresses `kc` steps of `rows` rows (`kc * 6` floats packed), `b` holds `kc * 16`, `out`
+/// addresses a `rows x cols` tile (and its bias values), and the CPU supports AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: usize, out: &Out) {
+unsafe fn tile_avx2<const IN_PLACE: bool>(
+    kc: usize,
+    a: APanel,
+    b: *const f32,
+    rows: usize,
+    cols: usize,
+    out: &Out,
+) {
     prefetch_c(rows, cols, out);
+    let rp = a.rows::<6>(rows);
     let mut t = [[_mm256_setzero_ps(); 2]; 6];
     // One step of K: B's 16 values against each of A's 6, broadcast.
     let step = |t: &mut [[__m256; 2]; 6], p: usize| {
@@ -291,9 +315,12 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, rows: usize, cols: 
         unsafe {
             let b0 = _mm256_loadu_ps(b.add(p * 16));
             let b1 = _mm256_loadu_ps(b.add(p * 16 + 8));
-            let ap = a.add(p * 6);
             for (r, row) in t.iter_mut().enumerate() {
-                let av = _mm256_set1_ps(*ap.add(r));
+                let av = _mm256_set1_ps(if IN_PLACE {
+                    *rp[r].add(p)
+                } else {
+                    *a.ptr.add(p * 6 + r)
+                });
                 row[0] = _mm256_fmadd_ps(av, b0, row[0]);
                 row[1] = _mm256_fmadd_ps(av, b1, row[1]);
             }
