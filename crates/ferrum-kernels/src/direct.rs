@@ -131,8 +131,13 @@ mod x86 {
     use crate::gemm::x86::act_avx512;
     use crate::gemm::Act;
 
-    /// Pixels computed together.
+    /// Pixels computed together near the row's edges (taps checked one by one).
     const P: usize = 4;
+    /// Pixels computed together inside the row (no tap outside the input): with one or two
+    /// vectors of output channels, 12 pixels (24 accumulators); with three or four, two runs of
+    /// [`HALF`].
+    const WIDE: usize = 12;
+    const HALF: usize = WIDE / 2;
 
     /// One output row (every pixel and output channel).
     ///
@@ -152,9 +157,44 @@ mod x86 {
         act: Act,
         o: &mut [MaybeUninit<f32>],
     ) {
-        let mut ox = 0;
         let ow = g.output[1];
+        // Output columns whose taps all lie inside the input row: [lo, hi).
+        let (iw, sx, dx, px) = (g.input[1], g.stride[1], g.dilation[1], g.pad[1]);
+        let span = (g.kernel[1] - 1) * dx;
+        let lo = px.div_ceil(sx).min(ow);
+        let hi = if iw + px > span {
+            ((iw + px - span - 1) / sx + 1).clamp(lo, ow)
+        } else {
+            lo
+        };
+        let mut ox = 0;
         while ox < ow {
+            if ox >= lo && ox + WIDE <= hi {
+                let mut mb = 0;
+                while mb < cout {
+                    // SAFETY: forwarded; pixels ox..ox + WIDE are inside [lo, hi), so every
+                    // tap of theirs lies inside the input row.
+                    unsafe {
+                        match (cout - mb).div_ceil(16) {
+                            1 => wide::<1, WIDE>(x, w, cout, g, oy, ox, mb, bias, z, act, o),
+                            2 => wide::<2, WIDE>(x, w, cout, g, oy, ox, mb, bias, z, act, o),
+                            3 => {
+                                wide::<3, HALF>(x, w, cout, g, oy, ox, mb, bias, z, act, o);
+                                let ox = ox + HALF;
+                                wide::<3, HALF>(x, w, cout, g, oy, ox, mb, bias, z, act, o);
+                            }
+                            _ => {
+                                wide::<4, HALF>(x, w, cout, g, oy, ox, mb, bias, z, act, o);
+                                let ox = ox + HALF;
+                                wide::<4, HALF>(x, w, cout, g, oy, ox, mb, bias, z, act, o);
+                            }
+                        }
+                    }
+                    mb += 64;
+                }
+                ox += WIDE;
+                continue;
+            }
             let np = P.min(ow - ox);
             let mut mb = 0;
             while mb < cout {
@@ -173,6 +213,105 @@ mod x86 {
             }
             ox += np;
         }
+    }
+
+    /// Pixels `ox..ox + Q` of output row `oy`, all of whose taps lie inside the input row,
+    /// output channels `mb..` in `V` vectors of 16 (masked past `cout`): per tap and input
+    /// channel, the `V` weight vectors are loaded once and each pixel's input value broadcast
+    /// against them.
+    ///
+    /// # Safety
+    /// As [`row`]; pixels `ox..ox + Q` lie in the row's interior (every tap column inside
+    /// the input).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn wide<const V: usize, const Q: usize>(
+        x: &[f32],
+        w: &[f32],
+        cout: usize,
+        g: &Geometry,
+        oy: usize,
+        ox: usize,
+        mb: usize,
+        bias: Option<&[f32]>,
+        z: Option<&[f32]>,
+        act: Act,
+        o: &mut [MaybeUninit<f32>],
+    ) {
+        let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
+        let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        let m = masks::<V>(cout, mb);
+        let step = g.stride[1] * cin;
+        let mut acc = [[_mm512_setzero_ps(); V]; Q];
+        // SAFETY (all pointer reads and writes below): channel offsets stay below `cout` under
+        // the masks, pixel offsets below `ow`, input offsets inside the image (rows outside
+        // are skipped; columns are inside by the caller's contract).
+        unsafe {
+            for v in 0..V {
+                let b = match bias {
+                    Some(b) => _mm512_maskz_loadu_ps(m[v], b.as_ptr().add(mb + 16 * v)),
+                    None => _mm512_setzero_ps(),
+                };
+                for (p, a) in acc.iter_mut().enumerate() {
+                    a[v] = match z {
+                        Some(z) => _mm512_add_ps(
+                            _mm512_maskz_loadu_ps(
+                                m[v],
+                                z.as_ptr().add((ox + p) * cout + mb + 16 * v),
+                            ),
+                            b,
+                        ),
+                        None => _mm512_add_ps(_mm512_setzero_ps(), b),
+                    };
+                }
+            }
+            for ky in 0..kh {
+                let iy = (oy * g.stride[0] + ky * g.dilation[0]) as isize - g.pad[0] as isize;
+                if iy < 0 || iy as usize >= ih {
+                    continue;
+                }
+                for kx in 0..kw {
+                    let ix0 = ox * g.stride[1] + kx * g.dilation[1] - g.pad[1];
+                    let src = xp.add((iy as usize * iw + ix0) * cin);
+                    let wt = wp.add((ky * kw + kx) * cin * cout + mb);
+                    for ci in 0..cin {
+                        let mut wv = [_mm512_setzero_ps(); V];
+                        for (v, x) in wv.iter_mut().enumerate() {
+                            *x = _mm512_maskz_loadu_ps(m[v], wt.add(ci * cout + 16 * v));
+                        }
+                        for (p, a) in acc.iter_mut().enumerate() {
+                            let xv = _mm512_set1_ps(*src.add(p * step + ci));
+                            for v in 0..V {
+                                a[v] = _mm512_fmadd_ps(wv[v], xv, a[v]);
+                            }
+                        }
+                    }
+                }
+            }
+            for (p, a) in acc.iter().enumerate() {
+                for v in 0..V {
+                    _mm512_mask_storeu_ps(
+                        op.add((ox + p) * cout + mb + 16 * v),
+                        m[v],
+                        act_avx512(act, a[v]),
+                    );
+                }
+            }
+        }
+    }
+
+    /// The lane masks of `V` vectors of output channels from `mb` (the last masked past
+    /// `cout`).
+    #[inline]
+    fn masks<const V: usize>(cout: usize, mb: usize) -> [u16; V] {
+        core::array::from_fn(|v| {
+            let left = cout.saturating_sub(mb + 16 * v).min(16);
+            if left == 16 {
+                0xffff
+            } else {
+                (1u16 << left) - 1
+            }
+        })
     }
 
     /// Pixels `ox..ox + np` (at most [`P`]) of output row `oy`, output channels `mb..` in `V`
@@ -198,15 +337,7 @@ mod x86 {
     ) {
         let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
         let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
-        let mut m = [0u16; V];
-        for (v, m) in m.iter_mut().enumerate() {
-            let left = cout.saturating_sub(mb + 16 * v).min(16);
-            *m = if left == 16 {
-                0xffff
-            } else {
-                (1u16 << left) - 1
-            };
-        }
+        let m = masks::<V>(cout, mb);
         let mut acc = [[_mm512_setzero_ps(); V]; P];
         // SAFETY (all pointer reads and writes below): channel offsets stay below `cout`
         // under the masks, pixel offsets below `ow`, input offsets inside the image (taps
@@ -293,7 +424,8 @@ mod tests {
             let s = [rng.gen_range(1..4), rng.gen_range(1..4)];
             let d = [rng.gen_range(1..3), rng.gen_range(1..3)];
             let pad = [rng.gen_range(0..4), rng.gen_range(0..4)];
-            let input = [rng.gen_range(1..20), rng.gen_range(1..30)];
+            // Rows wide enough for the interior kernel's runs of 12 pixels at any stride.
+            let input = [rng.gen_range(1..20), rng.gen_range(1..[30, 90][case % 2])];
             let ext = |i: usize| (k[i] - 1) * d[i] + 1;
             if (0..2).any(|i| input[i] + 2 * pad[i] < ext(i)) {
                 continue;
