@@ -361,6 +361,25 @@ mod x86 {
             }
         };
         let mut ox = lo;
+        // Three taps a row, stride 1 or 2, no dilation (MobileNet's layers): runs of WIDE
+        // pixels with each input vector loaded once for all the taps that read it.
+        if kw == 3 && d1 == 1 && (s1 == 1 || s1 == 2) {
+            while ox + WIDE <= hi {
+                for cb in (0..c).step_by(16) {
+                    let run = Run {
+                        ox,
+                        cb,
+                        m: mask(cb),
+                    };
+                    if s1 == 1 {
+                        wide3::<1>(x, w, g, oy, bias, z, act, o, run);
+                    } else {
+                        wide3::<2>(x, w, g, oy, bias, z, act, o, run);
+                    }
+                }
+                ox += WIDE;
+            }
+        }
         while ox + GROUP <= hi {
             for cb in (0..c).step_by(16) {
                 block(ox, GROUP, cb, mask(cb), true);
@@ -371,6 +390,81 @@ mod x86 {
             let inside = ox >= lo && ox < hi;
             for cb in (0..c).step_by(16) {
                 block(ox, 1, cb, mask(cb), inside);
+            }
+        }
+    }
+
+    /// Pixels computed together by [`wide3`].
+    const WIDE: usize = 8;
+
+    /// Where a run of [`wide3`] lies: output pixels `ox..ox + WIDE`, channels `cb..` under `m`.
+    #[derive(Clone, Copy)]
+    struct Run {
+        ox: usize,
+        cb: usize,
+        m: __mmask16,
+    }
+
+    /// [`WIDE`] pixels of output row `oy` inside the input (every tap in it), a filter three
+    /// taps wide at stride `S` (1 or 2), no dilation: per filter row, the `(WIDE - 1) * S + 3`
+    /// input vectors the run reads are loaded once and each feeds every tap that reads it; the
+    /// sums in [`row_avx512`]'s order (so the same bits).
+    ///
+    /// # Safety
+    /// As [`row_avx512`], with `g.kernel[1] == 3`, `g.dilation[1] == 1`, `g.stride[1] == S`
+    /// and the run's pixels inside the row's interior ([`inner_cols`]).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn wide3<const S: usize>(
+        x: &[f32],
+        w: &[f32],
+        g: &Geometry,
+        oy: usize,
+        bias: Option<&[f32]>,
+        z: Option<&[f32]>,
+        act: Act,
+        o: &mut [MaybeUninit<f32>],
+        Run { ox, cb, m }: Run,
+    ) {
+        let (c, iw) = (g.channels, g.input[1]);
+        let (ky0, ky1, iy0) = tap_rows(g, oy);
+        let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        let mut acc = [_mm512_setzero_ps(); WIDE];
+        // SAFETY (all pointer reads and writes below): channels under the mask, pixels inside
+        // the output row, input columns inside the row's interior (caller's contract), input
+        // rows from `tap_rows`.
+        unsafe {
+            let b = match bias {
+                Some(b) => _mm512_maskz_loadu_ps(m, b.as_ptr().add(cb)),
+                None => _mm512_setzero_ps(),
+            };
+            for (p, a) in acc.iter_mut().enumerate() {
+                *a = match z {
+                    Some(z) => _mm512_add_ps(
+                        _mm512_maskz_loadu_ps(m, z.as_ptr().add((ox + p) * c + cb)),
+                        b,
+                    ),
+                    None => _mm512_add_ps(_mm512_setzero_ps(), b),
+                };
+            }
+            for (r, ky) in (ky0..ky1).enumerate() {
+                let row = xp.add((iy0 + r * g.dilation[0]) * iw * c + cb);
+                let at = row.add((ox * S - g.pad[1]) * c);
+                let wt: [__m512; 3] = core::array::from_fn(|kx| {
+                    _mm512_maskz_loadu_ps(m, wp.add((ky * 3 + kx) * c + cb))
+                });
+                let mut xs = [_mm512_setzero_ps(); (WIDE - 1) * 2 + 3];
+                for (j, v) in xs.iter_mut().enumerate().take((WIDE - 1) * S + 3) {
+                    *v = _mm512_maskz_loadu_ps(m, at.add(j * c));
+                }
+                for (p, a) in acc.iter_mut().enumerate() {
+                    for (kx, &wv) in wt.iter().enumerate() {
+                        *a = _mm512_fmadd_ps(wv, xs[p * S + kx], *a);
+                    }
+                }
+            }
+            for (p, a) in acc.iter().enumerate() {
+                _mm512_mask_storeu_ps(op.add((ox + p) * c + cb), m, act_avx512(act, *a));
             }
         }
     }
@@ -474,7 +568,14 @@ mod tests {
             let d = [rng.gen_range(1..3), rng.gen_range(1..3)];
             let pad = [rng.gen_range(0..4), rng.gen_range(0..4)];
             let pad_end = [rng.gen_range(0..4), rng.gen_range(0..4)];
-            let input = [rng.gen_range(1..20), rng.gen_range(1..30)];
+            // Some rows wide enough for runs of 8 pixels at stride 2; a third of the filters
+            // three taps wide with no dilation (the kernels' special case).
+            let input = [rng.gen_range(1..20), rng.gen_range(1..[30, 60][case % 2])];
+            let (k, d) = if case % 3 == 0 {
+                ([k[0], 3], [d[0], 1])
+            } else {
+                (k, d)
+            };
             let ext = |i: usize| (k[i] - 1) * d[i] + 1;
             if (0..2).any(|i| input[i] + pad[i] + pad_end[i] < ext(i)) {
                 continue;
