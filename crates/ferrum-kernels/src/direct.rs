@@ -247,24 +247,7 @@ mod x86 {
         // the masks, pixel offsets below `ow`, input offsets inside the image (rows outside
         // are skipped; columns are inside by the caller's contract).
         unsafe {
-            for v in 0..V {
-                let b = match bias {
-                    Some(b) => _mm512_maskz_loadu_ps(m[v], b.as_ptr().add(mb + 16 * v)),
-                    None => _mm512_setzero_ps(),
-                };
-                for (p, a) in acc.iter_mut().enumerate() {
-                    a[v] = match z {
-                        Some(z) => _mm512_add_ps(
-                            _mm512_maskz_loadu_ps(
-                                m[v],
-                                z.as_ptr().add((ox + p) * cout + mb + 16 * v),
-                            ),
-                            b,
-                        ),
-                        None => _mm512_add_ps(_mm512_setzero_ps(), b),
-                    };
-                }
-            }
+            start(&mut acc, Q, &m, bias, z, ox, cout, mb);
             for ky in 0..kh {
                 let iy = (oy * g.stride[0] + ky * g.dilation[0]) as isize - g.pad[0] as isize;
                 if iy < 0 || iy as usize >= ih {
@@ -288,14 +271,79 @@ mod x86 {
                     }
                 }
             }
-            for (p, a) in acc.iter().enumerate() {
-                for v in 0..V {
+            store(&acc, Q, &m, act, op, ox, cout, mb);
+        }
+    }
+
+    /// The first `np` pixels' accumulators set to the bias plus the residual (each when
+    /// given) of pixels `ox..` and output channels `mb..` under the masks `m`.
+    ///
+    /// # Safety
+    /// As [`row`]: pixels `ox..ox + np` and the masked channels lie in the output row.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn start<const V: usize, const Q: usize>(
+        acc: &mut [[__m512; V]; Q],
+        np: usize,
+        m: &[u16; V],
+        bias: Option<&[f32]>,
+        z: Option<&[f32]>,
+        ox: usize,
+        cout: usize,
+        mb: usize,
+    ) {
+        for v in 0..V {
+            // SAFETY: channels under the mask, pixels below ox + np (caller's contract).
+            unsafe {
+                let b = match bias {
+                    Some(b) => _mm512_maskz_loadu_ps(m[v], b.as_ptr().add(mb + 16 * v)),
+                    None => _mm512_setzero_ps(),
+                };
+                for (p, a) in acc.iter_mut().enumerate().take(np) {
+                    a[v] = match z {
+                        Some(z) => _mm512_add_ps(
+                            _mm512_maskz_loadu_ps(
+                                m[v],
+                                z.as_ptr().add((ox + p) * cout + mb + 16 * v),
+                            ),
+                            b,
+                        ),
+                        None => _mm512_add_ps(_mm512_setzero_ps(), b),
+                    };
+                }
+            }
+        }
+    }
+
+    /// Stores the first `np` pixels' accumulators, activated, at pixels `ox..` and output
+    /// channels `mb..` of the row at `op` under the masks `m`.
+    ///
+    /// # Safety
+    /// As [`start`], for the output row at `op`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn store<const V: usize, const Q: usize>(
+        acc: &[[__m512; V]; Q],
+        np: usize,
+        m: &[u16; V],
+        act: Act,
+        op: *mut f32,
+        ox: usize,
+        cout: usize,
+        mb: usize,
+    ) {
+        for (p, a) in acc.iter().enumerate().take(np) {
+            for v in 0..V {
+                // SAFETY: channels under the mask, pixels below ox + np (caller's contract).
+                unsafe {
                     _mm512_mask_storeu_ps(
                         op.add((ox + p) * cout + mb + 16 * v),
                         m[v],
                         act_avx512(act, a[v]),
-                    );
-                }
+                    )
+                };
             }
         }
     }
@@ -343,24 +391,7 @@ mod x86 {
         // under the masks, pixel offsets below `ow`, input offsets inside the image (taps
         // outside are skipped).
         unsafe {
-            for v in 0..V {
-                let b = match bias {
-                    Some(b) => _mm512_maskz_loadu_ps(m[v], b.as_ptr().add(mb + 16 * v)),
-                    None => _mm512_setzero_ps(),
-                };
-                for (p, a) in acc.iter_mut().enumerate().take(np) {
-                    a[v] = match z {
-                        Some(z) => _mm512_add_ps(
-                            _mm512_maskz_loadu_ps(
-                                m[v],
-                                z.as_ptr().add((ox + p) * cout + mb + 16 * v),
-                            ),
-                            b,
-                        ),
-                        None => _mm512_add_ps(_mm512_setzero_ps(), b),
-                    };
-                }
-            }
+            start(&mut acc, np, &m, bias, z, ox, cout, mb);
             for ky in 0..kh {
                 let iy = (oy * g.stride[0] + ky * g.dilation[0]) as isize - g.pad[0] as isize;
                 if iy < 0 || iy as usize >= ih {
@@ -386,15 +417,7 @@ mod x86 {
                     }
                 }
             }
-            for (p, a) in acc.iter().enumerate().take(np) {
-                for v in 0..V {
-                    _mm512_mask_storeu_ps(
-                        op.add((ox + p) * cout + mb + 16 * v),
-                        m[v],
-                        act_avx512(act, a[v]),
-                    );
-                }
-            }
+            store(&acc, np, &m, act, op, ox, cout, mb);
         }
     }
 }
