@@ -1,0 +1,116 @@
+//! Channels-last convolution kernels on MobileNetV2's and ResNet's shapes (no criterion):
+//! `cargo bench -p ferrum-kernels --bench conv [-- --reps N]`. The depthwise layers (3x3, pad 1,
+//! stride 1 or 2, ReLU6 as the network fuses it) and the first layers over an image's 3 channels
+//! (`direct`, AVX-512 only), at 1 and 2 threads; GFLOP/s count 2 FLOPs per multiply-add. Each
+//! figure: the median and the fastest of `--reps` runs (default 15) after one warm-up (the
+//! fastest is the steadier estimate on a machine shared with other work).
+
+use std::mem::MaybeUninit;
+use std::time::Instant;
+
+use ferrum_kernels::depthwise::{depthwise_nhwc_with, Finish, Geometry};
+use ferrum_kernels::direct;
+use ferrum_kernels::gemm::{self, Act};
+
+/// Median and fastest seconds of `reps` runs of `f` after one warm-up run.
+fn time(reps: usize, mut f: impl FnMut()) -> (f64, f64) {
+    f();
+    let mut v: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    (v[reps / 2], v[0])
+}
+
+fn vals(n: usize, seed: f32) -> Vec<f32> {
+    (0..n).map(|i| ((i as f32 + seed) * 0.731).sin()).collect()
+}
+
+/// A square `k x k` convolution of a `size x size` input with padding `k / 2`.
+fn geometry(size: usize, channels: usize, k: usize, stride: usize) -> Geometry {
+    let out = (size + 2 * (k / 2) - k) / stride + 1;
+    Geometry {
+        input: [size, size],
+        channels,
+        kernel: [k, k],
+        stride: [stride, stride],
+        dilation: [1, 1],
+        pad: [k / 2, k / 2],
+        output: [out, out],
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let reps = args
+        .iter()
+        .position(|a| a == "--reps")
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+        .unwrap_or(15);
+    let relu6 = Act::Clip { lo: 0.0, hi: 6.0 };
+    println!("| kernel | shape | threads | median ms | fastest ms | GFLOP/s (fastest) |");
+    println!("|---|---|---:|---:|---:|---:|");
+    for threads in [1, 2] {
+        // MobileNetV2's depthwise layers: (input size, channels, stride).
+        for (size, c, s) in [
+            (112, 32, 1),
+            (112, 96, 2),
+            (56, 144, 1),
+            (56, 144, 2),
+            (28, 192, 1),
+            (14, 576, 1),
+            (7, 960, 1),
+        ] {
+            let g = geometry(size, c, 3, s);
+            let (x, w, b) = (vals(size * size * c, 1.0), vals(9 * c, 2.0), vals(c, 3.0));
+            let fin = Finish {
+                bias: Some(&b),
+                residual: None,
+                act: relu6,
+            };
+            let mut out = vec![MaybeUninit::new(0f32); g.output[0] * g.output[1] * c];
+            let (med, best) = time(reps, || {
+                depthwise_nhwc_with(gemm::isa(), threads, &x, &w, 1, &g, &fin, &mut out)
+            });
+            let flops = 2.0 * (g.output[0] * g.output[1] * c * 9) as f64;
+            println!(
+                "| depthwise | {size}x{size}x{c} 3x3/{s} | {threads} | {:.3} | {:.3} | {:.1} |",
+                med * 1e3,
+                best * 1e3,
+                flops / best / 1e9
+            );
+        }
+        if !direct::worthwhile(3) {
+            continue;
+        }
+        // First layers: MobileNetV2's 3x3/2 to 32 channels, ResNet's 7x7/2 to 64.
+        for (k, cout) in [(3, 32), (7, 64)] {
+            let g = geometry(224, 3, k, 2);
+            let (x, w, b) = (
+                vals(224 * 224 * 3, 1.0),
+                vals(k * k * 3 * cout, 2.0),
+                vals(cout, 3.0),
+            );
+            let fin = Finish {
+                bias: Some(&b),
+                residual: None,
+                act: relu6,
+            };
+            let mut out = vec![MaybeUninit::new(0f32); g.output[0] * g.output[1] * cout];
+            let (med, best) = time(reps, || {
+                direct::dense_nhwc_with(threads, &x, &w, cout, 1, &g, &fin, &mut out)
+            });
+            let flops = 2.0 * (g.output[0] * g.output[1] * cout * k * k * 3) as f64;
+            println!(
+                "| direct | 224x224x3 {k}x{k}/2 -> {cout} | {threads} | {:.3} | {:.3} | {:.1} |",
+                med * 1e3,
+                best * 1e3,
+                flops / best / 1e9
+            );
+        }
+    }
+}
