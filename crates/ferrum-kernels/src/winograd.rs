@@ -886,7 +886,7 @@ mod tests {
     /// within `4e-6` of the sum of the products' magnitudes of the direct f64 convolution (the
     /// transforms add a few roundings of values up to that size; the product's own bound is
     /// 1e-5 * that sum over its K of 16 * cin terms, here of fewer and smaller terms), times 1.5
-    /// after an activation. NaN never passes.
+    /// after an activation, plus one unit in the last place of the output. NaN never passes.
     #[test]
     fn matches_the_direct_convolution() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
@@ -943,7 +943,10 @@ mod tests {
                 for (i, (o, (&wv, &m))) in out.iter().zip(want.iter().zip(&mag)).enumerate() {
                     // SAFETY: every element was initialised (NaN) before the call.
                     let got = unsafe { o.assume_init() };
-                    let tol = scale * 4e-6 * (m + 1e-3);
+                    // Plus one rounding of the output itself: after an activation that maps
+                    // small sums near a constant (a sigmoid near 0.5), the f32 result cannot
+                    // come closer than its own last place.
+                    let tol = scale * 4e-6 * (m + 1e-3) + f32::EPSILON as f64 * wv.abs() as f64;
                     assert!(
                         (got - wv).abs() as f64 <= tol,
                         "case {case} {isa:?} t{threads} group {group_bytes}: {cout}x{cin} {g:?} n {n} {fin:?}: \
