@@ -1,10 +1,14 @@
 //! Throughput of the non-matmul kernels (no criterion): `cargo bench -p ferrum-kernels --bench ops`.
 //! RMSNorm, RoPE, SwiGLU, GeGLU on a 512-token prompt of SmolLM2/Gemma-sized rows (GB/s of f32
 //! read + written), and attention (GFLOP/s counting 4·head_dim FLOPs per query-key pair) for a
-//! 512-token prompt and for one token over a 2048-token cache. Medians of 7 runs, 1 and 2 threads.
+//! 512-token prompt, for one token over a 2048-token cache, and for a batched decode step (8
+//! sequences of one query each over paged caches, 30 layers' caches in turn so they come from
+//! beyond L2, as in a model; `-- batched` runs it alone). Medians of 7 runs, 1 and 2 threads.
 
 use ferrum_core::f16;
-use ferrum_kernels::attention::{attention, AttnParams};
+use ferrum_kernels::attention::{
+    attention, attention_paged_batch, AttnParams, KvRows, PagedKv, SeqAttn,
+};
 use ferrum_kernels::ops::{self, RopeCache, RopeStyle};
 use ferrum_kernels::pool;
 use std::hint::black_box;
@@ -31,8 +35,14 @@ fn main() {
     println!("| kernel | shape | threads | median ms | throughput |");
     println!("|---|---|---:|---:|---:|");
     let t = 512;
+    // `-- batched`: only the batched decode step.
+    let only_batched = std::env::args().any(|a| a == "batched");
     for threads in [1, 2] {
         pool::set_threads(Some(threads));
+        if only_batched {
+            batched_decode(threads);
+            continue;
+        }
         let (e, ff) = (576, 1536);
         let x = vals(t * e, 1.0);
         let w = vals(e, 2.0);
@@ -111,5 +121,93 @@ fn main() {
                 s * 1e9 * threads as f64 / pairs as f64
             );
         }
+        batched_decode(threads);
     }
+}
+
+/// A batched decode step's attention as a served SmolLM2 runs it: 8 sequences (contexts 128 to
+/// 240) of one query each, 9 query heads over 3 KV heads of 64, paged caches of 16-row blocks
+/// with each sequence's blocks apart; one call per layer over 30 layers' caches (the time is
+/// per layer).
+fn batched_decode(threads: usize) {
+    let (nh, nkv, hd, bs) = (9, 3, 64, 16);
+    let layers: usize = std::env::var("LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    let ctxs: Vec<usize> = (0..8).map(|i| 128 + 16 * i).collect();
+    let row = nkv * hd;
+    let blocks_per_seq: Vec<usize> = ctxs.iter().map(|c| c.div_ceil(bs)).collect();
+    let n_blocks: usize = blocks_per_seq.iter().sum();
+    // Each sequence's blocks in order, the sequences' runs interleaved block by block (a pool
+    // filled by sequences growing together).
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); ctxs.len()];
+    let mut next = 0u32;
+    for b in 0..*blocks_per_seq.iter().max().unwrap() {
+        for (s, t) in tables.iter_mut().enumerate() {
+            if b < blocks_per_seq[s] {
+                t.push(next);
+                next += 1;
+            }
+        }
+    }
+    let caches: Vec<(Vec<f16>, Vec<f16>)> = (0..layers)
+        .map(|l| {
+            let n = n_blocks * bs * row;
+            // Values in [-1, 1) from a cheap hash (30 layers of sines would take longer than
+            // the timed calls).
+            let val = |i: usize, seed: usize| {
+                let h = (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                f16::from_f32(h as f32 / (1u64 << 23) as f32 - 1.0)
+            };
+            let k = (0..n).map(|i| val(i, 2 * l + 1)).collect();
+            let v = (0..n).map(|i| val(i, 2 * l + 2)).collect();
+            (k, v)
+        })
+        .collect();
+    let positions: Vec<[usize; 1]> = ctxs.iter().map(|&c| [c - 1]).collect();
+    let q = vals(ctxs.len() * nh * hd, 8.0);
+    let p = AttnParams {
+        n_head: nh,
+        n_head_kv: nkv,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: None,
+        softcap: None,
+        sinks: None,
+    };
+    let mut out = vec![0f32; q.len()];
+    let reps = 31;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        for (k, v) in &caches {
+            let seqs: Vec<SeqAttn> = tables
+                .iter()
+                .zip(&positions)
+                .map(|(t, pos)| SeqAttn {
+                    kv: PagedKv {
+                        k: KvRows::F16(k),
+                        v: KvRows::F16(v),
+                        table: t,
+                        block_size: bs,
+                    },
+                    positions: pos,
+                })
+                .collect();
+            attention_paged_batch(&p, black_box(&q), &seqs, &mut out);
+        }
+        times.push(t.elapsed().as_secs_f64() / layers as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    // The median, and the fastest (load on a shared machine only slows a run down).
+    let (s, fastest) = (times[reps / 2], times[0]);
+    let pairs: usize = ctxs.iter().sum::<usize>() * nh;
+    println!(
+        "| attention batched decode | 8 x 1 query, {nh}x{hd} heads, ctx 128-240, paged | {threads} | {:.3} (fastest {:.3}) | {:.1} GFLOP/s, {:.1} ns per (row, key) and thread |",
+        s * 1e3,
+        fastest * 1e3,
+        (4 * hd * pairs) as f64 / s / 1e9,
+        s * 1e9 * threads as f64 / pairs as f64
+    );
 }

@@ -14,6 +14,7 @@ use ferrum_core::DType;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use crate::ops::{expf, expf_slice};
 use crate::{pool, quant};
 
 /// Shape and masking of one attention call.
@@ -43,11 +44,11 @@ pub struct AttnParams<'a> {
 fn join_sink(sink: Option<f32>, m: f32, s: &mut f32) -> Option<f32> {
     let sk = sink?;
     if sk > m {
-        let ms = (m - sk).exp();
+        let ms = expf(m - sk);
         *s = s.mul_add(ms, 1.0);
         Some(ms)
     } else {
-        *s = s.mul_add(1.0, (sk - m).exp());
+        *s = s.mul_add(1.0, expf(sk - m));
         None
     }
 }
@@ -481,8 +482,12 @@ fn check_shared<const H: usize>(rows: [&Row; H], hd: usize, what: &str) {
 /// where a key raises the running max m (1 elsewhere), vs = e^(score - m) (1 where it raises it),
 /// s = fma(s, ms, vs). The scores are `by_row` (row by row, n_keys a row) or else in `vs_all`;
 /// `vs_all` gets the weights and `ms_all` the rescales, key by key (H values a key). Returns per
-/// row the sink's factor and 1/s.
+/// row the sink's factor and 1/s. Three steps: the running maxima and each key's exponent (into
+/// `ms_all`, with in `vs_all` whether the key raised the max), every exponential at once
+/// ([`expf_slice`], vectorized, the same bits as [`expf`]), then the factors and the sums (the
+/// rows' chains interleaved).
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // the rows' running values side by side, key by key
 #[inline(always)]
 fn softmax_factors<const H: usize>(
     rows: [&Row; H],
@@ -491,30 +496,41 @@ fn softmax_factors<const H: usize>(
     ms_all: &mut [f32],
 ) -> [(Option<f32>, f32); H] {
     let n_keys = vs_all.len() / H;
-    let mut fin = [(None::<f32>, 0f32); H];
-    for hi in 0..H {
-        let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
-        for jj in 0..n_keys {
+    let mut m = [f32::NEG_INFINITY; H];
+    for jj in 0..n_keys {
+        for hi in 0..H {
             let i = jj * H + hi;
             let score = match by_row {
                 Some(sc) => sc[hi * n_keys + jj],
                 None => vs_all[i],
             };
-            let (ms, vs) = if score > m {
-                let ms = (m - score).exp();
-                m = score;
-                (ms, 1.0)
+            if score > m[hi] {
+                ms_all[i] = m[hi] - score;
+                m[hi] = score;
+                vs_all[i] = 1.0;
             } else {
-                (1.0, (score - m).exp())
-            };
+                ms_all[i] = score - m[hi];
+                vs_all[i] = 0.0;
+            }
+        }
+    }
+    expf_slice(ms_all);
+    let mut s = [0f32; H];
+    for jj in 0..n_keys {
+        for hi in 0..H {
+            let i = jj * H + hi;
+            let e = ms_all[i];
+            let (ms, vs) = if vs_all[i] == 1.0 { (e, 1.0) } else { (1.0, e) };
             ms_all[i] = ms;
             vs_all[i] = vs;
-            s = s.mul_add(ms, vs);
+            s[hi] = s[hi].mul_add(ms, vs);
         }
-        let sink = join_sink(rows[hi].sink, m, &mut s);
-        fin[hi] = (sink, 1.0 / s);
     }
-    fin
+    core::array::from_fn(|hi| {
+        let mut s = s[hi];
+        let sink = join_sink(rows[hi].sink, m[hi], &mut s);
+        (sink, 1.0 / s)
+    })
 }
 
 /// [`attend_row`] with AVX-512 for `H` rows of one query that share a KV head (grouped-query
@@ -566,6 +582,13 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
     for (jj, j) in keys.clone().enumerate() {
         let at = r0.offset(j);
         let krow = &r0.k[at..at + hd];
+        // The rows of one KV head lie a cache row apart (paged), a pattern the hardware
+        // prefetcher follows poorly at this little work per key: ask for the K row
+        // `PREFETCH_KEYS` keys ahead, and for this key's V row (read in pass 3).
+        if j + PREFETCH_KEYS < keys.end {
+            prefetch_row(&r0.k[r0.offset(j + PREFETCH_KEYS)..], hd);
+        }
+        prefetch_row(&r0.v[at..], hd);
         // dot_f16_order: chunk i of 16 lanes goes to accumulator i % 4, in order. Four chunks
         // a step, so the accumulators' indices are constants (registers) even where the
         // compiler keeps the loop over the steps.
@@ -627,6 +650,24 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .push(scores);
+}
+
+/// How far ahead of the key being scored the K row is fetched.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_KEYS: usize = 8;
+
+/// Asks the CPU to bring the `n` f16 values at the start of `row` into the cache (a hint: no
+/// effect on results). Touches the cache lines the values span.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_row(row: &[f16], n: usize) {
+    use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let n = n.min(row.len());
+    let p = row.as_ptr() as *const i8;
+    for off in (0..2 * n).step_by(64) {
+        // SAFETY: a prefetch never faults; the address lies inside `row` (off < 2 * n).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off)) };
+    }
 }
 
 /// The dot products of 16 keys from their 16-lane sums `r` (key k's in `r[k]`): lane k of the
@@ -798,6 +839,13 @@ unsafe fn attend_rows_avx2<const H: usize, const NV: usize>(rows: [&Row; H], o: 
     for (jj, j) in keys.clone().enumerate() {
         let at = r0.offset(j);
         let krow = &r0.k[at..at + hd];
+        // The rows of one KV head lie a cache row apart (paged), a pattern the hardware
+        // prefetcher follows poorly at this little work per key: ask for the K row
+        // `PREFETCH_KEYS` keys ahead, and for this key's V row (read in pass 3).
+        if j + PREFETCH_KEYS < keys.end {
+            prefetch_row(&r0.k[r0.offset(j + PREFETCH_KEYS)..], hd);
+        }
+        prefetch_row(&r0.v[at..], hd);
         // dot_f16_order's accumulator a (0..4) lane l (0..16) is slot 2a + l / 8 here, lane
         // l % 8: eight-lane chunk c goes to slot c % 8, and the chunks of one slot are summed in
         // order. Slot by slot, so only H running sums are live at a time.
@@ -939,14 +987,14 @@ fn attend_row(r: &Row, o: &mut [f32]) {
         let mut ms = 1f32;
         let mut vs = 1f32;
         if score > m {
-            ms = (m - score).exp();
+            ms = expf(m - score);
             m = score;
             for a in acc.iter_mut() {
                 *a *= ms;
             }
             round_to_f16(&mut acc, &mut acc16);
         } else {
-            vs = (score - m).exp();
+            vs = expf(score - m);
         }
         r.v[at..at + hd].convert_to_f32_slice(&mut row);
         for (a, &b) in acc.iter_mut().zip(&row) {
@@ -1093,7 +1141,7 @@ fn attend_row_any(
         let score = capped(dot * scale, p.softcap);
         let (mut ms, mut vs) = (1f32, 1f32);
         if score > m {
-            ms = (m - score).exp();
+            ms = expf(m - score);
             m = score;
             for a in acc.iter_mut() {
                 *a *= ms;
@@ -1102,7 +1150,7 @@ fn attend_row_any(
                 round_to_f16(&mut acc, &mut acc16);
             }
         } else {
-            vs = (score - m).exp();
+            vs = expf(score - m);
         }
         let vrow: &[f32] = match kv.v {
             KvRows::F16(v) => {

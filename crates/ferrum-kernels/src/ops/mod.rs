@@ -2,11 +2,13 @@
 //! backend does (so our logits agree with it), with a plain f64 reference in the tests.
 
 mod activation;
+mod expf;
 mod hadamard;
 mod norm;
 mod rope;
 
 pub use activation::{geglu, geglu_portable, gelu_tanh, silu, swiglu, swiglu_oai, swiglu_portable};
+pub use expf::{expf, expf_slice};
 pub use hadamard::hadamard_inplace;
 pub use norm::{rms_norm, rms_norm_inplace};
 pub use rope::{RopeCache, RopeScaling, RopeStyle, Yarn};
