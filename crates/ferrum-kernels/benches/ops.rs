@@ -102,15 +102,7 @@ fn main() {
                 .collect();
             let q = vals(n_q * nh * hd, 8.0);
             let positions: Vec<usize> = (ctx - n_q..ctx).collect();
-            let p = AttnParams {
-                n_head: nh,
-                n_head_kv: nkv,
-                head_dim: hd,
-                scale: 1.0 / (hd as f32).sqrt(),
-                window: None,
-                softcap: None,
-                sinks: None,
-            };
+            let p = llama_params(nh, nkv, hd);
             let mut out = vec![0f32; q.len()];
             let s = median_secs(|| attention(&p, black_box(&q), &k, &v, &positions, &mut out));
             let pairs: usize = positions.iter().map(|&pos| pos + 1).sum::<usize>() * nh;
@@ -122,6 +114,19 @@ fn main() {
             );
         }
         batched_decode(threads);
+    }
+}
+
+/// Llama-style attention: 1/sqrt(head_dim) scale, no window, cap or sinks.
+fn llama_params(nh: usize, nkv: usize, hd: usize) -> AttnParams<'static> {
+    AttnParams {
+        n_head: nh,
+        n_head_kv: nkv,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: None,
+        softcap: None,
+        sinks: None,
     }
 }
 
@@ -167,15 +172,7 @@ fn batched_decode(threads: usize) {
         .collect();
     let positions: Vec<[usize; 1]> = ctxs.iter().map(|&c| [c - 1]).collect();
     let q = vals(ctxs.len() * nh * hd, 8.0);
-    let p = AttnParams {
-        n_head: nh,
-        n_head_kv: nkv,
-        head_dim: hd,
-        scale: 1.0 / (hd as f32).sqrt(),
-        window: None,
-        softcap: None,
-        sinks: None,
-    };
+    let p = llama_params(nh, nkv, hd);
     let mut out = vec![0f32; q.len()];
     let reps = 31;
     let mut times = Vec::with_capacity(reps);

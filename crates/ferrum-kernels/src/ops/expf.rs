@@ -120,37 +120,48 @@ pub fn expf_slice(x: &mut [f32]) {
     }
 }
 
+/// [`expf_slice`] by 16-lane vectors ([`expf16`]), the tail by [`expf`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn expf_slice_avx512(x: &mut [f32]) {
     use core::arch::x86_64::*;
-    let mut chunks = x.chunks_exact_mut(16);
+    // SAFETY: the chunk holds 16 f32 (unaligned load and store).
+    by_chunks::<16>(x, |c| unsafe {
+        _mm512_storeu_ps(c.as_mut_ptr(), expf16(_mm512_loadu_ps(c.as_ptr())))
+    });
+}
+
+/// [`expf_slice`] by 8-lane vectors ([`expf8`]), the tail by [`expf`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn expf_slice_avx2(x: &mut [f32]) {
+    use core::arch::x86_64::*;
+    // SAFETY: the chunk holds 8 f32 (unaligned load and store).
+    by_chunks::<8>(x, |c| unsafe {
+        _mm256_storeu_ps(c.as_mut_ptr(), expf8(_mm256_loadu_ps(c.as_ptr())))
+    });
+}
+
+/// Runs `chunk` over the whole L-element chunks of `x` and [`expf`] over the rest.
+#[inline(always)]
+fn by_chunks<const L: usize>(x: &mut [f32], mut chunk: impl FnMut(&mut [f32])) {
+    let mut chunks = x.chunks_exact_mut(L);
     for c in &mut chunks {
-        // SAFETY: `c` holds 16 f32 (unaligned loads and stores).
-        unsafe {
-            let v = expf16(_mm512_loadu_ps(c.as_ptr()));
-            _mm512_storeu_ps(c.as_mut_ptr(), v);
-        }
+        chunk(c);
     }
     for v in chunks.into_remainder() {
         *v = expf(*v);
     }
 }
 
+/// `ys[i] = expf(xs[i])` for the lanes set in `odd` (those the vector path leaves to
+/// [`special`]).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn expf_slice_avx2(x: &mut [f32]) {
-    use core::arch::x86_64::*;
-    let mut chunks = x.chunks_exact_mut(8);
-    for c in &mut chunks {
-        // SAFETY: `c` holds 8 f32 (unaligned loads and stores).
-        unsafe {
-            let v = expf8(_mm256_loadu_ps(c.as_ptr()));
-            _mm256_storeu_ps(c.as_mut_ptr(), v);
+fn redo_lanes(xs: &[f32], ys: &mut [f32], odd: u32) {
+    for (i, (y, &x)) in ys.iter_mut().zip(xs).enumerate() {
+        if odd & (1 << i) != 0 {
+            *y = expf(x);
         }
-    }
-    for v in chunks.into_remainder() {
-        *v = expf(*v);
     }
 }
 
@@ -204,11 +215,7 @@ pub(crate) fn expf16(x: core::arch::x86_64::__m512) -> core::arch::x86_64::__m51
         _mm512_storeu_ps(xs.as_mut_ptr(), x);
         _mm512_storeu_ps(ys.as_mut_ptr(), y);
     }
-    for i in 0..16 {
-        if odd & (1 << i) != 0 {
-            ys[i] = expf(xs[i]);
-        }
-    }
+    redo_lanes(&xs, &mut ys, odd as u32);
     // SAFETY: `ys` holds 16 f32.
     unsafe { _mm512_loadu_ps(ys.as_ptr()) }
 }
@@ -255,11 +262,7 @@ pub(crate) fn expf8(x: core::arch::x86_64::__m256) -> core::arch::x86_64::__m256
         _mm256_storeu_ps(xs.as_mut_ptr(), x);
         _mm256_storeu_ps(ys.as_mut_ptr(), y);
     }
-    for i in 0..8 {
-        if odd & (1 << i) != 0 {
-            ys[i] = expf(xs[i]);
-        }
-    }
+    redo_lanes(&xs, &mut ys, odd as u32);
     // SAFETY: `ys` holds 8 f32.
     unsafe { _mm256_loadu_ps(ys.as_ptr()) }
 }
