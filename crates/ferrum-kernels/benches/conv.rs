@@ -6,25 +6,13 @@
 //! fastest is the steadier estimate on a machine shared with other work).
 
 use std::mem::MaybeUninit;
-use std::time::Instant;
 
 use ferrum_kernels::depthwise::{depthwise_nhwc_with, Finish, Geometry};
 use ferrum_kernels::direct;
 use ferrum_kernels::gemm::{self, Act};
 
-/// Median and fastest seconds of `reps` runs of `f` after one warm-up run.
-fn time(reps: usize, mut f: impl FnMut()) -> (f64, f64) {
-    f();
-    let mut v: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    v.sort_by(f64::total_cmp);
-    (v[reps / 2], v[0])
-}
+mod common;
+use common::timings as time;
 
 fn vals(n: usize, seed: f32) -> Vec<f32> {
     (0..n).map(|i| ((i as f32 + seed) * 0.731).sin()).collect()

@@ -10,29 +10,21 @@
 //! only the best microkernel ([`isa`]) is measured, `--all-isas` measures every one this CPU runs.
 //! Without `--shape`, every shape below and the batched attention products.
 
-use std::time::Instant;
-
 use ferrum_kernels::gemm::{
     available_isas, bf16_supported, gemm_batch_with, gemm_ex_with, gemm_with, isa, Act, Bias,
     Epilogue, Isa, Lhs, Mat, PackedA, PackedB, Precision, Rhs,
 };
 
+mod common;
+
 /// Median seconds of `reps` runs of `f` after one warm-up run (and the fastest, with
 /// `FERRUM_BENCH_MIN=1`: the better estimate on a machine shared with other work).
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut times: Vec<f64> = (0..reps)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
+fn time(reps: usize, f: impl FnMut()) -> f64 {
+    let (median, fastest) = common::timings(reps, f);
     if std::env::var_os("FERRUM_BENCH_MIN").is_some() {
-        times[0]
+        fastest
     } else {
-        times[reps / 2]
+        median
     }
 }
 

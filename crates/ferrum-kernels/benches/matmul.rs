@@ -7,7 +7,6 @@ use ferrum_core::{f16, Bytes, DType};
 use ferrum_kernels::matmul::{matmul, WeightRef};
 use ferrum_kernels::pool;
 use std::hint::black_box;
-use std::time::Instant;
 
 struct Rng(u64);
 impl Rng {
@@ -61,18 +60,11 @@ fn bench_types() -> Vec<DType> {
     }
 }
 
+mod common;
+
 /// Median seconds of `reps` timed runs of `f`, after one untimed warm-up run.
-fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut v: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+fn median_secs(reps: usize, f: impl FnMut()) -> f64 {
+    common::timings(reps, f).0
 }
 
 fn main() {

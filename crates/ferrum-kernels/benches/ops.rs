@@ -12,19 +12,12 @@ use ferrum_kernels::attention::{
 use ferrum_kernels::ops::{self, RopeCache, RopeStyle};
 use ferrum_kernels::pool;
 use std::hint::black_box;
-use std::time::Instant;
 
-fn median_secs(mut f: impl FnMut()) -> f64 {
-    f();
-    let mut v: Vec<f64> = (0..7)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    v.sort_by(f64::total_cmp);
-    v[3]
+mod common;
+
+/// Median seconds of 7 runs of `f`.
+fn median_secs(f: impl FnMut()) -> f64 {
+    common::timings(7, f).0
 }
 
 fn vals(n: usize, seed: f32) -> Vec<f32> {
@@ -174,10 +167,8 @@ fn batched_decode(threads: usize) {
     let q = vals(ctxs.len() * nh * hd, 8.0);
     let p = llama_params(nh, nkv, hd);
     let mut out = vec![0f32; q.len()];
-    let reps = 31;
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let t = Instant::now();
+    // The median, and the fastest (load on a shared machine only slows a run down).
+    let (s, fastest) = common::timings(31, || {
         for (k, v) in &caches {
             let seqs: Vec<SeqAttn> = tables
                 .iter()
@@ -194,11 +185,8 @@ fn batched_decode(threads: usize) {
                 .collect();
             attention_paged_batch(&p, black_box(&q), &seqs, &mut out);
         }
-        times.push(t.elapsed().as_secs_f64() / layers as f64);
-    }
-    times.sort_by(f64::total_cmp);
-    // The median, and the fastest (load on a shared machine only slows a run down).
-    let (s, fastest) = (times[reps / 2], times[0]);
+    });
+    let (s, fastest) = (s / layers as f64, fastest / layers as f64);
     let pairs: usize = ctxs.iter().sum::<usize>() * nh;
     println!(
         "| attention batched decode | 8 x 1 query, {nh}x{hd} heads, ctx 128-240, paged | {threads} | {:.3} (fastest {:.3}) | {:.1} GFLOP/s, {:.1} ns per (row, key) and thread |",

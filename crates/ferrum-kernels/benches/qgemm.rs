@@ -6,22 +6,14 @@
 //! kernel this CPU runs (`FERRUM_NO_AVX512=1`, `FERRUM_FORCE_SCALAR=1` step down), with the f32
 //! epilogue (scale and bias) that MatMulIntegerToFloat uses.
 
-use std::time::Instant;
-
 use ferrum_kernels::pool;
 use ferrum_kernels::qgemm::{qgemm, Bytes, PackedI8, QOut, QuantA};
 
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[reps / 2]
+mod common;
+
+/// Median seconds of `reps` runs of `f` after one warm-up run.
+fn time(reps: usize, f: impl FnMut()) -> f64 {
+    common::timings(reps, f).0
 }
 
 fn main() {

@@ -582,13 +582,7 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
     for (jj, j) in keys.clone().enumerate() {
         let at = r0.offset(j);
         let krow = &r0.k[at..at + hd];
-        // The rows of one KV head lie a cache row apart (paged), a pattern the hardware
-        // prefetcher follows poorly at this little work per key: ask for the K row
-        // `PREFETCH_KEYS` keys ahead, and for this key's V row (read in pass 3).
-        if j + PREFETCH_KEYS < keys.end {
-            prefetch_row(&r0.k[r0.offset(j + PREFETCH_KEYS)..], hd);
-        }
-        prefetch_row(&r0.v[at..], hd);
+        r0.prefetch(j, at);
         // dot_f16_order: chunk i of 16 lanes goes to accumulator i % 4, in order. Four chunks
         // a step, so the accumulators' indices are constants (registers) even where the
         // compiler keeps the loop over the steps.
@@ -655,6 +649,21 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
 /// How far ahead of the key being scored the K row is fetched.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_KEYS: usize = 8;
+
+#[cfg(target_arch = "x86_64")]
+impl Row<'_> {
+    /// While key `j` (at offset `at`) is scored: asks for the K row `PREFETCH_KEYS` keys ahead
+    /// and for key j's V row (read in pass 3). The rows of one KV head lie a cache row apart
+    /// (paged), a pattern the hardware prefetcher follows poorly at this little work per key.
+    #[inline(always)]
+    fn prefetch(&self, j: usize, at: usize) {
+        let hd = self.q.len();
+        if j + PREFETCH_KEYS < self.keys.end {
+            prefetch_row(&self.k[self.offset(j + PREFETCH_KEYS)..], hd);
+        }
+        prefetch_row(&self.v[at..], hd);
+    }
+}
 
 /// Asks the CPU to bring the `n` f16 values at the start of `row` into the cache (a hint: no
 /// effect on results). Touches the cache lines the values span.
@@ -839,13 +848,7 @@ unsafe fn attend_rows_avx2<const H: usize, const NV: usize>(rows: [&Row; H], o: 
     for (jj, j) in keys.clone().enumerate() {
         let at = r0.offset(j);
         let krow = &r0.k[at..at + hd];
-        // The rows of one KV head lie a cache row apart (paged), a pattern the hardware
-        // prefetcher follows poorly at this little work per key: ask for the K row
-        // `PREFETCH_KEYS` keys ahead, and for this key's V row (read in pass 3).
-        if j + PREFETCH_KEYS < keys.end {
-            prefetch_row(&r0.k[r0.offset(j + PREFETCH_KEYS)..], hd);
-        }
-        prefetch_row(&r0.v[at..], hd);
+        r0.prefetch(j, at);
         // dot_f16_order's accumulator a (0..4) lane l (0..16) is slot 2a + l / 8 here, lane
         // l % 8: eight-lane chunk c goes to slot c % 8, and the chunks of one slot are summed in
         // order. Slot by slot, so only H running sums are live at a time.
