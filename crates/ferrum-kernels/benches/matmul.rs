@@ -124,7 +124,54 @@ fn main() {
                         packed.len() as f64 / s / 1e9
                     );
                 }
+                // A batched decode step (8 tokens) with the weights streamed from memory, as
+                // in a model, whose matrices do not stay in cache from one step to the next:
+                // the whole 64 MiB matrix at once, and 64 matrices of 1536 rows in turn (a
+                // model's calls, each starting cold).
+                if mib == 64 {
+                    let t = 8;
+                    let x8: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+                    let mut y8 = vec![0f32; t * rows];
+                    let rows_m = 1536;
+                    let per = packed.len() / (rows / 16) * (rows_m / 16);
+                    let n_m = 64.min(packed.len() / per);
+                    let x16 = |w: &[u8], r: usize, y: &mut [f32]| {
+                        ferrum_kernels::matmul::avx512::gemv_x16(
+                            dtype,
+                            w,
+                            r,
+                            cols,
+                            black_box(&x8),
+                            &mut y[..t * r],
+                        )
+                    };
+                    for threads in [1, 2] {
+                        pool::set_threads(Some(threads));
+                        let (s, fastest) = common::timings(9, || x16(&packed, rows, &mut y8));
+                        println!(
+                            "| gemv {dtype} 16-row packed ({mib} MiB) | {rows}x{cols} x {t} | {threads} | {:.3} (fastest {:.3}) | {:.1} GFLOP/s |",
+                            s * 1e3,
+                            fastest * 1e3,
+                            2.0 * (rows * cols * t) as f64 / s / 1e9,
+                        );
+                        let (s, fastest) = common::timings(9, || {
+                            for i in 0..n_m {
+                                x16(&packed[i * per..(i + 1) * per], rows_m, &mut y8);
+                            }
+                        });
+                        println!(
+                            "| gemv {dtype} 16-row packed, {n_m} matrices in turn | {rows_m}x{cols} x {t} | {threads} | {:.3} (fastest {:.3}) a matrix | {:.1} GFLOP/s |",
+                            s * 1e3 / n_m as f64,
+                            fastest * 1e3 / n_m as f64,
+                            2.0 * (n_m * rows_m * cols * t) as f64 / s / 1e9,
+                        );
+                    }
+                }
             }
+        }
+        // `FERRUM_BENCH_GEMV_ONLY=1`: the GEMV rows above only.
+        if std::env::var_os("FERRUM_BENCH_GEMV_ONLY").is_some() {
+            continue;
         }
         // Batched decode and prompts: T tokens over a model-size matrix (1536 x cols), through
         // PackedMatrix's plan and through the row-major kernels, GFLOP/s;

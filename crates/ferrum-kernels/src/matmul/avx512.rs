@@ -448,9 +448,9 @@ fn cell_bytes(dtype: DType) -> usize {
 /// Repacks a row-major Q8_0, Q5_0 or Q4_1 matrix (`rows` a multiple of 16) for [`gemv_x16`]:
 /// for each group of 16 rows and each block, a cell holding the 16 rows' d scales (then Q4_1's
 /// 16 m values, or Q5_0's fifth bits as 8 64-bit masks, one per `vec_dot` lane), then their
-/// quants: row after row (Q8_0), or interleaved (Q4_1, Q5_0: 4 lines of 64 bytes, line k holding
-/// quant bytes 4k..4k+4 of the 16 rows, so each nibble half of a line is one 4-element lane of
-/// `vec_dot` for all 16 rows). One token then
+/// quants interleaved in lines of 64 bytes, line k holding quant bytes 4k..4k+4 of the 16 rows
+/// (Q8_0: 8 lines, each one 4-element lane of `vec_dot` for all 16 rows; Q4_1, Q5_0: 4 lines,
+/// each nibble half of a line one such lane). One token then
 /// streams the matrix front to back, and one vector load fetches a field of 16 rows. Q4_K and
 /// Q6_K and IQ4_XS have cells of their own ([`Q4K_CELL`], [`Q6K_CELL`], [`IQ4XS_CELL`]). `None` for other types or shapes.
 pub fn pack_x16(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
@@ -519,18 +519,13 @@ fn fill_cell(dtype: DType, cell: &mut [u8], r: usize, blk: &[u8]) {
             cell[at] = (cell[at] & keep) | nib;
         }
     }
-    if matches!(dtype, DType::Q4_1 | DType::Q5_0) {
-        // Interleaved: line k holds quant bytes 4k..4k+4 of each row (row r at 4r..4r+4), so its
-        // low nibbles are elements 4k..4k+4 of the 16 rows and its high nibbles elements
-        // 16+4k..16+4k+4.
-        for k in 0..4 {
-            let at = GROUP * (sf + hf) + 64 * k + 4 * r;
-            cell[at..at + 4].copy_from_slice(&blk[bb - 16 + 4 * k..bb - 12 + 4 * k]);
-        }
-        return;
+    // Interleaved: line k holds quant bytes 4k..4k+4 of each row (row r at 4r..4r+4). For Q8_0
+    // that is elements 4k..4k+4 of the 16 rows; for Q4_1 and Q5_0 the low nibbles are elements
+    // 4k..4k+4 and the high nibbles elements 16+4k..16+4k+4.
+    for k in 0..qf / 4 {
+        let at = GROUP * (sf + hf) + 64 * k + 4 * r;
+        cell[at..at + 4].copy_from_slice(&blk[bb - qf + 4 * k..bb - qf + 4 * k + 4]);
     }
-    let at = GROUP * (sf + hf) + qf * r;
-    cell[at..at + qf].copy_from_slice(&blk[bb - qf..bb]);
 }
 
 /// Bytes of one (16-row group, super-block) cell of a packed Q4_K matrix: the rows' f16 `d` and
@@ -841,14 +836,9 @@ pub fn unpack_row_x16(dtype: DType, group: &[u8], nb: usize, r: usize, out: &mut
                     }
                     blk[2..6].copy_from_slice(&qh.to_le_bytes());
                 }
-                if matches!(dtype, DType::Q4_1 | DType::Q5_0) {
-                    for k in 0..4 {
-                        let at = GROUP * (sf + hf) + 64 * k + 4 * r;
-                        blk[bb - 16 + 4 * k..bb - 12 + 4 * k].copy_from_slice(&cell[at..at + 4]);
-                    }
-                } else {
-                    let at = GROUP * (sf + hf) + qf * r;
-                    blk[bb - qf..bb].copy_from_slice(&cell[at..at + qf]);
+                for k in 0..qf / 4 {
+                    let at = GROUP * (sf + hf) + 64 * k + 4 * r;
+                    blk[bb - qf + 4 * k..bb - qf + 4 * k + 4].copy_from_slice(&cell[at..at + 4]);
                 }
             }
         }
@@ -1003,10 +993,12 @@ unsafe fn gemv_group_iq4xs<const TILED: bool>(w: &[u8], act: &[u8], nb: usize) -
     out
 }
 
-/// One group of Q8_0 rows x Q8_0 activations of `N` consecutive tokens from `tok`: each 64-byte
-/// load is a row pair's block (as unsigned q + 128, with the prepared `-128·Σ a` start values),
-/// one VNNI instruction gives the pair's 2 x 8 `vec_dot` lanes for one token. The weights are
-/// loaded once for the N tokens; each token's outputs are the one-token kernel's bits.
+/// One group of Q8_0 rows x Q8_0 activations of `N` consecutive tokens from `tok`, over the
+/// interleaved cells of [`pack_x16`]: line k of a block is `vec_dot`'s lane k (4 consecutive
+/// elements) for all 16 rows, taken by VNNI as unsigned `q + 128` with the prepared `-128·Σ a`
+/// over the lane's 4 activations as the start value, which gives `vec_dot`'s exact Σ q·a; then
+/// `acc[k] = fma(d_w·d_a, f32(lane), acc[k])` (lane r = row r) and `hsum_float_8`. The weights
+/// are loaded once for the N tokens; each token's outputs are the one-token kernel's bits.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemv_group_q8_0<const N: usize>(w: &[u8], p: &Prepared, tok: usize) -> [[f32; GROUP]; N] {
     let nb = p.nb;
@@ -1020,11 +1012,7 @@ unsafe fn gemv_group_q8_0<const N: usize>(w: &[u8], p: &Prepared, tok: usize) ->
             && p.scales.len() >= tn
     );
     let flip = _mm512_set1_epi8(0x80u8 as i8);
-    let idx: [__m512i; GROUP / 2] = core::array::from_fn(|pr| {
-        let (a, b) = (2 * pr as i32, 2 * pr as i32 + 1);
-        _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)
-    });
-    let mut acc = [[_mm512_setzero_ps(); GROUP / 2]; N];
+    let mut acc = [[_mm512_setzero_ps(); 8]; N];
     for b in 0..nb {
         // SAFETY: cell b and the N tokens' activation blocks b are in bounds (asserted above).
         unsafe {
@@ -1034,34 +1022,28 @@ unsafe fn gemv_group_q8_0<const N: usize>(w: &[u8], p: &Prepared, tok: usize) ->
             let d: [__m512; N] = core::array::from_fn(|c| {
                 _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(at(c))))
             });
-            let a: [__m512i; N] = core::array::from_fn(|c| {
-                _mm512_loadu_si512(p.quants.as_ptr().add(at(c) * 64) as *const _)
-            });
-            let corr: [__m512i; N] = core::array::from_fn(|c| {
-                _mm512_loadu_si512(p.corr.as_ptr().add(at(c) * 16) as *const _)
-            });
-            let qs = cell.add(GROUP * 2);
-            for pr in 0..GROUP / 2 {
-                // [row 2pr, row 2pr+1] as unsigned q + 128.
-                let q = _mm512_loadu_si512(qs.add(64 * pr) as *const _);
+            // Prepared Q8_0 layout: elements 0..32 at bytes 0..32; `corr` lane k is -128·Σ a
+            // over elements 4k..4k+4.
+            let av = |c: usize, k: usize| {
+                let a = p.quants.as_ptr().add(at(c) * 64);
+                _mm512_set1_epi32((a.add(4 * k) as *const i32).read_unaligned())
+            };
+            let start =
+                |c: usize, k: usize| _mm512_set1_epi32(*p.corr.get_unchecked(at(c) * 16 + k));
+            for k in 0..8 {
+                let q = _mm512_loadu_si512(cell.add(2 * GROUP + 64 * k) as *const _);
                 let wz = _mm512_xor_si512(q, flip);
                 for c in 0..N {
-                    let isum = _mm512_dpbusd_epi32(corr[c], wz, a[c]);
-                    let dp = _mm512_permutexvar_ps(idx[pr], d[c]);
-                    acc[c][pr] = _mm512_fmadd_ps(dp, _mm512_cvtepi32_ps(isum), acc[c][pr]);
+                    let isum = _mm512_dpbusd_epi32(start(c, k), wz, av(c, k));
+                    acc[c][k] = _mm512_fmadd_ps(d[c], _mm512_cvtepi32_ps(isum), acc[c][k]);
                 }
             }
         }
     }
     let mut out = [[0f32; GROUP]; N];
     for c in 0..N {
-        for pr in 0..GROUP / 2 {
-            let mut l = [0f32; 16];
-            // SAFETY: `l` holds 16 f32; unaligned store.
-            unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc[c][pr]) };
-            out[c][2 * pr] = hsum8_order(l[0..8].try_into().unwrap());
-            out[c][2 * pr + 1] = hsum8_order(l[8..16].try_into().unwrap());
-        }
+        // SAFETY: `out[c]` holds 16 f32.
+        unsafe { _mm512_storeu_ps(out[c].as_mut_ptr(), hsum8_lanes(&acc[c])) };
     }
     out
 }
