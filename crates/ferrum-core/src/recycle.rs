@@ -26,6 +26,16 @@ impl Buf {
         Buf(v)
     }
 
+    /// `n` values for a caller that overwrites every one (a product's output): a free buffer
+    /// of this thread keeps the values it held (they are not cleared; only growth is written),
+    /// so taking it costs no pass over memory.
+    pub fn overwritten(n: usize) -> Buf {
+        let mut v = take_keeping(n);
+        v.truncate(n);
+        v.resize(n, 0.0);
+        Buf(v)
+    }
+
     /// An empty buffer with room for `n` values.
     pub fn with_capacity(n: usize) -> Buf {
         Buf(take(n))
@@ -46,6 +56,14 @@ impl Buf {
 
 /// An empty vector with room for `n`: the best-fitting free one, or a new one.
 fn take(n: usize) -> Vec<f32> {
+    let mut v = take_keeping(n);
+    v.clear();
+    v
+}
+
+/// A vector with room for `n`, holding what it held when freed: the best-fitting free one, or
+/// a new (empty) one.
+fn take_keeping(n: usize) -> Vec<f32> {
     let found = FREE
         .try_with(|f| {
             let mut f = f.borrow_mut();
@@ -59,13 +77,7 @@ fn take(n: usize) -> Vec<f32> {
         })
         .ok()
         .flatten();
-    match found {
-        Some(mut v) => {
-            v.clear();
-            v
-        }
-        None => Vec::with_capacity(n),
-    }
+    found.unwrap_or_else(|| Vec::with_capacity(n))
 }
 
 impl Drop for Buf {
@@ -161,5 +173,26 @@ mod tests {
         let e = Buf::from_slice(&[1.0, 2.0]);
         assert_eq!(&e[..], &[1.0, 2.0]);
         assert_eq!(e.into_vec(), vec![1.0, 2.0]);
+    }
+
+    #[test]
+    fn overwritten_buffers_keep_their_values_and_zeros_still_clears() {
+        let mut a = Buf::zeros(64);
+        a.iter_mut().for_each(|v| *v = 5.0);
+        let pa = a.as_ptr();
+        drop(a);
+        // The length asked for, in the same buffer, its values left as they were.
+        let b = Buf::overwritten(48);
+        assert_eq!((b.as_ptr(), b.len()), (pa, 48));
+        assert!(b.iter().all(|&v| v == 5.0));
+        drop(b);
+        // Growing past what the buffer held writes the new part (zeros).
+        let c = Buf::overwritten(64);
+        assert_eq!(c.as_ptr(), pa);
+        assert!(c[..48].iter().all(|&v| v == 5.0) && c[48..].iter().all(|&v| v == 0.0));
+        drop(c);
+        let d = Buf::zeros(64);
+        assert_eq!(d.as_ptr(), pa);
+        assert!(d.iter().all(|&v| v == 0.0), "zeros clears a dirty buffer");
     }
 }
