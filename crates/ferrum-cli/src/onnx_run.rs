@@ -63,8 +63,9 @@ pub struct RunArgs {
     pub opt_level: u32,
     /// Arithmetic of the float MatMul/Gemm/Conv products with constant weights: f32 (the
     /// default), or bf16 (opt-in: weights and activations rounded to bf16, sums in f32, on the
-    /// AMX tile unit; about 3x the f32 GEMM's speed, relative errors around 1e-2). Where the CPU
-    /// has no AMX-BF16, bf16 warns and runs f32. Needs --opt-level 1 or more.
+    /// AMX tile unit, about 3x the f32 GEMM's speed, or else on AVX512-BF16's dot product, about
+    /// 2x; relative errors around 1e-2). Where the CPU has neither, bf16 warns and runs f32.
+    /// Needs --opt-level 1 or more.
     #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
     pub precision: PrecisionArg,
 }
@@ -104,9 +105,10 @@ pub struct InspectArgs {
 
 /// How the session's prepacked products compute.
 fn precision_name(p: Precision) -> &'static str {
-    match p {
-        Precision::F32 => "f32",
-        Precision::Bf16 => "bf16 (AMX)",
+    match (p, ferrum_kernels::gemm::bf16_unit()) {
+        (Precision::F32, _) => "f32",
+        (Precision::Bf16, Some("AVX512-BF16")) => "bf16 (AVX512-BF16)",
+        (Precision::Bf16, _) => "bf16 (AMX)",
     }
 }
 

@@ -14,9 +14,9 @@ pub struct SessionOptions {
     /// Which graph passes run when the session is created (default: all).
     pub opt_level: OptLevel,
     /// The arithmetic of the float products with a constant operand (MatMul, Gemm, Conv
-    /// weights): f32 (the default), or bf16 on the AMX tile unit (opt-in: both operands
-    /// rounded to bf16, sums in f32). Where the CPU has no AMX-BF16 the session warns and runs
-    /// f32 ([`Report::precision`] says which ran). Needs `opt_level` 1 or more (prepacking).
+    /// weights): f32 (the default), or bf16 on the AMX tile unit or AVX512-BF16 (opt-in: both
+    /// operands rounded to bf16, sums in f32). Where the CPU has neither the session warns and
+    /// runs f32 ([`Report::precision`] says which ran). Needs `opt_level` 1 or more (prepacking).
     pub precision: Precision,
 }
 
@@ -52,8 +52,8 @@ impl Session {
         let mut precision = opts.precision;
         if precision == Precision::Bf16 && !ferrum_kernels::gemm::bf16_supported() {
             tracing::warn!(
-                "bf16 asked for, but the AMX-BF16 tile unit is absent (or switched off by \
-                 FERRUM_NO_AMX / FERRUM_NO_AVX512): running f32"
+                "bf16 asked for, but the CPU has neither AMX-BF16 nor AVX512-BF16 (or they are \
+                 switched off by FERRUM_NO_AMX / FERRUM_NO_AVX512): running f32"
             );
             precision = Precision::F32;
         }

@@ -587,7 +587,8 @@ fn bf16_precision_rounds_both_operands_of_the_prepacked_products() {
     // A MatMul, a Gemm (transB) and a Conv with constant weights: with `Precision::Bf16` each
     // must equal the f64 product of the bf16-rounded operands within f32 summation error
     // (1e-5 of the absolute sum), which the f32 products miss by far (bf16 rounding is ~4e-3
-    // relative per operand). On a CPU without AMX-BF16 the session runs f32 and says so.
+    // relative per operand). On a CPU with neither AMX-BF16 nor AVX512-BF16 the session runs f32
+    // and says so.
     let (m, k, n) = (37usize, 70usize, 45usize);
     let (c, hw, oc) = (6usize, 7usize, 20usize);
     let (w1, w2, w3) = (
@@ -677,7 +678,7 @@ fn bf16_precision_rounds_both_operands_of_the_prepacked_products() {
         assert_eq!(bf.optimization_report().precision, Precision::Bf16);
         assert!(within(&got), "bf16 products against the rounded reference");
     } else {
-        eprintln!("no AMX-BF16 here: checking the f32 fallback");
+        eprintln!("no bf16 unit here: checking the f32 fallback");
         assert_eq!(bf.optimization_report().precision, Precision::F32);
         assert_eq!(got, plain);
     }

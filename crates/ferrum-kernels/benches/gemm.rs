@@ -3,7 +3,7 @@
 //! [--reps N] [--shape MxNxK]... [--bf16]]`.
 //!
 //! `--bf16` also times each shape with one operand packed ahead, in f32 and in bf16 (the tile
-//! unit, where the CPU has AMX-BF16): B packed (a MatMul's weight) and A packed (a Conv's
+//! unit where the CPU has AMX-BF16, else AVX512-BF16's dot product): B packed (a MatMul's weight) and A packed (a Conv's
 //! filter, B rounded at each call).
 //!
 //! Each figure is the median of `--reps` timed runs (default 9) after one warm-up run; by default

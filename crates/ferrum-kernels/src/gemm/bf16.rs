@@ -1,7 +1,9 @@
 //! The opt-in bf16 product ([`super::Precision::Bf16`]): both operands rounded to bf16 (to
 //! nearest even, the GGUF rounding of `f32_to_bf16_bits`), products exact, sums in f32, on the
-//! AMX tile unit (`tdpbf16ps`: per step a 16 x 16 f32 C tile += a 16 x 32 A tile times a
-//! 32 x 16 B tile, the 32 in pairs).
+//! AMX tile unit where the CPU has one (`tdpbf16ps`: per step a 16 x 16 f32 C tile += a 16 x 32
+//! A tile times a 32 x 16 B tile, the 32 in pairs), else on AVX512-BF16's dot product
+//! (`vdpbf16ps`: per instruction 16 f32 lanes += the products of 16 bf16 pairs; AMD Zen 4,
+//! Intel Cooper Lake).
 //!
 //! A weight is rounded and laid out once ([`Bf16Operand`], inside a [`super::PackedA`] or
 //! [`super::PackedB`]); the other operand is rounded and laid out at each product, into the
@@ -33,10 +35,22 @@ const T: usize = 16;
 /// Multiply-adds below which a product stays on one thread.
 const MIN_PARALLEL_MACS: usize = 1 << 18;
 
-/// True when this process runs the bf16 product: AMX-BF16 (granted by the OS) and AVX-512.
+/// True when this process runs the bf16 product: AVX-512 with AMX-BF16 (granted by the OS) or
+/// with AVX512-BF16.
 pub fn supported() -> bool {
     let f = crate::cpu::features();
-    cfg!(target_arch = "x86_64") && f.amx_bf16 && f.avx512()
+    cfg!(target_arch = "x86_64") && f.avx512() && (f.amx_bf16 || f.avx512bf16)
+}
+
+/// Which unit runs the bf16 products in this process (`None` where [`supported`] is false).
+pub fn unit() -> Option<&'static str> {
+    if !supported() {
+        None
+    } else if crate::cpu::features().amx_bf16 {
+        Some("AMX tile unit")
+    } else {
+        Some("AVX512-BF16")
+    }
 }
 
 /// An operand rounded to bf16 and laid out for the tile unit (see the module notes).
@@ -238,7 +252,7 @@ thread_local! {
 pub(super) fn gemm(m: usize, n: usize, k: usize, a: Src, b: Src, d: &Dest, threads: usize) {
     assert!(
         supported(),
-        "gemm: a bf16 product on a CPU without AMX-BF16"
+        "gemm: a bf16 product on a CPU without AMX-BF16 or AVX512-BF16"
     );
     let shape = |s: &Src, rows: usize| match s {
         Src::Ready(o) => assert!(o.rows == rows && o.k == k, "gemm: bf16 operand shape"),
@@ -284,18 +298,24 @@ fn run(m: usize, n: usize, k: usize, a: &[u16], b: &[u16], d: &Dest, threads: us
     let chunks = (2 * threads).div_ceil(col_blocks).clamp(1, row_blocks);
     let per = row_blocks.div_ceil(chunks);
     let chunks = row_blocks.div_ceil(per);
+    let amx = crate::cpu::features().amx_bf16;
     let task = |t: usize| {
         let (blk, ch) = (t / chunks, t % chunks);
         let rb = ch * per..((ch + 1) * per).min(row_blocks);
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `gemm` checked `supported()` (AMX-BF16 granted, AVX-512); both operands hold
-        // `len` elements for their shapes, so every tile read lies inside them; C's extent was
-        // checked by the caller and tasks write disjoint blocks of it.
+        // SAFETY: `gemm` checked `supported()` (AVX-512, and AMX-BF16 granted where `amx`, else
+        // AVX512-BF16); both operands hold `len` elements for their shapes, so every tile read
+        // lies inside them; C's extent was checked by the caller and tasks write disjoint
+        // blocks of it.
         unsafe {
-            x86::blocks(a, b, (m, n, k), rb, blk, d)
+            if amx {
+                x86::blocks(a, b, (m, n, k), rb, blk, d)
+            } else {
+                x86::blocks_dp(a, b, (m, n, k), rb, blk, d)
+            }
         };
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (rb, blk, a, b, k);
+        let _ = (rb, blk, a, b, k, amx);
     };
     if threads == 1 || col_blocks * chunks == 1 {
         (0..col_blocks * chunks).for_each(task);
@@ -462,6 +482,117 @@ mod x86 {
                 if t % 2 < R && t / 2 < P {
                     crate::amx::store_c(t, tile.0.as_mut_ptr().cast());
                 }
+            }
+        }
+    }
+
+    /// [`blocks`] on AVX512-BF16's dot product instead of the tile unit: the same blocks of
+    /// 32 x 32, each computed as slices of [`SLICE`] rows by one or two panels ([`slice`]) into
+    /// the same C tiles, then written alike. Each element's sum runs over the pairs in order
+    /// (`vdpbf16ps` adds a pair's two exact products to its lane), whatever the slicing.
+    ///
+    /// # Safety
+    /// AVX-512 F and BW and AVX512-BF16 present; `a` and `b` hold the operands laid out for
+    /// `m x k` and `n x k`; C as [`write`] needs it.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn blocks_dp(
+        a: &[u16],
+        b: &[u16],
+        (m, n, k): (usize, usize, usize),
+        rb: Range<usize>,
+        blk: usize,
+        d: &Dest,
+    ) {
+        let kp = kp(k);
+        let (mt, panels) = (m.div_ceil(T), n.div_ceil(T));
+        let (q0, np) = (2 * blk, 2.min(panels - 2 * blk));
+        assert!(a.len() >= mt * T * kp && b.len() >= panels * T * kp);
+        let mut c = [
+            Tile([0.0; T * T]),
+            Tile([0.0; T * T]),
+            Tile([0.0; T * T]),
+            Tile([0.0; T * T]),
+        ];
+        for r in rb {
+            let t0 = 2 * r;
+            let nr = 2.min(mt - t0);
+            let bp = b[q0 * T * kp..].as_ptr();
+            // Slices of SLICE rows: rows past m inside the last tile are A's zero padding.
+            for s in 0..nr * T / SLICE {
+                let ap = a[(t0 * T + s * SLICE) * kp..].as_ptr();
+                let (tile, row) = (s * SLICE / T, s * SLICE % T);
+                // SAFETY: SLICE rows of kp elements from `ap` lie in A's tiles t0..t0 + nr, and
+                // panels q0..q0 + np of B in `b` (asserted above); AVX512-BF16 (contract).
+                unsafe {
+                    if np == 2 {
+                        slice::<2>(ap, bp, kp, &mut c, tile, row)
+                    } else {
+                        slice::<1>(ap, bp, kp, &mut c, tile, row)
+                    }
+                }
+            }
+            for (t, tile) in c.iter().enumerate() {
+                let (ri, pj) = (t % 2, t / 2);
+                if ri >= nr || pj >= np {
+                    continue;
+                }
+                let (i0, j0) = ((t0 + ri) * T, (q0 + pj) * T);
+                let (rows, cols) = (T.min(m - i0), T.min(n - j0));
+                // SAFETY: the tile is inside C's m x n (rows and columns clipped), in this
+                // task's block (contract).
+                unsafe { write(&tile.0, rows, cols, i0, j0, d) };
+            }
+        }
+    }
+
+    /// 32 bf16 values as the dot product's operand type.
+    #[inline(always)]
+    fn bh(x: __m512i) -> __m512bh {
+        // SAFETY: both are 512-bit vectors of plain bits; any bit pattern is a valid value.
+        unsafe { core::mem::transmute::<__m512i, __m512bh>(x) }
+    }
+
+    /// Rows of A one [`slice`] computes (16 accumulators with two panels).
+    const SLICE: usize = 8;
+
+    /// [`SLICE`] rows of A (from `a`, `kp` elements apart) times `P` panels of B (from `b`,
+    /// `kp * 16` elements apart) over the whole inner dimension: per pair of k, each row's pair
+    /// broadcast against each panel's 16 columns of that pair. The sums go to rows
+    /// `row..row + SLICE` of C tiles `tile + 2p`.
+    ///
+    /// # Safety
+    /// AVX-512F and AVX512-BF16 present; `a` addresses SLICE rows of `kp` elements and `b` P
+    /// panels of `kp * 16`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn slice<const P: usize>(
+        a: *const u16,
+        b: *const u16,
+        kp: usize,
+        c: &mut [Tile; 4],
+        tile: usize,
+        row: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); P]; SLICE];
+        for g in 0..kp / 2 {
+            // SAFETY (loads): pair g of panel p lies at p * kp * 16 + g * 32 (32 elements), and
+            // row i's pair at i * kp + 2g, inside the operands (contract).
+            let bv: [__m512bh; P] = core::array::from_fn(|p| unsafe {
+                bh(_mm512_loadu_si512(b.add(p * kp * T + g * 32).cast()))
+            });
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let pair = unsafe { (a.add(i * kp + 2 * g) as *const i32).read_unaligned() };
+                let av = bh(_mm512_set1_epi32(pair));
+                for p in 0..P {
+                    acc[p] = _mm512_dpbf16_ps(acc[p], av, bv[p]);
+                }
+            }
+        }
+        for (i, acc) in acc.iter().enumerate() {
+            for (p, &v) in acc.iter().enumerate() {
+                let dst = &mut c[tile + 2 * p].0[(row + i) * T..(row + i + 1) * T];
+                // SAFETY: `dst` holds 16 floats.
+                unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), v) };
             }
         }
     }

@@ -252,7 +252,7 @@ fn gemm_ex_random_epilogues_and_packed_operands_match_the_f64_reference() {
 #[test]
 fn bf16_products_match_the_f64_reference_on_rounded_operands() {
     if !bf16_supported() {
-        eprintln!("skipped: this CPU (or FERRUM_NO_AMX) runs no bf16 product");
+        eprintln!("skipped: this CPU (or FERRUM_NO_AVX512) runs no bf16 product");
         return;
     }
     let mut rng = rng();
