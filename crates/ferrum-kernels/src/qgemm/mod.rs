@@ -304,6 +304,10 @@ struct Finish<'a> {
     row_terms: &'a [(i32, i32)],
     /// Per column: `off - zb` (one value, or `n`).
     b_terms: &'a [i32],
+    /// Every `b_terms` value is 0 (so are the row sums in `row_terms`, never computed).
+    b_terms_zero: bool,
+    /// A's zero point when it is one for all rows.
+    za: Option<i32>,
     out: OutPtr,
     scale: &'a [f32],
     bias: Option<&'a [f32]>,
@@ -441,10 +445,13 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
         padded = pad_rows(a.data, m, k, a.ld, b.kp);
         (padded.bytes(), b.kp)
     };
-    let row_terms = row_terms(adata, m, k, lda, a.zero);
+    let b_terms: Vec<i32> = b_zero.iter().map(|&z| b.offset - z).collect();
+    // A's row sums enter only through `off - zb`: none are needed when that is 0 for every
+    // column (a signed weight with zero point 0, as symmetric quantization writes).
+    let b_terms_zero = b_terms.iter().all(|&t| t == 0);
+    let row_terms = row_terms(adata, m, k, lda, a.zero, !b_terms_zero);
     // Everything else, given A widened to 16 bits (`kp` per row) when the AVX2 kernel runs.
     let rest = move |awide: &[u16]| {
-        let b_terms: Vec<i32> = b_zero.iter().map(|&z| b.offset - z).collect();
         let (out_ptr, scale, bias) = match out {
             QOut::I32 { out, ld } => {
                 assert!(out.len() >= (m - 1) * ld + n, "C is too short");
@@ -491,6 +498,8 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
             b,
             row_terms: &row_terms,
             b_terms: &b_terms,
+            b_terms_zero,
+            za: (a.zero.len() == 1).then(|| a.zero[0]),
             out: out_ptr,
             scale,
             bias,
@@ -601,16 +610,20 @@ fn widen_rows(a: &[u8], m: usize, ld: usize, kp: usize, v: &mut Vec<u16>) {
     }
 }
 
-/// Per row of A: `(rowsum(a) - k za, za)`; split across the pool for large A.
-fn row_terms(a: &[u8], m: usize, k: usize, ld: usize, zero: &[i32]) -> Vec<(i32, i32)> {
+/// Per row of A: `(rowsum(a) - k za, za)`, or `(0, za)` without `sums`; split across the pool
+/// for large A.
+fn row_terms(a: &[u8], m: usize, k: usize, ld: usize, zero: &[i32], sums: bool) -> Vec<(i32, i32)> {
+    let za = |i: usize| zero[if zero.len() == 1 { 0 } else { i }];
+    if !sums {
+        return (0..m).map(|i| (0, za(i))).collect();
+    }
     let mut t = vec![(0, 0); m];
     let rows = (1usize << 16).div_ceil(k.max(1)).max(1);
     let fill = |c: usize, out: &mut [(i32, i32)]| {
         for (r, o) in out.iter_mut().enumerate() {
             let i = c * rows + r;
-            let za = zero[if zero.len() == 1 { 0 } else { i }];
-            let s: i32 = a[i * ld..i * ld + k].iter().map(|&v| v as i32).sum();
-            *o = (s.wrapping_sub((k as i32).wrapping_mul(za)), za);
+            let s = byte_sum(&a[i * ld..i * ld + k]) as i32;
+            *o = (s.wrapping_sub((k as i32).wrapping_mul(za(i))), za(i));
         }
     };
     if m > rows && pool::threads() > 1 {
@@ -619,6 +632,21 @@ fn row_terms(a: &[u8], m: usize, k: usize, ld: usize, zero: &[i32]) -> Vec<(i32,
         fill(0, &mut t);
     }
     t
+}
+
+/// The sum of `v`'s bytes (wrapping past `u32`; exact for rows under 16 M bytes).
+pub fn byte_sum(v: &[u8]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if cpu::features().avx512bw {
+        // SAFETY: AVX-512BW checked.
+        return unsafe { x86::byte_sum_avx512(v) };
+    }
+    byte_sum_portable(v)
+}
+
+/// [`byte_sum`] in plain code (the reference the SIMD form is tested against).
+pub fn byte_sum_portable(v: &[u8]) -> u32 {
+    v.iter().fold(0u32, |s, &x| s.wrapping_add(x as u32))
 }
 
 /// The portable kernel (either layout): rows `rows` of the column block starting at panel `p0`

@@ -432,3 +432,24 @@ fn dynamic_quantizer_scale_and_zero_point() {
     }
     pool::set_threads(None);
 }
+
+#[test]
+fn byte_sums_match_the_plain_sum() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    for len in (0..300).chain([4096, 100_003]) {
+        let v: Vec<u8> = (0..len).map(|_| rng.gen()).collect();
+        // Every start, so the masked tail and unaligned loads are both exercised.
+        let start = rng.gen_range(0..=len.min(63));
+        let want = v[start..].iter().map(|&x| x as u64).sum::<u64>() as u32;
+        assert_eq!(
+            byte_sum_portable(&v[start..]),
+            want,
+            "portable, {len} bytes"
+        );
+        assert_eq!(
+            byte_sum(&v[start..]),
+            want,
+            "byte_sum, {len} bytes from {start}"
+        );
+    }
+}

@@ -357,7 +357,17 @@ unsafe fn tile<const R: usize, const P: usize>(
     let bp = b.data.i8s().as_ptr().add(p0 * stride);
     let ap = a.as_ptr().add(i0 * lda);
     let mut acc = [[_mm512_setzero_si512(); P]; R];
+    // The next tile's rows of A (R rows below these), a cache line of each every 16 groups:
+    // they come from L2 or beyond (a fresh activation), in R streams too many for the
+    // hardware prefetcher to run ahead of.
+    let next = ap.wrapping_add(R * lda) as *const i8;
     for g in 0..groups {
+        if g % 16 == 0 {
+            for r in 0..R {
+                // SAFETY: a prefetch never faults, and the address is only computed (wrapping).
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(r * lda + 4 * g));
+            }
+        }
         let mut bv = [_mm512_setzero_si512(); P];
         for (q, v) in bv.iter_mut().enumerate() {
             // SAFETY: panel p0 + q's group g: 64 bytes inside `b.data` (asserted above).
@@ -393,6 +403,8 @@ unsafe fn tile<const R: usize, const P: usize>(
 struct Cols16 {
     j0: usize,
     col_sums: __m512i,
+    /// `za * col_sums` when A has one zero point (so no row multiplies it again).
+    za_col_sums: Option<__m512i>,
     b_terms: __m512i,
     scale: __m512,
     bias: Option<__m512>,
@@ -415,9 +427,13 @@ impl Cols16 {
             1 => _mm512_set1_ps(fin.scale[0]),
             _ => _mm512_loadu_ps(fin.scale[cols.clone()].as_ptr()),
         };
+        let col_sums = ints(&fin.b.col_sums);
         Cols16 {
             j0,
-            col_sums: ints(&fin.b.col_sums),
+            col_sums,
+            za_col_sums: fin
+                .za
+                .map(|za| _mm512_mullo_epi32(_mm512_set1_epi32(za), col_sums)),
             b_terms: ints(fin.b_terms),
             scale,
             bias: fin.bias.map(|b| _mm512_loadu_ps(b[cols.clone()].as_ptr())),
@@ -432,13 +448,16 @@ impl Cols16 {
 unsafe fn store16(fin: &Finish, i: usize, cols: &Cols16, raw: __m512i) {
     let (rs, za) = fin.row_terms[i];
     let j0 = cols.j0;
-    let v = _mm512_add_epi32(
-        _mm512_sub_epi32(
-            raw,
-            _mm512_mullo_epi32(_mm512_set1_epi32(za), cols.col_sums),
-        ),
-        _mm512_mullo_epi32(cols.b_terms, _mm512_set1_epi32(rs)),
-    );
+    let za_cs = match cols.za_col_sums {
+        Some(t) => t,
+        None => _mm512_mullo_epi32(_mm512_set1_epi32(za), cols.col_sums),
+    };
+    let v = _mm512_sub_epi32(raw, za_cs);
+    let v = if fin.b_terms_zero {
+        v
+    } else {
+        _mm512_add_epi32(v, _mm512_mullo_epi32(cols.b_terms, _mm512_set1_epi32(rs)))
+    };
     // The float value `v * scale + bias`, multiply then add (the unfused chain's two roundings,
     // no FMA).
     let float = || {
@@ -655,4 +674,25 @@ pub(super) unsafe fn quantize_u8_avx2(x: &[f32], scale: f32, zp: f32, out: &mut 
         _mm_storel_epi64(out.as_mut_ptr().add(i) as *mut _, p8);
     }
     super::quantize_u8_portable(&x[n8..], scale, zp, &mut out[n8..]);
+}
+
+/// [`super::byte_sum`] with AVX-512BW: 64 bytes a step summed by `vpsadbw` into eight 64-bit
+/// lanes, the tail masked.
+///
+/// # Safety
+/// AVX-512F and BW present.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn byte_sum_avx512(v: &[u8]) -> u32 {
+    let zero = _mm512_setzero_si512();
+    let mut acc = zero;
+    let mut p = 0;
+    while p < v.len() {
+        let n = (v.len() - p).min(64);
+        let mask: __mmask64 = if n == 64 { !0 } else { (1u64 << n) - 1 };
+        // SAFETY: the masked bytes p..p + n lie in `v`; masked-off ones are not read.
+        let x = unsafe { _mm512_maskz_loadu_epi8(mask, v.as_ptr().add(p) as *const i8) };
+        acc = _mm512_add_epi64(acc, _mm512_sad_epu8(x, zero));
+        p += 64;
+    }
+    _mm512_reduce_add_epi64(acc) as u32
 }
