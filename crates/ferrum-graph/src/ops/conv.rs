@@ -331,8 +331,20 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
             } else {
                 xin
             };
-            let col = scratch(col, if direct { 0 } else { osp * ld });
-            if !direct {
+            // The patches gathered where they lie in the image by the kernel (a tap's C bytes
+            // a run), or written out as A's rows.
+            let gathered = (!direct && qgemm::reads_gathered(c, packed))
+                .then(|| geo.offsets(osp))
+                .flatten();
+            let col = scratch(
+                col,
+                if direct || gathered.is_some() {
+                    0
+                } else {
+                    osp * ld
+                },
+            );
+            if !direct && gathered.is_none() {
                 let rows = osp.div_ceil(pool::threads() * 4).max(16);
                 pool::parallel_chunks_mut(col, rows * ld, |ci, chunk| {
                     geo.rows(image, ci * rows, ld, chunk)
@@ -342,26 +354,43 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
             // turned channels-first as Y is stored.
             let a_rows: &[u8] = if direct { image } else { col };
             let product = |out: &mut [u8]| {
-                qgemm::qgemm(
-                    qgemm::QuantA {
-                        data: a_rows,
-                        m: osp,
-                        ld: if direct { kk } else { ld },
-                        zero: &[xz],
-                        zero_padded: !direct,
-                    },
-                    packed,
-                    &wz,
-                    qgemm::QOut::Q8 {
-                        out,
-                        rs: m,
-                        cs: 1,
-                        scale: &scale,
-                        bias: bias_f.as_deref(),
-                        zero: yz,
-                        signed: y_dtype == DType::I8,
-                    },
-                )
+                let q8 = qgemm::QOut::Q8 {
+                    out,
+                    rs: m,
+                    cs: 1,
+                    scale: &scale,
+                    bias: bias_f.as_deref(),
+                    zero: yz,
+                    signed: y_dtype == DType::I8,
+                };
+                match &gathered {
+                    Some(offsets) => qgemm::qgemm_gathered(
+                        qgemm::Gathered {
+                            image,
+                            offsets,
+                            taps: k[0] * k[1],
+                            run: c,
+                            fill: geo.fill,
+                        },
+                        osp,
+                        &[xz],
+                        packed,
+                        &wz,
+                        q8,
+                    ),
+                    None => qgemm::qgemm(
+                        qgemm::QuantA {
+                            data: a_rows,
+                            m: osp,
+                            ld: if direct { kk } else { ld },
+                            zero: &[xz],
+                            zero_padded: !direct,
+                        },
+                        packed,
+                        &wz,
+                        q8,
+                    ),
+                }
             };
             if nhwc_io {
                 product(yb);
@@ -793,6 +822,34 @@ struct Patches {
 }
 
 impl Patches {
+    /// Where each row's taps read the channels-last image, for [`qgemm::qgemm_gathered`]: per
+    /// output position and tap (row-major), the tap's first byte, or [`qgemm::Gathered::PAD`]
+    /// in the padding. `None` when the image's offsets do not fit in 32 bits.
+    fn offsets(&self, osp: usize) -> Option<Vec<u32>> {
+        let ([kh, kw], [ih, iw], c) = (self.k, self.ins, self.c);
+        if ih * iw * c >= qgemm::Gathered::PAD as usize {
+            return None;
+        }
+        let mut v = Vec::with_capacity(osp * kh * kw);
+        for p in 0..osp {
+            let (oy, ox) = (p / self.ow, p % self.ow);
+            for ky in 0..kh {
+                let iy = (oy * self.s[0] + ky * self.d[0]) as isize - self.pad[0] as isize;
+                for kx in 0..kw {
+                    let ix = (ox * self.s[1] + kx * self.d[1]) as isize - self.pad[1] as isize;
+                    v.push(
+                        if iy < 0 || ix < 0 || iy >= ih as isize || ix >= iw as isize {
+                            qgemm::Gathered::PAD
+                        } else {
+                            ((iy as usize * iw + ix as usize) * c) as u32
+                        },
+                    );
+                }
+            }
+        }
+        Some(v)
+    }
+
     /// Writes rows `first..` of `col(X)^T` into `out` (rows `ld` bytes apart: `kh kw C` bytes,
     /// then zeros) from the channels-last image `x`.
     fn rows(&self, x: &[u8], first: usize, ld: usize, out: &mut [u8]) {

@@ -250,6 +250,44 @@ pub struct QuantA<'a> {
     pub zero_padded: bool,
 }
 
+/// A's rows gathered from an image instead of stored (a convolution's patches, never written
+/// out: the indirect convolution of Dukhan 2019): row `p`'s `k = taps * run` bytes are `taps`
+/// runs of `run` bytes, run `t` at `image[offsets[p * taps + t]..]`, or `run` bytes of `fill`
+/// where that offset is [`Gathered::PAD`].
+#[derive(Clone, Copy, Debug)]
+pub struct Gathered<'a> {
+    pub image: &'a [u8],
+    pub offsets: &'a [u32],
+    pub taps: usize,
+    pub run: usize,
+    pub fill: u8,
+}
+
+impl Gathered<'_> {
+    /// The offset of a run that lies in the padding.
+    pub const PAD: u32 = u32::MAX;
+
+    /// Run `t` of row `p` (`fill`, `run` bytes of the fill value, for a padding run).
+    fn run_of<'b>(&'b self, p: usize, t: usize, fill: &'b [u8]) -> &'b [u8] {
+        match self.offsets[p * self.taps + t] {
+            Gathered::PAD => fill,
+            o => &self.image[o as usize..o as usize + self.run],
+        }
+    }
+
+    /// Rows `first..` written out into `out`, `ld` bytes apart with zeros past `k`.
+    fn write_rows(&self, first: usize, ld: usize, out: &mut [u8]) {
+        let fill = vec![self.fill; self.run];
+        for (r, row) in out.chunks_exact_mut(ld).enumerate() {
+            let (runs, tail) = row.split_at_mut(self.taps * self.run);
+            for (t, dst) in runs.chunks_exact_mut(self.run).enumerate() {
+                dst.copy_from_slice(self.run_of(first + r, t, &fill));
+            }
+            tail.fill(0);
+        }
+    }
+}
+
 /// What the product writes, row-major with leading dimension `ld`.
 pub enum QOut<'a> {
     /// The exact integer product.
@@ -421,6 +459,72 @@ pub fn qgemm(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut) {
     qgemm_on(a, b, b_zero, out, kernel_for(b))
 }
 
+/// [`qgemm`] with A's `m` rows gathered (see [`Gathered`]; `zero` as [`QuantA::zero`]): the
+/// VNNI kernel reads the runs where they lie when `run` is a multiple of 4; other kernels get
+/// the rows written out first. The same integers either way.
+pub fn qgemm_gathered(
+    a: Gathered,
+    m: usize,
+    zero: &[i32],
+    b: &PackedI8,
+    b_zero: &[i32],
+    out: QOut,
+) {
+    qgemm_gathered_on(a, m, zero, b, b_zero, out, kernel_for(b))
+}
+
+fn qgemm_gathered_on(
+    a: Gathered,
+    m: usize,
+    zero: &[i32],
+    b: &PackedI8,
+    b_zero: &[i32],
+    out: QOut,
+    kernel: Kernel,
+) {
+    assert_eq!(a.taps * a.run, b.k, "gathered A: taps * run is not B's k");
+    assert!(a.offsets.len() >= m * a.taps, "gathered A: too few offsets");
+    assert!(
+        a.offsets[..m * a.taps].iter().all(|&o| o == Gathered::PAD
+            || (o as usize)
+                .checked_add(a.run)
+                .is_some_and(|e| e <= a.image.len())),
+        "gathered A: a run outside the image"
+    );
+    if kernel == Kernel::Vnni && a.run.is_multiple_of(4) {
+        assert!(zero.len() == 1 || zero.len() == m, "A zero points");
+        assert!(b_zero.len() == 1 || b_zero.len() == b.n, "B zero points");
+        if m == 0 || b.n == 0 {
+            return;
+        }
+        return qgemm_core(ASrc::Gathered(a), m, zero, b, b_zero, out, kernel);
+    }
+    let ld = b.kp;
+    let mut rows = vec![0u8; m * ld];
+    a.write_rows(0, ld, &mut rows);
+    qgemm_on(
+        QuantA {
+            data: &rows,
+            m,
+            ld,
+            zero,
+            zero_padded: true,
+        },
+        b,
+        b_zero,
+        out,
+        kernel,
+    )
+}
+
+/// Where the kernels read A: stored rows (`lda` apart, `kp` readable bytes each), or gathered
+/// (the VNNI kernel only).
+#[derive(Clone, Copy)]
+enum ASrc<'a> {
+    Rows(&'a [u8], usize),
+    Gathered(Gathered<'a>),
+}
+
 fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) {
     let (m, k, n) = (a.m, b.k, b.n);
     assert!(a.zero.len() == 1 || a.zero.len() == m, "A zero points");
@@ -445,11 +549,30 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
         padded = pad_rows(a.data, m, k, a.ld, b.kp);
         (padded.bytes(), b.kp)
     };
+    qgemm_core(ASrc::Rows(adata, lda), m, a.zero, b, b_zero, out, kernel)
+}
+
+/// The product once A's source is settled (rows holding `kp` readable bytes each, or gathered
+/// for the VNNI kernel), for `m, n > 0`.
+fn qgemm_core(
+    asrc: ASrc,
+    m: usize,
+    zero: &[i32],
+    b: &PackedI8,
+    b_zero: &[i32],
+    out: QOut,
+    kernel: Kernel,
+) {
+    let (k, n) = (b.k, b.n);
+    let (adata, lda) = match asrc {
+        ASrc::Rows(d, l) => (d, l),
+        ASrc::Gathered(_) => (&[][..], 0),
+    };
     let b_terms: Vec<i32> = b_zero.iter().map(|&z| b.offset - z).collect();
     // A's row sums enter only through `off - zb`: none are needed when that is 0 for every
     // column (a signed weight with zero point 0, as symmetric quantization writes).
     let b_terms_zero = b_terms.iter().all(|&t| t == 0);
-    let row_terms = row_terms(adata, m, k, lda, a.zero, !b_terms_zero);
+    let row_terms = row_terms(asrc, m, k, zero, !b_terms_zero);
     // Everything else, given A widened to 16 bits (`kp` per row) when the AVX2 kernel runs.
     let rest = move |awide: &[u16]| {
         let (out_ptr, scale, bias) = match out {
@@ -499,7 +622,7 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
             row_terms: &row_terms,
             b_terms: &b_terms,
             b_terms_zero,
-            za: (a.zero.len() == 1).then(|| a.zero[0]),
+            za: (zero.len() == 1).then(|| zero[0]),
             out: out_ptr,
             scale,
             bias,
@@ -527,7 +650,14 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
                 // SAFETY: `kernel_for` chose VNNI only where the CPU has AVX-512 F/BW/VL + VNNI, on
                 // a `Quads` B; rows and panels are in range; A's rows hold `kp` readable bytes
                 // each (k % 4 == 0, or padded above).
-                Kernel::Vnni => unsafe { x86::block_vnni(adata, lda, rows, p0, np, &fin) },
+                // A gathered only for this kernel (`qgemm_gathered_on`), which then checked
+                // every run inside the image and `taps * run == k`, run a multiple of 4.
+                Kernel::Vnni => unsafe {
+                    match asrc {
+                        ASrc::Rows(..) => x86::block_vnni(adata, lda, rows, p0, np, &fin),
+                        ASrc::Gathered(g) => x86::block_vnni_gathered(&g, rows, p0, np, &fin),
+                    }
+                },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `kernel_for` chose AMX only where the CPU has it (with AVX-512 VNNI, and
                 // the OS granted the tile state), on a `Tiles` B (kp a multiple of 64); rows and
@@ -556,6 +686,12 @@ fn qgemm_on(a: QuantA, b: &PackedI8, b_zero: &[i32], out: QOut, kernel: Kernel) 
     } else {
         rest(&[]);
     }
+}
+
+/// True when [`qgemm_gathered`] reads runs of `run` bytes where they lie (no rows written out)
+/// in a product with `b`.
+pub fn reads_gathered(run: usize, b: &PackedI8) -> bool {
+    kernel_for(b) == Kernel::Vnni && run.is_multiple_of(4)
 }
 
 /// True when the AVX-512 VNNI kernel runs (this process's tier).
@@ -612,17 +748,27 @@ fn widen_rows(a: &[u8], m: usize, ld: usize, kp: usize, v: &mut Vec<u16>) {
 
 /// Per row of A: `(rowsum(a) - k za, za)`, or `(0, za)` without `sums`; split across the pool
 /// for large A.
-fn row_terms(a: &[u8], m: usize, k: usize, ld: usize, zero: &[i32], sums: bool) -> Vec<(i32, i32)> {
+fn row_terms(a: ASrc, m: usize, k: usize, zero: &[i32], sums: bool) -> Vec<(i32, i32)> {
     let za = |i: usize| zero[if zero.len() == 1 { 0 } else { i }];
     if !sums {
         return (0..m).map(|i| (0, za(i))).collect();
     }
+    let fill_run = match a {
+        ASrc::Gathered(g) => vec![g.fill; g.run],
+        ASrc::Rows(..) => Vec::new(),
+    };
+    let sum = |i: usize| match a {
+        ASrc::Rows(d, ld) => byte_sum(&d[i * ld..i * ld + k]),
+        ASrc::Gathered(g) => (0..g.taps).fold(0u32, |s, t| {
+            s.wrapping_add(byte_sum(g.run_of(i, t, &fill_run)))
+        }),
+    };
     let mut t = vec![(0, 0); m];
     let rows = (1usize << 16).div_ceil(k.max(1)).max(1);
     let fill = |c: usize, out: &mut [(i32, i32)]| {
         for (r, o) in out.iter_mut().enumerate() {
             let i = c * rows + r;
-            let s = byte_sum(&a[i * ld..i * ld + k]) as i32;
+            let s = sum(i) as i32;
             *o = (s.wrapping_sub((k as i32).wrapping_mul(za(i))), za(i));
         }
     };

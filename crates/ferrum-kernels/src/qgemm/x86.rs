@@ -5,7 +5,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{Finish, OutPtr};
+use super::{Finish, Gathered, OutPtr};
 
 /// [`super::Layout::Quads`]: columns per panel, rows per tile.
 const PANEL: usize = 16;
@@ -381,6 +381,23 @@ unsafe fn tile<const R: usize, const P: usize>(
             }
         }
     }
+    // SAFETY: rows i0..i0 + R and panels p0..p0 + P are the caller's (contract).
+    unsafe { finish_tile(acc, i0, p0, fin) };
+}
+
+/// Finishes and stores the raw sums of an `R x (P * 16)` tile at rows `i0..`, panels `p0..`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL and VNNI present; the rows and panels are in range and this task's.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn finish_tile<const R: usize, const P: usize>(
+    acc: [[__m512i; P]; R],
+    i0: usize,
+    p0: usize,
+    fin: &Finish,
+) {
+    let b = fin.b;
     for q in 0..P {
         let j0 = (p0 + q) * PANEL;
         if j0 + PANEL <= b.n {
@@ -396,6 +413,94 @@ unsafe fn tile<const R: usize, const P: usize>(
             }
         }
     }
+}
+
+/// [`block_vnni`] with A's rows gathered ([`Gathered`], `run` a multiple of 4): per tap, each
+/// row's run read where it lies in the image (the fill run in the padding), its groups of 4
+/// against B's groups `t * run / 4..`. The same sums in the same order as over the rows written
+/// out.
+///
+/// # Safety
+/// AVX-512 F/BW/VL and VNNI must be present; every offset of the rows in `rows` is `PAD` or
+/// starts `run` bytes inside `a.image`; `a.taps * a.run == fin.b.k`, `a.run % 4 == 0`; `p0 + np`
+/// panels must exist.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn block_vnni_gathered(
+    a: &Gathered,
+    rows: Range<usize>,
+    p0: usize,
+    np: usize,
+    fin: &Finish,
+) {
+    assert!(a.run.is_multiple_of(4) && a.taps * a.run == fin.b.k);
+    assert!(rows.end * a.taps <= a.offsets.len());
+    let fill = vec![a.fill; a.run];
+    let mut i = rows.start;
+    while i < rows.end {
+        let r = MR.min(rows.end - i);
+        // SAFETY: as this function's contract, for rows i..i + r.
+        unsafe {
+            macro_rules! go {
+                ($($R:literal)*) => {
+                    match (r, np) {
+                        $( ($R, 1) => tile_gathered::<$R, 1>(a, &fill, i, p0, fin),
+                           ($R, 2) => tile_gathered::<$R, 2>(a, &fill, i, p0, fin),
+                           ($R, 3) => tile_gathered::<$R, 3>(a, &fill, i, p0, fin),
+                           ($R, 4) => tile_gathered::<$R, 4>(a, &fill, i, p0, fin), )*
+                        _ => unreachable!("tile {r} x {np}"),
+                    }
+                };
+            }
+            go!(1 2 3 4 5 6);
+        }
+        i += r;
+    }
+}
+
+/// [`tile`] over gathered rows (`fill`: `run` bytes of the fill value).
+///
+/// # Safety
+/// As [`block_vnni_gathered`], for rows `i0..i0 + R`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn tile_gathered<const R: usize, const P: usize>(
+    a: &Gathered,
+    fill: &[u8],
+    i0: usize,
+    p0: usize,
+    fin: &Finish,
+) {
+    let b = fin.b;
+    let stride = b.kp * PANEL;
+    let per_run = a.run / 4;
+    assert!(p0 + P <= b.n.div_ceil(PANEL) && a.taps * per_run <= b.kp / 4);
+    let bp = b.data.i8s().as_ptr().add(p0 * stride);
+    let mut acc = [[_mm512_setzero_si512(); P]; R];
+    for t in 0..a.taps {
+        // Each row's run under tap t: in the image (checked by the caller), or the fill run.
+        let runs: [*const u8; R] =
+            core::array::from_fn(|r| match a.offsets[(i0 + r) * a.taps + t] {
+                Gathered::PAD => fill.as_ptr(),
+                o => a.image[o as usize..o as usize + a.run].as_ptr(),
+            });
+        for gg in 0..per_run {
+            let g = t * per_run + gg;
+            let mut bv = [_mm512_setzero_si512(); P];
+            for (q, v) in bv.iter_mut().enumerate() {
+                // SAFETY: panel p0 + q's group g < kp / 4: 64 bytes inside `b.data`.
+                *v = _mm512_loadu_si512(bp.add(q * stride + g * 64) as *const _);
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                // SAFETY: bytes 4gg..4gg + 4 of a run of `run` bytes.
+                let av = _mm512_set1_epi32((runs[r].add(4 * gg) as *const i32).read_unaligned());
+                for q in 0..P {
+                    row[q] = _mm512_dpbusd_epi32(row[q], av, bv[q]);
+                }
+            }
+        }
+    }
+    // SAFETY: rows i0..i0 + R and panels p0..p0 + P are the caller's (contract).
+    unsafe { finish_tile(acc, i0, p0, fin) };
 }
 
 /// The terms of 16 whole columns `j0..j0 + 16` that every row's epilogue uses: B's column sums,
