@@ -388,9 +388,10 @@ unsafe fn tile<const R: usize, const P: usize>(
 /// Finishes and stores the raw sums of an `R x (P * 16)` tile at rows `i0..`, panels `p0..`.
 ///
 /// # Safety
-/// AVX-512 F/BW/VL and VNNI present; the rows and panels are in range and this task's.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-#[inline]
+/// AVX-512 F/BW/VL and VNNI present; the rows and panels are in range and this task's. Always
+/// inlined into its callers (kernels compiled for those features), so the sums stay in
+/// registers.
+#[inline(always)]
 unsafe fn finish_tile<const R: usize, const P: usize>(
     acc: [[__m512i; P]; R],
     i0: usize,
