@@ -35,7 +35,9 @@
 //! group of 4), AVX2 (`6 x 16` tiles: 12 accumulators, 2 panel loads and 6 broadcasts per pair:
 //! with the product's temporary that is all 16 registers; `4 x 24` spilled and ran at 0.6x)
 //! and a portable one that reads either layout; [`qgemm_ref`] is the plain reference the
-//! randomized tests compare each with (integers: equal, not close). The threads split C into
+//! randomized tests compare each with (integers: equal, not close). A may also be gathered
+//! ([`qgemm_gathered`]: a convolution's patches read where they lie in the image, through a table
+//! of offsets, by the VNNI kernel; written out as rows for the others). The threads split C into
 //! column blocks (and row ranges when there are too few blocks); each element's sum is the same
 //! whatever the split.
 
