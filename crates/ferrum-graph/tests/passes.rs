@@ -1003,6 +1003,97 @@ fn statically_quantized_convs_fuse_into_qlinear_conv() {
     );
 }
 
+#[test]
+fn statically_quantized_linear_layers_fuse_into_integer_products() {
+    // A classifier head as quantize_static writes it in QDQ form (ResNet-50's fc): X's Q/DQ per
+    // tensor (uint8), the Gemm (transB = 1) on the weights' DQ per output row (int8, axis 0) or
+    // per tensor, an int32 bias with scale x_scale * w_scale (or none), the output quantized and
+    // dequantized. The Gemm must become MatMulIntegerToFloat on the transposed integer weights,
+    // and the outputs stay within one quantization step of level 0 (a float product on the
+    // dequantized weights), most of them equal.
+    let mut r = rng();
+    for (rows, k, n, per_row, with_bias) in [(1, 70, 33, true, true), (3, 48, 20, false, false)] {
+        let xs = 0.03f32;
+        let ys = 0.08f32;
+        let w: Vec<u8> = (0..n * k)
+            .map(|_| r.gen_range(-127i8..=127) as u8)
+            .collect();
+        let ws: Vec<f32> = (0..if per_row { n } else { 1 })
+            .map(|_| r.gen_range(1e-3..1e-2))
+            .collect();
+        let b: Vec<i32> = (0..n).map(|_| r.gen_range(-3000..3000)).collect();
+        let bs: Vec<f32> = (0..n)
+            .map(|j| xs * ws[if per_row { j } else { 0 }])
+            .collect();
+        let axis = per_row
+            .then(|| attr_int("axis", 0))
+            .into_iter()
+            .collect::<Vec<_>>();
+        let mut nodes = vec![
+            node("QuantizeLinear", &["x", "xs", "xz"], &["xq"], vec![]),
+            node("DequantizeLinear", &["xq", "xs", "xz"], &["xd"], vec![]),
+            node("DequantizeLinear", &["w", "ws", "wz"], &["wd"], axis),
+        ];
+        let mut gemm_in = vec!["xd", "wd"];
+        if with_bias {
+            nodes.push(node(
+                "DequantizeLinear",
+                &["b", "bs"],
+                &["bd"],
+                vec![attr_int("axis", 0)],
+            ));
+            gemm_in.push("bd");
+        }
+        nodes.extend([
+            node("Gemm", &gemm_in, &["g"], vec![attr_int("transB", 1)]),
+            node("QuantizeLinear", &["g", "ys", "yz"], &["gq"], vec![]),
+            node("DequantizeLinear", &["gq", "ys", "yz"], &["y"], vec![]),
+        ]);
+        let nw = ws.len() as i64;
+        let mp = model(
+            nodes,
+            vec![f32_in("x", &[rows as i64, k as i64])],
+            vec![f32_out("y")],
+            vec![
+                init("xs", &[], vec![xs]),
+                int8_init("xz", &[], false, vec![120]),
+                int8_init("w", &[n as i64, k as i64], true, w),
+                init("ws", &[nw], ws),
+                int8_init("wz", &[nw], true, vec![0; nw as usize]),
+                i32_init("b", &[n as i64], &b),
+                init("bs", &[n as i64], bs),
+                init("ys", &[], vec![ys]),
+                int8_init("yz", &[], false, vec![128]),
+            ],
+            17,
+        );
+        let plain = session(&mp, OptLevel::Disabled);
+        let opt = session(&mp, OptLevel::Extended);
+        let got_ops = ops(&opt);
+        assert!(
+            got_ops
+                .iter()
+                .any(|o| o == "com.ferrum.MatMulIntegerToFloat")
+                && !got_ops.iter().any(|o| o == "Gemm"),
+            "{got_ops:?}"
+        );
+        for _ in 0..3 {
+            let x: Vec<f32> = randv(&mut r, rows * k).iter().map(|v| v * 2.0).collect();
+            let feeds = [("x", vec![rows, k], x)];
+            let (a, o) = (outputs(&plain, &feeds), outputs(&opt, &feeds));
+            let mut off = 0;
+            for (i, (p, q)) in a[0].iter().zip(&o[0]).enumerate() {
+                assert!(
+                    (p - q).abs() <= ys * 1.001,
+                    "element {i}: level 0 {p}, fused {q}"
+                );
+                off += (p != q) as usize;
+            }
+            assert!(off * 10 <= a[0].len(), "{off} of {} differ", a[0].len());
+        }
+    }
+}
+
 /// Two bottleneck blocks of a statically quantized ResNet in QDQ form (as
 /// `onnxruntime.quantization.quantize_static` writes them): 1x1, 3x3 and 1x1 convolutions, the
 /// second block with stride 2 and a strided 1x1 shortcut, each block's residual added and

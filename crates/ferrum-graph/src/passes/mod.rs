@@ -7,7 +7,7 @@
 //! |---|---|
 //! | 0 `Disabled` | none: the graph runs as imported |
 //! | 1 `Basic` | constant folding, Identity/Dropout elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights; then constant weights packed for the GEMM ([`PackedWeights`]; in bf16 for the tile unit with [`Precision::Bf16`]) |
-//! | 2 `Extended` | level 1, then the erf form of GELU into one node, multi-head attention (MatMul, scale, mask, Softmax, MatMul) into one `FusedAttention` node, a dynamically quantized MatMul's MatMulInteger + Cast + scale Mul (+ bias Add) into one MatMulIntegerToFloat, and bias, residual Add and activation fused into the Conv, Gemm or MatMul (activation only: MatMulIntegerToFloat) that produces their input ([`crate::ops`]' `com.ferrum` ops) |
+//! | 2 `Extended` | level 1, then the erf form of GELU into one node, multi-head attention (MatMul, scale, mask, Softmax, MatMul) into one `FusedAttention` node, a dynamically quantized MatMul's MatMulInteger + Cast + scale Mul (+ bias Add) into one MatMulIntegerToFloat, (before constant folding) a statically quantized model's QDQ groups into integer operators (Conv into QLinearConv, a residual Add into QLinearAdd, a Linear's Gemm into MatMulIntegerToFloat on the integer weights: `passes/qdq.rs`), and bias, residual Add and activation fused into the Conv, Gemm or MatMul (activation only: MatMulIntegerToFloat) that produces their input ([`crate::ops`]' `com.ferrum` ops) |
 //! | 3 `All` | level 2, then chains of depthwise and pointwise convolutions moved to channels-last (`NhwcConv` on `[N, H, W, C]` tensors, transposes at the region's edges; f32 sessions), and chains of 8-bit QLinearConvs and QLinearAdds likewise (`NhwcQLinearConv`; a dequantized max pool between them as `NhwcMaxPool` on the bytes) |
 //!
 //! Fused nodes live in the `com.ferrum` domain: `FusedConv` (Conv's inputs, then an optional
@@ -93,6 +93,7 @@ pub fn optimize(model: &mut Model, level: OptLevel, precision: Precision) -> Res
         // Before constant folding, which would dequantize the weights it reads.
         run(&mut report, "qdq conv fusion", model, qdq::qdq_conv);
         run(&mut report, "qdq add fusion", model, qdq::qdq_add);
+        run(&mut report, "qdq gemm fusion", model, qdq::qdq_gemm);
     }
     if level >= OptLevel::Basic {
         run(

@@ -1,11 +1,13 @@
-//! Level 2: the QDQ form of quantized convolutions and residual adds into integer operators.
+//! Level 2: the QDQ form of quantized convolutions, residual adds and linear layers into integer
+//! operators.
 //!
 //! A statically quantized model in QDQ form (what `onnxruntime.quantization.quantize_static`
 //! writes by default) keeps float operators between DequantizeLinear and QuantizeLinear nodes:
 //! `Q(Conv(DQ(x), DQ(w), DQ(b)))`. Run as written, every convolution is a float one on weights
 //! dequantized once by constant folding. This pass rewrites each such group into ONNX's
-//! `QLinearConv`, which the runtime computes on the integer GEMM, and each quantized residual
-//! `Q(Add(DQ(a), DQ(b)))` into `com.ferrum.QLinearAdd`, as ONNX Runtime's QDQ transformers do.
+//! `QLinearConv`, which the runtime computes on the integer GEMM, each quantized residual
+//! `Q(Add(DQ(a), DQ(b)))` into `com.ferrum.QLinearAdd`, and each `Gemm(DQ(x), DQ(w), DQ(b))`
+//! into `com.ferrum.MatMulIntegerToFloat`, as ONNX Runtime's QDQ transformers do.
 //! It runs before constant folding, which would otherwise fold the weights' DequantizeLinear
 //! away.
 
@@ -271,6 +273,160 @@ pub fn qdq_add(model: &mut Model, log: &mut Vec<String>) -> usize {
     }
     let count = fused.len();
     for (at, node) in fused {
+        model.graph.nodes[at] = node;
+        dead.remove(&at);
+    }
+    remove_nodes(&mut model.graph, &dead);
+    count
+}
+
+/// `Gemm(DequantizeLinear(x), DequantizeLinear(w), DequantizeLinear(b)?)` as PyTorch's Linear
+/// exports and `quantize_static` quantizes it: `transB = 1`, no `transA`, `alpha` 1 (and `beta`
+/// 1 with a bias); X 8-bit per tensor; W a 2-D 8-bit constant `[n, k]`, per tensor or per
+/// output row (axis 0); the bias int32 with a float32 scale and no (or a zero) zero point.
+/// It becomes `com.ferrum.MatMulIntegerToFloat` on W transposed (a new `[k, n]` initializer)
+/// with the dequantized bias: the integer product times `x_scale * w_scale` plus the bias, what
+/// ONNX Runtime's QGemm computes, in place of a float product over weights dequantized to four
+/// times their bytes. Readers of the Gemm's output (a QuantizeLinear, usually) stay.
+pub fn qdq_gemm(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let g = &model.graph;
+    let uses = Uses::of(g);
+    let eight = |d: Option<DType>| matches!(d, Some(DType::U8 | DType::I8));
+    let mut dead = HashSet::new();
+    // (Gemm's index, its replacement, W transposed, the bias)
+    let mut fused: Vec<(usize, Node, Tensor, Option<Tensor>)> = Vec::new();
+    for (gi, gemm) in g.nodes.iter().enumerate() {
+        if !is_op(gemm, "Gemm")
+            || gemm.outputs.len() != 1
+            || attr_i(gemm, "transA", 0) != 0
+            || attr_i(gemm, "transB", 0) != 1
+            || gemm
+                .attrs
+                .get("alpha")
+                .is_some_and(|a| !matches!(a, Attr::Float(v) if *v == 1.0))
+            || gemm
+                .attrs
+                .get("beta")
+                .is_some_and(|a| !matches!(a, Attr::Float(v) if *v == 1.0))
+        {
+            continue;
+        }
+        let get = |k: usize| gemm.inputs.get(k).copied().flatten();
+        let producer = |v: Option<ValueId>| v.and_then(|v| uses.producer.get(&v).copied());
+        let Some(x) = producer(get(0))
+            .and_then(|i| qparams(g, i, "DequantizeLinear", 1))
+            .filter(|x| eight(x.zero_dtype))
+        else {
+            continue;
+        };
+        let Some(wq) = producer(get(1)).map(|i| &g.nodes[i]).and_then(|n| {
+            constant(g, n.inputs.first().copied().flatten()?)
+                .filter(|t| t.rank() == 2 && matches!(t.dtype(), DType::U8 | DType::I8))
+        }) else {
+            continue;
+        };
+        let (n, k) = (wq.shape()[0], wq.shape()[1]);
+        let Some(w) = producer(get(1)).and_then(|i| qparams(g, i, "DequantizeLinear", n)) else {
+            continue;
+        };
+        if w.zero_dtype.is_some_and(|d| d != wq.dtype()) {
+            continue;
+        }
+        let mut absorbed = vec![w.node];
+        let mut bias = None;
+        if get(2).is_some() {
+            let Some(b) = producer(get(2)).and_then(|i| qparams(g, i, "DequantizeLinear", n))
+            else {
+                continue;
+            };
+            let Some(bv) = constant(g, b.data)
+                .filter(|t| t.dtype() == DType::I32 && t.len() == n)
+                .and_then(|t| t.to_i64_vec().ok())
+            else {
+                continue;
+            };
+            let zero_ok = b.zero.is_none_or(|z| {
+                constant(g, z)
+                    .is_some_and(|z| z.to_i64_vec().is_ok_and(|v| v.iter().all(|&e| e == 0)))
+            });
+            if !zero_ok {
+                continue;
+            }
+            // DequantizeLinear's value: the product rounded once to float32.
+            let deq: Vec<f32> = bv
+                .iter()
+                .enumerate()
+                .map(|(j, &v)| {
+                    (v as f64 * b.scales[if b.scales.len() == 1 { 0 } else { j }] as f64) as f32
+                })
+                .collect();
+            bias = Some(Tensor::from_vec(vec![n], deq).expect("bias"));
+            absorbed.push(b.node);
+        }
+        // W's readers other than this Gemm keep their DequantizeLinear nodes.
+        absorbed.retain(|&i| {
+            g.nodes[i]
+                .outputs
+                .first()
+                .copied()
+                .flatten()
+                .and_then(|v| uses.sole_reader(v))
+                == Some(gi)
+        });
+        if uses.sole_reader(get(0).expect("X")) == Some(gi) {
+            absorbed.push(x.node);
+        }
+        if absorbed.iter().any(|i| dead.contains(i)) {
+            continue;
+        }
+        let wt: Tensor = match wq.dtype() {
+            DType::I8 => {
+                let v = wq.as_slice::<i8>().expect("int8");
+                Tensor::from_vec(
+                    vec![k, n],
+                    (0..k * n).map(|e| v[(e % n) * k + e / n]).collect(),
+                )
+            }
+            _ => {
+                let v = wq.as_slice::<u8>().expect("uint8");
+                Tensor::from_vec(
+                    vec![k, n],
+                    (0..k * n).map(|e| v[(e % n) * k + e / n]).collect(),
+                )
+            }
+        }
+        .expect("transposed weight");
+        let mut node = gemm.clone();
+        node.domain = DOMAIN.into();
+        node.op = "MatMulIntegerToFloat".into();
+        node.inputs = vec![
+            Some(x.data),
+            None, // W transposed, added below
+            Some(x.scale),
+            x.zero,
+            Some(w.scale),
+            w.zero,
+            None, // the bias, added below
+        ];
+        node.attrs.clear();
+        log.push(format!(
+            "DequantizeLinear + {} -> MatMulIntegerToFloat",
+            gemm.name
+        ));
+        dead.extend(absorbed);
+        fused.push((gi, node, wt, bias));
+    }
+    let count = fused.len();
+    for (at, mut node, wt, bias) in fused {
+        node.inputs[1] = Some(add_initializer(
+            model,
+            &format!("{}.weight_t", node.name),
+            wt,
+        ));
+        node.inputs[6] = bias.map(|b| add_initializer(model, &format!("{}.bias", node.name), b));
+        if node.inputs[6].is_none() {
+            node.inputs.pop();
+        }
         model.graph.nodes[at] = node;
         dead.remove(&at);
     }
