@@ -308,11 +308,7 @@ fn run(m: usize, n: usize, k: usize, a: &[u16], b: &[u16], d: &Dest, threads: us
         // lies inside them; C's extent was checked by the caller and tasks write disjoint
         // blocks of it.
         unsafe {
-            if amx {
-                x86::blocks(a, b, (m, n, k), rb, blk, d)
-            } else {
-                x86::blocks_dp(a, b, (m, n, k), rb, blk, d)
-            }
+            x86::blocks(a, b, (m, n, k), rb, blk, d, amx)
         };
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (rb, blk, a, b, k, amx);
@@ -364,11 +360,15 @@ mod x86 {
     #[repr(C, align(64))]
     struct Tile([f32; T * T]);
 
-    /// Row blocks `rb` (32 rows each) of column block `blk` (32 columns) of the product.
+    /// Row blocks `rb` (32 rows each) of column block `blk` (32 columns) of the product: on the
+    /// tile unit with `amx`, else on AVX512-BF16's dot product, each block as slices of
+    /// [`SLICE`] rows by its one or two panels ([`slice`]) into the same C tiles. Each element's
+    /// sum runs over the pairs in order either way (`vdpbf16ps` adds a pair's two exact
+    /// products to its lane), whatever the slicing.
     ///
     /// # Safety
-    /// AMX-BF16 granted and AVX-512 present; `a` and `b` hold the operands laid out for
-    /// `m x k` and `n x k`; C as [`write`] needs it.
+    /// AVX-512 present, and AMX-BF16 granted (`amx`) or AVX512-BF16 present (otherwise); `a` and
+    /// `b` hold the operands laid out for `m x k` and `n x k`; C as [`write`] needs it.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn blocks(
         a: &[u16],
@@ -377,6 +377,7 @@ mod x86 {
         rb: Range<usize>,
         blk: usize,
         d: &Dest,
+        amx: bool,
     ) {
         let kp = kp(k);
         let (mt, panels) = (m.div_ceil(T), n.div_ceil(T));
@@ -388,21 +389,41 @@ mod x86 {
             Tile([0.0; T * T]),
             Tile([0.0; T * T]),
         ];
-        // SAFETY: AMX present and granted (contract).
-        unsafe { crate::amx::configure() };
+        if amx {
+            // SAFETY: AMX present and granted (contract).
+            unsafe { crate::amx::configure() };
+        }
         for r in rb {
             let t0 = 2 * r;
             let nr = 2.min(mt - t0);
             let ap = a[t0 * T * kp..].as_ptr();
             let bp = b[q0 * T * kp..].as_ptr();
-            // SAFETY: tiles t0..t0 + nr of A and panels q0..q0 + np of B lie in the slices
-            // (asserted above); the configuration is loaded.
-            unsafe {
-                match (nr, np) {
-                    (2, 2) => block::<2, 2>(ap, bp, kp, &mut c),
-                    (2, _) => block::<2, 1>(ap, bp, kp, &mut c),
-                    (_, 2) => block::<1, 2>(ap, bp, kp, &mut c),
-                    _ => block::<1, 1>(ap, bp, kp, &mut c),
+            if amx {
+                // SAFETY: tiles t0..t0 + nr of A and panels q0..q0 + np of B lie in the slices
+                // (asserted above); the configuration is loaded.
+                unsafe {
+                    match (nr, np) {
+                        (2, 2) => block::<2, 2>(ap, bp, kp, &mut c),
+                        (2, _) => block::<2, 1>(ap, bp, kp, &mut c),
+                        (_, 2) => block::<1, 2>(ap, bp, kp, &mut c),
+                        _ => block::<1, 1>(ap, bp, kp, &mut c),
+                    }
+                }
+            } else {
+                // Slices of SLICE rows: rows past m inside the last tile are A's zero padding.
+                for s in 0..nr * T / SLICE {
+                    let ap = a[(t0 * T + s * SLICE) * kp..].as_ptr();
+                    let (tile, row) = (s * SLICE / T, s * SLICE % T);
+                    // SAFETY: SLICE rows of kp elements from `ap` lie in A's tiles t0..t0 + nr,
+                    // and panels q0..q0 + np of B in `b` (asserted above); AVX512-BF16
+                    // (contract).
+                    unsafe {
+                        if np == 2 {
+                            slice::<2>(ap, bp, kp, &mut c, tile, row)
+                        } else {
+                            slice::<1>(ap, bp, kp, &mut c, tile, row)
+                        }
+                    }
                 }
             }
             for (t, tile) in c.iter().enumerate() {
@@ -417,8 +438,10 @@ mod x86 {
                 unsafe { write(&tile.0, rows, cols, i0, j0, d) };
             }
         }
-        // SAFETY: as above.
-        unsafe { crate::amx::release() };
+        if amx {
+            // SAFETY: as above.
+            unsafe { crate::amx::release() };
+        }
     }
 
     /// `R` A tiles by `P` B tiles over the whole inner dimension (`kp / 32` steps): C tile
@@ -482,65 +505,6 @@ mod x86 {
                 if t % 2 < R && t / 2 < P {
                     crate::amx::store_c(t, tile.0.as_mut_ptr().cast());
                 }
-            }
-        }
-    }
-
-    /// [`blocks`] on AVX512-BF16's dot product instead of the tile unit: the same blocks of
-    /// 32 x 32, each computed as slices of [`SLICE`] rows by one or two panels ([`slice`]) into
-    /// the same C tiles, then written alike. Each element's sum runs over the pairs in order
-    /// (`vdpbf16ps` adds a pair's two exact products to its lane), whatever the slicing.
-    ///
-    /// # Safety
-    /// AVX-512 F and BW and AVX512-BF16 present; `a` and `b` hold the operands laid out for
-    /// `m x k` and `n x k`; C as [`write`] needs it.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn blocks_dp(
-        a: &[u16],
-        b: &[u16],
-        (m, n, k): (usize, usize, usize),
-        rb: Range<usize>,
-        blk: usize,
-        d: &Dest,
-    ) {
-        let kp = kp(k);
-        let (mt, panels) = (m.div_ceil(T), n.div_ceil(T));
-        let (q0, np) = (2 * blk, 2.min(panels - 2 * blk));
-        assert!(a.len() >= mt * T * kp && b.len() >= panels * T * kp);
-        let mut c = [
-            Tile([0.0; T * T]),
-            Tile([0.0; T * T]),
-            Tile([0.0; T * T]),
-            Tile([0.0; T * T]),
-        ];
-        for r in rb {
-            let t0 = 2 * r;
-            let nr = 2.min(mt - t0);
-            let bp = b[q0 * T * kp..].as_ptr();
-            // Slices of SLICE rows: rows past m inside the last tile are A's zero padding.
-            for s in 0..nr * T / SLICE {
-                let ap = a[(t0 * T + s * SLICE) * kp..].as_ptr();
-                let (tile, row) = (s * SLICE / T, s * SLICE % T);
-                // SAFETY: SLICE rows of kp elements from `ap` lie in A's tiles t0..t0 + nr, and
-                // panels q0..q0 + np of B in `b` (asserted above); AVX512-BF16 (contract).
-                unsafe {
-                    if np == 2 {
-                        slice::<2>(ap, bp, kp, &mut c, tile, row)
-                    } else {
-                        slice::<1>(ap, bp, kp, &mut c, tile, row)
-                    }
-                }
-            }
-            for (t, tile) in c.iter().enumerate() {
-                let (ri, pj) = (t % 2, t / 2);
-                if ri >= nr || pj >= np {
-                    continue;
-                }
-                let (i0, j0) = ((t0 + ri) * T, (q0 + pj) * T);
-                let (rows, cols) = (T.min(m - i0), T.min(n - j0));
-                // SAFETY: the tile is inside C's m x n (rows and columns clipped), in this
-                // task's block (contract).
-                unsafe { write(&tile.0, rows, cols, i0, j0, d) };
             }
         }
     }
