@@ -104,11 +104,11 @@ pub struct InspectArgs {
 }
 
 /// How the session's prepacked products compute.
-fn precision_name(p: Precision) -> &'static str {
+fn precision_name(p: Precision) -> String {
     match (p, ferrum_kernels::gemm::bf16_unit()) {
-        (Precision::F32, _) => "f32",
-        (Precision::Bf16, Some("AVX512-BF16")) => "bf16 (AVX512-BF16)",
-        (Precision::Bf16, _) => "bf16 (AMX)",
+        (Precision::Bf16, Some(unit)) => format!("bf16 ({unit})"),
+        (Precision::Bf16, None) => "bf16".into(),
+        (Precision::F32, _) => "f32".into(),
     }
 }
 

@@ -305,8 +305,8 @@ fn run_repeat_prints_timing_and_profile_and_keeps_outputs() {
     }
     let bad = ferrum(&["run", "--model", m.to_str().unwrap(), "--threads", "0"]);
     assert!(!bad.status.success());
-    // --precision bf16: the session line says which arithmetic ran (f32, with a warning, where
-    // the tile unit is missing).
+    // --precision bf16: the session line says which arithmetic ran, on which unit (f32, with a
+    // warning, where the CPU has neither AMX-BF16 nor AVX512-BF16).
     let bf = ferrum(&[
         "run",
         "--quiet",
@@ -324,8 +324,9 @@ fn run_repeat_prints_timing_and_profile_and_keeps_outputs() {
         String::from_utf8_lossy(&bf.stderr),
     );
     assert!(bf.status.success(), "{stderr}");
-    if ferrum_kernels::gemm::bf16_supported() {
-        assert!(stdout.contains("bf16 (AMX) products"), "{stdout}");
+    if let Some(unit) = ferrum_kernels::gemm::bf16_unit() {
+        let want = format!("bf16 ({unit}) products");
+        assert!(stdout.contains(&want), "{stdout}");
     } else {
         assert!(
             stdout.contains("f32 products") && stderr.contains("running f32"),

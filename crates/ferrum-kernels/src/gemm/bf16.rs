@@ -47,7 +47,7 @@ pub fn unit() -> Option<&'static str> {
     if !supported() {
         None
     } else if crate::cpu::features().amx_bf16 {
-        Some("AMX tile unit")
+        Some("AMX")
     } else {
         Some("AVX512-BF16")
     }
