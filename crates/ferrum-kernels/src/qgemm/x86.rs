@@ -361,28 +361,49 @@ unsafe fn tile<const R: usize, const P: usize>(
     // they come from L2 or beyond (a fresh activation), in R streams too many for the
     // hardware prefetcher to run ahead of.
     let next = ap.wrapping_add(R * lda) as *const i8;
-    for g in 0..groups {
-        if g % 16 == 0 {
-            for r in 0..R {
-                // SAFETY: a prefetch never faults, and the address is only computed (wrapping).
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(r * lda + 4 * g));
-            }
+    for g0 in (0..groups).step_by(16) {
+        for r in 0..R {
+            // SAFETY: a prefetch never faults, and the address is only computed (wrapping).
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(r * lda + 4 * g0));
         }
+        let rows: [*const u8; R] = core::array::from_fn(|r| ap.add(r * lda + 4 * g0));
+        // SAFETY: rows i0 + r hold kp bytes (asserted above), so bytes 4 * g0.. of each hold the
+        // groups g0..g0 + n; B's groups likewise.
+        unsafe { dot_groups(&mut acc, rows, bp, stride, g0, 16.min(groups - g0)) };
+    }
+    // SAFETY: rows i0..i0 + R and panels p0..p0 + P are the caller's (contract).
+    unsafe { finish_tile(acc, i0, p0, fin) };
+}
+
+/// Groups `g0..g0 + n` of B's `P` panels (`stride` bytes apart from `bp`) against 4 bytes a
+/// group of each of A's `R` rows (`rows[r]`, group g0 first), added to `acc`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL and VNNI present; `rows[r]` holds `4 n` readable bytes and each panel the
+/// groups; always inlined into the VNNI kernels (compiled for those features).
+#[inline(always)]
+unsafe fn dot_groups<const R: usize, const P: usize>(
+    acc: &mut [[__m512i; P]; R],
+    rows: [*const u8; R],
+    bp: *const i8,
+    stride: usize,
+    g0: usize,
+    n: usize,
+) {
+    for gg in 0..n {
         let mut bv = [_mm512_setzero_si512(); P];
         for (q, v) in bv.iter_mut().enumerate() {
-            // SAFETY: panel p0 + q's group g: 64 bytes inside `b.data` (asserted above).
-            *v = _mm512_loadu_si512(bp.add(q * stride + g * 64) as *const _);
+            // SAFETY: panel q's group g0 + gg: 64 bytes inside B (contract).
+            *v = _mm512_loadu_si512(bp.add(q * stride + (g0 + gg) * 64) as *const _);
         }
-        for (r, row) in acc.iter_mut().enumerate() {
-            // SAFETY: row i0 + r's bytes 4g..4g + 4, inside `a` (asserted above).
-            let av = _mm512_set1_epi32((ap.add(r * lda + 4 * g) as *const i32).read_unaligned());
+        for (row, &a) in acc.iter_mut().zip(&rows) {
+            // SAFETY: bytes 4gg..4gg + 4 of the row (contract).
+            let av = _mm512_set1_epi32((a.add(4 * gg) as *const i32).read_unaligned());
             for q in 0..P {
                 row[q] = _mm512_dpbusd_epi32(row[q], av, bv[q]);
             }
         }
     }
-    // SAFETY: rows i0..i0 + R and panels p0..p0 + P are the caller's (contract).
-    unsafe { finish_tile(acc, i0, p0, fin) };
 }
 
 /// Finishes and stores the raw sums of an `R x (P * 16)` tile at rows `i0..`, panels `p0..`.
@@ -484,21 +505,9 @@ unsafe fn tile_gathered<const R: usize, const P: usize>(
                 Gathered::PAD => fill.as_ptr(),
                 o => a.image[o as usize..o as usize + a.run].as_ptr(),
             });
-        for gg in 0..per_run {
-            let g = t * per_run + gg;
-            let mut bv = [_mm512_setzero_si512(); P];
-            for (q, v) in bv.iter_mut().enumerate() {
-                // SAFETY: panel p0 + q's group g < kp / 4: 64 bytes inside `b.data`.
-                *v = _mm512_loadu_si512(bp.add(q * stride + g * 64) as *const _);
-            }
-            for (r, row) in acc.iter_mut().enumerate() {
-                // SAFETY: bytes 4gg..4gg + 4 of a run of `run` bytes.
-                let av = _mm512_set1_epi32((runs[r].add(4 * gg) as *const i32).read_unaligned());
-                for q in 0..P {
-                    row[q] = _mm512_dpbusd_epi32(row[q], av, bv[q]);
-                }
-            }
-        }
+        // SAFETY: each run holds `run` = 4 per_run bytes; B's groups t * per_run.. lie below
+        // kp / 4 (asserted above).
+        unsafe { dot_groups(&mut acc, runs, bp, stride, t * per_run, per_run) };
     }
     // SAFETY: rows i0..i0 + R and panels p0..p0 + P are the caller's (contract).
     unsafe { finish_tile(acc, i0, p0, fin) };
