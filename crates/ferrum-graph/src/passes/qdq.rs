@@ -62,6 +62,36 @@ fn qparams<'a>(g: &'a Graph, i: usize, op: &str, per: usize) -> Option<QParams<'
     })
 }
 
+/// The weight behind `v` when `v` is a DequantizeLinear of a constant 8-bit tensor of `rank`
+/// dimensions, per tensor or per slice along axis 0, its zero point (if any) of the same type:
+/// the integer tensor and the DequantizeLinear's parameters.
+fn quantized_weight<'a>(
+    g: &'a Graph,
+    uses: &Uses,
+    v: Option<ValueId>,
+    rank: usize,
+) -> Option<(&'a Tensor, QParams<'a>)> {
+    let i = *uses.producer.get(&v?)?;
+    let wq = constant(g, g.nodes[i].inputs.first().copied().flatten()?)
+        .filter(|t| t.rank() == rank && matches!(t.dtype(), DType::U8 | DType::I8))?;
+    let w = qparams(g, i, "DequantizeLinear", wq.shape()[0])?;
+    if w.zero_dtype.is_some_and(|d| d != wq.dtype()) {
+        return None;
+    }
+    Some((wq, w))
+}
+
+/// The bias behind `v` when `v` is a DequantizeLinear of a constant int32 tensor of `n`
+/// values, zero point absent or 0, as quantizers write a bias.
+fn int32_bias<'a>(g: &'a Graph, uses: &Uses, v: ValueId, n: usize) -> Option<QParams<'a>> {
+    let b = qparams(g, *uses.producer.get(&v)?, "DequantizeLinear", n)?;
+    let zero_ok = b.zero.is_none_or(|z| {
+        constant(g, z).is_some_and(|z| z.to_i64_vec().is_ok_and(|v| v.iter().all(|&e| e == 0)))
+    });
+    (zero_ok && constant(g, b.data).is_some_and(|t| t.dtype() == DType::I32 && t.len() == n))
+        .then_some(b)
+}
+
 /// `DequantizeLinear(x) -> Conv(., DequantizeLinear(w), DequantizeLinear(b)?) ->
 /// QuantizeLinear`, 2-D with one group, every quantization parameter constant (X and Y per
 /// tensor, 8-bit; W 8-bit per tensor or per output channel; the bias int32 with scale `x_scale *
@@ -82,17 +112,11 @@ pub fn qdq_conv(model: &mut Model, log: &mut Vec<String>) -> usize {
         let Some(x) = producer(get(0)).and_then(|i| qparams(g, i, "DequantizeLinear", 1)) else {
             continue;
         };
-        let Some(wq) = producer(get(1)).map(|i| &g.nodes[i]).and_then(|n| {
-            constant(g, n.inputs.first().copied().flatten()?)
-                .filter(|t| t.rank() == 4 && matches!(t.dtype(), DType::U8 | DType::I8))
-        }) else {
+        let Some((wq, w)) = quantized_weight(g, &uses, get(1), 4) else {
             continue;
         };
         let m = wq.shape()[0];
-        let Some(w) = producer(get(1)).and_then(|i| qparams(g, i, "DequantizeLinear", m)) else {
-            continue;
-        };
-        if !eight(x.zero_dtype) || w.zero_dtype.is_some_and(|d| d != wq.dtype()) {
+        if !eight(x.zero_dtype) {
             continue;
         }
         let Some(y) = conv.outputs[0]
@@ -111,18 +135,9 @@ pub fn qdq_conv(model: &mut Model, log: &mut Vec<String>) -> usize {
         // The bias: int32 in units of x_scale * w_scale (within float32 rounding), zero point 0.
         let mut bias = None;
         let mut absorbed = vec![ci, y.node, w.node];
-        if get(2).is_some() {
-            let Some(b) = producer(get(2)).and_then(|i| qparams(g, i, "DequantizeLinear", m))
-            else {
+        if let Some(bv) = get(2) {
+            let Some(b) = int32_bias(g, &uses, bv, m) else {
                 continue;
-            };
-            if !constant(g, b.data).is_some_and(|t| t.dtype() == DType::I32 && t.len() == m) {
-                continue;
-            }
-            let zero_ok = match b.zero {
-                None => true,
-                Some(z) => constant(g, z)
-                    .is_some_and(|z| z.to_i64_vec().is_ok_and(|v| v.iter().all(|&e| e == 0))),
             };
             let scale_ok = (0..m).all(|o| {
                 let want =
@@ -130,7 +145,7 @@ pub fn qdq_conv(model: &mut Model, log: &mut Vec<String>) -> usize {
                 let got = b.scales[if b.scales.len() == 1 { 0 } else { o }] as f64;
                 (got - want).abs() <= want.abs() * f32::EPSILON as f64
             });
-            if !zero_ok || !scale_ok {
+            if !scale_ok {
                 continue;
             }
             bias = Some(b.data);
@@ -319,39 +334,19 @@ pub fn qdq_gemm(model: &mut Model, log: &mut Vec<String>) -> usize {
         else {
             continue;
         };
-        let Some(wq) = producer(get(1)).map(|i| &g.nodes[i]).and_then(|n| {
-            constant(g, n.inputs.first().copied().flatten()?)
-                .filter(|t| t.rank() == 2 && matches!(t.dtype(), DType::U8 | DType::I8))
-        }) else {
+        let Some((wq, w)) = quantized_weight(g, &uses, get(1), 2) else {
             continue;
         };
         let (n, k) = (wq.shape()[0], wq.shape()[1]);
-        let Some(w) = producer(get(1)).and_then(|i| qparams(g, i, "DequantizeLinear", n)) else {
-            continue;
-        };
-        if w.zero_dtype.is_some_and(|d| d != wq.dtype()) {
-            continue;
-        }
-        let mut absorbed = vec![w.node];
+        let mut absorbed = vec![];
         let mut bias = None;
-        if get(2).is_some() {
-            let Some(b) = producer(get(2)).and_then(|i| qparams(g, i, "DequantizeLinear", n))
-            else {
+        if let Some(bid) = get(2) {
+            let Some(b) = int32_bias(g, &uses, bid, n) else {
                 continue;
             };
-            let Some(bv) = constant(g, b.data)
-                .filter(|t| t.dtype() == DType::I32 && t.len() == n)
-                .and_then(|t| t.to_i64_vec().ok())
-            else {
+            let Some(bv) = constant(g, b.data).and_then(|t| t.to_i64_vec().ok()) else {
                 continue;
             };
-            let zero_ok = b.zero.is_none_or(|z| {
-                constant(g, z)
-                    .is_some_and(|z| z.to_i64_vec().is_ok_and(|v| v.iter().all(|&e| e == 0)))
-            });
-            if !zero_ok {
-                continue;
-            }
             // DequantizeLinear's value: the product rounded once to float32.
             let deq: Vec<f32> = bv
                 .iter()
@@ -361,18 +356,14 @@ pub fn qdq_gemm(model: &mut Model, log: &mut Vec<String>) -> usize {
                 })
                 .collect();
             bias = Some(Tensor::from_vec(vec![n], deq).expect("bias"));
-            absorbed.push(b.node);
+            if uses.sole_reader(bid) == Some(gi) {
+                absorbed.push(b.node);
+            }
         }
-        // W's readers other than this Gemm keep their DequantizeLinear nodes.
-        absorbed.retain(|&i| {
-            g.nodes[i]
-                .outputs
-                .first()
-                .copied()
-                .flatten()
-                .and_then(|v| uses.sole_reader(v))
-                == Some(gi)
-        });
+        // DequantizeLinear nodes that other nodes read too stay.
+        if uses.sole_reader(get(1).expect("W")) == Some(gi) {
+            absorbed.push(w.node);
+        }
         if uses.sole_reader(get(0).expect("X")) == Some(gi) {
             absorbed.push(x.node);
         }
