@@ -334,7 +334,7 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
             // The patches gathered where they lie in the image by the kernel (a tap's C bytes
             // a run), or written out as A's rows.
             let gathered = (!direct && qgemm::reads_gathered(c, packed))
-                .then(|| geo.offsets(osp))
+                .then(|| geo.offsets_kept(osp))
                 .flatten();
             let col = scratch(
                 col,
@@ -821,7 +821,52 @@ struct Patches {
     fill: u8,
 }
 
+/// A geometry's key (channels, kernel, strides, dilations, padding, input size, output width
+/// and positions) and its [`Patches::offsets`] table.
+type KeptOffsets = ([usize; 13], std::rc::Rc<Vec<u32>>);
+
+thread_local! {
+    /// [`Patches::offsets`] tables by geometry, kept by each thread that runs a quantized
+    /// convolution: the same table serves every run (and every image of a batch).
+    static OFFSETS: RefCell<Vec<KeptOffsets>> =
+        const { RefCell::new(Vec::new()) };
+}
+
+/// Geometries whose offset tables a thread keeps (a network has a handful).
+const KEPT_OFFSETS: usize = 32;
+
 impl Patches {
+    /// [`Patches::offsets`], made once per geometry and kept (see [`OFFSETS`]).
+    fn offsets_kept(&self, osp: usize) -> Option<std::rc::Rc<Vec<u32>>> {
+        let key = [
+            self.c,
+            self.k[0],
+            self.k[1],
+            self.s[0],
+            self.s[1],
+            self.d[0],
+            self.d[1],
+            self.pad[0],
+            self.pad[1],
+            self.ins[0],
+            self.ins[1],
+            self.ow,
+            osp,
+        ];
+        OFFSETS.with(|cell| {
+            let mut kept = cell.borrow_mut();
+            if let Some((_, t)) = kept.iter().find(|(k, _)| *k == key) {
+                return Some(t.clone());
+            }
+            let t = std::rc::Rc::new(self.offsets(osp)?);
+            if kept.len() == KEPT_OFFSETS {
+                kept.remove(0);
+            }
+            kept.push((key, t.clone()));
+            Some(t)
+        })
+    }
+
     /// Where each row's taps read the channels-last image, for [`qgemm::qgemm_gathered`]: per
     /// output position and tap (row-major), the tap's first byte, or [`qgemm::Gathered::PAD`]
     /// in the padding. `None` when the image's offsets do not fit in 32 bits.
