@@ -900,11 +900,53 @@ fn pool_max(best: f32, v: f32) -> f32 {
     }
 }
 
-/// `acc[i] = pool_max(acc[i], v[i])`.
+/// `out[i]` = the pooling max of `terms(0)[i]`, `terms(1)[i]`, ... in that order (`count >= 1`
+/// terms of at least `out.len()` values), or of `out[i]` and then those with `keep`. The
+/// combination (first largest, or first NaN, wins) is associative, so the terms are taken three
+/// or two at a time in one pass each: fewer loads and stores of `out` than a pass per term.
 #[inline(always)]
-fn max_into(acc: &mut [f32], v: &[f32]) {
-    for (a, &v) in acc.iter_mut().zip(v) {
-        *a = pool_max(*a, v);
+fn max_terms<'a>(out: &mut [f32], count: usize, keep: bool, terms: impl Fn(usize) -> &'a [f32]) {
+    let n = out.len();
+    let mut t = 0;
+    let mut first = !keep;
+    while t < count {
+        let left = count - t;
+        if left >= 3 {
+            let (a, b, c) = (&terms(t)[..n], &terms(t + 1)[..n], &terms(t + 2)[..n]);
+            if first {
+                for i in 0..n {
+                    out[i] = pool_max(pool_max(a[i], b[i]), c[i]);
+                }
+            } else {
+                for i in 0..n {
+                    out[i] = pool_max(out[i], pool_max(pool_max(a[i], b[i]), c[i]));
+                }
+            }
+            t += 3;
+        } else if left == 2 {
+            let (a, b) = (&terms(t)[..n], &terms(t + 1)[..n]);
+            if first {
+                for i in 0..n {
+                    out[i] = pool_max(a[i], b[i]);
+                }
+            } else {
+                for i in 0..n {
+                    out[i] = pool_max(out[i], pool_max(a[i], b[i]));
+                }
+            }
+            t += 2;
+        } else {
+            let a = &terms(t)[..n];
+            if first {
+                out.copy_from_slice(a);
+            } else {
+                for i in 0..n {
+                    out[i] = pool_max(out[i], a[i]);
+                }
+            }
+            t += 1;
+        }
+        first = false;
     }
 }
 
@@ -922,11 +964,12 @@ pub struct PoolGeom {
 
 multiversion! {
     /// 2-D MaxPool of whole planes (`x`: planes of `input`, `out`: as many planes of `out`,
-    /// filled with -inf by the caller), separably: each input row's max over the kernel's
-    /// columns (the row padded with -inf and split into its stride's phases, so every step reads
-    /// contiguously), then each output row's max over the kernel's rows. The first largest value
-    /// (or first NaN) of a window in row-major order wins either way, so the bits are the
-    /// reference's, which visits the window row by row.
+    /// every value written), separably: each input row's max over the kernel's columns (the
+    /// row padded with -inf and split into its stride's phases, so every step reads
+    /// contiguously), then each output row's max over the kernel's rows, up to three terms per
+    /// pass ([`max_terms`]). The first largest value (or first NaN) of a window in row-major
+    /// order wins either way, so the bits are the reference's, which visits the window row by
+    /// row.
     pub fn maxpool_planes(x: &[f32], out: &mut [f32], g: &PoolGeom) {
         let ([ih, iw], [kh, kw], [sh, sw], [dh, dw], [ph, pw], [oh, ow]) =
             (g.input, g.k, g.s, g.d, g.pad, g.out);
@@ -945,20 +988,25 @@ multiversion! {
                     split_phases(&padded, sw, &mut phases);
                     &phases
                 };
-                hrow.fill(f32::NEG_INFINITY);
-                for kx in 0..kw {
+                // pool_max(-inf, v) is v, bit for bit: the row's max starts at its first term.
+                max_terms(hrow, kw, false, |kx| {
                     let t = kx * dw;
                     let at = (t % sw) * nph + t / sw;
-                    max_into(hrow, &ph_src[at..at + ow]);
-                }
+                    &ph_src[at..at + ow]
+                });
             }
             for (oy, orow) in oplane.chunks_exact_mut(ow).enumerate() {
-                for ky in 0..kh {
-                    let iy = (oy * sh + ky * dh) as isize - ph as isize;
-                    if iy < 0 || iy >= ih as isize {
-                        continue;
+                // The kernel's rows inside the input: a run of consecutive ky.
+                let iy = |ky: usize| (oy * sh + ky * dh) as isize - ph as isize;
+                let k0 = (0..kh).find(|&ky| iy(ky) >= 0);
+                let k1 = (0..kh).rev().find(|&ky| iy(ky) < ih as isize);
+                match (k0, k1) {
+                    (Some(k0), Some(k1)) if k0 <= k1 => {
+                        max_terms(orow, k1 - k0 + 1, false, |j| {
+                            &h[iy(k0 + j) as usize * ow..][..ow]
+                        });
                     }
-                    max_into(orow, &h[iy as usize * ow..][..ow]);
+                    _ => orow.fill(f32::NEG_INFINITY),
                 }
             }
         }
@@ -970,10 +1018,13 @@ multiversion! {
 fn split_phases(src: &[f32], s: usize, phases: &mut [f32]) {
     let n = src.len() / s;
     if s == 2 {
+        // Indexed over exact-length slices, so that the compiler vectorises the
+        // deinterleave (two vector loads, two permutes per 2 x lanes values).
         let (p0, p1) = phases.split_at_mut(n);
-        for ((a, b), c) in p0.iter_mut().zip(p1.iter_mut()).zip(src.chunks_exact(2)) {
-            *a = c[0];
-            *b = c[1];
+        let (p0, p1, src) = (&mut p0[..n], &mut p1[..n], &src[..2 * n]);
+        for i in 0..n {
+            p0[i] = src[2 * i];
+            p1[i] = src[2 * i + 1];
         }
         return;
     }
