@@ -127,11 +127,15 @@ pub(super) fn pack(
         // SAFETY: the CPU has AVX-512F/BW/VL (and AVX2, FMA) and the process allows them.
         return unsafe { pack_avx512(x, j0, r0, cols, kc, w, dst) };
     }
-    pack_any(x, j0, r0, cols, kc, w, dst)
+    pack_any(x, j0, r0, cols, kc, w, dst, |src, d| {
+        for (i, v) in d.iter_mut().enumerate() {
+            *v = src[2 * i];
+        }
+    })
 }
 
-/// [`pack_any`] compiled for AVX-512: the runs' copies and the stride-2 gathers in vector
-/// registers (same values).
+/// [`pack_any`] compiled for AVX-512: the runs' copies in vector registers, and the stride-2
+/// gathers by [`every_other_avx512`] (same values).
 ///
 /// # Safety
 /// The CPU supports AVX-512F/BW/VL, AVX2 and FMA.
@@ -146,12 +150,81 @@ unsafe fn pack_avx512(
     w: usize,
     dst: &mut [f32],
 ) {
-    pack_any(x, j0, r0, cols, kc, w, dst)
+    pack_any(x, j0, r0, cols, kc, w, dst, |src, d| {
+        // SAFETY: AVX-512F is present (this function's contract).
+        unsafe { every_other_avx512(src, d) }
+    })
 }
 
-/// [`pack`] for any CPU.
+/// `d[i] = src[2 * i]` for every `i < d.len()` (`src` holds at least `2 * d.len() - 1` values):
+/// 16 values at a time from two masked loads (nothing read past the last value used) and one
+/// two-source permute, the last group's store masked.
+///
+/// # Safety
+/// The CPU supports AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn every_other_avx512(src: &[f32], d: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = d.len();
+    if n == 0 {
+        return;
+    }
+    assert!(src.len() > 2 * (n - 1));
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let mut i = 0;
+    // Whole groups while two whole vectors of `src` remain.
+    while i + 16 <= n && 2 * i + 32 <= src.len() {
+        // SAFETY: values 2i .. 2i + 32 lie in `src` (the loop's condition), outputs
+        // i .. i + 16 in `d`.
+        unsafe {
+            let p = src.as_ptr().add(2 * i);
+            let v = _mm512_permutex2var_ps(_mm512_loadu_ps(p), even, _mm512_loadu_ps(p.add(16)));
+            _mm512_storeu_ps(d.as_mut_ptr().add(i), v);
+        }
+        i += 16;
+    }
+    while i < n {
+        let count = (n - i).min(16);
+        // Values 2i .. 2i + 2 count - 1 (the last one used is 2 (i + count - 1)).
+        let used = 2 * count - 1;
+        let lo: __mmask16 = if used >= 16 { 0xffff } else { (1 << used) - 1 };
+        let hi: __mmask16 = if used > 16 {
+            ((1u32 << (used - 16)) - 1) as u16
+        } else {
+            0
+        };
+        let keep: __mmask16 = if count == 16 {
+            0xffff
+        } else {
+            (1 << count) - 1
+        };
+        // SAFETY: the masks enable only values 2i .. 2i + used of `src` (inside it: the
+        // assert) and outputs i .. i + count of `d`.
+        unsafe {
+            let p = src.as_ptr().add(2 * i);
+            let a = _mm512_maskz_loadu_ps(lo, p);
+            let b = _mm512_maskz_loadu_ps(hi, p.add(16));
+            let v = _mm512_permutex2var_ps(a, even, b);
+            _mm512_mask_storeu_ps(d.as_mut_ptr().add(i), keep, v);
+        }
+        i += count;
+    }
+}
+
+/// [`pack`] for any CPU, with the stride-2 gather `every_other` (`d[i] = src[2 * i]`).
 #[inline(always)]
-fn pack_any(x: &Patches, j0: usize, r0: usize, cols: usize, kc: usize, w: usize, dst: &mut [f32]) {
+#[allow(clippy::too_many_arguments)]
+fn pack_any(
+    x: &Patches,
+    j0: usize,
+    r0: usize,
+    cols: usize,
+    kc: usize,
+    w: usize,
+    dst: &mut [f32],
+    every_other: impl Fn(&[f32], &mut [f32]),
+) {
     let [kh, kw] = x.kernel;
     let [ih, iw] = x.input;
     let [oh, ow] = x.output;
@@ -209,13 +282,8 @@ fn pack_any(x: &Patches, j0: usize, r0: usize, cols: usize, kc: usize, w: usize,
                     if sx == 1 {
                         mid.copy_from_slice(&row[first..first + (b - a)]);
                     } else if sx == 2 {
-                        // Every other value: pairs, so the compiler can deinterleave in
-                        // registers (the last value may have no partner in the row).
-                        let (last, body) = mid.split_last_mut().expect("a < b");
-                        for (v, pair) in body.iter_mut().zip(row[first..].chunks_exact(2)) {
-                            *v = pair[0];
-                        }
-                        *last = row[first + 2 * body.len()];
+                        // Every other value (the last may have no partner in the row).
+                        every_other(&row[first..], mid);
                     } else {
                         for (i, v) in mid.iter_mut().enumerate() {
                             *v = row[first + i * sx];
