@@ -4,12 +4,27 @@
 //! or 0 where that lies in the padding. The GEMM packs its panels straight from the input image
 //! (see [`pack`]), so the patch matrix (7 MB for a 3x3 convolution over 64 x 56 x 56) does not
 //! make a round trip through memory between im2col and packing.
+//!
+//! The image is first copied once, zero-padded to every window's reach and with each row split
+//! into its column phases modulo the stride (a stride-2 row becomes its even columns, then its
+//! odd ones): every run of a panel's lanes along an output row is then a contiguous copy, with
+//! no bounds to check (the padding is in the copy) and no gather (a stride-2 tap reads one
+//! phase).
+
+use crate::pool;
 
 /// A convolution's input seen as its patch matrix (`k x n`: `channels * kh * kw` rows, `oh * ow`
 /// columns), the right-hand operand `B` of `W * patches` (see [`super::Rhs::Patches`]).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Patches<'a> {
     data: &'a [f32],
+    /// The image zero-padded and split by column phase: plane `c`, padded row `y`, phase `f`,
+    /// value `i` (padded column `i * sx + f`) at `((c * rows + y) * sx + f) * width + i`.
+    phased: Vec<f32>,
+    /// Padded rows that the windows reach.
+    rows: usize,
+    /// Values in each phase of a padded row.
+    width: usize,
     channels: usize,
     input: [usize; 2],
     kernel: [usize; 2],
@@ -49,8 +64,21 @@ impl<'a> Patches<'a> {
                 .all(|&v| v > 0),
             "patches: zero stride, dilation or kernel size"
         );
-        Patches {
+        // The padded rows and columns the windows reach (at least the input's extent).
+        let reach = |i: usize| {
+            if output[i] == 0 {
+                0
+            } else {
+                (output[i] - 1) * stride[i] + (kernel[i] - 1) * dilation[i] + 1
+            }
+        };
+        let (rows, cols) = (reach(0), reach(1));
+        let width = cols.div_ceil(stride[1]);
+        let mut p = Patches {
             data,
+            phased: Vec::new(),
+            rows,
+            width,
             channels,
             input,
             kernel,
@@ -58,7 +86,52 @@ impl<'a> Patches<'a> {
             dilation,
             pad,
             output,
+        };
+        p.phased = p.split_phases();
+        p
+    }
+
+    /// The phased copy of the image (see the field): every value written.
+    fn split_phases(&self) -> Vec<f32> {
+        let [ih, iw] = self.input;
+        let [top, left] = self.pad;
+        let sx = self.stride[1];
+        let (rows, width) = (self.rows, self.width);
+        let plane = rows * sx * width;
+        let mut out = vec![0f32; self.channels * plane];
+        if plane == 0 {
+            return out;
         }
+        let data = self.data;
+        pool::parallel_chunks_mut(&mut out, plane, |c, dst| {
+            for y in 0..rows {
+                let Some(iy) = y.checked_sub(top).filter(|&iy| iy < ih) else {
+                    continue; // a padding row: zeros
+                };
+                let src = &data[(c * ih + iy) * iw..][..iw];
+                for f in 0..sx {
+                    let d = &mut dst[(y * sx + f) * width..][..width];
+                    // Values i with input column i * sx + f - left in 0..iw.
+                    let lo = left.saturating_sub(f).div_ceil(sx);
+                    let hi = (iw + left).saturating_sub(f).div_ceil(sx).min(width);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let first = lo * sx + f - left;
+                    let d = &mut d[lo..hi];
+                    match sx {
+                        1 => d.copy_from_slice(&src[first..first + d.len()]),
+                        2 => every_other(&src[first..], d),
+                        _ => {
+                            for (i, v) in d.iter_mut().enumerate() {
+                                *v = src[first + i * sx];
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        out
     }
 
     /// Rows of the patch matrix (the product's inner dimension): `channels * kh * kw`.
@@ -99,14 +172,13 @@ pub fn valid_range(len: usize, out: usize, s: usize, t: usize, pad: usize) -> (u
     (lo.min(hi), hi)
 }
 
-/// A run of a panel's lanes that lie in one output row: lanes `lane..lane + len` are output
-/// columns `ox..ox + len` of row `oy`.
+/// A run of a panel's lanes that lie in one output row: lanes `lane..lane + len`, read from
+/// `at` in a step's phase row (output row `oy`, columns `ox..`: `oy * sy * sx * width + ox`).
 #[derive(Clone, Copy)]
 struct Run {
     lane: usize,
     len: usize,
-    oy: usize,
-    ox: usize,
+    at: usize,
 }
 
 /// Packs `cols x kc` of the transposed patch matrix (`X = B^T`: output positions `j0..j0 + cols`
@@ -127,15 +199,10 @@ pub(super) fn pack(
         // SAFETY: the CPU has AVX-512F/BW/VL (and AVX2, FMA) and the process allows them.
         return unsafe { pack_avx512(x, j0, r0, cols, kc, w, dst) };
     }
-    pack_any(x, j0, r0, cols, kc, w, dst, |src, d| {
-        for (i, v) in d.iter_mut().enumerate() {
-            *v = src[2 * i];
-        }
-    })
+    pack_any(x, j0, r0, cols, kc, w, dst)
 }
 
-/// [`pack_any`] compiled for AVX-512: the runs' copies in vector registers, and the stride-2
-/// gathers by [`every_other_avx512`] (same values).
+/// [`pack_any`] compiled for AVX-512 (its copies in vector registers; same values).
 ///
 /// # Safety
 /// The CPU supports AVX-512F/BW/VL, AVX2 and FMA.
@@ -150,15 +217,83 @@ unsafe fn pack_avx512(
     w: usize,
     dst: &mut [f32],
 ) {
-    pack_any(x, j0, r0, cols, kc, w, dst, |src, d| {
-        // SAFETY: AVX-512F is present (this function's contract).
-        unsafe { every_other_avx512(src, d) }
-    })
+    pack_any(x, j0, r0, cols, kc, w, dst)
 }
 
-/// `d[i] = src[2 * i]` for every `i < d.len()` (`src` holds at least `2 * d.len() - 1` values):
-/// 16 values at a time from two masked loads (nothing read past the last value used) and one
-/// two-source permute, the last group's store masked.
+/// [`pack`] for any CPU: per panel, its lanes split into runs along output rows; per step, each
+/// run one contiguous copy from the step's phase row.
+#[inline(always)]
+fn pack_any(x: &Patches, j0: usize, r0: usize, cols: usize, kc: usize, w: usize, dst: &mut [f32]) {
+    let [kh, kw] = x.kernel;
+    let [oh, ow] = x.output;
+    let [sy, sx] = x.stride;
+    let [dy, dx] = x.dilation;
+    let (rows, width) = (x.rows, x.width);
+    debug_assert!(j0 + cols <= oh * ow && r0 + kc <= x.rows());
+    let src = &x.phased[..];
+    let mut runs: Vec<Run> = Vec::with_capacity(w);
+    for (q, panel) in dst[..cols.div_ceil(w) * kc * w]
+        .chunks_exact_mut(kc * w)
+        .enumerate()
+    {
+        // The panel's lanes split where output rows end.
+        runs.clear();
+        let lanes = w.min(cols - q * w);
+        let start = j0 + q * w;
+        let (mut oy, mut ox) = (start / ow, start % ow);
+        let mut lane = 0;
+        while lane < lanes {
+            let len = (lanes - lane).min(ow - ox);
+            runs.push(Run {
+                lane,
+                len,
+                at: oy * sy * sx * width + ox,
+            });
+            lane += len;
+            ox += len;
+            if ox == ow {
+                ox = 0;
+                oy += 1;
+            }
+        }
+        let (mut ch, mut ky, mut kx) = (r0 / (kh * kw), (r0 / kw) % kh, r0 % kw);
+        for step in panel.chunks_exact_mut(w) {
+            step[lanes..].fill(0.0);
+            let t = kx * dx;
+            let base = ((ch * rows + ky * dy) * sx + t % sx) * width + t / sx;
+            for run in &runs {
+                let s = &src[base + run.at..][..run.len];
+                step[run.lane..][..run.len].copy_from_slice(s);
+            }
+            kx += 1;
+            if kx == kw {
+                kx = 0;
+                ky += 1;
+                if ky == kh {
+                    ky = 0;
+                    ch += 1;
+                }
+            }
+        }
+    }
+}
+
+/// `d[i] = src[2 * i]` for every `i < d.len()` (`src` holds at least `2 * d.len() - 1` values),
+/// with [`every_other_avx512`] where the CPU has it.
+fn every_other(src: &[f32], d: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::features().avx512() {
+        // SAFETY: the CPU has AVX-512F and the process allows it.
+        return unsafe { every_other_avx512(src, d) };
+    }
+    for (i, v) in d.iter_mut().enumerate() {
+        *v = src[2 * i];
+    }
+}
+
+/// [`every_other`] in 16 lanes: whole groups of 16 from two loads and one two-source permute
+/// while 32 values remain in `src`, the rest with masked loads (nothing read past the last value
+/// used) and a masked store (masked accesses are slow on some CPUs: only at the end).
 ///
 /// # Safety
 /// The CPU supports AVX-512F.
@@ -209,97 +344,5 @@ unsafe fn every_other_avx512(src: &[f32], d: &mut [f32]) {
             _mm512_mask_storeu_ps(d.as_mut_ptr().add(i), keep, v);
         }
         i += count;
-    }
-}
-
-/// [`pack`] for any CPU, with the stride-2 gather `every_other` (`d[i] = src[2 * i]`).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn pack_any(
-    x: &Patches,
-    j0: usize,
-    r0: usize,
-    cols: usize,
-    kc: usize,
-    w: usize,
-    dst: &mut [f32],
-    every_other: impl Fn(&[f32], &mut [f32]),
-) {
-    let [kh, kw] = x.kernel;
-    let [ih, iw] = x.input;
-    let [oh, ow] = x.output;
-    let [sy, sx] = x.stride;
-    let [dy, dx] = x.dilation;
-    let [top, left] = x.pad;
-    debug_assert!(j0 + cols <= oh * ow && r0 + kc <= x.rows());
-    // Each kx's valid output columns, for the runs' zero edges.
-    let valid: Vec<(usize, usize)> = (0..kw)
-        .map(|kx| valid_range(iw, ow, sx, kx * dx, left))
-        .collect();
-    let mut runs: Vec<Run> = Vec::with_capacity(w);
-    for (q, panel) in dst[..cols.div_ceil(w) * kc * w]
-        .chunks_exact_mut(kc * w)
-        .enumerate()
-    {
-        // The panel's lanes split where output rows end.
-        runs.clear();
-        let lanes = w.min(cols - q * w);
-        let start = j0 + q * w;
-        let (mut oy, mut ox) = (start / ow, start % ow);
-        let mut lane = 0;
-        while lane < lanes {
-            let len = (lanes - lane).min(ow - ox);
-            runs.push(Run { lane, len, oy, ox });
-            lane += len;
-            ox += len;
-            if ox == ow {
-                ox = 0;
-                oy += 1;
-            }
-        }
-        let (mut ch, mut ky, mut kx) = (r0 / (kh * kw), (r0 / kw) % kh, r0 % kw);
-        for step in panel.chunks_exact_mut(w) {
-            step[lanes..].fill(0.0);
-            let plane = &x.data[ch * ih * iw..][..ih * iw];
-            let (xlo, xhi) = valid[kx];
-            let tx = kx * dx;
-            for run in &runs {
-                let d = &mut step[run.lane..][..run.len];
-                let iy = (run.oy * sy + ky * dy) as isize - top as isize;
-                if iy < 0 || iy >= ih as isize {
-                    d.fill(0.0);
-                    continue;
-                }
-                let row = &plane[iy as usize * iw..][..iw];
-                let (lo, hi) = (run.ox, run.ox + run.len);
-                let a = xlo.clamp(lo, hi);
-                let b = xhi.clamp(a, hi);
-                d[..a - lo].fill(0.0);
-                d[b - lo..].fill(0.0);
-                if a < b {
-                    let first = a * sx + tx - left;
-                    let mid = &mut d[a - lo..b - lo];
-                    if sx == 1 {
-                        mid.copy_from_slice(&row[first..first + (b - a)]);
-                    } else if sx == 2 {
-                        // Every other value (the last may have no partner in the row).
-                        every_other(&row[first..], mid);
-                    } else {
-                        for (i, v) in mid.iter_mut().enumerate() {
-                            *v = row[first + i * sx];
-                        }
-                    }
-                }
-            }
-            kx += 1;
-            if kx == kw {
-                kx = 0;
-                ky += 1;
-                if ky == kh {
-                    ky = 0;
-                    ch += 1;
-                }
-            }
-        }
     }
 }
