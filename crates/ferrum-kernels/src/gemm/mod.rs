@@ -91,12 +91,20 @@ const IN_PLACE_MAX_N: usize = 64;
 
 /// True when the kernels read a row-major A in place for a product of `n` columns and depth `k`
 /// (`FERRUM_GEMM_PACK_A=1`: never): when B is at most two panels wide (each packed value would
-/// serve one or two tiles, so packing costs about what the products do), or when K fits one
-/// block (its rows then stay in L1 and L2 across the tiles; deeper ones read packed panels
-/// faster: measured on 1x1 convolutions and transformer shapes, `benches/gemm.rs`).
-fn reads_a_in_place(n: usize, k: usize) -> bool {
+/// serve one or two tiles, so packing costs about what the products do), when K fits one block
+/// (its rows then stay in L1 and L2 across the tiles), or, for the AVX-512 kernel, when A's
+/// rows are not a multiple of 4 KiB apart. Rows that far apart fall into the same few L1 sets,
+/// and a tile reading 12 of them in place runs slower than from a packed panel (BERT's
+/// 3072-deep products: 92-101 -> 70-78 GFLOP/s); at other strides its 12 rows read as well in
+/// place as packed, and the packing pass is saved (one thread, B packed ahead, in cache:
+/// MobileNetV2's 49 x 320 x 960 91-93 -> 104-105 GFLOP/s, 196 x 96 x 576 87-92 -> 108, ViT's
+/// 197 x 768 x 768 99-106 -> 110; in MobileNetV2 its 7 x 7 and 14 x 14 layers with 320-960
+/// inputs 2.52 -> 2.28 ms in all). The AVX2 kernel's 6-row tiles did not gain (49 x 320 x 960
+/// 93 -> 82 GFLOP/s).
+fn reads_a_in_place(isa: Isa, n: usize, k: usize) -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
-    (n <= IN_PLACE_MAX_N || k <= kc())
+    let deep = isa == Isa::Avx512 && !(4 * k).is_multiple_of(4096);
+    (n <= IN_PLACE_MAX_N || k <= kc() || deep)
         && !*OFF.get_or_init(|| std::env::var_os("FERRUM_GEMM_PACK_A").is_some())
 }
 
@@ -1465,7 +1473,7 @@ fn gemm_dst(
         return bf16::gemm(m, n, k, sa, sb, &d, threads);
     }
     // Both operands as X (rows x k): A, and B transposed.
-    let in_place = matches!(a, Lhs::Mat(v) if v.cs == 1) && reads_a_in_place(n, k);
+    let in_place = matches!(a, Lhs::Mat(v) if v.cs == 1) && reads_a_in_place(isa, n, k);
     let xa = match a {
         Lhs::Mat(v) if in_place => Side::InPlace(v),
         Lhs::Mat(v) => Side::Raw(Src::Mat(v)),
