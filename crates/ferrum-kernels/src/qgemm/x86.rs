@@ -651,6 +651,41 @@ unsafe fn store_bytes64(p: *mut u8, q: [__m512i; 4]) {
     unsafe { _mm512_storeu_si512(p as *mut _, _mm512_permutexvar_epi32(order, words)) };
 }
 
+/// `round_half_even(v / s) + z` clamped to 0..=255 (0 for NaN), as i32 lanes: the scalar
+/// quantizer's operations in 16 lanes.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn quantize_lanes(v: __m512, s: __m512, z: __m512) -> __m512i {
+    let q = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_div_ps(v, s),
+    );
+    // max(., 0) first: it returns 0 for NaN, as the scalar clamp-then-cast does.
+    let (lo, hi) = (_mm512_setzero_ps(), _mm512_set1_ps(255.0));
+    _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_add_ps(q, z), lo), hi))
+}
+
+/// Writes `out[..n16]` (`n16` a multiple of 16) from `lanes(i)`, the 16 values from `i` as i32
+/// lanes in 0..=255: 64 at a time by [`store_bytes64`], the rest 16 at a time.
+///
+/// # Safety
+/// AVX-512 F/BW/VL present (always inlined into kernels compiled for them); `n16 <= out.len()`
+/// and `lanes` is sound for every `i + 16 <= n16`.
+#[inline(always)]
+unsafe fn store_u8_lanes(out: &mut [u8], n16: usize, lanes: impl Fn(usize) -> __m512i) {
+    assert!(n16 <= out.len() && n16.is_multiple_of(16));
+    let n64 = n16 / 64 * 64;
+    for i in (0..n64).step_by(64) {
+        let q = [lanes(i), lanes(i + 16), lanes(i + 32), lanes(i + 48)];
+        // SAFETY: i + 64 <= n16 <= len (asserted).
+        unsafe { store_bytes64(out.as_mut_ptr().add(i), q) };
+    }
+    for i in (n64..n16).step_by(16) {
+        let r = _mm512_cvtusepi32_epi8(lanes(i));
+        // SAFETY: i + 16 <= n16 <= len (asserted).
+        unsafe { _mm_storeu_si128(out.as_mut_ptr().add(i) as *mut _, r) };
+    }
+}
+
 /// [`super::quantize_u8`] in 16 lanes: the same f32 division, round-half-even, add and clamp.
 ///
 /// # Safety
@@ -659,33 +694,13 @@ unsafe fn store_bytes64(p: *mut u8, q: [__m512i; 4]) {
 pub(super) unsafe fn quantize_u8_avx512(x: &[f32], scale: f32, zp: f32, out: &mut [u8]) {
     assert_eq!(x.len(), out.len());
     let (s, z) = (_mm512_set1_ps(scale), _mm512_set1_ps(zp));
-    let (lo, hi) = (_mm512_setzero_ps(), _mm512_set1_ps(255.0));
     let n16 = x.len() / 16 * 16;
-    let n64 = x.len() / 64 * 64;
-    // 16 values in [0, 255] as i32 lanes.
-    let one = |i: usize| {
-        // SAFETY: the callers keep i + 16 <= len.
-        let v = unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) };
-        let q = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_div_ps(v, s),
-        );
-        // max(., 0) first: it returns 0 for NaN, as the scalar clamp-then-cast does.
-        _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_add_ps(q, z), lo), hi))
+    // SAFETY: lanes i..i + 16 < n16 <= len of both slices (the store's contract).
+    unsafe {
+        store_u8_lanes(out, n16, |i| {
+            quantize_lanes(_mm512_loadu_ps(x.as_ptr().add(i)), s, z)
+        })
     };
-    for i in (0..n64).step_by(64) {
-        // SAFETY: i + 64 <= len for both slices.
-        unsafe {
-            store_bytes64(
-                out.as_mut_ptr().add(i),
-                [one(i), one(i + 16), one(i + 32), one(i + 48)],
-            )
-        };
-    }
-    for i in (n64..n16).step_by(16) {
-        // SAFETY: i + 16 <= len for both slices.
-        let b = _mm512_cvtusepi32_epi8(one(i));
-        _mm_storeu_si128(out.as_mut_ptr().add(i) as *mut _, b);
-    }
     super::quantize_u8_portable(&x[n16..], scale, zp, &mut out[n16..]);
 }
 
@@ -711,45 +726,22 @@ pub(super) unsafe fn qadd_u8_avx512(
         _mm512_set1_ps(sb),
     );
     let (s, z) = (_mm512_set1_ps(sc), _mm512_set1_ps(zc));
-    let (lo, hi) = (_mm512_setzero_ps(), _mm512_set1_ps(255.0));
-    let n64 = out.len() / 64 * 64;
-    // 16 sums in [0, 255] as i32 lanes.
-    let one = |i: usize| {
-        // SAFETY: the callers keep i + 16 <= len for the three slices (one length, checked by
-        // the caller).
-        let (x, y) = unsafe {
-            (
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                    a.as_ptr().add(i) as *const _
-                ))),
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                    b.as_ptr().add(i) as *const _
-                ))),
-            )
-        };
-        let v = _mm512_add_ps(
-            _mm512_mul_ps(_mm512_sub_ps(x, za_v), sa_v),
-            _mm512_mul_ps(_mm512_sub_ps(y, zb_v), sb_v),
-        );
-        let q = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_div_ps(v, s),
-        );
-        _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_add_ps(q, z), lo), hi))
+    let bytes = |p: &[u8], i: usize| {
+        // SAFETY: i + 16 <= n16 <= the slices' one length (checked by the caller).
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(unsafe {
+            _mm_loadu_si128(p.as_ptr().add(i) as *const _)
+        }))
     };
-    for i in (0..n64).step_by(64) {
-        // SAFETY: i + 64 <= len for the output.
-        unsafe {
-            store_bytes64(
-                out.as_mut_ptr().add(i),
-                [one(i), one(i + 16), one(i + 32), one(i + 48)],
-            )
-        };
-    }
-    for i in (n64..n16).step_by(16) {
-        let r = _mm512_cvtusepi32_epi8(one(i));
-        // SAFETY: i + 16 <= len for the output.
-        unsafe { _mm_storeu_si128(out.as_mut_ptr().add(i) as *mut _, r) };
-    }
+    // SAFETY: lanes i..i + 16 < n16 <= len of the three slices (the store's contract).
+    unsafe {
+        store_u8_lanes(out, n16, |i| {
+            let v = _mm512_add_ps(
+                _mm512_mul_ps(_mm512_sub_ps(bytes(a, i), za_v), sa_v),
+                _mm512_mul_ps(_mm512_sub_ps(bytes(b, i), zb_v), sb_v),
+            );
+            quantize_lanes(v, s, z)
+        })
+    };
     super::qadd_u8_portable(
         &a[n16..],
         (za, sa),
