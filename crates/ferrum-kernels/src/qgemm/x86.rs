@@ -14,6 +14,37 @@ const MR: usize = 6;
 const PANEL8: usize = 8;
 const MR8: usize = 6;
 
+/// Runs `$tile::<R, P>(args)` over `rows` in tiles of up to `$mr` rows (at most 6; the last
+/// tile shorter) and `P = $np` panels (one of the listed counts), `$i` bound to each tile's
+/// first row. Expands to `unsafe` calls: the caller's contract must cover every tile.
+macro_rules! row_tiles {
+    ($rows:expr, $np:expr, |$i:ident| $tile:ident $args:tt, $mr:expr, [$($p:literal)*]) => {{
+        let rows = $rows;
+        let mut $i = rows.start;
+        while $i < rows.end {
+            let r = $mr.min(rows.end - $i);
+            macro_rules! by_panels {
+                ($r:literal) => {
+                    match $np {
+                        $($p => unsafe { $tile::<$r, $p> $args },)*
+                        np => unreachable!("tile {} x {np}", $r),
+                    }
+                };
+            }
+            match r {
+                1 => by_panels!(1),
+                2 => by_panels!(2),
+                3 => by_panels!(3),
+                4 => by_panels!(4),
+                5 => by_panels!(5),
+                6 => by_panels!(6),
+                _ => unreachable!("a tile of {r} rows"),
+            }
+            $i += r;
+        }
+    }};
+}
+
 /// VNNI: rows `rows` of the column block starting at panel `p0` (`np` panels, at most 4), in
 /// tiles of up to `MR` rows.
 ///
@@ -29,26 +60,8 @@ pub(super) unsafe fn block_vnni(
     np: usize,
     fin: &Finish,
 ) {
-    let mut i = rows.start;
-    while i < rows.end {
-        let r = MR.min(rows.end - i);
-        // SAFETY: as this function's contract, for rows i..i + r.
-        unsafe {
-            macro_rules! go {
-                ($($R:literal)*) => {
-                    match (r, np) {
-                        $( ($R, 1) => tile::<$R, 1>(a, lda, i, p0, fin),
-                           ($R, 2) => tile::<$R, 2>(a, lda, i, p0, fin),
-                           ($R, 3) => tile::<$R, 3>(a, lda, i, p0, fin),
-                           ($R, 4) => tile::<$R, 4>(a, lda, i, p0, fin), )*
-                        _ => unreachable!("tile {r} x {np}"),
-                    }
-                };
-            }
-            go!(1 2 3 4 5 6);
-        }
-        i += r;
-    }
+    // SAFETY: as this function's contract, for each tile's rows.
+    row_tiles!(rows, np, |i| tile(a, lda, i, p0, fin), MR, [1 2 3 4]);
 }
 
 /// Rows of an AMX block: two A tiles of 16 rows.
@@ -184,24 +197,8 @@ pub(super) unsafe fn block_avx2(
     np: usize,
     fin: &Finish,
 ) {
-    let mut i = rows.start;
-    while i < rows.end {
-        let r = MR8.min(rows.end - i);
-        // SAFETY: as this function's contract, for rows i..i + r.
-        unsafe {
-            macro_rules! go {
-                ($($R:literal)*) => {
-                    match (r, np) {
-                        $( ($R, 1) => tile8::<$R, 1>(a, lda, i, p0, fin),
-                           ($R, 2) => tile8::<$R, 2>(a, lda, i, p0, fin), )*
-                        _ => unreachable!("tile {r} x {np}"),
-                    }
-                };
-            }
-            go!(1 2 3 4 5 6);
-        }
-        i += r;
-    }
+    // SAFETY: as this function's contract, for each tile's rows.
+    row_tiles!(rows, np, |i| tile8(a, lda, i, p0, fin), MR8, [1 2]);
 }
 
 /// One `R x (P * 8)` AVX2 tile: per pair of k, each row's two 16-bit values broadcast as one
@@ -457,26 +454,8 @@ pub(super) unsafe fn block_vnni_gathered(
     assert!(a.run.is_multiple_of(4) && a.taps * a.run == fin.b.k);
     assert!(rows.end * a.taps <= a.offsets.len());
     let fill = vec![a.fill; a.run];
-    let mut i = rows.start;
-    while i < rows.end {
-        let r = MR.min(rows.end - i);
-        // SAFETY: as this function's contract, for rows i..i + r.
-        unsafe {
-            macro_rules! go {
-                ($($R:literal)*) => {
-                    match (r, np) {
-                        $( ($R, 1) => tile_gathered::<$R, 1>(a, &fill, i, p0, fin),
-                           ($R, 2) => tile_gathered::<$R, 2>(a, &fill, i, p0, fin),
-                           ($R, 3) => tile_gathered::<$R, 3>(a, &fill, i, p0, fin),
-                           ($R, 4) => tile_gathered::<$R, 4>(a, &fill, i, p0, fin), )*
-                        _ => unreachable!("tile {r} x {np}"),
-                    }
-                };
-            }
-            go!(1 2 3 4 5 6);
-        }
-        i += r;
-    }
+    // SAFETY: as this function's contract, for each tile's rows.
+    row_tiles!(rows, np, |i| tile_gathered(a, &fill, i, p0, fin), MR, [1 2 3 4]);
 }
 
 /// [`tile`] over gathered rows (`fill`: `run` bytes of the fill value).
