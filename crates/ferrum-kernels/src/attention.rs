@@ -417,10 +417,11 @@ fn has_avx512() -> bool {
 /// no call allocates, however the tasks were scheduled before.
 static SCORES: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
 
-/// Score-buffer length a task of `n_keys` keys needs (H <= 4 rows, up to three values per key:
-/// the AVX-512 kernel keeps the scores apart from the weights and rescales).
+/// Score-buffer length a task of `n_keys` keys needs (H <= 4 rows, up to three values per key
+/// and row, and one per key: the AVX-512 kernel keeps the scores apart from the weights and
+/// rescales, and marks the keys where a row's max rose).
 fn scores_len(n_keys: usize) -> usize {
-    3 * 4 * n_keys
+    (3 * 4 + 1) * n_keys
 }
 
 /// Makes every score buffer hold at least `scores_len(max_keys)` values, with room for every
@@ -480,10 +481,10 @@ fn check_shared<const H: usize>(rows: [&Row; H], hd: usize, what: &str) {
 /// Pass 2 of the multi-row kernels: the online softmax's factors per row, from its scores alone
 /// (the same exp calls and sums as the one-pass recurrence of [`attend_row`]): ms = e^(m_old - m)
 /// where a key raises the running max m (1 elsewhere), vs = e^(score - m) (1 where it raises it),
-/// s = fma(s, ms, vs). The scores are `by_row` (row by row, n_keys a row) or else in `vs_all`;
-/// `vs_all` gets the weights and `ms_all` the rescales, key by key (H values a key). Returns per
-/// row the sink's factor and 1/s. Three steps: the running maxima and each key's exponent (into
-/// `ms_all`, with in `vs_all` whether the key raised the max), every exponential at once
+/// s = fma(s, ms, vs). The scores come in `vs_all` (key by key, H values a key), which gets the
+/// weights, and `ms_all` the rescales, in the same order. Returns per row the sink's factor and
+/// 1/s. Three steps: the running maxima and each key's exponent (into `ms_all`, with in
+/// `vs_all` whether the key raised the max), every exponential at once
 /// ([`expf_slice`], vectorized, the same bits as [`expf`]), then the factors and the sums (the
 /// rows' chains interleaved).
 #[cfg(target_arch = "x86_64")]
@@ -491,7 +492,6 @@ fn check_shared<const H: usize>(rows: [&Row; H], hd: usize, what: &str) {
 #[inline(always)]
 fn softmax_factors<const H: usize>(
     rows: [&Row; H],
-    by_row: Option<&[f32]>,
     vs_all: &mut [f32],
     ms_all: &mut [f32],
 ) -> [(Option<f32>, f32); H] {
@@ -500,10 +500,7 @@ fn softmax_factors<const H: usize>(
     for jj in 0..n_keys {
         for hi in 0..H {
             let i = jj * H + hi;
-            let score = match by_row {
-                Some(sc) => sc[hi * n_keys + jj],
-                None => vs_all[i],
-            };
+            let score = vs_all[i];
             if score > m[hi] {
                 ms_all[i] = m[hi] - score;
                 m[hi] = score;
@@ -534,21 +531,16 @@ fn softmax_factors<const H: usize>(
 }
 
 /// [`attend_row`] with AVX-512 for `H` rows of one query that share a KV head (grouped-query
-/// attention): the same float operations in the same order per row, bit for bit, in the three
-/// passes of [`attend_rows_avx2`] with 16-lane registers. First every score (each K row
-/// converted from f16 once for the H rows; Q.K in ggml's AVX-512 `vec_dot_f16` lanes, i.e.
-/// `dot_f16_order`, natively, the final halving trees of 16 keys run together by [`hsum16`],
-/// the scores kept row by row); then per row the online softmax's factors
-/// ([`softmax_factors`]); then V.p with the f16-rounded accumulator, the keys run once per
-/// block of CB sixteen-lane chunks so the H * CB accumulators of a block stay in registers at
-/// any head_dim. `head_dim` must be 16 * NV with NV a multiple of 4 (64, 128, 256: no tail in
-/// Q.K); `o` holds the H output rows. No heap buffer per call once [`prepare_scores`] sized
-/// the score buffers.
+/// attention): the same float operations in the same order per row, bit for bit, in three
+/// passes. First every score ([`scores_avx512`]: each K row converted from f16 once for the H
+/// rows, Q.K in ggml's AVX-512 `vec_dot_f16` lanes); then per row the online softmax's factors
+/// ([`softmax_factors_avx512`], the running max found 16 keys at a time); then V.p with the
+/// f16-rounded accumulator ([`v_pass_avx512`]). `head_dim` must be 16 * NV with NV a multiple
+/// of 4 (64, 128, 256: no tail in Q.K); `o` holds the H output rows. No heap buffer per call
+/// once [`prepare_scores`] sized the score buffers.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::needless_range_loop)] // index loops over register arrays mirror the lanes
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o: &mut [f32]) {
-    use core::arch::x86_64::*;
     let hd = rows[0].q.len();
     assert!(
         hd == 16 * NV && NV.is_multiple_of(4),
@@ -556,36 +548,119 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
     );
     assert_eq!(o.len(), H * hd, "attend_rows_avx512: out");
     check_shared(rows, hd, "attend_rows_avx512");
-    let r0 = rows[0];
-    let keys = r0.keys.clone();
-    let n_keys = keys.len();
-    let round = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+    let n_keys = rows[0].keys.len();
     // A buffer sized by `prepare_scores` (a fresh one only if this task is not part of a
-    // prepared call): the scores row by row; then per key and row the weight vs; then the
-    // rescales ms.
+    // prepared call): the scores row by row, then the weights vs and the rescales ms row by
+    // row, then per key whether any row's running max rose there.
     let taken = SCORES.lock().unwrap_or_else(|e| e.into_inner()).pop();
     let mut scores = taken.unwrap_or_default();
     scores.clear();
-    scores.resize(3 * H * n_keys, 0.0);
-    let (by_row, factors) = scores.split_at_mut(H * n_keys);
-    let (vs_all, ms_all) = factors.split_at_mut(H * n_keys);
+    scores.resize((3 * H + 1) * n_keys, 0.0);
+    let (by_row, rest) = scores.split_at_mut(H * n_keys);
+    let (vs_all, rest) = rest.split_at_mut(H * n_keys);
+    let (ms_all, raised) = rest.split_at_mut(H * n_keys);
+    // SAFETY (all three): this function runs only where the CPU has AVX-512F, AVX2, FMA and
+    // F16C; head_dim = 16 * NV was checked above, and the buffers hold H values per key.
+    unsafe {
+        scores_avx512::<H, NV>(rows, by_row);
+        let fin = softmax_factors_avx512(rows, by_row, vs_all, ms_all, raised);
+        // CB: 16 accumulators a block where H and NV allow (H = 3: 12), so there are enough
+        // independent chains per key to hide the FMA-and-rounding latency, without spills.
+        let (vs_all, ms_all, raised) = (&*vs_all, &*ms_all, &*raised);
+        match (H, NV) {
+            (1, 4) | (2, 4) | (3, _) | (4, _) => {
+                v_pass_avx512::<H, NV, 4>(rows, vs_all, ms_all, raised, &fin, o)
+            }
+            (1, 8) | (2, _) => v_pass_avx512::<H, NV, 8>(rows, vs_all, ms_all, raised, &fin, o),
+            _ => v_pass_avx512::<H, NV, 16>(rows, vs_all, ms_all, raised, &fin, o),
+        }
+    }
+    SCORES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(scores);
+}
 
-    // Pass 1: the scores. Q rounded to f16, per row.
+/// The offsets of a row's keys in the cache, one after another: a block-table lookup once per
+/// block, then one cache row further per key.
+#[derive(Clone)]
+struct KeyCursor<'a> {
+    table: &'a [u32],
+    shift: u32,
+    kv_row: usize,
+    at: usize,
+    /// The next key's logical position, its offset, and the keys left in its block after it.
+    j: usize,
+    off: usize,
+    left: usize,
+}
+
+impl<'a> KeyCursor<'a> {
+    /// A cursor whose first key is logical position `j` of `r`'s cache.
+    fn new(r: &Row<'a>, j: usize) -> Self {
+        Self {
+            table: r.table,
+            shift: r.shift,
+            kv_row: r.kv_row,
+            at: r.at,
+            j,
+            off: 0,
+            left: 0,
+        }
+    }
+
+    /// The offset of the next key's row (this head's part of it), as [`Row::offset`] gives it.
+    #[inline(always)]
+    fn next_offset(&mut self) -> usize {
+        if self.left == 0 {
+            let mask = (1usize << self.shift) - 1;
+            let row = ((self.table[self.j >> self.shift] as usize) << self.shift) | (self.j & mask);
+            self.off = row * self.kv_row + self.at;
+            self.left = mask + 1 - (self.j & mask);
+        }
+        let off = self.off;
+        self.off += self.kv_row;
+        self.left -= 1;
+        self.j += 1;
+        off
+    }
+}
+
+/// Pass 1 of [`attend_rows_avx512`]: the H rows' scaled (and capped) scores, row by row into
+/// `by_row` ([H, n_keys]). Each K row is converted once for the H rows; per row and key the
+/// 16-lane sums (a0 + a2) + (a1 + a3) of `dot_f16_order`, 16 keys' sums reduced together by
+/// [`scores_block`]. While a key is scored, the K row `PREFETCH_KEYS` keys ahead is fetched
+/// into L1 and the key's V row, read in pass 3, into L2 (a task's K rows stream through L1 and
+/// would push its V rows out; the rows of one KV head lie a cache row apart, a pattern the
+/// hardware prefetcher follows poorly at this little work per key).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // index loops over register arrays mirror the lanes
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn scores_avx512<const H: usize, const NV: usize>(rows: [&Row; H], by_row: &mut [f32]) {
+    use core::arch::x86_64::*;
+    let r0 = rows[0];
+    let hd = 16 * NV;
+    let keys = r0.keys.clone();
+    let n_keys = keys.len();
+    let round = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+    // Q rounded to f16, per row.
     let q: [[__m512; NV]; H] = core::array::from_fn(|hi| {
         core::array::from_fn(|i| {
             // SAFETY: i * 16 + 16 <= hd = q.len().
             round(unsafe { _mm512_loadu_ps(rows[hi].q.as_ptr().add(i * 16)) })
         })
     });
-    // Per row the 16-lane sums (a0 + a2) + (a1 + a3) of 16 keys, reduced together.
+    let mut keys_at = KeyCursor::new(r0, keys.start);
+    let mut ahead = KeyCursor::new(r0, keys.start + PREFETCH_KEYS);
     let mut rs = [[_mm512_setzero_ps(); 16]; H];
-    for (jj, j) in keys.clone().enumerate() {
-        let at = r0.offset(j);
+    for jj in 0..n_keys {
+        let at = keys_at.next_offset();
+        if jj + PREFETCH_KEYS < n_keys {
+            prefetch_lines::<_MM_HINT_T0, NV>(r0.k, ahead.next_offset());
+        }
+        prefetch_lines::<_MM_HINT_T1, NV>(r0.v, at);
         let krow = &r0.k[at..at + hd];
-        r0.prefetch(j, at);
-        // dot_f16_order: chunk i of 16 lanes goes to accumulator i % 4, in order. Four chunks
-        // a step, so the accumulators' indices are constants (registers) even where the
-        // compiler keeps the loop over the steps.
+        // dot_f16_order: chunk i of 16 lanes goes to accumulator i % 4, in order.
         let mut a = [[_mm512_setzero_ps(); 4]; H];
         for i4 in (0..NV).step_by(4) {
             for (ai, i) in (i4..i4 + 4).enumerate() {
@@ -604,46 +679,187 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
         }
         let n = jj % 16 + 1;
         if n == 16 || jj + 1 == n_keys {
-            // The last n keys (up to 16): per row the halving tree of each key's sum at once,
-            // times the scale, into the row's scores.
-            let base = jj + 1 - n;
-            for hi in 0..H {
-                let dots = _mm512_mul_ps(hsum16(&rs[hi]), _mm512_set1_ps(rows[hi].scale));
-                let dst = &mut by_row[hi * n_keys + base..hi * n_keys + base + n];
-                // SAFETY: the mask writes the first n values, which `dst` holds.
-                unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), ((1u32 << n) - 1) as u16, dots) };
-                if let Some(c) = rows[hi].softcap {
-                    for x in dst.iter_mut() {
-                        *x = capped(*x, Some(c));
-                    }
-                }
+            // SAFETY: the CPU has AVX-512F; keys jj + 1 - n ..= jj lie inside every row of
+            // `by_row`.
+            unsafe { scores_block(rows, &rs, jj + 1 - n, n, by_row) };
+        }
+    }
+}
+
+/// The last `n` (up to 16) keys' scores from their 16-lane sums `rs`, from key `base` on: per
+/// row the halving tree of each key's sum at once ([`hsum16`]), times the scale (then capped),
+/// into the row's scores. Out of line, so the key loop keeps Q and its sums in registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline(never)]
+unsafe fn scores_block<const H: usize>(
+    rows: [&Row; H],
+    rs: &[[core::arch::x86_64::__m512; 16]; H],
+    base: usize,
+    n: usize,
+    by_row: &mut [f32],
+) {
+    use core::arch::x86_64::*;
+    let n_keys = by_row.len() / H;
+    for hi in 0..H {
+        let dots = _mm512_mul_ps(hsum16(&rs[hi]), _mm512_set1_ps(rows[hi].scale));
+        let dst = &mut by_row[hi * n_keys + base..hi * n_keys + base + n];
+        // SAFETY: the mask writes the first n values, which `dst` holds.
+        unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), ((1u32 << n) - 1) as u16, dots) };
+        if let Some(c) = rows[hi].softcap {
+            for x in dst.iter_mut() {
+                *x = capped(*x, Some(c));
             }
         }
     }
+}
 
-    // Pass 2: the softmax factors.
-    let fin = softmax_factors(rows, Some(&*by_row), vs_all, ms_all);
-
-    // Pass 3: V.p, a block of CB sixteen-lane chunks at a time (H * CB accumulators in
-    // registers).
-    let (vs_all, ms_all) = (&*vs_all, &*ms_all);
-    // CB: 16 accumulators a block where H and NV allow (H = 3: 12), so there are enough
-    // independent chains per key to hide the FMA-and-rounding latency, without spills.
-    // SAFETY (every call): this function runs only where the CPU has AVX-512F, FMA and F16C;
-    // CB divides NV (4, 8 or 16); the factors hold H values per key and `o` the H rows.
-    unsafe {
-        match (H, NV) {
-            (1, 4) | (2, 4) | (3, _) | (4, _) => {
-                v_pass_avx512::<H, NV, 4>(rows, vs_all, ms_all, &fin, o)
+/// Pass 2 of [`attend_rows_avx512`]: [`softmax_factors`]' values for row-major scores
+/// `by_row` ([H, n_keys]), 16 keys at a time. Per row, the running max before each key is an
+/// exclusive prefix maximum (a key raises it only if its score is larger, so a NaN score
+/// never does and ties keep the earlier value, as the one-key-at-a-time loop), and with it
+/// each key's exponent argument; then every exponential at once ([`expf_slice`]); then the
+/// factors: where the max rose, ms = e and vs = 1, elsewhere ms = 1 and vs = e, row-major into
+/// `ms_all` and `vs_all`, and per key in `raised` 1 where any row's max rose (where the V pass
+/// rescales); last the sums `s = fma(s, ms, vs)` key by key (the rows' chains interleaved).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // the rows' running values side by side, key by key
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_factors_avx512<const H: usize>(
+    rows: [&Row; H],
+    by_row: &[f32],
+    vs_all: &mut [f32],
+    ms_all: &mut [f32],
+    raised: &mut [f32],
+) -> [(Option<f32>, f32); H] {
+    use core::arch::x86_64::*;
+    let n_keys = raised.len();
+    raised.fill(0.0);
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let one = _mm512_set1_ps(1.0);
+    let zero = _mm512_setzero_ps();
+    // The later of two running maxima: `later` where it is larger, else `earlier`.
+    let join = |earlier: __m512, later: __m512| {
+        _mm512_mask_blend_ps(
+            _mm512_cmp_ps_mask::<_CMP_GT_OQ>(later, earlier),
+            earlier,
+            later,
+        )
+    };
+    let mut m = [f32::NEG_INFINITY; H];
+    for hi in 0..H {
+        let mut run = ninf;
+        for c in (0..n_keys).step_by(16) {
+            let k = ((1u32 << (n_keys - c).min(16)) - 1) as u16;
+            let at = hi * n_keys + c;
+            // SAFETY: the mask reads only the keys c.. that the row holds.
+            let s = unsafe { _mm512_mask_loadu_ps(ninf, k, by_row.as_ptr().add(at)) };
+            // The running max within the 16 keys (NaN scores count as -inf: they raise
+            // nothing), lane by lane: shifts by 1, 2, 4 and 8 lanes, -inf shifted in.
+            let mut x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(s, s), ninf, s);
+            x = join(
+                _mm512_castsi512_ps(_mm512_alignr_epi32::<15>(
+                    _mm512_castps_si512(x),
+                    _mm512_castps_si512(ninf),
+                )),
+                x,
+            );
+            x = join(
+                _mm512_castsi512_ps(_mm512_alignr_epi32::<14>(
+                    _mm512_castps_si512(x),
+                    _mm512_castps_si512(ninf),
+                )),
+                x,
+            );
+            x = join(
+                _mm512_castsi512_ps(_mm512_alignr_epi32::<12>(
+                    _mm512_castps_si512(x),
+                    _mm512_castps_si512(ninf),
+                )),
+                x,
+            );
+            x = join(
+                _mm512_castsi512_ps(_mm512_alignr_epi32::<8>(
+                    _mm512_castps_si512(x),
+                    _mm512_castps_si512(ninf),
+                )),
+                x,
+            );
+            let incl = join(run, x);
+            // Before key i: the max through key i - 1 (lane 0: the max before the block).
+            let before = _mm512_castsi512_ps(_mm512_alignr_epi32::<15>(
+                _mm512_castps_si512(incl),
+                _mm512_castps_si512(run),
+            ));
+            let rose = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(s, before) & k;
+            let arg =
+                _mm512_mask_blend_ps(rose, _mm512_sub_ps(s, before), _mm512_sub_ps(before, s));
+            // SAFETY (both stores and the load): the mask touches only keys c.. of this row
+            // (and of `raised`), which the buffers hold.
+            unsafe {
+                _mm512_mask_storeu_ps(ms_all.as_mut_ptr().add(at), k, arg);
+                _mm512_mask_storeu_ps(
+                    vs_all.as_mut_ptr().add(at),
+                    k,
+                    _mm512_mask_blend_ps(rose, zero, one),
+                );
+                let r = _mm512_mask_loadu_ps(zero, k, raised.as_ptr().add(c));
+                _mm512_mask_storeu_ps(
+                    raised.as_mut_ptr().add(c),
+                    k,
+                    _mm512_mask_blend_ps(rose, r, one),
+                );
             }
-            (1, 8) | (2, _) => v_pass_avx512::<H, NV, 8>(rows, vs_all, ms_all, &fin, o),
-            _ => v_pass_avx512::<H, NV, 16>(rows, vs_all, ms_all, &fin, o),
+            run = _mm512_permutexvar_ps(_mm512_set1_epi32(15), incl);
+        }
+        m[hi] = _mm512_cvtss_f32(run);
+    }
+    expf_slice(ms_all);
+    for c in (0..H * n_keys).step_by(16) {
+        let k = ((1u32 << (H * n_keys - c).min(16)) - 1) as u16;
+        // SAFETY: the mask touches only values c.. of the two buffers, which hold H * n_keys.
+        unsafe {
+            let e = _mm512_mask_loadu_ps(one, k, ms_all.as_ptr().add(c));
+            let rose = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(
+                _mm512_mask_loadu_ps(zero, k, vs_all.as_ptr().add(c)),
+                one,
+            );
+            _mm512_mask_storeu_ps(
+                ms_all.as_mut_ptr().add(c),
+                k,
+                _mm512_mask_blend_ps(rose, one, e),
+            );
+            _mm512_mask_storeu_ps(
+                vs_all.as_mut_ptr().add(c),
+                k,
+                _mm512_mask_blend_ps(rose, e, one),
+            );
         }
     }
-    SCORES
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(scores);
+    let mut s = [0f32; H];
+    for jj in 0..n_keys {
+        for hi in 0..H {
+            let i = hi * n_keys + jj;
+            s[hi] = s[hi].mul_add(ms_all[i], vs_all[i]);
+        }
+    }
+    core::array::from_fn(|hi| {
+        let mut s = s[hi];
+        let sink = join_sink(rows[hi].sink, m[hi], &mut s);
+        (sink, 1.0 / s)
+    })
+}
+
+/// Asks the CPU to bring this head's part of a cache row (`16 * NV` f16 values from `at` in
+/// `rows`) into the cache level `HINT` names (a hint: no effect on results).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_lines<const HINT: i32, const NV: usize>(rows: &[f16], at: usize) {
+    let p = rows.as_ptr().wrapping_add(at) as *const i8;
+    for line in 0..NV / 2 {
+        // SAFETY: a prefetch never faults (the caller's offsets lie inside `rows`).
+        unsafe { core::arch::x86_64::_mm_prefetch::<HINT>(p.wrapping_add(64 * line)) };
+    }
 }
 
 /// How far ahead of the key being scored the K row is fetched.
@@ -726,9 +942,10 @@ fn hsum16(r: &[core::arch::x86_64::__m512; 16]) -> core::arch::x86_64::__m512 {
 }
 
 /// The V pass of [`attend_rows_avx512`] in blocks of CB sixteen-lane chunks (CB divides NV):
-/// per block, per key, the rescale (where a row's ms is not 1; the accumulator holds f16
-/// values, so a factor of 1 changes nothing) and the FMA of the V row by vs, each rounded to
-/// f16; then the sink's factor and 1/s into `o`.
+/// per block, per key, the rescale (where any row's max rose; a row whose max did not has
+/// ms = 1, and the accumulator holds f16 values, so its factor changes nothing) and the FMA of
+/// the V row by vs, each rounded to f16; then the sink's factor and 1/s into `o`. The factors
+/// are row-major ([H, n_keys]).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // index loops over register arrays mirror the lanes
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
@@ -737,6 +954,7 @@ unsafe fn v_pass_avx512<const H: usize, const NV: usize, const CB: usize>(
     rows: [&Row; H],
     vs_all: &[f32],
     ms_all: &[f32],
+    raised: &[f32],
     fin: &[(Option<f32>, f32); H],
     o: &mut [f32],
 ) {
@@ -744,29 +962,31 @@ unsafe fn v_pass_avx512<const H: usize, const NV: usize, const CB: usize>(
     let round = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
     let r0 = rows[0];
     let hd = 16 * NV;
+    let n_keys = raised.len();
+    assert!(vs_all.len() == H * n_keys && ms_all.len() == H * n_keys);
     for b in (0..NV).step_by(CB) {
         let mut acc = [[_mm512_setzero_ps(); CB]; H];
-        for (jj, j) in r0.keys.clone().enumerate() {
-            let at = r0.offset(j);
+        let mut keys_at = KeyCursor::new(r0, r0.keys.start);
+        for jj in 0..n_keys {
+            let at = keys_at.next_offset();
             let vrow = &r0.v[at + b * 16..at + (b + CB) * 16];
-            let ms = &ms_all[jj * H..jj * H + H];
-            let vs = &vs_all[jj * H..jj * H + H];
-            if ms.iter().any(|&x| x != 1.0) {
-                for (a, &f) in acc.iter_mut().zip(ms) {
-                    let msv = _mm512_set1_ps(f);
-                    for av in a.iter_mut() {
+            if raised[jj] != 0.0 {
+                for hi in 0..H {
+                    let msv = _mm512_set1_ps(ms_all[hi * n_keys + jj]);
+                    for av in acc[hi].iter_mut() {
                         *av = round(_mm512_mul_ps(*av, msv));
                     }
                 }
             }
+            let vs: [__m512; H] =
+                core::array::from_fn(|hi| _mm512_set1_ps(vs_all[hi * n_keys + jj]));
             for c in 0..CB {
                 // SAFETY: c * 16 + 16 <= CB * 16 = vrow.len().
                 let x = _mm512_cvtph_ps(unsafe {
                     _mm256_loadu_si256(vrow.as_ptr().add(c * 16) as *const __m256i)
                 });
                 for hi in 0..H {
-                    let vsv = _mm512_set1_ps(vs[hi]);
-                    acc[hi][c] = round(_mm512_fmadd_ps(x, vsv, acc[hi][c]));
+                    acc[hi][c] = round(_mm512_fmadd_ps(x, vs[hi], acc[hi][c]));
                 }
             }
         }
@@ -881,7 +1101,7 @@ unsafe fn attend_rows_avx2<const H: usize, const NV: usize>(rows: [&Row; H], o: 
     }
 
     // Pass 2: the softmax factors.
-    let fin = softmax_factors(rows, None, vs_all, ms_all);
+    let fin = softmax_factors(rows, vs_all, ms_all);
 
     // Pass 3: V.p, a block of CB eight-lane chunks at a time (H * CB accumulators in registers).
     let (vs_all, ms_all) = (&*vs_all, &*ms_all);
@@ -1383,7 +1603,7 @@ mod tests {
     /// A multi-row kernel (`kernel(rows, n, head_dim, out)` runs the first n rows) against the
     /// portable one, bit for bit: head dims 64, 128 and 256, 1 to 8 query heads per KV head (run
     /// 1 to 4 at a time, as `run` splits them), 1 to 300 keys, sliding windows, sinks,
-    /// soft-capping, and paged caches of 16 or 32 rows a block with shuffled tables. Large Q
+    /// soft-capping, and paged caches of 1, 4, 16 or 32 rows a block with shuffled tables. Large Q
     /// scales make the running max move often (many rescales).
     #[cfg(target_arch = "x86_64")]
     fn rows_match_portable_bits(name: &str, kernel: impl Fn(&[Row; 4], usize, usize, &mut [f32])) {
@@ -1395,7 +1615,7 @@ mod tests {
             let group = rng.gen_range(1..=8);
             let nkv = rng.gen_range(1..=2);
             let nh = group * nkv;
-            let bs = [16usize, 32][rng.gen_range(0..2)];
+            let bs = [1usize, 4, 16, 32][rng.gen_range(0..4)];
             let pos = rng.gen_range(0..300);
             let n_blocks = pos / bs + 1;
             let phys = n_blocks + rng.gen_range(0..3);
