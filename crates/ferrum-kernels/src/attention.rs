@@ -656,9 +656,9 @@ unsafe fn scores_avx512<const H: usize, const NV: usize>(rows: [&Row; H], by_row
     for jj in 0..n_keys {
         let at = keys_at.next_offset();
         if jj + PREFETCH_KEYS < n_keys {
-            prefetch_lines::<_MM_HINT_T0, NV>(r0.k, ahead.next_offset());
+            prefetch_lines::<_MM_HINT_T0>(r0.k, ahead.next_offset(), NV / 2);
         }
-        prefetch_lines::<_MM_HINT_T1, NV>(r0.v, at);
+        prefetch_lines::<_MM_HINT_T1>(r0.v, at, NV / 2);
         let krow = &r0.k[at..at + hd];
         // dot_f16_order: chunk i of 16 lanes goes to accumulator i % 4, in order.
         let mut a = [[_mm512_setzero_ps(); 4]; H];
@@ -850,52 +850,26 @@ unsafe fn softmax_factors_avx512<const H: usize>(
     })
 }
 
-/// Asks the CPU to bring this head's part of a cache row (`16 * NV` f16 values from `at` in
-/// `rows`) into the cache level `HINT` names (a hint: no effect on results).
+/// Asks the CPU to bring `lines` cache lines from offset `at` of `rows` (a head's part of a
+/// cache row: 32 f16 values a line) into the cache level `HINT` names (a hint: no effect on
+/// results).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_lines<const HINT: i32, const NV: usize>(rows: &[f16], at: usize) {
+fn prefetch_lines<const HINT: i32>(rows: &[f16], at: usize, lines: usize) {
     let p = rows.as_ptr().wrapping_add(at) as *const i8;
-    for line in 0..NV / 2 {
+    for line in 0..lines {
         // SAFETY: a prefetch never faults (the caller's offsets lie inside `rows`).
         unsafe { core::arch::x86_64::_mm_prefetch::<HINT>(p.wrapping_add(64 * line)) };
     }
 }
 
-/// How far ahead of the key being scored the K row is fetched.
+/// How far ahead of the key being scored the K row is fetched (into L1); the key's V row, read
+/// in pass 3, is fetched into L2 meanwhile (a task's K rows stream through L1 in pass 1 and
+/// would push its V rows out: 5-10% faster on a cold cache, `cargo bench --bench ops --
+/// batched`). The rows of one KV head lie a cache row apart (paged), a pattern the hardware
+/// prefetcher follows poorly at this little work per key.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_KEYS: usize = 8;
-
-#[cfg(target_arch = "x86_64")]
-impl Row<'_> {
-    /// While key `j` (at offset `at`) is scored: asks for the K row `PREFETCH_KEYS` keys ahead
-    /// (into L1) and for key j's V row, read in pass 3 (into L2: a task's K rows stream through
-    /// L1 in pass 1 and would push its V rows out; 5-10% faster on a cold cache, `cargo bench
-    /// --bench ops -- batched`). The rows of one KV head lie a cache row apart (paged), a
-    /// pattern the hardware prefetcher follows poorly at this little work per key.
-    #[inline(always)]
-    fn prefetch(&self, j: usize, at: usize) {
-        use core::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1};
-        let hd = self.q.len();
-        if j + PREFETCH_KEYS < self.keys.end {
-            prefetch_row::<_MM_HINT_T0>(&self.k[self.offset(j + PREFETCH_KEYS)..], hd);
-        }
-        prefetch_row::<_MM_HINT_T1>(&self.v[at..], hd);
-    }
-}
-
-/// Asks the CPU to bring the `n` f16 values at the start of `row` into the cache level `HINT`
-/// names (a hint: no effect on results). Touches the cache lines the values span.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch_row<const HINT: i32>(row: &[f16], n: usize) {
-    let n = n.min(row.len());
-    let p = row.as_ptr() as *const i8;
-    for off in (0..2 * n).step_by(64) {
-        // SAFETY: a prefetch never faults; the address lies inside `row` (off < 2 * n).
-        unsafe { core::arch::x86_64::_mm_prefetch::<HINT>(p.wrapping_add(off)) };
-    }
-}
 
 /// The dot products of 16 keys from their 16-lane sums `r` (key k's in `r[k]`): lane k of the
 /// result is `dot_f16_order`'s halving tree over r[k]'s lanes (l + l+8, then l + l+4, then
@@ -1067,10 +1041,15 @@ unsafe fn attend_rows_avx2<const H: usize, const NV: usize>(rows: [&Row; H], o: 
             round(unsafe { _mm256_loadu_ps(rows[hi].q.as_ptr().add(c * 8)) })
         })
     });
-    for (jj, j) in keys.clone().enumerate() {
-        let at = r0.offset(j);
+    let mut keys_at = KeyCursor::new(r0, keys.start);
+    let mut ahead = KeyCursor::new(r0, keys.start + PREFETCH_KEYS);
+    for jj in 0..n_keys {
+        let at = keys_at.next_offset();
+        if jj + PREFETCH_KEYS < n_keys {
+            prefetch_lines::<_MM_HINT_T0>(r0.k, ahead.next_offset(), hd / 32);
+        }
+        prefetch_lines::<_MM_HINT_T1>(r0.v, at, hd / 32);
         let krow = &r0.k[at..at + hd];
-        r0.prefetch(j, at);
         // dot_f16_order's accumulator a (0..4) lane l (0..16) is slot 2a + l / 8 here, lane
         // l % 8: eight-lane chunk c goes to slot c % 8, and the chunks of one slot are summed in
         // order. Slot by slot, so only H running sums are live at a time.
@@ -1142,8 +1121,9 @@ unsafe fn v_pass<const H: usize, const NV: usize, const CB: usize>(
     let hd = 8 * NV;
     for b in (0..NV).step_by(CB) {
         let mut acc = [[_mm256_setzero_ps(); CB]; H];
-        for (jj, j) in r0.keys.clone().enumerate() {
-            let at = r0.offset(j);
+        let mut keys_at = KeyCursor::new(r0, r0.keys.start);
+        for jj in 0..r0.keys.len() {
+            let at = keys_at.next_offset();
             let vrow = &r0.v[at + b * 8..at + (b + CB) * 8];
             let ms = &ms_all[jj * H..jj * H + H];
             let vs = &vs_all[jj * H..jj * H + H];
