@@ -757,40 +757,13 @@ unsafe fn softmax_factors_avx512<const H: usize>(
             // The running max within the 16 keys (NaN scores count as -inf: they raise
             // nothing), lane by lane: shifts by 1, 2, 4 and 8 lanes, -inf shifted in.
             let mut x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(s, s), ninf, s);
-            x = join(
-                _mm512_castsi512_ps(_mm512_alignr_epi32::<15>(
-                    _mm512_castps_si512(x),
-                    _mm512_castps_si512(ninf),
-                )),
-                x,
-            );
-            x = join(
-                _mm512_castsi512_ps(_mm512_alignr_epi32::<14>(
-                    _mm512_castps_si512(x),
-                    _mm512_castps_si512(ninf),
-                )),
-                x,
-            );
-            x = join(
-                _mm512_castsi512_ps(_mm512_alignr_epi32::<12>(
-                    _mm512_castps_si512(x),
-                    _mm512_castps_si512(ninf),
-                )),
-                x,
-            );
-            x = join(
-                _mm512_castsi512_ps(_mm512_alignr_epi32::<8>(
-                    _mm512_castps_si512(x),
-                    _mm512_castps_si512(ninf),
-                )),
-                x,
-            );
+            x = join(from_below::<15>(x, ninf), x);
+            x = join(from_below::<14>(x, ninf), x);
+            x = join(from_below::<12>(x, ninf), x);
+            x = join(from_below::<8>(x, ninf), x);
             let incl = join(run, x);
             // Before key i: the max through key i - 1 (lane 0: the max before the block).
-            let before = _mm512_castsi512_ps(_mm512_alignr_epi32::<15>(
-                _mm512_castps_si512(incl),
-                _mm512_castps_si512(run),
-            ));
+            let before = from_below::<15>(incl, run);
             let rose = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(s, before) & k;
             let arg =
                 _mm512_mask_blend_ps(rose, _mm512_sub_ps(s, before), _mm512_sub_ps(before, s));
@@ -848,6 +821,22 @@ unsafe fn softmax_factors_avx512<const H: usize>(
         let sink = join_sink(rows[hi].sink, m[hi], &mut s);
         (sink, 1.0 / s)
     })
+}
+
+/// Lanes `IMM..IMM + 16` of `fill` followed by `x`: `x` moved up by 16 - IMM lanes, the lanes
+/// below it taken from the top of `fill`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn from_below<const IMM: i32>(
+    x: core::arch::x86_64::__m512,
+    fill: core::arch::x86_64::__m512,
+) -> core::arch::x86_64::__m512 {
+    use core::arch::x86_64::*;
+    _mm512_castsi512_ps(_mm512_alignr_epi32::<IMM>(
+        _mm512_castps_si512(x),
+        _mm512_castps_si512(fill),
+    ))
 }
 
 /// Asks the CPU to bring `lines` cache lines from offset `at` of `rows` (a head's part of a
