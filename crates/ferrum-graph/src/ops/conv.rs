@@ -310,6 +310,8 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
     // Patch rows are written as far apart as the kernels read them, zeros past kk (an RGB
     // stem's 147 bytes in rows of 192), so the GEMM reads them in place.
     let ld = packed.kp().max(kk);
+    // A tap's run of C bytes where the window leaves the image (for gathered patches).
+    let fill_run = vec![geo.fill; c];
     let mut y = vec![0u8; n * m * osp];
     // The channels-last image, A's rows and the channels-last output: scratch kept by the
     // thread between calls (every byte is written before it is read).
@@ -370,7 +372,7 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
                             offsets,
                             taps: k[0] * k[1],
                             run: c,
-                            fill: geo.fill,
+                            fill: &fill_run,
                         },
                         osp,
                         &[xz],

@@ -254,36 +254,35 @@ pub struct QuantA<'a> {
 
 /// A's rows gathered from an image instead of stored (a convolution's patches, never written
 /// out: the indirect convolution of Dukhan 2019): row `p`'s `k = taps * run` bytes are `taps`
-/// runs of `run` bytes, run `t` at `image[offsets[p * taps + t]..]`, or `run` bytes of `fill`
-/// where that offset is [`Gathered::PAD`].
+/// runs of `run` bytes, run `t` at `image[offsets[p * taps + t]..]`, or `fill` (`run` bytes of
+/// the padding's value, made once by the caller) where that offset is [`Gathered::PAD`].
 #[derive(Clone, Copy, Debug)]
 pub struct Gathered<'a> {
     pub image: &'a [u8],
     pub offsets: &'a [u32],
     pub taps: usize,
     pub run: usize,
-    pub fill: u8,
+    pub fill: &'a [u8],
 }
 
 impl Gathered<'_> {
     /// The offset of a run that lies in the padding.
     pub const PAD: u32 = u32::MAX;
 
-    /// Run `t` of row `p` (`fill`, `run` bytes of the fill value, for a padding run).
-    fn run_of<'b>(&'b self, p: usize, t: usize, fill: &'b [u8]) -> &'b [u8] {
+    /// Run `t` of row `p` (the fill run for a padding run).
+    fn run_of(&self, p: usize, t: usize) -> &[u8] {
         match self.offsets[p * self.taps + t] {
-            Gathered::PAD => fill,
+            Gathered::PAD => self.fill,
             o => &self.image[o as usize..o as usize + self.run],
         }
     }
 
     /// Rows `first..` written out into `out`, `ld` bytes apart with zeros past `k`.
     fn write_rows(&self, first: usize, ld: usize, out: &mut [u8]) {
-        let fill = vec![self.fill; self.run];
         for (r, row) in out.chunks_exact_mut(ld).enumerate() {
             let (runs, tail) = row.split_at_mut(self.taps * self.run);
             for (t, dst) in runs.chunks_exact_mut(self.run).enumerate() {
-                dst.copy_from_slice(self.run_of(first + r, t, &fill));
+                dst.copy_from_slice(self.run_of(first + r, t));
             }
             tail.fill(0);
         }
@@ -485,6 +484,11 @@ fn qgemm_gathered_on(
     kernel: Kernel,
 ) {
     assert_eq!(a.taps * a.run, b.k, "gathered A: taps * run is not B's k");
+    assert_eq!(
+        a.fill.len(),
+        a.run,
+        "gathered A: the fill run is not `run` bytes"
+    );
     assert!(a.offsets.len() >= m * a.taps, "gathered A: too few offsets");
     // Every run inside the image: one branch-free pass (it vectorizes).
     let last = a
@@ -759,15 +763,11 @@ fn row_terms(a: ASrc, m: usize, k: usize, zero: &[i32], sums: bool) -> Vec<(i32,
     if !sums {
         return (0..m).map(|i| (0, za(i))).collect();
     }
-    let fill_run = match a {
-        ASrc::Gathered(g) => vec![g.fill; g.run],
-        ASrc::Rows(..) => Vec::new(),
-    };
     let sum = |i: usize| match a {
         ASrc::Rows(d, ld) => byte_sum(&d[i * ld..i * ld + k]),
-        ASrc::Gathered(g) => (0..g.taps).fold(0u32, |s, t| {
-            s.wrapping_add(byte_sum(g.run_of(i, t, &fill_run)))
-        }),
+        ASrc::Gathered(g) => {
+            (0..g.taps).fold(0u32, |s, t| s.wrapping_add(byte_sum(g.run_of(i, t))))
+        }
     };
     let mut t = vec![(0, 0); m];
     let rows = (1usize << 16).div_ceil(k.max(1)).max(1);

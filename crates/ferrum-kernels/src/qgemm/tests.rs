@@ -486,12 +486,13 @@ fn gathered_rows_give_the_product_of_the_written_rows() {
                 }
             })
             .collect();
+        let fill = vec![rng.gen::<u8>(); run];
         let g = Gathered {
             image: &image,
             offsets: &offsets,
             taps,
             run,
-            fill: rng.gen(),
+            fill: &fill,
         };
         let mut rows = vec![0u8; m * k];
         g.write_rows(0, k, &mut rows);

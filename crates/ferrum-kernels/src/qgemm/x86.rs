@@ -451,14 +451,13 @@ pub(super) unsafe fn block_vnni_gathered(
     np: usize,
     fin: &Finish,
 ) {
-    assert!(a.run.is_multiple_of(4) && a.taps * a.run == fin.b.k);
+    assert!(a.run.is_multiple_of(4) && a.taps * a.run == fin.b.k && a.fill.len() == a.run);
     assert!(rows.end * a.taps <= a.offsets.len());
-    let fill = vec![a.fill; a.run];
     // SAFETY: as this function's contract, for each tile's rows.
-    row_tiles!(rows, np, |i| tile_gathered(a, &fill, i, p0, fin), MR, [1 2 3 4]);
+    row_tiles!(rows, np, |i| tile_gathered(a, i, p0, fin), MR, [1 2 3 4]);
 }
 
-/// [`tile`] over gathered rows (`fill`: `run` bytes of the fill value).
+/// [`tile`] over gathered rows.
 ///
 /// # Safety
 /// As [`block_vnni_gathered`], for rows `i0..i0 + R`.
@@ -466,7 +465,6 @@ pub(super) unsafe fn block_vnni_gathered(
 #[inline]
 unsafe fn tile_gathered<const R: usize, const P: usize>(
     a: &Gathered,
-    fill: &[u8],
     i0: usize,
     p0: usize,
     fin: &Finish,
@@ -481,7 +479,7 @@ unsafe fn tile_gathered<const R: usize, const P: usize>(
         // Each row's run under tap t: in the image (checked by the caller), or the fill run.
         let runs: [*const u8; R] =
             core::array::from_fn(|r| match a.offsets[(i0 + r) * a.taps + t] {
-                Gathered::PAD => fill.as_ptr(),
+                Gathered::PAD => a.fill.as_ptr(),
                 o => a.image[o as usize..o as usize + a.run].as_ptr(),
             });
         // SAFETY: each run holds `run` = 4 per_run bytes; B's groups t * per_run.. lie below
