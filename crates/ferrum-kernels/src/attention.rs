@@ -269,6 +269,7 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             scale: p.softcap.map_or(p.scale, |c| p.scale / c),
             softcap: p.softcap,
             sink: p.sinks.map(|sk| sk[h]),
+            whole_rows: false,
         }
     };
     // AVX2 without AVX-512: the same task split and three-pass structure, 256-bit registers.
@@ -301,7 +302,13 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             .unwrap_or(0);
         prepare_scores(max_keys, cache_rows);
         let o_ptr = OutRows(out.as_mut_ptr());
-        pool::parallel_for(tasks_for(g), |task| {
+        // A decode step of several sequences (one query each, enough for every thread): a task
+        // runs all of a query's KV heads, its first asking for whole K and V cache rows (every
+        // head's part) into L2, so the later heads find them there. Split by KV head, each task
+        // streamed two cache lines in six of every row from memory: 15-25% slower
+        // (`cargo bench --bench ops -- batched`, 30 layers).
+        let whole = nkv > 1 && n_q == seqs.len() && n_q >= 2 * pool::threads();
+        let one = |task: usize, first_of_row: bool| {
             let (t, rest) = (task / (nkv * per_kv), task % (nkv * per_kv));
             let (kvh, gi) = (rest / per_kv, rest % per_kv);
             let h0 = kvh * group + gi * g;
@@ -310,7 +317,8 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             // SAFETY: rows r0 .. r0 + n of `out` ([n_rows * nh, hd]) belong to this task alone,
             // and the range lies inside `out` (t < n_q, h0 + n <= nh).
             let o = unsafe { std::slice::from_raw_parts_mut(o_ptr.at(r0 * hd), n * hd) };
-            let rows: [Row; 4] = core::array::from_fn(|i| job(r0 + i.min(n - 1)));
+            let mut rows: [Row; 4] = core::array::from_fn(|i| job(r0 + i.min(n - 1)));
+            rows[0].whole_rows = first_of_row;
             if narrow {
                 // SAFETY (every call): `narrow` is true only when the CPU reports AVX2, FMA and
                 // F16C and head_dim is 64, 128 or 256, which is 8 * NV for the NV each call
@@ -334,7 +342,16 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
                     _ => attend_rows_avx512_n::<16>(&rows, n, o),
                 }
             }
-        });
+        };
+        if whole {
+            pool::parallel_for(n_q, |t| {
+                for i in 0..nkv * per_kv {
+                    one(t * nkv * per_kv + i, i == 0);
+                }
+            });
+        } else {
+            pool::parallel_for(tasks_for(g), |task| one(task, false));
+        }
         return;
     }
     pool::parallel_chunks_mut(out, hd, |idx, o| {
@@ -381,6 +398,9 @@ struct Row<'a> {
     softcap: Option<f32>,
     /// This head's sink logit ([`AttnParams::sinks`]).
     sink: Option<f32>,
+    /// Prefetch every head's part of each key's K and V rows into L2 (the first of a task
+    /// that runs all of a query's KV heads).
+    whole_rows: bool,
 }
 
 impl Row<'_> {
@@ -658,7 +678,12 @@ unsafe fn scores_avx512<const H: usize, const NV: usize>(rows: [&Row; H], by_row
         if jj + PREFETCH_KEYS < n_keys {
             prefetch_lines::<_MM_HINT_T0>(r0.k, ahead.next_offset(), NV / 2);
         }
-        prefetch_lines::<_MM_HINT_T1>(r0.v, at, NV / 2);
+        if r0.whole_rows {
+            prefetch_lines::<_MM_HINT_T1>(r0.k, at - r0.at, r0.kv_row / 32);
+            prefetch_lines::<_MM_HINT_T1>(r0.v, at - r0.at, r0.kv_row / 32);
+        } else {
+            prefetch_lines::<_MM_HINT_T1>(r0.v, at, NV / 2);
+        }
         let krow = &r0.k[at..at + hd];
         // dot_f16_order: chunk i of 16 lanes goes to accumulator i % 4, in order.
         let mut a = [[_mm512_setzero_ps(); 4]; H];
@@ -1037,7 +1062,12 @@ unsafe fn attend_rows_avx2<const H: usize, const NV: usize>(rows: [&Row; H], o: 
         if jj + PREFETCH_KEYS < n_keys {
             prefetch_lines::<_MM_HINT_T0>(r0.k, ahead.next_offset(), hd / 32);
         }
-        prefetch_lines::<_MM_HINT_T1>(r0.v, at, hd / 32);
+        if r0.whole_rows {
+            prefetch_lines::<_MM_HINT_T1>(r0.k, at - r0.at, r0.kv_row / 32);
+            prefetch_lines::<_MM_HINT_T1>(r0.v, at - r0.at, r0.kv_row / 32);
+        } else {
+            prefetch_lines::<_MM_HINT_T1>(r0.v, at, hd / 32);
+        }
         let krow = &r0.k[at..at + hd];
         // dot_f16_order's accumulator a (0..4) lane l (0..16) is slot 2a + l / 8 here, lane
         // l % 8: eight-lane chunk c goes to slot c % 8, and the chunks of one slot are summed in
@@ -1607,6 +1637,8 @@ mod tests {
                 .gen_bool(0.4)
                 .then(|| (0..nh).map(|_| rng.gen_range(-3.0..12.0)).collect());
             let scale = 1.0 / (hd as f32).sqrt();
+            // Prefetching whole cache rows (a hint) must not change a bit.
+            let whole_rows = rng.gen_bool(0.5);
             let row = |h: usize| Row {
                 q: &q[h * hd..(h + 1) * hd],
                 k: &k,
@@ -1619,6 +1651,7 @@ mod tests {
                 scale: softcap.map_or(scale, |c| scale / c),
                 softcap,
                 sink: sinks.as_ref().map(|s| s[h]),
+                whole_rows,
             };
             for kvh in 0..nkv {
                 let mut h0 = kvh * group;
