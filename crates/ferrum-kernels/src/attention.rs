@@ -543,6 +543,18 @@ fn softmax_factors<const H: usize>(
             s[hi] = s[hi].mul_add(ms, vs);
         }
     }
+    finish_sums(rows, m, s)
+}
+
+/// Per row, the sink's factor (joined into the sum, [`join_sink`]) and 1/s, from the row's
+/// final running max `m` and sum `s`: the end of both softmax-factor passes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn finish_sums<const H: usize>(
+    rows: [&Row; H],
+    m: [f32; H],
+    s: [f32; H],
+) -> [(Option<f32>, f32); H] {
     core::array::from_fn(|hi| {
         let mut s = s[hi];
         let sink = join_sink(rows[hi].sink, m[hi], &mut s);
@@ -604,42 +616,35 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
 /// The offsets of a row's keys in the cache, one after another: a block-table lookup once per
 /// block, then one cache row further per key.
 #[derive(Clone)]
-struct KeyCursor<'a> {
-    table: &'a [u32],
-    shift: u32,
-    kv_row: usize,
-    at: usize,
+struct KeyCursor<'r, 'a> {
+    row: &'r Row<'a>,
     /// The next key's logical position, its offset, and the keys left in its block after it.
     j: usize,
     off: usize,
     left: usize,
 }
 
-impl<'a> KeyCursor<'a> {
-    /// A cursor whose first key is logical position `j` of `r`'s cache.
-    fn new(r: &Row<'a>, j: usize) -> Self {
+impl<'r, 'a> KeyCursor<'r, 'a> {
+    /// A cursor whose first key is logical position `j` of `row`'s cache.
+    fn new(row: &'r Row<'a>, j: usize) -> Self {
         Self {
-            table: r.table,
-            shift: r.shift,
-            kv_row: r.kv_row,
-            at: r.at,
+            row,
             j,
             off: 0,
             left: 0,
         }
     }
 
-    /// The offset of the next key's row (this head's part of it), as [`Row::offset`] gives it.
+    /// The offset of the next key's row (this head's part of it), [`Row::offset`] of it.
     #[inline(always)]
     fn next_offset(&mut self) -> usize {
         if self.left == 0 {
-            let mask = (1usize << self.shift) - 1;
-            let row = ((self.table[self.j >> self.shift] as usize) << self.shift) | (self.j & mask);
-            self.off = row * self.kv_row + self.at;
+            let mask = (1usize << self.row.shift) - 1;
+            self.off = self.row.offset(self.j);
             self.left = mask + 1 - (self.j & mask);
         }
         let off = self.off;
-        self.off += self.kv_row;
+        self.off += self.row.kv_row;
         self.left -= 1;
         self.j += 1;
         off
@@ -649,10 +654,9 @@ impl<'a> KeyCursor<'a> {
 /// Pass 1 of [`attend_rows_avx512`]: the H rows' scaled (and capped) scores, row by row into
 /// `by_row` ([H, n_keys]). Each K row is converted once for the H rows; per row and key the
 /// 16-lane sums (a0 + a2) + (a1 + a3) of `dot_f16_order`, 16 keys' sums reduced together by
-/// [`scores_block`]. While a key is scored, the K row `PREFETCH_KEYS` keys ahead is fetched
-/// into L1 and the key's V row, read in pass 3, into L2 (a task's K rows stream through L1 and
-/// would push its V rows out; the rows of one KV head lie a cache row apart, a pattern the
-/// hardware prefetcher follows poorly at this little work per key).
+/// [`scores_block`]. While a key is scored, the K row [`PREFETCH_KEYS`] keys ahead is fetched
+/// into L1 and the key's V row into L2 (whole K and V cache rows where the row asks for them,
+/// [`Row::whole_rows`]).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // index loops over register arrays mirror the lanes
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
@@ -841,11 +845,7 @@ unsafe fn softmax_factors_avx512<const H: usize>(
             s[hi] = s[hi].mul_add(ms_all[i], vs_all[i]);
         }
     }
-    core::array::from_fn(|hi| {
-        let mut s = s[hi];
-        let sink = join_sink(rows[hi].sink, m[hi], &mut s);
-        (sink, 1.0 / s)
-    })
+    finish_sums(rows, m, s)
 }
 
 /// Lanes `IMM..IMM + 16` of `fill` followed by `x`: `x` moved up by 16 - IMM lanes, the lanes
