@@ -57,7 +57,8 @@ pub struct RunArgs {
     /// constants, removes Identity/Dropout and dead nodes, and folds BatchNormalization (and
     /// constant Add/Mul) into the preceding Conv; 2 also fuses GELU, biases, residual adds and
     /// activations into the Conv/Gemm/MatMul that produces them; 3 (the default) also runs
-    /// chains of depthwise and dense convolutions (MobileNet's blocks) channels-last (f32), and
+    /// chains of depthwise and dense convolutions (MobileNet's blocks) channels-last (f32; a
+    /// large 1x1 expansion made row by row inside the depthwise convolution that reads it), and
     /// chains of 8-bit QLinearConvs and QLinearAdds (a statically quantized ResNet's blocks).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=3))]
     pub opt_level: u32,

@@ -204,7 +204,9 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             let nn = if ai(n, "transB", 0) != 0 { b0 } else { b1 };
             Some(vec![*m, *nn])
         }
-        "NhwcConv" | "NhwcQLinearConv" | "NhwcMaxPool" if n.domain == crate::passes::DOMAIN => {
+        "NhwcConv" | "NhwcExpandDepthwise" | "NhwcQLinearConv" | "NhwcMaxPool"
+            if n.domain == crate::passes::DOMAIN =>
+        {
             // X `[N, H, W, C]` -> `[N, OH, OW, M]`, the window (kh, kw) and M from the filter
             // (`[kh, kw, C/group, M]`; QLinearConv's `[M, C, kh, kw]`) or, for a pool,
             // kernel_shape and C.
@@ -212,6 +214,11 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             let (kh, kw, m) = match n.op.as_str() {
                 "NhwcConv" => {
                     let w = inp(1)?;
+                    (*w.first()?, *w.get(1)?, *w.get(3)?)
+                }
+                // The window is the depthwise filter's (input 3; the expansion's is 1x1).
+                "NhwcExpandDepthwise" => {
+                    let w = inp(3)?;
                     (*w.first()?, *w.get(1)?, *w.get(3)?)
                 }
                 "NhwcQLinearConv" => {
@@ -542,6 +549,17 @@ pub fn node_flops(n: &Node, s: &Shapes) -> Option<f64> {
         "NhwcConv" => {
             let w = inp(1)?;
             Some(2.0 * numel(out?) * w.get(..3)?.iter().map(|&d| d as f64).product::<f64>())
+        }
+        // The expansion (`[1, 1, C, M]` over every input pixel) and the depthwise filter
+        // (`[kh, kw, 1, M]`).
+        "NhwcExpandDepthwise" => {
+            let (x, w) = (inp(0)?, inp(3)?);
+            let pixels = x.get(..3)?.iter().map(|&d| d as f64).product::<f64>();
+            let taps = (*w.first()? * *w.get(1)?) as f64;
+            Some(
+                2.0 * pixels * *inp(1)?.get(2)? as f64 * *w.get(3)? as f64
+                    + 2.0 * numel(out?) * taps,
+            )
         }
         "MaxPool" | "AveragePool" => {
             let k: usize = ints(n, "kernel_shape")?

@@ -2084,6 +2084,73 @@ fn depthwise_separable_chains_run_channels_last_as_in_mobilenet() {
 }
 
 #[test]
+fn large_expansions_are_made_inside_their_depthwise_convolution() {
+    // Three inverted residual blocks, channels-last: the first two expand 8 -> 72 channels of
+    // 64 x 64 (1.2 MB, more than an L2 cache keeps: fused into NhwcExpandDepthwise, stride 1
+    // with ReLU6 and a residual, then stride 2 with Relu); the third expands to 32 x 32 x 32
+    // (131 kB) and keeps its two nodes.
+    let mut r = rng();
+    let mut inits = Vec::new();
+    inits.push(init("lo", &[], vec![0.0]));
+    inits.push(init("hi", &[], vec![6.0]));
+    let mut nodes = Vec::new();
+    let mut conv = |name: &str, io: (&str, &str), shape, geo, nodes: &mut Vec<NodeProto>| {
+        nodes.push(mobile_conv(&mut r, name, io, shape, geo, &mut inits));
+    };
+    conv("e1", ("x", "e1"), (8, 72, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("Clip", &["e1", "lo", "hi"], &["e1c"], vec![]));
+    conv("d1", ("e1c", "d1"), (72, 72, 3, 72), (1, 1, 1), &mut nodes);
+    nodes.push(node("Clip", &["d1", "lo", "hi"], &["d1c"], vec![]));
+    conv("p1", ("d1c", "p1"), (72, 8, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("Add", &["p1", "x"], &["b1"], vec![]));
+    conv("e2", ("b1", "e2"), (8, 72, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("Relu", &["e2"], &["e2r"], vec![]));
+    conv("d2", ("e2r", "d2"), (72, 72, 3, 72), (2, 1, 1), &mut nodes);
+    nodes.push(node("Relu", &["d2"], &["d2r"], vec![]));
+    conv("p2", ("d2r", "b2"), (72, 16, 1, 1), (1, 0, 1), &mut nodes);
+    conv("e3", ("b2", "e3"), (16, 32, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("Relu", &["e3"], &["e3r"], vec![]));
+    conv("d3", ("e3r", "d3"), (32, 32, 3, 32), (1, 1, 1), &mut nodes);
+    nodes.push(node("Relu", &["d3"], &["d3r"], vec![]));
+    conv("p3", ("d3r", "y"), (32, 16, 1, 1), (1, 0, 1), &mut nodes);
+    let mp = model(
+        nodes,
+        vec![f32_in("x", &[1, 8, 64, 64])],
+        vec![f32_out("y")],
+        inits,
+        17,
+    );
+    let feeds = [("x", vec![1, 8, 64, 64], randv(&mut r, 8 * 64 * 64))];
+    let (nhwc, fused) = ("com.ferrum.NhwcConv", "com.ferrum.NhwcExpandDepthwise");
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &[
+            "Transpose",
+            fused,
+            nhwc,
+            fused,
+            nhwc,
+            nhwc,
+            nhwc,
+            nhwc,
+            "Transpose",
+        ],
+        1e-5,
+    );
+    let s = session(&mp, OptLevel::All);
+    let log = &s.optimization_report().fused;
+    assert_eq!(
+        log.iter()
+            .filter(|l| l.ends_with("-> NhwcExpandDepthwise"))
+            .count(),
+        2,
+        "{log:?}"
+    );
+}
+
+#[test]
 fn a_lone_depthwise_convolution_stays_nchw() {
     // Its two transposes would move as many elements as the convolution reads.
     let mut r = rng();

@@ -1,13 +1,17 @@
 //! Channels-last convolution kernels on MobileNetV2's and ResNet's shapes (no criterion):
 //! `cargo bench -p ferrum-kernels --bench conv [-- --reps N]`. The depthwise layers (3x3, pad 1,
-//! stride 1 or 2, ReLU6 as the network fuses it) and the first layers over an image's 3 channels
-//! (`direct`, AVX-512 only), at 1 and 2 threads; GFLOP/s count 2 FLOPs per multiply-add. Each
+//! stride 1 or 2, ReLU6 as the network fuses it), the large ones also behind their 1x1
+//! expansion (the product over every pixel then the depthwise convolution, beside
+//! `expand_depthwise_nhwc`, which never holds the expanded tensor), and the first layers over an
+//! image's 3 channels (`direct`, AVX-512 only), at 1 and 2 threads; GFLOP/s count 2 FLOPs per multiply-add. Each
 //! figure: the median and the fastest of `--reps` runs (default 15) after one warm-up (the
 //! fastest is the steadier estimate on a machine shared with other work).
 
 use std::mem::MaybeUninit;
 
-use ferrum_kernels::depthwise::{depthwise_nhwc_with, Finish, Geometry};
+use ferrum_kernels::depthwise::{
+    depthwise_nhwc_with, expand_depthwise_nhwc_with, Expand, Finish, Geometry,
+};
 use ferrum_kernels::direct;
 use ferrum_kernels::gemm::{self, Act};
 
@@ -71,6 +75,57 @@ fn main() {
                 best * 1e3,
                 flops / best / 1e9
             );
+        }
+        // MobileNetV2's expansions in front of its largest depthwise layers: (input size,
+        // channels in, expanded channels, stride).
+        for (size, cin, c, s) in [(112, 16, 96, 2), (56, 24, 144, 1), (56, 24, 144, 2)] {
+            let g = geometry(size, c, 3, s);
+            let (x, we, be) = (
+                vals(size * size * cin, 4.0),
+                vals(cin * c, 5.0),
+                vals(c, 6.0),
+            );
+            let (w, b) = (vals(9 * c, 2.0), vals(c, 3.0));
+            let packed = gemm::PackedB::new(cin, c, gemm::Mat::row_major(&we, c));
+            let e = Expand {
+                cin,
+                w: gemm::Rhs::Packed(&packed),
+                bias: Some(&be),
+                act: relu6,
+            };
+            let fin = Finish {
+                bias: Some(&b),
+                residual: None,
+                act: relu6,
+            };
+            let epi = gemm::Epilogue {
+                bias: gemm::Bias::Col(&be),
+                act: relu6,
+                residual: None,
+            };
+            let mut mid = vec![0f32; size * size * c];
+            let mut out = vec![MaybeUninit::new(0f32); g.output[0] * g.output[1] * c];
+            let flops = 2.0 * (size * size * cin * c + g.output[0] * g.output[1] * c * 9) as f64;
+            let apart = time(reps, || {
+                let lhs = gemm::Lhs::Mat(gemm::Mat::row_major(&x, cin));
+                let (m, isa) = (size * size, gemm::isa());
+                gemm::gemm_ex_with(
+                    isa, threads, m, c, cin, 1.0, lhs, e.w, 0.0, &mut mid, c, &epi,
+                );
+                depthwise_nhwc_with(isa, threads, &mid, &w, 1, &g, &fin, &mut out)
+            });
+            let fused = time(reps, || {
+                expand_depthwise_nhwc_with(gemm::isa(), threads, &x, &e, &w, 1, &g, &fin, &mut out)
+            });
+            for (what, (med, best)) in [("1x1 then depthwise", apart), ("expand_depthwise", fused)]
+            {
+                println!(
+                    "| {what} | {size}x{size}x{cin} -> {c} 3x3/{s} | {threads} | {:.3} | {:.3} | {:.1} |",
+                    med * 1e3,
+                    best * 1e3,
+                    flops / best / 1e9
+                );
+            }
         }
         if !direct::worthwhile(3) {
             continue;

@@ -83,8 +83,169 @@ pub fn depthwise_nhwc_with(
         g,
         fin,
         out,
-        |img, oy, z, o| out_row(isa, img, w, g, oy, fin.bias, z, fin.act, o),
+        |img, oy, z, o| {
+            let (ky0, ky1, iy0) = tap_rows(g, oy);
+            let row = g.input[1] * c;
+            with_rows(
+                ky1 - ky0,
+                |r| &img[(iy0 + r * g.dilation[0]) * row..][..row],
+                |rows| out_row(isa, Taps { ky0, rows }, w, g, fin.bias, z, fin.act, o),
+            )
+        },
     );
+}
+
+/// The input rows an output row reads: filter row `ky0 + r` over the input row `rows[r]`
+/// (`iw * c` values: an image's row, or a row made just before).
+#[derive(Clone, Copy)]
+struct Taps<'a> {
+    ky0: usize,
+    rows: &'a [&'a [f32]],
+}
+
+/// Runs `f` on the `n` rows `at(0..n)` gathered into a slice (on the stack for up to 8 rows).
+fn with_rows<'x, R>(
+    n: usize,
+    at: impl Fn(usize) -> &'x [f32],
+    f: impl FnOnce(&[&'x [f32]]) -> R,
+) -> R {
+    if n <= 8 {
+        let mut buf: [&[f32]; 8] = [&[]; 8];
+        for (r, b) in buf.iter_mut().enumerate().take(n) {
+            *b = at(r);
+        }
+        f(&buf[..n])
+    } else {
+        f(&(0..n).map(at).collect::<Vec<_>>())
+    }
+}
+
+/// A 1x1 convolution in front of a depthwise one (MobileNet's expansion): per pixel
+/// `act(x W + bias)`, `cin` channels in, the depthwise convolution's channels out.
+#[derive(Clone, Copy)]
+pub struct Expand<'a> {
+    pub cin: usize,
+    /// W `[cin, channels]`.
+    pub w: gemm::Rhs<'a>,
+    pub bias: Option<&'a [f32]>,
+    pub act: Act,
+}
+
+/// The depthwise convolution ([`depthwise_nhwc`], geometry `g` over the expanded tensor) of the
+/// expansion `e` of `x` (`[n, ih, iw, e.cin]`), without the expanded tensor: each task makes
+/// the expanded rows its output rows read as they are first needed, one product a row, into
+/// a ring of `(kh - 1) * dh + 1` rows that stays in cache (in an inverted residual block the
+/// expanded tensor is the largest, six times the block's input). The same bits as
+/// [`gemm::gemm_ex`] over every pixel followed by [`depthwise_nhwc`]. Threads take one run of
+/// consecutive output rows each (an input row where two runs meet is expanded by both).
+pub fn expand_depthwise_nhwc(
+    x: &[f32],
+    e: &Expand,
+    w: &[f32],
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+    out: &mut [MaybeUninit<f32>],
+) {
+    expand_depthwise_nhwc_with(gemm::isa(), pool::threads(), x, e, w, n, g, fin, out)
+}
+
+/// [`expand_depthwise_nhwc`] with a chosen kernel family and at most `threads` tasks.
+#[allow(clippy::too_many_arguments)]
+pub fn expand_depthwise_nhwc_with(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    e: &Expand,
+    w: &[f32],
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+    out: &mut [MaybeUninit<f32>],
+) {
+    assert!(
+        available(isa),
+        "expand_depthwise: {isa:?} is not supported by this CPU"
+    );
+    let ([ih, iw], c, [kh, kw]) = (g.input, g.channels, g.kernel);
+    let [oh, ow] = g.output;
+    assert!(
+        g.stride.iter().chain(&g.dilation).all(|&v| v > 0) && kh > 0 && kw > 0 && e.cin > 0,
+        "expand_depthwise: zero stride, dilation, kernel or input channels in {g:?}"
+    );
+    assert!(
+        x.len() >= n * ih * iw * e.cin && w.len() >= kh * kw * c && out.len() >= n * oh * ow * c,
+        "expand_depthwise: buffers too short for {n} images of {g:?} from {} channels",
+        e.cin
+    );
+    assert!(
+        e.bias.is_none_or(|b| b.len() >= c) && fin.bias.is_none_or(|b| b.len() >= c),
+        "expand_depthwise: short bias"
+    );
+    assert!(
+        fin.residual.is_none_or(|z| z.len() >= n * oh * ow * c),
+        "expand_depthwise: short residual"
+    );
+    assert!(
+        fin.act.is_vector(),
+        "expand_depthwise: {:?} is not a vector activation",
+        fin.act
+    );
+    let len = ow * c;
+    if len == 0 || n * oh == 0 {
+        return;
+    }
+    let (d0, rl) = (g.dilation[0], iw * c);
+    let span = (kh - 1) * d0 + 1;
+    let epi = gemm::Epilogue {
+        bias: e.bias.map_or(gemm::Bias::None, gemm::Bias::Col),
+        act: e.act,
+        residual: None,
+    };
+    // Output rows first.. of the images, into `o`.
+    let run = |first: usize, o: &mut [MaybeUninit<f32>]| {
+        let mut ring = RING.with(|r| std::mem::take(&mut *r.borrow_mut()));
+        if ring.len() < span * rl {
+            ring.resize(span * rl, 0.0);
+        }
+        // Which input row (image * ih + row) each slot holds.
+        let mut held = vec![usize::MAX; span];
+        for (i, o) in o.chunks_mut(len).enumerate() {
+            let r = first + i;
+            let (img, oy) = (r / oh, r % oh);
+            let (ky0, ky1, iy0) = tap_rows(g, oy);
+            for t in 0..ky1 - ky0 {
+                let iy = iy0 + t * d0;
+                let (key, slot) = (img * ih + iy, iy % span);
+                if held[slot] != key {
+                    let src = &x[key * iw * e.cin..][..iw * e.cin];
+                    let dst = &mut ring[slot * rl..][..rl];
+                    let lhs = gemm::Lhs::Mat(gemm::Mat::row_major(src, e.cin));
+                    gemm::gemm_ex_with(isa, 1, iw, c, e.cin, 1.0, lhs, e.w, 0.0, dst, c, &epi);
+                    held[slot] = key;
+                }
+            }
+            let z = fin.residual.map(|z| &z[r * len..][..len]);
+            let at = |t: usize| &ring[(iy0 + t * d0) % span * rl..][..rl];
+            with_rows(ky1 - ky0, at, |rows| {
+                out_row(isa, Taps { ky0, rows }, w, g, fin.bias, z, fin.act, o)
+            });
+        }
+        RING.with(|r| *r.borrow_mut() = ring);
+    };
+    let rows = &mut out[..n * oh * len];
+    if threads <= 1 {
+        run(0, rows);
+    } else {
+        let per = (n * oh).div_ceil(threads);
+        pool::parallel_chunks_mut(rows, per * len, |t, o| run(t * per, o));
+    }
+}
+
+thread_local! {
+    /// The expanded rows of an [`expand_depthwise_nhwc`] task, kept by each thread that runs
+    /// one (the largest so far).
+    static RING: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Checks the buffers of a channels-last convolution of `n` images (`g`, `cout` output
@@ -183,14 +344,13 @@ fn inner_cols(g: &Geometry) -> (usize, usize) {
     (lo, hi.max(lo))
 }
 
-/// One output row, every channel, by `isa`'s kernel.
+/// One output row, every channel, by `isa`'s kernel, from the input rows `taps`.
 #[allow(clippy::too_many_arguments)]
 fn out_row(
     isa: Isa,
-    x: &[f32],
+    taps: Taps,
     w: &[f32],
     g: &Geometry,
-    oy: usize,
     bias: Option<&[f32]>,
     z: Option<&[f32]>,
     act: Act,
@@ -198,42 +358,42 @@ fn out_row(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the ISA is supported (checked by the caller); `x` holds the image, `w` the
-        // taps, `z` and `o` one output row, `bias` the channels (lengths checked by the
-        // caller), and the kernel reads and writes only inside them.
-        Isa::Avx512 => unsafe { x86::row_avx512(x, w, g, oy, bias, z, act, o) },
+        // SAFETY: the ISA is supported (checked by the caller); `taps` gives whole input
+        // rows, `w` holds the taps, `z` and `o` one output row, `bias` the channels (lengths
+        // checked by the caller), and the kernel reads and writes only inside them.
+        Isa::Avx512 => unsafe { x86::row_avx512(taps, w, g, bias, z, act, o) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 and FMA.
-        Isa::Avx2 => unsafe { x86::row_avx2(x, w, g, oy, bias, z, act, o) },
-        _ => row_portable(x, w, g, oy, bias, z, act, o),
+        Isa::Avx2 => unsafe { x86::row_avx2(taps, w, g, bias, z, act, o) },
+        _ => row_portable(taps, w, g, bias, z, act, o),
     }
 }
 
 /// [`out_row`] in plain Rust, one channel at a time.
 #[allow(clippy::too_many_arguments)]
 fn row_portable(
-    x: &[f32],
+    taps: Taps,
     w: &[f32],
     g: &Geometry,
-    oy: usize,
     bias: Option<&[f32]>,
     z: Option<&[f32]>,
     act: Act,
     o: &mut [MaybeUninit<f32>],
 ) {
     let (c, iw, [_, kw]) = (g.channels, g.input[1], g.kernel);
-    let (ky0, ky1, iy0) = tap_rows(g, oy);
+    let Taps { ky0, rows } = taps;
+    let ky1 = ky0 + rows.len();
     for ox in 0..g.output[1] {
         for ch in 0..c {
             let mut a = z.map_or(0.0, |z| z[ox * c + ch]) + bias.map_or(0.0, |b| b[ch]);
             for (r, ky) in (ky0..ky1).enumerate() {
-                let iy = iy0 + r * g.dilation[0];
+                let row = rows[r];
                 for kx in 0..kw {
                     let ix = (ox * g.stride[1] + kx * g.dilation[1]) as isize - g.pad[1] as isize;
                     if ix < 0 || ix as usize >= iw {
                         continue;
                     }
-                    a = w[(ky * kw + kx) * c + ch].mul_add(x[(iy * iw + ix as usize) * c + ch], a);
+                    a = w[(ky * kw + kx) * c + ch].mul_add(row[ix as usize * c + ch], a);
                 }
             }
             o[ox * c + ch].write(act.apply(a));
@@ -281,33 +441,33 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
-    use super::{inner_cols, tap_rows, Geometry, GROUP};
+    use super::{inner_cols, Geometry, Taps, GROUP};
     use crate::gemm::x86::{act_avx2, act_avx512};
     use crate::gemm::Act;
 
     /// [`super::out_row`] on AVX-512: 16 channels a vector (masked past the last whole one).
     ///
     /// # Safety
-    /// AVX-512F must be supported; `x` holds one image `[ih, iw, c]`, `w` at least `kh * kw *
-    /// c` taps, `bias` (when given) `c` values, `z` (when given) and `o` one output row
-    /// (`ow * c`).
+    /// AVX-512F must be supported; `taps` gives whole input rows (`iw * c` values), `w` holds
+    /// at least `kh * kw * c` taps, `bias` (when given) `c` values, `z` (when given) and `o`
+    /// one output row (`ow * c`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn row_avx512(
-        x: &[f32],
+        taps: Taps,
         w: &[f32],
         g: &Geometry,
-        oy: usize,
         bias: Option<&[f32]>,
         z: Option<&[f32]>,
         act: Act,
         o: &mut [MaybeUninit<f32>],
     ) {
         let (c, iw, [_, kw], [_, ow]) = (g.channels, g.input[1], g.kernel, g.output);
-        let (ky0, ky1, iy0) = tap_rows(g, oy);
+        let Taps { ky0, rows } = taps;
+        let ky1 = ky0 + rows.len();
         let (lo, hi) = inner_cols(g);
-        let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
-        let (s1, d0, d1, p1) = (g.stride[1], g.dilation[0], g.dilation[1], g.pad[1] as isize);
+        let (wp, op) = (w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        let (s1, d1, p1) = (g.stride[1], g.dilation[1], g.pad[1] as isize);
         // Output pixels ox..ox + np, the channels cb..cb + 16 under `m`; `inside` when every
         // tap of these pixels is inside the input.
         let block = |ox: usize, np: usize, cb: usize, m: __mmask16, inside: bool| {
@@ -326,7 +486,7 @@ mod x86 {
                 };
             }
             for (r, ky) in (ky0..ky1).enumerate() {
-                let row = xp.add((iy0 + r * d0) * iw * c + cb);
+                let row = rows[r].as_ptr().add(cb);
                 for kx in 0..kw {
                     let wv = _mm512_maskz_loadu_ps(m, wp.add((ky * kw + kx) * c + cb));
                     let ix0 = (ox * s1 + kx * d1) as isize - p1;
@@ -372,9 +532,9 @@ mod x86 {
                         m: mask(cb),
                     };
                     if s1 == 1 {
-                        wide3::<1>(x, w, g, oy, bias, z, act, o, run);
+                        wide3::<1>(taps, w, g, bias, z, act, o, run);
                     } else {
-                        wide3::<2>(x, w, g, oy, bias, z, act, o, run);
+                        wide3::<2>(taps, w, g, bias, z, act, o, run);
                     }
                 }
                 ox += WIDE;
@@ -416,23 +576,23 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     #[allow(clippy::too_many_arguments)]
     unsafe fn wide3<const S: usize>(
-        x: &[f32],
+        taps: Taps,
         w: &[f32],
         g: &Geometry,
-        oy: usize,
         bias: Option<&[f32]>,
         z: Option<&[f32]>,
         act: Act,
         o: &mut [MaybeUninit<f32>],
         Run { ox, cb, m }: Run,
     ) {
-        let (c, iw) = (g.channels, g.input[1]);
-        let (ky0, ky1, iy0) = tap_rows(g, oy);
-        let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        let c = g.channels;
+        let Taps { ky0, rows } = taps;
+        let ky1 = ky0 + rows.len();
+        let (wp, op) = (w.as_ptr(), o.as_mut_ptr() as *mut f32);
         let mut acc = [_mm512_setzero_ps(); WIDE];
         // SAFETY (all pointer reads and writes below): channels under the mask, pixels inside
-        // the output row, input columns inside the row's interior (caller's contract), input
-        // rows from `tap_rows`.
+        // the output row, input columns inside the row's interior (caller's contract), whole
+        // input rows from `taps`.
         unsafe {
             let b = match bias {
                 Some(b) => _mm512_maskz_loadu_ps(m, b.as_ptr().add(cb)),
@@ -448,8 +608,7 @@ mod x86 {
                 };
             }
             for (r, ky) in (ky0..ky1).enumerate() {
-                let row = xp.add((iy0 + r * g.dilation[0]) * iw * c + cb);
-                let at = row.add((ox * S - g.pad[1]) * c);
+                let at = rows[r].as_ptr().add(cb + (ox * S - g.pad[1]) * c);
                 let wt: [__m512; 3] = core::array::from_fn(|kx| {
                     _mm512_maskz_loadu_ps(m, wp.add((ky * 3 + kx) * c + cb))
                 });
@@ -476,20 +635,20 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn row_avx2(
-        x: &[f32],
+        taps: Taps,
         w: &[f32],
         g: &Geometry,
-        oy: usize,
         bias: Option<&[f32]>,
         z: Option<&[f32]>,
         act: Act,
         o: &mut [MaybeUninit<f32>],
     ) {
         let (c, iw, [_, kw], [_, ow]) = (g.channels, g.input[1], g.kernel, g.output);
-        let (ky0, ky1, iy0) = tap_rows(g, oy);
+        let Taps { ky0, rows } = taps;
+        let ky1 = ky0 + rows.len();
         let (lo, hi) = inner_cols(g);
-        let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
-        let (s1, d0, d1, p1) = (g.stride[1], g.dilation[0], g.dilation[1], g.pad[1] as isize);
+        let (wp, op) = (w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        let (s1, d1, p1) = (g.stride[1], g.dilation[1], g.pad[1] as isize);
         let block = |ox: usize, np: usize, cb: usize, m: __m256i, inside: bool| {
             let mut acc = [_mm256_setzero_ps(); GROUP];
             let b = match bias {
@@ -505,7 +664,7 @@ mod x86 {
                 };
             }
             for (r, ky) in (ky0..ky1).enumerate() {
-                let row = xp.add((iy0 + r * d0) * iw * c + cb);
+                let row = rows[r].as_ptr().add(cb);
                 for kx in 0..kw {
                     let wv = _mm256_maskload_ps(wp.add((ky * kw + kx) * c + cb), m);
                     let ix0 = (ox * s1 + kx * d1) as isize - p1;
@@ -550,6 +709,93 @@ mod x86 {
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// The expansion fused in front of the depthwise convolution gives the same bits as the
+    /// product over every pixel followed by the depthwise convolution, for every kernel family
+    /// and 1-3 threads, on fresh random shapes (kernels 1-4, strides 1-3, dilations 1-2,
+    /// padding, 1-2 images, expansion biases and activations, a packed or plain W). The output
+    /// starts as NaN, so an element left unwritten fails (NaN never equals).
+    #[test]
+    fn expanded_rows_made_on_the_way_give_the_same_bits() {
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for case in 0..40 {
+            let (cin, c) = (rng.gen_range(1..20), rng.gen_range(1..40));
+            let k = [rng.gen_range(1..5), [3, rng.gen_range(1..5)][case % 2]];
+            let s = [rng.gen_range(1..4), rng.gen_range(1..3)];
+            let d = [rng.gen_range(1..3), 1];
+            let pad = [rng.gen_range(0..3), rng.gen_range(0..3)];
+            let input = [rng.gen_range(1..14), rng.gen_range(1..40)];
+            let ext = |i: usize| (k[i] - 1) * d[i] + 1;
+            if (0..2).any(|i| input[i] + 2 * pad[i] < ext(i)) {
+                continue;
+            }
+            let output = [
+                (input[0] + 2 * pad[0] - ext(0)) / s[0] + 1,
+                (input[1] + 2 * pad[1] - ext(1)) / s[1] + 1,
+            ];
+            let n = rng.gen_range(1..3);
+            let g = Geometry {
+                input,
+                channels: c,
+                kernel: k,
+                stride: s,
+                dilation: d,
+                pad,
+                output,
+            };
+            let mut rand_vec = |len: usize| -> Vec<f32> {
+                (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+            };
+            let x = rand_vec(n * input[0] * input[1] * cin);
+            let we = rand_vec(cin * c);
+            let (be, w, b) = (rand_vec(c), rand_vec(k[0] * k[1] * c), rand_vec(c));
+            let z = rand_vec(n * output[0] * output[1] * c);
+            let packed = gemm::PackedB::new(cin, c, gemm::Mat::row_major(&we, c));
+            let e = Expand {
+                cin,
+                w: if case % 3 == 0 {
+                    gemm::Rhs::Mat(gemm::Mat::row_major(&we, c))
+                } else {
+                    gemm::Rhs::Packed(&packed)
+                },
+                bias: (case % 4 != 0).then_some(&be[..]),
+                act: [Act::Identity, Act::Relu, Act::Clip { lo: 0.0, hi: 6.0 }][case % 3],
+            };
+            let fin = Finish {
+                bias: (case % 2 == 0).then_some(&b[..]),
+                residual: (case % 5 == 0).then_some(&z[..]),
+                act: [Act::Relu, Act::Identity][case % 2],
+            };
+            let pixels = n * input[0] * input[1];
+            for isa in gemm::available_isas() {
+                let mut mid = vec![0f32; pixels * c];
+                let epi = gemm::Epilogue {
+                    bias: e.bias.map_or(gemm::Bias::None, gemm::Bias::Col),
+                    act: e.act,
+                    residual: None,
+                };
+                let lhs = gemm::Lhs::Mat(gemm::Mat::row_major(&x, cin));
+                gemm::gemm_ex_with(
+                    isa, 1, pixels, c, cin, 1.0, lhs, e.w, 0.0, &mut mid, c, &epi,
+                );
+                let mut want = vec![MaybeUninit::new(f32::NAN); n * output[0] * output[1] * c];
+                depthwise_nhwc_with(isa, 1, &mid, &w, n, &g, &fin, &mut want);
+                for threads in 1..4 {
+                    let mut out = vec![MaybeUninit::new(f32::NAN); want.len()];
+                    expand_depthwise_nhwc_with(isa, threads, &x, &e, &w, n, &g, &fin, &mut out);
+                    for (i, (o, w)) in out.iter().zip(&want).enumerate() {
+                        // SAFETY: both initialised above (NaN), then overwritten by the kernels.
+                        let (got, exp) = unsafe { (o.assume_init(), w.assume_init()) };
+                        assert!(
+                            got.to_bits() == exp.to_bits() && !got.is_nan(),
+                            "seed {seed} case {case} {isa:?} {threads}t {g:?} n {n} cin {cin} at {i}: {got} vs {exp}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     /// Every kernel family against the f64 reference on fresh random shapes: channels below,
     /// at and past whole vectors, kernels 1-5, strides 1-3, dilations 1-2, paddings 0-3 on

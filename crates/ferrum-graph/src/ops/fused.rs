@@ -39,14 +39,21 @@ pub enum Act {
 impl Act {
     /// The activation named by a fused node's `activation` / `activation_params` attributes.
     pub fn from_node(cx: &Ctx) -> Result<Act> {
-        let p = cx.afloats_vec("activation_params").unwrap_or_default();
+        Act::from_attrs(cx, "activation")
+    }
+
+    /// The activation named by a node's attributes `name` and `{name}_params`.
+    pub fn from_attrs(cx: &Ctx, name: &str) -> Result<Act> {
+        let p = cx
+            .afloats_vec(&format!("{name}_params"))
+            .unwrap_or_default();
         let p = |i: usize| -> Result<f32> {
             match p.get(i) {
                 Some(v) => Ok(*v as f32),
-                None => kbail!("activation_params has no value #{i}"),
+                None => kbail!("{name}_params has no value #{i}"),
             }
         };
-        Ok(match cx.astr("activation", "Identity").as_str() {
+        Ok(match cx.astr(name, "Identity").as_str() {
             "Identity" => Act::Identity,
             "Relu" => Act::Relu,
             "Clip" => Act::Clip(p(0)?, p(1)?),
@@ -225,6 +232,7 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
     let t = match cx.node.op.as_str() {
         "FusedConv" => crate::ops::conv::conv_fused(cx, Epi { z: cx.opt(3), act })?,
         "NhwcConv" => crate::ops::nhwc::conv(cx, act)?,
+        "NhwcExpandDepthwise" => crate::ops::nhwc::expand_depthwise(cx, act)?,
         "FusedGemm" => crate::ops::nn::gemm_act(cx, act)?,
         "FusedMatMul" => {
             let (a, b) = (cx.t(0)?, cx.t(1)?);

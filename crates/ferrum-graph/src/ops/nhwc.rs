@@ -163,6 +163,111 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
     rest.finish(Tensor::from_vec(shape, out)?)
 }
 
+/// Runs `NhwcExpandDepthwise` (made by the layout pass for an inverted residual block): a 1x1
+/// `NhwcConv` and the depthwise `NhwcConv` that alone reads its output, as one node. Inputs X
+/// `[N, H, W, C]`, the expansion's W `[1, 1, C, M]` and optional bias `[M]`, the depthwise
+/// filter `[kh, kw, 1, M]` and optional bias `[M]`, an optional residual `[N, OH, OW, M]`; the
+/// depthwise convolution's attributes (`group` = M, `strides`, `pads`, `dilations`,
+/// `activation`: `act`) and the expansion's activation (`expand_activation`, a vector one).
+/// The expanded tensor is made a few rows at a time as the depthwise convolution reads it
+/// ([`depthwise::expand_depthwise_nhwc`]): the same values as the two nodes.
+pub fn expand_depthwise(cx: &Ctx, act: Act) -> Result<Tensor> {
+    let (x, we, wd) = (cx.t(0)?, cx.t(1)?, cx.t(3)?);
+    if [x, we, wd]
+        .iter()
+        .any(|t| t.dtype() != DType::F32 || t.rank() != 4)
+    {
+        return Err(unsupported(format!(
+            "NhwcExpandDepthwise takes float32 X and filters of rank 4, got {} {:?}, {} {:?} and {} {:?}",
+            x.dtype(),
+            x.shape(),
+            we.dtype(),
+            we.shape(),
+            wd.dtype(),
+            wd.shape()
+        )));
+    }
+    let [n, ih, iw, cin] = [x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]];
+    let [kh, kw, one, m] = [wd.shape()[0], wd.shape()[1], wd.shape()[2], wd.shape()[3]];
+    let group = cx.ai("group", 1).max(1) as usize;
+    if we.shape() != [1, 1, cin, m] || one != 1 || group != m || kh == 0 || kw == 0 {
+        kbail!(
+            "NhwcExpandDepthwise: input {:?}, filters {:?} and {:?} and group {group} disagree",
+            x.shape(),
+            we.shape(),
+            wd.shape()
+        );
+    }
+    let (e_act, e_after) = crate::ops::linear::split_act(Act::from_attrs(cx, "expand_activation")?);
+    if e_after != Act::Identity {
+        return Err(unsupported(format!(
+            "NhwcExpandDepthwise with the expansion's activation {e_after:?} (a vector one only)"
+        )));
+    }
+    let geo = crate::ops::conv::geom(cx, &[ih, iw], &[kh, kw], false)?;
+    let (oh, ow) = (geo.outs[0], geo.outs[1]);
+    let shape = vec![n, oh, ow, m];
+    let bias = |i: usize| -> Result<Option<&[f32]>> {
+        match cx.opt(i) {
+            Some(b) if b.dtype() == DType::F32 && b.len() == m => Ok(Some(b.as_slice::<f32>()?)),
+            Some(b) => kbail!(
+                "NhwcExpandDepthwise: bias #{i} must be float32 with {m} values, got {} {:?}",
+                b.dtype(),
+                b.shape()
+            ),
+            None => Ok(None),
+        }
+    };
+    let epi = Epi { z: cx.opt(5), act };
+    let z = epi.z_exact(&shape);
+    if epi.z.is_some() && z.is_none() {
+        kbail!("NhwcExpandDepthwise: the residual must be float32 of shape {shape:?}");
+    }
+    let g = depthwise::Geometry {
+        input: [ih, iw],
+        channels: m,
+        kernel: [kh, kw],
+        stride: [geo.s[0], geo.s[1]],
+        dilation: [geo.d[0], geo.d[1]],
+        pad: [geo.pad_begin[0], geo.pad_begin[1]],
+        output: [oh, ow],
+    };
+    let wev = we.as_slice::<f32>()?;
+    let e = depthwise::Expand {
+        cin,
+        w: match cx.packed_b(1, crate::passes::Role::B) {
+            Some(p) if p.k() == cin && p.n() == m => Rhs::Packed(p),
+            _ => Rhs::Mat(Mat::row_major(wev, m)),
+        },
+        bias: bias(2)?,
+        act: e_act,
+    };
+    let (in_kernel, after) = crate::ops::linear::split_act(act);
+    let fin = depthwise::Finish {
+        bias: bias(4)?,
+        residual: z,
+        act: in_kernel,
+    };
+    let rows = n * oh * ow;
+    if rows == 0 || m == 0 {
+        return Tensor::from_vec(shape, Vec::<f32>::new());
+    }
+    if cin == 0 {
+        return Err(unsupported(
+            "NhwcExpandDepthwise of an input with no channels",
+        ));
+    }
+    let (xv, wdv) = (x.as_slice::<f32>()?, wd.as_slice::<f32>()?);
+    let out = fast::filled(rows * m, |o| {
+        depthwise::expand_depthwise_nhwc(xv, &e, wdv, n, &g, &fin, o)
+    });
+    Epi {
+        z: None,
+        act: after,
+    }
+    .finish(Tensor::from_vec(shape, out)?)
+}
+
 thread_local! {
     /// A dense [`conv`]'s patch matrix, kept by each thread that runs one (the largest so far).
     static COL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };

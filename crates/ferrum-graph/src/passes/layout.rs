@@ -11,7 +11,9 @@
 //! where a value enters the region and one where a value leaves it (read outside, or a graph
 //! output). A region is changed only when it holds a depthwise convolution and its boundary transposes move at most a quarter of
 //! the elements its depthwise convolutions read, so networks without depthwise convolutions
-//! (ResNet) are left alone. Needs static shapes. `FERRUM_NO_NHWC=1` turns the pass off.
+//! (ResNet) are left alone. Needs static shapes. `FERRUM_NO_NHWC=1` turns the pass off. Then a
+//! 1x1 expansion too large for the cache and the depthwise convolution that alone reads it
+//! become one node that never holds the expanded tensor ([`expand_depthwise`]).
 
 use std::collections::{HashMap, HashSet};
 
@@ -387,6 +389,116 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
         ));
     }
     moved
+}
+
+/// Expanded tensors at least this large (bytes) are not kept: an expansion of this size
+/// outgrows a core's L2 cache (1-2 MiB), so writing it and reading it back in the depthwise
+/// convolution goes to L3 or memory.
+const EXPAND_MIN_BYTES: usize = 1 << 20;
+
+/// Inverted residual blocks (level 3, after [`channels_last`]): a 1x1 `NhwcConv` (stride 1,
+/// no padding, no residual, a vector activation) whose output only a depthwise `NhwcConv`
+/// reads, where that output takes at least [`EXPAND_MIN_BYTES`], becomes one
+/// `NhwcExpandDepthwise` node that makes the expanded rows as the depthwise convolution needs
+/// them ([`crate::ops::nhwc::expand_depthwise`]). Returns the number of pairs fused.
+pub fn expand_depthwise(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let shapes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| static_shapes(model)))
+        .unwrap_or_default();
+    let g = &model.graph;
+    let uses = Uses::of(g);
+    let nhwc = |n: &Node| n.domain == DOMAIN && n.op == "NhwcConv";
+    let filter = |n: &Node| {
+        let w = constant(g, n.inputs.get(1).copied().flatten()?)?;
+        (w.dtype() == DType::F32 && w.rank() == 4).then(|| w.shape().to_vec())
+    };
+    let zeros = |n: &Node, name: &str| ints(n, name).is_none_or(|v| v.iter().all(|&x| x == 0));
+    let ones = |n: &Node, name: &str| ints(n, name).is_none_or(|v| v.iter().all(|&x| x == 1));
+    let vector_act = |n: &Node| match n.attrs.get("activation") {
+        None => true,
+        Some(Attr::Str(a)) => [&b"Identity"[..], b"Relu", b"Clip", b"LeakyRelu"].contains(&&a[..]),
+        _ => false,
+    };
+    // (expansion, depthwise) node pairs.
+    let mut pairs: Vec<(usize, usize)> = Vec::new();
+    for (j, n) in g.nodes.iter().enumerate() {
+        let Some(wd) = filter(n).filter(|_| nhwc(n)) else {
+            continue;
+        };
+        let Some(mid) = n.inputs.first().copied().flatten() else {
+            continue;
+        };
+        let m = wd[3];
+        if wd[2] != 1 || attr_i(n, "group", 1) != m as i64 || uses.sole_reader(mid) != Some(j) {
+            continue;
+        }
+        let Some(&i) = uses.producer.get(&mid) else {
+            continue;
+        };
+        let e = &g.nodes[i];
+        let Some(we) = filter(e).filter(|_| nhwc(e)) else {
+            continue;
+        };
+        let bytes = shapes
+            .get(Some(mid))
+            .map_or(0, |s| s.iter().product::<usize>() * 4);
+        let fits = we[..2] == [1, 1]
+            && we[3] == m
+            && attr_i(e, "group", 1) == 1
+            && ones(e, "strides")
+            && zeros(e, "pads")
+            && e.inputs.len() <= 3
+            && e.outputs.len() == 1
+            && vector_act(e)
+            && bytes >= EXPAND_MIN_BYTES;
+        if fits {
+            pairs.push((i, j));
+        }
+    }
+    if pairs.is_empty() {
+        return 0;
+    }
+    let expansions: HashSet<usize> = pairs.iter().map(|&(i, _)| i).collect();
+    let by_dw: HashMap<usize, usize> = pairs.iter().map(|&(i, j)| (j, i)).collect();
+    let nodes = std::mem::take(&mut model.graph.nodes);
+    let mut out_nodes = Vec::with_capacity(nodes.len());
+    for (j, n) in nodes.iter().enumerate() {
+        if expansions.contains(&j) {
+            continue;
+        }
+        let Some(&i) = by_dw.get(&j) else {
+            out_nodes.push(n.clone());
+            continue;
+        };
+        let e = &nodes[i];
+        let mut attrs = n.attrs.clone();
+        for (from, to) in [
+            ("activation", "expand_activation"),
+            ("activation_params", "expand_activation_params"),
+        ] {
+            attrs.remove(to);
+            if let Some(a) = e.attrs.get(from) {
+                attrs.insert(to.into(), a.clone());
+            }
+        }
+        let at = |n: &Node, k: usize| n.inputs.get(k).copied().flatten();
+        let mut inputs = vec![at(e, 0), at(e, 1), at(e, 2), at(n, 1), at(n, 2)];
+        if let Some(z) = at(n, 3) {
+            inputs.push(Some(z));
+        }
+        log.push(format!("{} + {} -> NhwcExpandDepthwise", e.name, n.name));
+        out_nodes.push(Node {
+            name: n.name.clone(),
+            op: "NhwcExpandDepthwise".into(),
+            domain: DOMAIN.into(),
+            opset: 1,
+            inputs,
+            outputs: n.outputs.clone(),
+            attrs,
+            implicit_inputs: vec![],
+        });
+    }
+    model.graph.nodes = out_nodes;
+    pairs.len()
 }
 
 /// A node of an 8-bit channels-last region: a QLinearConv the channels-last kernel takes, or a

@@ -197,9 +197,13 @@ pub fn prepack(g: &mut Graph, precision: Precision, shapes: &Shapes) -> usize {
                     )
                 })
             }
-            // A channels-last 1x1 filter (`[1, 1, C, M]`): the B of `X[N*H*W, C] W`.
-            ("NhwcConv", _, true)
-                if s.len() == 4 && s[0] == 1 && s[1] == 1 && int_attr("group", 1) == 1 =>
+            // A channels-last 1x1 filter (`[1, 1, C, M]`): the B of `X[N*H*W, C] W`; also an
+            // expansion in front of a depthwise convolution (input 1 of NhwcExpandDepthwise).
+            ("NhwcConv" | "NhwcExpandDepthwise", _, true)
+                if s.len() == 4
+                    && s[0] == 1
+                    && s[1] == 1
+                    && (n.op == "NhwcExpandDepthwise" || int_attr("group", 1) == 1) =>
             {
                 let (k, nn) = (s[2], s[3]);
                 (k > 0 && nn > 0).then(|| {
