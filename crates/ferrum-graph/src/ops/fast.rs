@@ -92,6 +92,10 @@ const PAR_MIN: usize = 1 << 15;
 /// pool costs more than they take below this.
 const PAR_MIN_CHEAP: usize = 1 << 18;
 
+/// Elements from which a strided move (a transpose's tiles, about half a nanosecond an
+/// element) is spread over the pool: a job's start costs a few microseconds.
+const PAR_MIN_MOVE: usize = 1 << 14;
+
 /// Runs `f(first, part)` over `out` cut into parts of whole rows of `row` elements (`first`: the
 /// index of the part's first row), the parts (at least `min` elements each) spread over the
 /// pool's threads when `out` holds two or more of them.
@@ -341,34 +345,41 @@ pub fn transpose_f32(x: &Tensor, perm: &[usize]) -> Result<Tensor> {
         .expect("an input dim of stride 1");
     let ost = crate::ops::shape::strides(&cs);
     let (a_len, b_len, ls, ok) = (cs[k], cs[r - 1], cst[r - 1], ost[k]);
-    // One 2-D block: out[a * ok + b] = x[off + a + b * ls].
-    let block = |off: usize, o: &mut [MaybeUninit<f32>]| {
-        for a0 in (0..a_len).step_by(16) {
-            let an = 16.min(a_len - a0);
+    // Rows a0..a0 + na of one 2-D block: o[(a - a0) * ok + b] = x[off + a + b * ls].
+    let block = |off: usize, a0: usize, na: usize, o: &mut [MaybeUninit<f32>]| {
+        for t in (0..na).step_by(16) {
+            let an = 16.min(na - t);
             for b in 0..b_len {
-                let src = &xv[off + a0 + b * ls..][..an];
+                let src = &xv[off + a0 + t + b * ls..][..an];
                 for (i, &v) in src.iter().enumerate() {
-                    o[(a0 + i) * ok + b].write(v);
+                    o[(t + i) * ok + b].write(v);
                 }
             }
         }
     };
     // The other dims: an odometer over them, each step one block.
     let outer: Vec<usize> = (0..r - 1).filter(|&d| d != k).collect();
+    let block_offset = |mut rem: usize| {
+        let mut off = 0;
+        for &d in outer.iter().rev() {
+            off += (rem % cs[d]) * cst[d];
+            rem /= cs[d];
+        }
+        off
+    };
     // Every element lies in one block, and a block writes all of its elements.
     let out = filled(n, |out| {
         if k == r - 2 {
-            // Each block is a contiguous part of the output: spread them over the pool.
-            let bl = a_len * b_len;
-            par_rows(out, bl, PAR_MIN_CHEAP, |first, part| {
-                for (j, o) in part.chunks_mut(bl).enumerate() {
-                    let mut rem = first + j;
-                    let mut off = 0;
-                    for &d in outer.iter().rev() {
-                        off += (rem % cs[d]) * cst[d];
-                        rem /= cs[d];
-                    }
-                    block(off, o);
+            // Output rows of `b_len` (row `block * a_len + a`), spread over the pool in runs
+            // that may cut a block (an NCHW image of 3 channels turned NHWC is one block).
+            par_rows(out, b_len, PAR_MIN_MOVE, |first, part| {
+                let (mut row, mut rest) = (first, part);
+                while !rest.is_empty() {
+                    let (blk, a0) = (row / a_len, row % a_len);
+                    let na = (a_len - a0).min(rest.len() / b_len);
+                    let (o, tail) = rest.split_at_mut(na * b_len);
+                    block(block_offset(blk), a0, na, o);
+                    (row, rest) = (row + na, tail);
                 }
             });
         } else {
@@ -382,7 +393,7 @@ pub fn transpose_f32(x: &Tensor, perm: &[usize]) -> Result<Tensor> {
                     ooff += i * ost[d];
                 }
                 let end = ooff + (a_len - 1) * ok + b_len;
-                block(off, &mut out[ooff..end]);
+                block(off, 0, a_len, &mut out[ooff..end]);
             }
         }
     });
@@ -609,13 +620,25 @@ mod tests {
     #[test]
     fn transpose_f32_matches_reference() {
         let mut r = rng(13);
-        for _ in 0..400 {
-            let rank = 1 + (r() * 5.0) as usize;
-            let shape: Vec<usize> = (0..rank).map(|_| 1 + (r() * 7.0) as usize).collect();
-            let mut perm: Vec<usize> = (0..rank).collect();
-            for i in (1..rank).rev() {
-                perm.swap(i, (r() * (i as f64 + 1.0)) as usize);
-            }
+        // Random shapes and permutations, then images of 3 channels turned channels-last and
+        // back, large enough that the pool's tasks cut the 2-D blocks.
+        let big = [
+            (vec![2, 3, 83, 97], vec![0, 2, 3, 1]),
+            (vec![2, 83, 97, 3], vec![0, 3, 1, 2]),
+        ];
+        for case in 0..400 + big.len() {
+            let (shape, perm) = if case < 400 {
+                let rank = 1 + (r() * 5.0) as usize;
+                let shape: Vec<usize> = (0..rank).map(|_| 1 + (r() * 7.0) as usize).collect();
+                let mut perm: Vec<usize> = (0..rank).collect();
+                for i in (1..rank).rev() {
+                    perm.swap(i, (r() * (i as f64 + 1.0)) as usize);
+                }
+                (shape, perm)
+            } else {
+                big[case - 400].clone()
+            };
+            let rank = shape.len();
             let n: usize = shape.iter().product();
             let xv: Vec<f32> = (0..n).map(|i| i as f32).collect();
             let x = Tensor::from_vec(shape.clone(), xv).unwrap();
@@ -889,6 +912,26 @@ mod tests {
             });
             println!("transpose {perm:?}: {new:.1} us (row gather {old:.1} us)");
         }
+        // MobileNet's channels-last boundaries: the image in, the last feature map out.
+        let image = Tensor::from_vec(vec![1, 3, 224, 224], vec![0.5f32; 3 * 224 * 224]).unwrap();
+        let map = Tensor::from_vec(vec![1, 7, 7, 1280], vec![0.5f32; 49 * 1280]).unwrap();
+        for threads in [1, 2] {
+            pool::set_threads(Some(threads));
+            for (x, perm) in [(&image, [0, 2, 3, 1]), (&map, [0, 3, 1, 2])] {
+                let mut best = f64::MAX;
+                for _ in 0..200 {
+                    let t = std::time::Instant::now();
+                    std::hint::black_box(transpose_f32(x, &perm).unwrap());
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                println!(
+                    "transpose {:?} {perm:?}, {threads} threads: {:.1} us",
+                    x.shape(),
+                    best * 1e6
+                );
+            }
+        }
+        pool::set_threads(None);
     }
 
     /// The fast paths at 1 and 2 threads on BERT / ViT shapes (`--ignored --nocapture`).
