@@ -207,10 +207,16 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
         "NhwcConv" | "NhwcExpandDepthwise" | "NhwcQLinearConv" | "NhwcMaxPool"
             if n.domain == crate::passes::DOMAIN =>
         {
-            // X `[N, H, W, C]` -> `[N, OH, OW, M]`, the window (kh, kw) and M from the filter
-            // (`[kh, kw, C/group, M]`; QLinearConv's `[M, C, kh, kw]`) or, for a pool,
-            // kernel_shape and C.
+            // X `[N, H, W, C]` (an NhwcConv's `[N, C, H, W]` with `nchw_input`) -> `[N, OH,
+            // OW, M]`, the window (kh, kw) and M from the filter (`[kh, kw, C/group, M]`;
+            // QLinearConv's `[M, C, kh, kw]`) or, for a pool, kernel_shape and C.
             let x = x?;
+            // The spatial dims.
+            let hw = if n.op == "NhwcConv" && ai(n, "nchw_input", 0) != 0 {
+                2
+            } else {
+                1
+            };
             let (kh, kw, m) = match n.op.as_str() {
                 "NhwcConv" => {
                     let w = inp(1)?;
@@ -251,7 +257,7 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
                     usize::try_from(pads[i + 2]).ok()?,
                 );
                 let ek = (k - 1).checked_mul(d)? + 1;
-                out.push((x[i + 1].checked_add(p0 + p1)?).checked_sub(ek)? / s.max(1) + 1);
+                out.push((x.get(i + hw)?.checked_add(p0 + p1)?).checked_sub(ek)? / s.max(1) + 1);
             }
             out.push(m);
             Some(out)

@@ -144,16 +144,22 @@ fn main() {
                 act: relu6,
             };
             let mut out = vec![MaybeUninit::new(0f32); g.output[0] * g.output[1] * cout];
-            let (med, best) = time(reps, || {
-                direct::dense_nhwc_with(threads, &x, &w, cout, 1, &g, &fin, &mut out)
-            });
             let flops = 2.0 * (g.output[0] * g.output[1] * cout * k * k * 3) as f64;
-            println!(
-                "| direct | 224x224x3 {k}x{k}/2 -> {cout} | {threads} | {:.3} | {:.3} | {:.1} |",
-                med * 1e3,
-                best * 1e3,
-                flops / best / 1e9
-            );
+            // The image channels-last, then as the three planes it enters the network as.
+            for (input, what) in [
+                (direct::Input::Nhwc, ""),
+                (direct::Input::Nchw, " (planes)"),
+            ] {
+                let (med, best) = time(reps, || {
+                    direct::dense_with(threads, input, &x, &w, cout, 1, &g, &fin, &mut out)
+                });
+                println!(
+                    "| direct | 224x224x3{what} {k}x{k}/2 -> {cout} | {threads} | {:.3} | {:.3} | {:.1} |",
+                    med * 1e3,
+                    best * 1e3,
+                    flops / best / 1e9
+                );
+            }
         }
     }
 }

@@ -50,11 +50,51 @@ pub fn dense_nhwc_with(
     fin: &Finish,
     out: &mut [MaybeUninit<f32>],
 ) {
+    dense_with(threads, Input::Nhwc, x, w, cout, n, g, fin, out)
+}
+
+/// How the input images lie in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// `[n, ih, iw, cin]`.
+    Nhwc,
+    /// `[n, cin, ih, iw]` (planes: an image as it enters a network), read where it lies: the
+    /// same products in the same order as over its channels-last copy.
+    Nchw,
+}
+
+/// [`dense_nhwc_with`] over input images laid out as `input` says (the output channels-last).
+#[allow(clippy::too_many_arguments)]
+pub fn dense_with(
+    threads: usize,
+    input: Input,
+    x: &[f32],
+    w: &[f32],
+    cout: usize,
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+    out: &mut [MaybeUninit<f32>],
+) {
     assert!(
         gemm::available_isas().contains(&Isa::Avx512),
         "direct: needs AVX-512"
     );
     let wlen = g.kernel[0] * g.kernel[1] * g.channels * cout;
+    let ([ih, iw], cin) = (g.input, g.channels);
+    // Element (iy, ix, ci) of an image at iy * row + ix * pixel + ci * channel.
+    let st = match input {
+        Input::Nhwc => Strides {
+            row: iw * cin,
+            pixel: cin,
+            channel: 1,
+        },
+        Input::Nchw => Strides {
+            row: iw,
+            pixel: 1,
+            channel: ih * iw,
+        },
+    };
     for_each_row(
         "direct",
         threads,
@@ -71,12 +111,20 @@ pub fn dense_nhwc_with(
             // `z` and `o` one output row, the bias `cout` values (lengths checked by
             // `for_each_row`).
             unsafe {
-                x86::row(img, w, cout, g, oy, fin.bias, z, fin.act, o)
+                x86::row(img, st, w, cout, g, oy, fin.bias, z, fin.act, o)
             };
             #[cfg(not(target_arch = "x86_64"))]
-            let _ = (img, oy, z, o);
+            let _ = (img, oy, z, o, st);
         },
     );
+}
+
+/// Where an image's elements lie: element (iy, ix, ci) at `iy * row + ix * pixel + ci * channel`.
+#[derive(Clone, Copy, Debug)]
+struct Strides {
+    row: usize,
+    pixel: usize,
+    channel: usize,
 }
 
 /// The f64 reference of [`dense_nhwc`] (zero padding, every tap), before the activation and
@@ -127,6 +175,7 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
+    use super::Strides;
     use crate::depthwise::Geometry;
     use crate::gemm::x86::act_avx512;
     use crate::gemm::Act;
@@ -142,12 +191,14 @@ mod x86 {
     /// One output row (every pixel and output channel).
     ///
     /// # Safety
-    /// AVX-512F must be supported; `x` one image `[ih, iw, cin]`, `w` `kh * kw * cin * cout`
+    /// AVX-512F must be supported; `x` one image (`ih * iw * cin` values laid out as `st`
+    /// says), `w` `kh * kw * cin * cout`
     /// values, `bias` (when given) `cout`, `z` (when given) and `o` `ow * cout`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn row(
         x: &[f32],
+        st: Strides,
         w: &[f32],
         cout: usize,
         g: &Geometry,
@@ -176,17 +227,17 @@ mod x86 {
                     // tap of theirs lies inside the input row.
                     unsafe {
                         match (cout - mb).div_ceil(16) {
-                            1 => wide::<1, WIDE>(x, w, cout, g, oy, ox, mb, bias, z, act, o),
-                            2 => wide::<2, WIDE>(x, w, cout, g, oy, ox, mb, bias, z, act, o),
+                            1 => wide::<1, WIDE>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o),
+                            2 => wide::<2, WIDE>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o),
                             3 => {
-                                wide::<3, HALF>(x, w, cout, g, oy, ox, mb, bias, z, act, o);
+                                wide::<3, HALF>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o);
                                 let ox = ox + HALF;
-                                wide::<3, HALF>(x, w, cout, g, oy, ox, mb, bias, z, act, o);
+                                wide::<3, HALF>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o);
                             }
                             _ => {
-                                wide::<4, HALF>(x, w, cout, g, oy, ox, mb, bias, z, act, o);
+                                wide::<4, HALF>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o);
                                 let ox = ox + HALF;
-                                wide::<4, HALF>(x, w, cout, g, oy, ox, mb, bias, z, act, o);
+                                wide::<4, HALF>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o);
                             }
                         }
                     }
@@ -203,10 +254,10 @@ mod x86 {
                 // this row.
                 unsafe {
                     match left {
-                        1 => block::<1>(x, w, cout, g, oy, ox, np, mb, bias, z, act, o),
-                        2 => block::<2>(x, w, cout, g, oy, ox, np, mb, bias, z, act, o),
-                        3 => block::<3>(x, w, cout, g, oy, ox, np, mb, bias, z, act, o),
-                        _ => block::<4>(x, w, cout, g, oy, ox, np, mb, bias, z, act, o),
+                        1 => block::<1>(x, st, w, cout, g, oy, ox, np, mb, bias, z, act, o),
+                        2 => block::<2>(x, st, w, cout, g, oy, ox, np, mb, bias, z, act, o),
+                        3 => block::<3>(x, st, w, cout, g, oy, ox, np, mb, bias, z, act, o),
+                        _ => block::<4>(x, st, w, cout, g, oy, ox, np, mb, bias, z, act, o),
                     }
                 }
                 mb += 64;
@@ -227,6 +278,7 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     unsafe fn wide<const V: usize, const Q: usize>(
         x: &[f32],
+        st: Strides,
         w: &[f32],
         cout: usize,
         g: &Geometry,
@@ -238,10 +290,10 @@ mod x86 {
         act: Act,
         o: &mut [MaybeUninit<f32>],
     ) {
-        let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
+        let ([ih, _], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
         let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
         let m = masks::<V>(cout, mb);
-        let step = g.stride[1] * cin;
+        let step = g.stride[1] * st.pixel;
         let mut acc = [[_mm512_setzero_ps(); V]; Q];
         // SAFETY (all pointer reads and writes below): channel offsets stay below `cout` under
         // the masks, pixel offsets below `ow`, input offsets inside the image (rows outside
@@ -255,15 +307,16 @@ mod x86 {
                 }
                 for kx in 0..kw {
                     let ix0 = ox * g.stride[1] + kx * g.dilation[1] - g.pad[1];
-                    let src = xp.add((iy as usize * iw + ix0) * cin);
+                    let src = xp.add(iy as usize * st.row + ix0 * st.pixel);
                     let wt = wp.add((ky * kw + kx) * cin * cout + mb);
                     for ci in 0..cin {
+                        let src = src.add(ci * st.channel);
                         let mut wv = [_mm512_setzero_ps(); V];
                         for (v, x) in wv.iter_mut().enumerate() {
                             *x = _mm512_maskz_loadu_ps(m[v], wt.add(ci * cout + 16 * v));
                         }
                         for (p, a) in acc.iter_mut().enumerate() {
-                            let xv = _mm512_set1_ps(*src.add(p * step + ci));
+                            let xv = _mm512_set1_ps(*src.add(p * step));
                             for v in 0..V {
                                 a[v] = _mm512_fmadd_ps(wv[v], xv, a[v]);
                             }
@@ -371,6 +424,7 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     unsafe fn block<const V: usize>(
         x: &[f32],
+        st: Strides,
         w: &[f32],
         cout: usize,
         g: &Geometry,
@@ -405,9 +459,9 @@ mod x86 {
                         if ix < 0 || ix as usize >= iw {
                             continue;
                         }
-                        let src = xp.add((iy as usize * iw + ix as usize) * cin);
+                        let src = xp.add(iy as usize * st.row + ix as usize * st.pixel);
                         for ci in 0..cin {
-                            let xv = _mm512_set1_ps(*src.add(ci));
+                            let xv = _mm512_set1_ps(*src.add(ci * st.channel));
                             let wr = wp.add((tap * cin + ci) * cout + mb);
                             for v in 0..V {
                                 let wv = _mm512_maskz_loadu_ps(m[v], wr.add(16 * v));
@@ -519,6 +573,36 @@ mod tests {
                     assert!(
                         (got - exp).abs() <= tol,
                         "seed {seed} case {case} {threads}t {g:?} -> {cout}, n {n}, at {i}: {got} vs {exp} (tol {tol})"
+                    );
+                }
+                // The same images as planes, read where they lie: the same bits.
+                let (ih, iw) = (input[0], input[1]);
+                let mut planes = vec![0f32; x.len()];
+                for b in 0..n {
+                    for p in 0..ih * iw {
+                        for ci in 0..cin {
+                            planes[(b * cin + ci) * ih * iw + p] = x[(b * ih * iw + p) * cin + ci];
+                        }
+                    }
+                }
+                let mut from_planes = vec![MaybeUninit::new(f32::NAN); want.len()];
+                dense_with(
+                    threads,
+                    Input::Nchw,
+                    &planes,
+                    &w,
+                    cout,
+                    n,
+                    &g,
+                    &fin,
+                    &mut from_planes,
+                );
+                for (i, (a, b)) in out.iter().zip(&from_planes).enumerate() {
+                    // SAFETY: both initialised above (NaN), then overwritten by the kernel.
+                    let (a, b) = unsafe { (a.assume_init(), b.assume_init()) };
+                    assert!(
+                        a.to_bits() == b.to_bits() && !b.is_nan(),
+                        "seed {seed} case {case} {threads}t {g:?} -> {cout}, n {n}, planes, at {i}: {b} vs {a}"
                     );
                 }
             }

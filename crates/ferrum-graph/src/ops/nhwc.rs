@@ -3,7 +3,9 @@
 //!
 //! Inputs: X `[N, H, W, C]`, W `[kh, kw, C/group, M]`, an optional bias `[M]`, an optional
 //! residual Z `[N, OH, OW, M]`; attributes `group`, `strides`, `pads` (`[top, left, bottom,
-//! right]`), `dilations`, and the fused `activation` (`activation_params`). Output
+//! right]`), `dilations`, the fused `activation` (`activation_params`), and `nchw_input` (1: X
+//! comes as `[N, C, H, W]`, an image entering the region, read as planes by the direct
+//! kernel). Output
 //! `[N, OH, OW, M]`: `act(conv(X, W) + bias + Z)`. Two kinds run: depthwise (`group = C = M`,
 //! any kernel, stride, dilation and padding), as a vector multiply-add across channels per
 //! output pixel and tap ([`ferrum_kernels::depthwise`]), and dense (one group), as a GEMM of
@@ -22,9 +24,12 @@ use crate::ops::{fast, unsupported, Ctx};
 use crate::tensor::{DType, Tensor};
 use crate::{kbail, Result};
 
-/// Runs `NhwcConv` with the fused activation `act`.
+/// Runs `NhwcConv` with the fused activation `act`. With `nchw_input` = 1, X comes as `[N, C,
+/// H, W]` (the graph's image, not turned channels-last first): read where it lies by the
+/// direct kernel, else turned channels-last here.
 pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
     let (x, w) = (cx.t(0)?, cx.t(1)?);
+    let planes = cx.ai("nchw_input", 0) != 0;
     if x.dtype() != DType::F32 || w.dtype() != DType::F32 || x.rank() != 4 || w.rank() != 4 {
         return Err(unsupported(format!(
             "NhwcConv takes float32 X and W of rank 4, got {} {:?} and {} {:?}",
@@ -34,7 +39,22 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
             w.shape()
         )));
     }
-    let [n, ih, iw, c] = [x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]];
+    // Planes stay planes only for the direct kernel (one group, a window wider than 1x1).
+    let direct_planes = direct::worthwhile(x.shape()[1])
+        && w.shape()[2] == x.shape()[1]
+        && w.shape()[0] * w.shape()[1] > 1;
+    let turned = if planes && !direct_planes {
+        Some(fast::transpose_f32(x, &[0, 2, 3, 1])?)
+    } else {
+        None
+    };
+    let planes = planes && turned.is_none();
+    let x = turned.as_ref().unwrap_or(x);
+    let [n, ih, iw, c] = if planes {
+        [x.shape()[0], x.shape()[2], x.shape()[3], x.shape()[1]]
+    } else {
+        [x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]]
+    };
     let [kh, kw, cg, m] = [w.shape()[0], w.shape()[1], w.shape()[2], w.shape()[3]];
     let group = cx.ai("group", 1).max(1) as usize;
     if cg * group != c || kh == 0 || kw == 0 {
@@ -102,7 +122,15 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
         )));
     }
     if !pointwise && direct::worthwhile(c) {
-        let out = fast::filled(rows * m, |o| direct::dense_nhwc(xv, wv, m, n, &g, &fin, o));
+        let input = if planes {
+            direct::Input::Nchw
+        } else {
+            direct::Input::Nhwc
+        };
+        let threads = pool::threads();
+        let out = fast::filled(rows * m, |o| {
+            direct::dense_with(threads, input, xv, wv, m, n, &g, &fin, o)
+        });
         return rest.finish(Tensor::from_vec(shape, out)?);
     }
     let rhs = match cx.packed_b(1, crate::passes::Role::B) {

@@ -8,8 +8,9 @@
 //! itself for a 1x1) with the filter. A region of such convolutions linked through their data
 //! input or residual becomes `com.ferrum.NhwcConv` nodes (weights stored `[kh, kw, C/group,
 //! M]`: a GEMM's B for a dense one, tap-major rows for a depthwise one), with a `Transpose`
-//! where a value enters the region and one where a value leaves it (read outside, or a graph
-//! output). A region is changed only when it holds a depthwise convolution and its boundary transposes move at most a quarter of
+//! where a value enters the region (except an image read straight by the direct kernel of a
+//! convolution over a few channels, which takes its planes as they are) and one where a value
+//! leaves it (read outside, or a graph output). A region is changed only when it holds a depthwise convolution and its boundary transposes move at most a quarter of
 //! the elements its depthwise convolutions read, so networks without depthwise convolutions
 //! (ResNet) are left alone. Needs static shapes. `FERRUM_NO_NHWC=1` turns the pass off. Then a
 //! 1x1 expansion too large for the cache and the depthwise convolution that alone reads it
@@ -207,6 +208,32 @@ impl Edge<'_> {
     }
 }
 
+/// Whether the dense convolution `n` takes its NCHW input `x` as it is ([`direct`]'s planes: one
+/// group, at most [`direct::MAX_CIN`] channels, a window wider than 1x1, on a CPU where the
+/// direct kernel runs).
+///
+/// [`direct`]: ferrum_kernels::direct
+/// [`direct::MAX_CIN`]: ferrum_kernels::direct::MAX_CIN
+fn reads_planes(model: &Model, shapes: &crate::infer::Shapes, n: &Node, x: ValueId) -> bool {
+    let Some(w) = n
+        .inputs
+        .get(1)
+        .copied()
+        .flatten()
+        .and_then(|w| constant(&model.graph, w))
+    else {
+        return false;
+    };
+    let (ws, xs) = (w.shape(), shapes.get(Some(x)));
+    xs.is_some_and(|xs| {
+        xs.len() == 4
+            && ws.len() == 4
+            && ws[1] == xs[1]
+            && ws[2] * ws[3] > 1
+            && ferrum_kernels::direct::worthwhile(xs[1])
+    })
+}
+
 /// The filter `[M, C/group, kh, kw]` as `[kh, kw, C/group, M]`.
 pub(crate) fn oihw_to_hwio(w: &Tensor) -> Option<Tensor> {
     let s = w.shape();
@@ -316,6 +343,10 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
             continue;
         };
         let c = &cands[k];
+        // An image entering the region straight into a convolution of a few input channels
+        // that the direct kernel runs is read where it lies, as planes, not turned first.
+        let planes =
+            !c.depthwise && !nhwc_of.contains_key(&c.x) && reads_planes(model, &shapes, &n, c.x);
         let mut twin = |model: &mut Model, out_nodes: &mut Vec<Node>, v: ValueId| -> ValueId {
             let mut edge = Edge {
                 shapes: &shapes,
@@ -325,7 +356,11 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
             };
             edge.twin(model, v, Some(DType::F32))
         };
-        let x = twin(model, &mut out_nodes, c.x);
+        let x = if planes {
+            c.x
+        } else {
+            twin(model, &mut out_nodes, c.x)
+        };
         let z = c.z.map(|z| twin(model, &mut out_nodes, z));
         let w = n.inputs[1].expect("a filter");
         let hwio = match hwio_of.get(&w) {
@@ -354,6 +389,9 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
             if let Some(a) = n.attrs.get(key) {
                 attrs.insert(key.to_string(), a.clone());
             }
+        }
+        if planes {
+            attrs.insert("nchw_input".into(), Attr::Int(1));
         }
         let bias = n.inputs.get(2).copied().flatten();
         let mut inputs = vec![Some(x), Some(hwio), bias];
