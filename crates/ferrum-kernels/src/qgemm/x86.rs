@@ -417,6 +417,31 @@ unsafe fn finish_tile<const R: usize, const P: usize>(
     fin: &Finish,
 ) {
     let b = fin.b;
+    if let OutPtr::Q8 {
+        p,
+        rs,
+        cs: 1,
+        zero,
+        signed,
+    } = fin.out
+    {
+        if P == 4 && (p0 + 4) * PANEL <= b.n {
+            // 64 whole columns of contiguous bytes: per row the four panels' requantized
+            // lanes, narrowed by saturating packs (the clamp to the output type) into one
+            // store.
+            let j0 = p0 * PANEL;
+            let cols: [Cols16; P] = core::array::from_fn(|q| Cols16::new(fin, j0 + q * PANEL));
+            for (r, row) in acc.iter().enumerate() {
+                let i = i0 + r;
+                let q: [__m512i; 4] =
+                    core::array::from_fn(|q| q8_lanes(fin, i, &cols[q], row[q], zero));
+                // SAFETY: (i, j0..j0 + 64) is in this task's tile, bytes i * rs + j0.. (see
+                // OutPtr).
+                unsafe { store_q8x64(p.add(i * rs + j0), q, signed) };
+            }
+            return;
+        }
+    }
     for q in 0..P {
         let j0 = (p0 + q) * PANEL;
         if j0 + PANEL <= b.n {
@@ -533,36 +558,89 @@ impl Cols16 {
     }
 }
 
-/// Finishes and stores 16 whole columns (`cols`) of row `i` (the vector form of
-/// [`Finish::store`], the same operations lane by lane).
+/// The finished integer values (before scale and bias) of 16 whole columns (`cols`) of row `i`
+/// from their raw sums: [`Finish::value_i32`] lane by lane.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn store16(fin: &Finish, i: usize, cols: &Cols16, raw: __m512i) {
+fn lanes_i32(fin: &Finish, i: usize, cols: &Cols16, raw: __m512i) -> __m512i {
     let (rs, za) = fin.row_terms[i];
-    let j0 = cols.j0;
     let za_cs = match cols.za_col_sums {
         Some(t) => t,
         None => _mm512_mullo_epi32(_mm512_set1_epi32(za), cols.col_sums),
     };
     let v = _mm512_sub_epi32(raw, za_cs);
-    let v = if fin.b_terms_zero {
+    if fin.b_terms_zero {
         v
     } else {
         _mm512_add_epi32(v, _mm512_mullo_epi32(cols.b_terms, _mm512_set1_epi32(rs)))
+    }
+}
+
+/// The float value `v * scale + bias` of 16 finished lanes, multiply then add (the unfused
+/// chain's two roundings, no FMA).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn lanes_f32(cols: &Cols16, v: __m512i) -> __m512 {
+    let y = _mm512_mul_ps(_mm512_cvtepi32_ps(v), cols.scale);
+    match cols.bias {
+        Some(b) => _mm512_add_ps(y, b),
+        None => y,
+    }
+}
+
+/// [`QOut::Q8`](super::QOut::Q8)'s rounded values plus the zero point, before the clamp to the
+/// output type: the float value held within `+-Q8_HOLD` (NaN as +hold), rounded half to even
+/// (the default rounding mode), plus `zero`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+fn q8_lanes(fin: &Finish, i: usize, cols: &Cols16, raw: __m512i, zero: i32) -> __m512i {
+    let y = lanes_f32(cols, lanes_i32(fin, i, cols, raw));
+    // `min(y, hold)` gives `hold` for a NaN y (the second operand), as f32::min.
+    let hold = _mm512_set1_ps(super::Q8_HOLD);
+    let y = _mm512_max_ps(
+        _mm512_min_ps(y, hold),
+        _mm512_sub_ps(_mm512_setzero_ps(), hold),
+    );
+    _mm512_add_epi32(_mm512_cvtps_epi32(y), _mm512_set1_epi32(zero))
+}
+
+/// Stores [`q8_lanes`]' values of 64 columns (`q[v]` columns 16v..16v + 16) as bytes: two
+/// saturating packs to 16 then 8 bits clamp them to the output type (signed or unsigned),
+/// and a dword permute puts the 128-bit lanes' interleaving back in order.
+///
+/// # Safety
+/// AVX-512 F/BW present; `p` addresses 64 writable bytes.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn store_q8x64(p: *mut u8, q: [__m512i; 4], signed: bool) {
+    let (w01, w23) = (
+        _mm512_packs_epi32(q[0], q[1]),
+        _mm512_packs_epi32(q[2], q[3]),
+    );
+    let bytes = if signed {
+        _mm512_packs_epi16(w01, w23)
+    } else {
+        _mm512_packus_epi16(w01, w23)
     };
-    // The float value `v * scale + bias`, multiply then add (the unfused chain's two roundings,
-    // no FMA).
-    let float = || {
-        let y = _mm512_mul_ps(_mm512_cvtepi32_ps(v), cols.scale);
-        match cols.bias {
-            Some(b) => _mm512_add_ps(y, b),
-            None => y,
-        }
-    };
+    // Lane L holds q[0][4L..4L + 4], q[1][4L..], q[2][4L..], q[3][4L..]: dword L * 4 + v
+    // goes to v * 4 + L.
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    // SAFETY: 64 bytes at p (contract).
+    unsafe { _mm512_storeu_si512(p as *mut _, _mm512_permutexvar_epi32(order, bytes)) };
+}
+
+/// Finishes and stores 16 whole columns (`cols`) of row `i` (the vector form of
+/// [`Finish::store`], the same operations lane by lane).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn store16(fin: &Finish, i: usize, cols: &Cols16, raw: __m512i) {
+    let j0 = cols.j0;
+    let float = || lanes_f32(cols, lanes_i32(fin, i, cols, raw));
+    let v = || lanes_i32(fin, i, cols, raw);
     match fin.out {
         OutPtr::I32(p, ld) => {
             // SAFETY: (i, j0..j0 + 16) is in this task's tile (see OutPtr).
-            _mm512_storeu_si512(p.add(i * ld + j0) as *mut _, v)
+            _mm512_storeu_si512(p.add(i * ld + j0) as *mut _, v())
         }
         OutPtr::F32(p, ld) => {
             // SAFETY: as above.
@@ -575,17 +653,9 @@ unsafe fn store16(fin: &Finish, i: usize, cols: &Cols16, raw: __m512i) {
             zero,
             signed,
         } => {
-            let y = float();
-            // `min(y, hold)` gives `hold` for a NaN y (the second operand), as f32::min.
-            let hold = _mm512_set1_ps(super::Q8_HOLD);
-            let y = _mm512_max_ps(
-                _mm512_min_ps(y, hold),
-                _mm512_sub_ps(_mm512_setzero_ps(), hold),
-            );
-            // Round half to even (the default rounding mode), add the zero point, clamp to
-            // the output type's range, then keep each lane's low byte.
+            // Clamp to the output type's range, then keep each lane's low byte.
             let (lo, hi) = if signed { (-128, 127) } else { (0, 255) };
-            let q = _mm512_add_epi32(_mm512_cvtps_epi32(y), _mm512_set1_epi32(zero));
+            let q = q8_lanes(fin, i, cols, raw, zero);
             let q = _mm512_min_epi32(
                 _mm512_max_epi32(q, _mm512_set1_epi32(lo)),
                 _mm512_set1_epi32(hi),
