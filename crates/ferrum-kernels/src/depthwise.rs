@@ -29,6 +29,36 @@ pub struct Geometry {
     pub output: [usize; 2],
 }
 
+impl Geometry {
+    /// A `kernel` window over `input` with padding `pad` before and `pad_end` after, and the
+    /// output size that follows; `None` when the window does not fit (tests' random shapes).
+    #[cfg(test)]
+    pub(crate) fn fitting(
+        input: [usize; 2],
+        channels: usize,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        dilation: [usize; 2],
+        pad: [usize; 2],
+        pad_end: [usize; 2],
+    ) -> Option<Geometry> {
+        let out = |i: usize| {
+            let span = input[i] + pad[i] + pad_end[i];
+            let ext = (kernel[i] - 1) * dilation[i] + 1;
+            (span >= ext).then(|| (span - ext) / stride[i] + 1)
+        };
+        Some(Geometry {
+            input,
+            channels,
+            kernel,
+            stride,
+            dilation,
+            pad,
+            output: [out(0)?, out(1)?],
+        })
+    }
+}
+
 /// What follows the taps: starting values (`residual`, `[n, oh, ow, c]`, plus `bias`, one per
 /// channel) and the activation (Identity, Relu, Clip or LeakyRelu: the vector ones).
 #[derive(Clone, Copy, Debug)]
@@ -179,18 +209,10 @@ pub fn expand_depthwise_nhwc_with(
         e.cin
     );
     assert!(
-        e.bias.is_none_or(|b| b.len() >= c) && fin.bias.is_none_or(|b| b.len() >= c),
-        "expand_depthwise: short bias"
+        e.bias.is_none_or(|b| b.len() >= c),
+        "expand_depthwise: short expansion bias"
     );
-    assert!(
-        fin.residual.is_none_or(|z| z.len() >= n * oh * ow * c),
-        "expand_depthwise: short residual"
-    );
-    assert!(
-        fin.act.is_vector(),
-        "expand_depthwise: {:?} is not a vector activation",
-        fin.act
-    );
+    check_finish("expand_depthwise", fin, c, n * oh * ow);
     let len = ow * c;
     if len == 0 || n * oh == 0 {
         return;
@@ -278,19 +300,7 @@ pub(crate) fn for_each_row(
         x.len() >= n * isz && w.0.len() >= w.1 && out.len() >= n * oh * ow * cout,
         "{what}: buffers too short for {n} images of {g:?} -> {cout}"
     );
-    assert!(
-        fin.bias.is_none_or(|b| b.len() >= cout),
-        "{what}: short bias"
-    );
-    assert!(
-        fin.residual.is_none_or(|z| z.len() >= n * oh * ow * cout),
-        "{what}: short residual"
-    );
-    assert!(
-        fin.act.is_vector(),
-        "{what}: {:?} is not a vector activation",
-        fin.act
-    );
+    check_finish(what, fin, cout, n * oh * ow);
     let len = ow * cout;
     if len == 0 || n * oh == 0 {
         return;
@@ -313,6 +323,24 @@ pub(crate) fn for_each_row(
             }
         });
     }
+}
+
+/// Panics unless `fin` fits `pixels` output pixels of `cout` channels (its bias and residual
+/// long enough) and its activation is a vector one.
+fn check_finish(what: &str, fin: &Finish, cout: usize, pixels: usize) {
+    assert!(
+        fin.bias.is_none_or(|b| b.len() >= cout),
+        "{what}: short bias"
+    );
+    assert!(
+        fin.residual.is_none_or(|z| z.len() >= pixels * cout),
+        "{what}: short residual"
+    );
+    assert!(
+        fin.act.is_vector(),
+        "{what}: {:?} is not a vector activation",
+        fin.act
+    );
 }
 
 fn available(isa: Isa) -> bool {
@@ -726,24 +754,10 @@ mod tests {
             let d = [rng.gen_range(1..3), 1];
             let pad = [rng.gen_range(0..3), rng.gen_range(0..3)];
             let input = [rng.gen_range(1..14), rng.gen_range(1..40)];
-            let ext = |i: usize| (k[i] - 1) * d[i] + 1;
-            if (0..2).any(|i| input[i] + 2 * pad[i] < ext(i)) {
+            let Some(g) = Geometry::fitting(input, c, k, s, d, pad, pad) else {
                 continue;
-            }
-            let output = [
-                (input[0] + 2 * pad[0] - ext(0)) / s[0] + 1,
-                (input[1] + 2 * pad[1] - ext(1)) / s[1] + 1,
-            ];
-            let n = rng.gen_range(1..3);
-            let g = Geometry {
-                input,
-                channels: c,
-                kernel: k,
-                stride: s,
-                dilation: d,
-                pad,
-                output,
             };
+            let (output, n) = (g.output, rng.gen_range(1..3));
             let mut rand_vec = |len: usize| -> Vec<f32> {
                 (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
             };
@@ -822,24 +836,10 @@ mod tests {
             } else {
                 (k, d)
             };
-            let ext = |i: usize| (k[i] - 1) * d[i] + 1;
-            if (0..2).any(|i| input[i] + pad[i] + pad_end[i] < ext(i)) {
+            let Some(g) = Geometry::fitting(input, c, k, s, d, pad, pad_end) else {
                 continue;
-            }
-            let output = [
-                (input[0] + pad[0] + pad_end[0] - ext(0)) / s[0] + 1,
-                (input[1] + pad[1] + pad_end[1] - ext(1)) / s[1] + 1,
-            ];
-            let n = rng.gen_range(1..3);
-            let g = Geometry {
-                input,
-                channels: c,
-                kernel: k,
-                stride: s,
-                dilation: d,
-                pad,
-                output,
             };
+            let (output, n) = (g.output, rng.gen_range(1..3));
             let mut rand_vec = |len: usize| -> Vec<f32> {
                 (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
             };

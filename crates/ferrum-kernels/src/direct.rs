@@ -35,22 +35,7 @@ pub fn dense_nhwc(
     fin: &Finish,
     out: &mut [MaybeUninit<f32>],
 ) {
-    dense_nhwc_with(pool::threads(), x, w, cout, n, g, fin, out)
-}
-
-/// [`dense_nhwc`] with at most `threads` tasks at a time.
-#[allow(clippy::too_many_arguments)]
-pub fn dense_nhwc_with(
-    threads: usize,
-    x: &[f32],
-    w: &[f32],
-    cout: usize,
-    n: usize,
-    g: &Geometry,
-    fin: &Finish,
-    out: &mut [MaybeUninit<f32>],
-) {
-    dense_with(threads, Input::Nhwc, x, w, cout, n, g, fin, out)
+    dense_with(pool::threads(), Input::Nhwc, x, w, cout, n, g, fin, out)
 }
 
 /// How the input images lie in memory.
@@ -63,7 +48,8 @@ pub enum Input {
     Nchw,
 }
 
-/// [`dense_nhwc_with`] over input images laid out as `input` says (the output channels-last).
+/// [`dense_nhwc`] with at most `threads` tasks at a time, over input images laid out as
+/// `input` says (the output channels-last).
 #[allow(clippy::too_many_arguments)]
 pub fn dense_with(
     threads: usize,
@@ -503,24 +489,10 @@ mod tests {
             let pad = [rng.gen_range(0..4), rng.gen_range(0..4)];
             // Rows wide enough for the interior kernel's runs of 12 pixels at any stride.
             let input = [rng.gen_range(1..20), rng.gen_range(1..[30, 90][case % 2])];
-            let ext = |i: usize| (k[i] - 1) * d[i] + 1;
-            if (0..2).any(|i| input[i] + 2 * pad[i] < ext(i)) {
+            let Some(g) = Geometry::fitting(input, cin, k, s, d, pad, pad) else {
                 continue;
-            }
-            let output = [
-                (input[0] + 2 * pad[0] - ext(0)) / s[0] + 1,
-                (input[1] + 2 * pad[1] - ext(1)) / s[1] + 1,
-            ];
-            let n = rng.gen_range(1..3);
-            let g = Geometry {
-                input,
-                channels: cin,
-                kernel: k,
-                stride: s,
-                dilation: d,
-                pad,
-                output,
             };
+            let (output, n) = (g.output, rng.gen_range(1..3));
             let mut v = |len: usize| -> Vec<f32> {
                 (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
             };
@@ -559,7 +531,7 @@ mod tests {
             let mag = dense_nhwc_ref(&abs(&x), &abs(&w), cout, n, &g, &plain);
             for threads in 1..4 {
                 let mut out = vec![MaybeUninit::new(f32::NAN); want.len()];
-                dense_nhwc_with(threads, &x, &w, cout, n, &g, &fin, &mut out);
+                dense_with(threads, Input::Nhwc, &x, &w, cout, n, &g, &fin, &mut out);
                 for (i, o) in out.iter().enumerate() {
                     // SAFETY: initialised above (NaN), then overwritten by the kernel.
                     let got = unsafe { o.assume_init() } as f64;
