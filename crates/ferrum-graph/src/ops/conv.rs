@@ -307,6 +307,7 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
     };
     // A 1x1 filter at stride 1 without padding reads the channels-last image as it is.
     let direct = k == [1, 1] && geo.s == [1, 1] && geo.pad == [0, 0] && osp == isp;
+    let tile_unit = packed.layout() == qgemm::Layout::Tiles && qgemm::use_amx();
     // Patch rows are written as far apart as the kernels read them, zeros past kk (an RGB
     // stem's 147 bytes in rows of 192), so the GEMM reads them in place.
     let ld = packed.kp().max(kk);
@@ -321,12 +322,15 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
         for (b, yb) in y.chunks_exact_mut(m * osp).enumerate() {
             let xin = &xb[b * c * isp..(b + 1) * c * isp];
             // The image channels-last, unsigned: X itself where it already is (and, for the
-            // tile unit, which reads A's rows in place, starts on a cache line), else a copy.
+            // tile unit, which reads A's rows in place, starts on a cache line; the vector
+            // kernels read rows anywhere), else a copy.
             let image: &[u8] = if !nhwc_io {
                 let t = scratch(nhwc, isp * c);
                 transpose_bytes(xin, c, isp, flip, t);
                 t
-            } else if flip != 0 || (direct && !(xin.as_ptr() as usize).is_multiple_of(64)) {
+            } else if flip != 0
+                || (direct && tile_unit && !(xin.as_ptr() as usize).is_multiple_of(64))
+            {
                 let t = scratch(nhwc, isp * c);
                 copy_flipped(xin, flip, t);
                 t
