@@ -483,6 +483,7 @@ pub fn expand_depthwise(model: &mut Model, log: &mut Vec<String>) -> usize {
         let fits = we[..2] == [1, 1]
             && we[3] == m
             && attr_i(e, "group", 1) == 1
+            && attr_i(e, "nchw_input", 0) == 0
             && ones(e, "strides")
             && zeros(e, "pads")
             && e.inputs.len() <= 3
