@@ -651,6 +651,48 @@ impl<'r, 'a> KeyCursor<'r, 'a> {
     }
 }
 
+/// A row's keys one after another for a score pass: each key's offset ([`KeyCursor`]), and
+/// while it is scored the K row [`PREFETCH_KEYS`] keys ahead fetched into L1 and the key's V
+/// row into L2 (whole K and V cache rows where the row asks for them, [`Row::whole_rows`]).
+#[cfg(target_arch = "x86_64")]
+struct KeyWalk<'r, 'a> {
+    keys: KeyCursor<'r, 'a>,
+    ahead: KeyCursor<'r, 'a>,
+    /// Keys left whose K row `PREFETCH_KEYS` ahead still lies inside the row's keys.
+    left_ahead: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'r, 'a> KeyWalk<'r, 'a> {
+    fn new(row: &'r Row<'a>) -> Self {
+        Self {
+            keys: KeyCursor::new(row, row.keys.start),
+            ahead: KeyCursor::new(row, row.keys.start + PREFETCH_KEYS),
+            left_ahead: row.keys.len().saturating_sub(PREFETCH_KEYS),
+        }
+    }
+
+    /// The next key's offset ([`KeyCursor::next_offset`]), its prefetches issued.
+    #[inline(always)]
+    fn next_offset(&mut self) -> usize {
+        use core::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1};
+        let r = self.keys.row;
+        let at = self.keys.next_offset();
+        let lines = r.q.len() / 32;
+        if self.left_ahead > 0 {
+            self.left_ahead -= 1;
+            prefetch_lines::<_MM_HINT_T0>(r.k, self.ahead.next_offset(), lines);
+        }
+        if r.whole_rows {
+            prefetch_lines::<_MM_HINT_T1>(r.k, at - r.at, r.kv_row / 32);
+            prefetch_lines::<_MM_HINT_T1>(r.v, at - r.at, r.kv_row / 32);
+        } else {
+            prefetch_lines::<_MM_HINT_T1>(r.v, at, lines);
+        }
+        at
+    }
+}
+
 /// Pass 1 of [`attend_rows_avx512`]: the H rows' scaled (and capped) scores, row by row into
 /// `by_row` ([H, n_keys]). Each K row is converted once for the H rows; per row and key the
 /// 16-lane sums (a0 + a2) + (a1 + a3) of `dot_f16_order`, 16 keys' sums reduced together by
@@ -674,20 +716,10 @@ unsafe fn scores_avx512<const H: usize, const NV: usize>(rows: [&Row; H], by_row
             round(unsafe { _mm512_loadu_ps(rows[hi].q.as_ptr().add(i * 16)) })
         })
     });
-    let mut keys_at = KeyCursor::new(r0, keys.start);
-    let mut ahead = KeyCursor::new(r0, keys.start + PREFETCH_KEYS);
+    let mut walk = KeyWalk::new(r0);
     let mut rs = [[_mm512_setzero_ps(); 16]; H];
     for jj in 0..n_keys {
-        let at = keys_at.next_offset();
-        if jj + PREFETCH_KEYS < n_keys {
-            prefetch_lines::<_MM_HINT_T0>(r0.k, ahead.next_offset(), NV / 2);
-        }
-        if r0.whole_rows {
-            prefetch_lines::<_MM_HINT_T1>(r0.k, at - r0.at, r0.kv_row / 32);
-            prefetch_lines::<_MM_HINT_T1>(r0.v, at - r0.at, r0.kv_row / 32);
-        } else {
-            prefetch_lines::<_MM_HINT_T1>(r0.v, at, NV / 2);
-        }
+        let at = walk.next_offset();
         let krow = &r0.k[at..at + hd];
         // dot_f16_order: chunk i of 16 lanes goes to accumulator i % 4, in order.
         let mut a = [[_mm512_setzero_ps(); 4]; H];
@@ -1055,19 +1087,9 @@ unsafe fn attend_rows_avx2<const H: usize, const NV: usize>(rows: [&Row; H], o: 
             round(unsafe { _mm256_loadu_ps(rows[hi].q.as_ptr().add(c * 8)) })
         })
     });
-    let mut keys_at = KeyCursor::new(r0, keys.start);
-    let mut ahead = KeyCursor::new(r0, keys.start + PREFETCH_KEYS);
+    let mut walk = KeyWalk::new(r0);
     for jj in 0..n_keys {
-        let at = keys_at.next_offset();
-        if jj + PREFETCH_KEYS < n_keys {
-            prefetch_lines::<_MM_HINT_T0>(r0.k, ahead.next_offset(), hd / 32);
-        }
-        if r0.whole_rows {
-            prefetch_lines::<_MM_HINT_T1>(r0.k, at - r0.at, r0.kv_row / 32);
-            prefetch_lines::<_MM_HINT_T1>(r0.v, at - r0.at, r0.kv_row / 32);
-        } else {
-            prefetch_lines::<_MM_HINT_T1>(r0.v, at, hd / 32);
-        }
+        let at = walk.next_offset();
         let krow = &r0.k[at..at + hd];
         // dot_f16_order's accumulator a (0..4) lane l (0..16) is slot 2a + l / 8 here, lane
         // l % 8: eight-lane chunk c goes to slot c % 8, and the chunks of one slot are summed in
