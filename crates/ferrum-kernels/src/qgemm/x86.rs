@@ -60,8 +60,12 @@ pub(super) unsafe fn block_vnni(
     np: usize,
     fin: &Finish,
 ) {
+    let cols = BlockCols::new(fin, p0, np);
     // SAFETY: as this function's contract, for each tile's rows.
-    row_tiles!(rows, np, |i| tile(a, lda, i, p0, fin), MR, [1 2 3 4]);
+    match &cols.q8 {
+        Some(q8) => row_tiles!(rows, np, |i| tile(a, lda, i, p0, fin, q8), MR, [4]),
+        None => row_tiles!(rows, np, |i| tile(a, lda, i, p0, fin, &cols), MR, [1 2 3 4]),
+    }
 }
 
 /// Rows of an AMX block: two A tiles of 16 rows.
@@ -346,6 +350,7 @@ unsafe fn tile<const R: usize, const P: usize>(
     i0: usize,
     p0: usize,
     fin: &Finish,
+    epilogue: &impl Epilogue,
 ) {
     let b = fin.b;
     let groups = b.kp / 4;
@@ -369,7 +374,7 @@ unsafe fn tile<const R: usize, const P: usize>(
         unsafe { dot_groups(&mut acc, rows, bp, stride, g0, 16.min(groups - g0)) };
     }
     // SAFETY: rows i0..i0 + R and panels p0..p0 + P are the caller's (contract).
-    unsafe { finish_tile(acc, i0, p0, fin) };
+    unsafe { epilogue.finish(acc, i0, p0, fin) };
 }
 
 /// Groups `g0..g0 + n` of B's `P` panels (`stride` bytes apart from `bp`) against 4 bytes a
@@ -403,58 +408,163 @@ unsafe fn dot_groups<const R: usize, const P: usize>(
     }
 }
 
-/// Finishes and stores the raw sums of an `R x (P * 16)` tile at rows `i0..`, panels `p0..`.
-///
-/// # Safety
-/// AVX-512 F/BW/VL and VNNI present; the rows and panels are in range and this task's. Always
-/// inlined into its callers (kernels compiled for those features), so the sums stay in
-/// registers.
-#[inline(always)]
-unsafe fn finish_tile<const R: usize, const P: usize>(
-    acc: [[__m512i; P]; R],
-    i0: usize,
-    p0: usize,
-    fin: &Finish,
-) {
-    let b = fin.b;
-    if let OutPtr::Q8 {
-        p,
-        rs,
-        cs: 1,
-        zero,
-        signed,
-    } = fin.out
-    {
-        if P == 4 && (p0 + 4) * PANEL <= b.n {
-            // 64 whole columns of contiguous bytes: per row the four panels' requantized
-            // lanes, narrowed by saturating packs (the clamp to the output type) into one
-            // store.
-            let j0 = p0 * PANEL;
-            let cols: [Cols16; P] = core::array::from_fn(|q| Cols16::new(fin, j0 + q * PANEL));
-            for (r, row) in acc.iter().enumerate() {
-                let i = i0 + r;
-                let q: [__m512i; 4] =
-                    core::array::from_fn(|q| q8_lanes(fin, i, &cols[q], row[q], zero));
-                // SAFETY: (i, j0..j0 + 64) is in this task's tile, bytes i * rs + j0.. (see
-                // OutPtr).
-                unsafe { store_q8x64(p.add(i * rs + j0), q, signed) };
+/// How a VNNI tile's raw sums are finished and stored: chosen per column block, before its
+/// tiles, so that each kernel is compiled with one epilogue and keeps its sums in registers.
+trait Epilogue {
+    /// Finishes and stores the raw sums of an `R x (P * 16)` tile at rows `i0..`, panels
+    /// `p0..` (the block's first panels).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL and VNNI present (implementations are always inlined into kernels
+    /// compiled for them); the rows and panels are in range and this task's.
+    unsafe fn finish<const R: usize, const P: usize>(
+        &self,
+        acc: [[__m512i; P]; R],
+        i0: usize,
+        p0: usize,
+        fin: &Finish,
+    );
+}
+
+impl Epilogue for BlockCols {
+    #[inline(always)]
+    unsafe fn finish<const R: usize, const P: usize>(
+        &self,
+        acc: [[__m512i; P]; R],
+        i0: usize,
+        p0: usize,
+        fin: &Finish,
+    ) {
+        let b = fin.b;
+        for q in 0..P {
+            let j0 = (p0 + q) * PANEL;
+            if j0 + PANEL <= b.n {
+                for (r, row) in acc.iter().enumerate() {
+                    store16(fin, i0 + r, &self.panels[q], row[q]);
+                }
+            } else {
+                for (r, row) in acc.iter().enumerate() {
+                    let mut raw = [0i32; PANEL];
+                    _mm512_storeu_si512(raw.as_mut_ptr() as *mut _, row[q]);
+                    fin.store(i0 + r, j0, &raw[..b.n - j0]);
+                }
             }
-            return;
         }
     }
-    for q in 0..P {
-        let j0 = (p0 + q) * PANEL;
-        if j0 + PANEL <= b.n {
-            let cols = Cols16::new(fin, j0);
-            for (r, row) in acc.iter().enumerate() {
-                store16(fin, i0 + r, &cols, row[q]);
+}
+
+/// A column block's epilogue terms, made once for all the rows a task takes of it.
+struct BlockCols {
+    /// Each whole panel's terms (a partial panel's are unused: its columns go through
+    /// [`Finish::store`]).
+    panels: [Cols16; 4],
+    /// The fast path of the commonest int8 layer, where it applies.
+    q8: Option<Q8x64>,
+}
+
+impl BlockCols {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn new(fin: &Finish, p0: usize, np: usize) -> BlockCols {
+        let panels = core::array::from_fn(|q| {
+            let j0 = (p0 + q) * PANEL;
+            if q < np && j0 + PANEL <= fin.b.n {
+                // SAFETY: the features are this function's.
+                unsafe { Cols16::new(fin, j0) }
+            } else {
+                Cols16::unused(j0)
             }
-        } else {
-            for (r, row) in acc.iter().enumerate() {
-                let mut raw = [0i32; PANEL];
-                _mm512_storeu_si512(raw.as_mut_ptr() as *mut _, row[q]);
-                fin.store(i0 + r, j0, &raw[..b.n - j0]);
+        });
+        BlockCols {
+            // SAFETY: as above.
+            q8: unsafe { Q8x64::new(fin, &panels, p0, np) },
+            panels,
+        }
+    }
+}
+
+/// The requantizing epilogue of 64 whole columns stored as contiguous bytes, A with one zero
+/// point and no row-sum term (`off - zb` zero: a signed weight quantized symmetrically, as
+/// static int8 convolutions are): per element `clamp(round(hold((raw - za colsum) as f32 *
+/// scale + bias)) + zero)`, the operations of [`Finish::store`] with every choice made once.
+/// Without a bias, 0 is added: `x + 0.0` differs from `x` only for `x = -0.0`, which rounds
+/// to the same integer.
+struct Q8x64 {
+    za_col_sums: [__m512i; 4],
+    scale: [__m512; 4],
+    bias: [__m512; 4],
+    p: *mut u8,
+    rs: usize,
+    j0: usize,
+    zero: i32,
+    signed: bool,
+}
+
+impl Q8x64 {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn new(fin: &Finish, panels: &[Cols16; 4], p0: usize, np: usize) -> Option<Q8x64> {
+        let OutPtr::Q8 {
+            p,
+            rs,
+            cs: 1,
+            zero,
+            signed,
+        } = fin.out
+        else {
+            return None;
+        };
+        let whole = np == 4 && (p0 + 4) * PANEL <= fin.b.n;
+        if !whole || !fin.b_terms_zero {
+            return None;
+        }
+        let mut za_col_sums = [_mm512_setzero_si512(); 4];
+        for (z, c) in za_col_sums.iter_mut().zip(panels) {
+            *z = c.za_col_sums?;
+        }
+        Some(Q8x64 {
+            za_col_sums,
+            scale: panels.each_ref().map(|c| c.scale),
+            bias: panels
+                .each_ref()
+                .map(|c| c.bias.unwrap_or(_mm512_setzero_ps())),
+            p,
+            rs,
+            j0: p0 * PANEL,
+            zero,
+            signed,
+        })
+    }
+}
+
+impl Epilogue for Q8x64 {
+    /// Only for blocks of four panels (`P = 4`: the block's columns `j0..j0 + 64`).
+    #[inline(always)]
+    unsafe fn finish<const R: usize, const P: usize>(
+        &self,
+        acc: [[__m512i; P]; R],
+        i0: usize,
+        _p0: usize,
+        _fin: &Finish,
+    ) {
+        debug_assert_eq!(P, 4);
+        let hold = _mm512_set1_ps(super::Q8_HOLD);
+        let neg_hold = _mm512_set1_ps(-super::Q8_HOLD);
+        let zero = _mm512_set1_epi32(self.zero);
+        for (r, row) in acc.iter().enumerate() {
+            // A plain loop, not a closure: a closure would not inherit the target features.
+            let mut q = [_mm512_setzero_si512(); 4];
+            for (c, out) in q.iter_mut().enumerate() {
+                let v = _mm512_sub_epi32(row[c % P], self.za_col_sums[c]);
+                let y = _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(v), self.scale[c]),
+                    self.bias[c],
+                );
+                // `min(y, hold)` gives `hold` for a NaN y (the second operand), as f32::min.
+                let y = _mm512_max_ps(_mm512_min_ps(y, hold), neg_hold);
+                *out = _mm512_add_epi32(_mm512_cvtps_epi32(y), zero);
             }
+            // SAFETY: (i0 + r, j0..j0 + 64) is in this task's tile, 64 bytes from
+            // (i0 + r) * rs + j0 (see OutPtr).
+            unsafe { store_q8x64(self.p.add((i0 + r) * self.rs + self.j0), q, self.signed) };
         }
     }
 }
@@ -478,8 +588,12 @@ pub(super) unsafe fn block_vnni_gathered(
 ) {
     assert!(a.run.is_multiple_of(4) && a.taps * a.run == fin.b.k && a.fill.len() == a.run);
     assert!(rows.end * a.taps <= a.offsets.len());
+    let cols = BlockCols::new(fin, p0, np);
     // SAFETY: as this function's contract, for each tile's rows.
-    row_tiles!(rows, np, |i| tile_gathered(a, i, p0, fin), MR, [1 2 3 4]);
+    match &cols.q8 {
+        Some(q8) => row_tiles!(rows, np, |i| tile_gathered(a, i, p0, fin, q8), MR, [4]),
+        None => row_tiles!(rows, np, |i| tile_gathered(a, i, p0, fin, &cols), MR, [1 2 3 4]),
+    }
 }
 
 /// [`tile`] over gathered rows.
@@ -493,6 +607,7 @@ unsafe fn tile_gathered<const R: usize, const P: usize>(
     i0: usize,
     p0: usize,
     fin: &Finish,
+    epilogue: &impl Epilogue,
 ) {
     let b = fin.b;
     let stride = b.kp * PANEL;
@@ -512,7 +627,7 @@ unsafe fn tile_gathered<const R: usize, const P: usize>(
         unsafe { dot_groups(&mut acc, runs, bp, stride, t * per_run, per_run) };
     }
     // SAFETY: rows i0..i0 + R and panels p0..p0 + P are the caller's (contract).
-    unsafe { finish_tile(acc, i0, p0, fin) };
+    unsafe { epilogue.finish(acc, i0, p0, fin) };
 }
 
 /// The terms of 16 whole columns `j0..j0 + 16` that every row's epilogue uses: B's column sums,
@@ -528,6 +643,21 @@ struct Cols16 {
 }
 
 impl Cols16 {
+    /// Placeholder terms of a partial panel, never read.
+    fn unused(j0: usize) -> Cols16 {
+        // SAFETY: zeroed vectors, all bits valid.
+        unsafe {
+            Cols16 {
+                j0,
+                col_sums: _mm512_setzero_si512(),
+                za_col_sums: None,
+                b_terms: _mm512_setzero_si512(),
+                scale: _mm512_setzero_ps(),
+                bias: None,
+            }
+        }
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
     unsafe fn new(fin: &Finish, j0: usize) -> Cols16 {
