@@ -646,36 +646,39 @@ pub(crate) fn nhwc_max_pool(cx: &Ctx) -> Result<Tensor> {
         if out.is_empty() {
             return out;
         }
-        // One output row (ow pixels of c channels) per task.
+        // One output row (ow pixels of c channels) per task: the maximum over the window's
+        // input rows first (whole rows, element by element: it vectorizes), then over its
+        // columns in that row of maxima.
         pool::parallel_chunks_mut(&mut out, ow * c, |r, o| {
             let (b, oy) = (r / oh, r % oh);
             let img = &x[b * ih * iw * c..][..ih * iw * c];
-            for (ox, px) in o.chunks_exact_mut(c).enumerate() {
-                let mut first = true;
-                for ky in 0..g.k[0] {
-                    let iy = (oy * g.s[0] + ky * g.d[0]) as isize - g.pad_begin[0] as isize;
-                    if iy < 0 || iy >= ih as isize {
-                        continue;
-                    }
-                    for kx in 0..g.k[1] {
-                        let ix = (ox * g.s[1] + kx * g.d[1]) as isize - g.pad_begin[1] as isize;
-                        if ix < 0 || ix >= iw as isize {
-                            continue;
-                        }
-                        let at = (iy as usize * iw + ix as usize) * c;
-                        let src = &img[at..at + c];
-                        if first {
-                            px.copy_from_slice(src);
-                            first = false;
-                        } else {
-                            for (d, &v) in px.iter_mut().zip(src) {
-                                *d = (*d).max(v);
-                            }
-                        }
-                    }
+            let mut rows = (0..g.k[0]).filter_map(|ky| {
+                let iy = (oy * g.s[0] + ky * g.d[0]).checked_sub(g.pad_begin[0])?;
+                (iy < ih).then(|| &img[iy * iw * c..][..iw * c])
+            });
+            let Some(first) = rows.next() else {
+                o.fill(lowest);
+                return;
+            };
+            let mut v = first.to_vec();
+            for row in rows {
+                for (d, &s) in v.iter_mut().zip(row) {
+                    *d = (*d).max(s);
                 }
-                if first {
-                    px.fill(lowest);
+            }
+            for (ox, px) in o.chunks_exact_mut(c).enumerate() {
+                let mut cols = (0..g.k[1]).filter_map(|kx| {
+                    let ix = (ox * g.s[1] + kx * g.d[1]).checked_sub(g.pad_begin[1])?;
+                    (ix < iw).then(|| &v[ix * c..][..c])
+                });
+                match cols.next() {
+                    Some(src) => px.copy_from_slice(src),
+                    None => px.fill(lowest),
+                }
+                for src in cols {
+                    for (d, &s) in px.iter_mut().zip(src) {
+                        *d = (*d).max(s);
+                    }
                 }
             }
         });
@@ -750,14 +753,50 @@ fn transpose_bytes(src: &[u8], rows: usize, cols: usize, flip: u8, dst: &mut [u8
                 }
             }
         }
-        // The last rows (of src) and columns that do not fill a block.
-        for i in 0..rows {
-            let from = if i < full_i { full_j } else { 0 };
-            for j in from..nj {
+        // The columns of whole row blocks that do not fill a block.
+        for i in 0..full_i {
+            for j in full_j..nj {
                 part[j * rows + i] = src[i * cols + j0 + j] ^ flip;
             }
         }
+        // The last rows (all of them for fewer than 8: an image's planes made channels-last),
+        // output row by output row.
+        let planes = |i0: usize| (i0..rows).map(move |i| &src[i * cols + j0..][..nj]);
+        match rows - full_i {
+            0 => {}
+            1 => interleave::<1>(planes(full_i), rows, full_i, flip, part),
+            2 => interleave::<2>(planes(full_i), rows, full_i, flip, part),
+            3 => interleave::<3>(planes(full_i), rows, full_i, flip, part),
+            4 => interleave::<4>(planes(full_i), rows, full_i, flip, part),
+            5 => interleave::<5>(planes(full_i), rows, full_i, flip, part),
+            6 => interleave::<6>(planes(full_i), rows, full_i, flip, part),
+            _ => interleave::<7>(planes(full_i), rows, full_i, flip, part),
+        }
     });
+}
+
+/// Bytes `i0..i0 + R` of each output row (`rows` bytes apart in `part`) from the `R` source
+/// rows `planes` (each as long as `part` has output rows), XORed with `flip`.
+#[inline(always)]
+fn interleave<'a, const R: usize>(
+    planes: impl Iterator<Item = &'a [u8]>,
+    rows: usize,
+    i0: usize,
+    flip: u8,
+    part: &mut [u8],
+) {
+    let mut p = [&[][..]; R];
+    for (d, s) in p.iter_mut().zip(planes) {
+        *d = s;
+    }
+    let nj = part.len() / rows;
+    let p = p.map(|s| &s[..nj]);
+    for (j, out) in part.chunks_exact_mut(rows).enumerate() {
+        let out = &mut out[i0..i0 + R];
+        for i in 0..R {
+            out[i] = p[i][j] ^ flip;
+        }
+    }
 }
 
 /// Transposes the 8 x 8 bytes held in `r` (byte `j` of word `i`, little-endian, is element
@@ -1313,6 +1352,116 @@ mod tests {
     use super::{transpose_bytes, transpose_channels_u8};
     use crate::tensor::Tensor;
     use rand::{Rng, SeedableRng};
+
+    /// The 8-bit channels-last max pool of a node with these attributes.
+    fn max_pool_node(x: &Tensor, k: [i64; 2], s: [i64; 2], d: [i64; 2], pads: [i64; 4]) -> Tensor {
+        use crate::ir::{Attr, Node, ValueId};
+        use crate::tensor::Value;
+        let node = Node {
+            name: "pool".into(),
+            op: "NhwcMaxPool".into(),
+            domain: crate::passes::DOMAIN.into(),
+            opset: 1,
+            inputs: vec![Some(ValueId(0))],
+            outputs: vec![Some(ValueId(1))],
+            attrs: [
+                ("kernel_shape", k.to_vec()),
+                ("strides", s.to_vec()),
+                ("dilations", d.to_vec()),
+                ("pads", pads.to_vec()),
+            ]
+            .into_iter()
+            .map(|(n, v)| (n.to_string(), Attr::Ints(v)))
+            .collect(),
+            implicit_inputs: vec![],
+        };
+        let input = Value::Tensor(x.clone());
+        match crate::exec::eval_node(&node, &[Some(&input)])
+            .unwrap()
+            .remove(0)
+        {
+            Value::Tensor(t) => t,
+            v => panic!("not a tensor: {v:?}"),
+        }
+    }
+
+    #[test]
+    fn channels_last_byte_max_pool_matches_the_window_maximum() {
+        // Fresh shapes, windows, strides, dilations and pads (some windows wholly in the
+        // padding), signed and unsigned, 1-3 threads: each output byte against the maximum over
+        // its window's pixels taken one by one (the type's lowest value for an empty window).
+        let seed: u64 = rand::random();
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        for case in 0..40 {
+            let (n, h, w, c) = (
+                r.gen_range(1..3),
+                r.gen_range(1..12),
+                r.gen_range(1..12),
+                r.gen_range(1..70),
+            );
+            let k = [r.gen_range(1..4), r.gen_range(1..4)];
+            let s = [r.gen_range(1..3), r.gen_range(1..3)];
+            let d = [r.gen_range(1..3), r.gen_range(1..3)];
+            let pads = [0, 0, 0, 0].map(|_| r.gen_range(0..4i64));
+            // Skip windows larger than the padded image (no output).
+            let out = |i: usize| {
+                let span = (k[i] - 1) * d[i] + 1;
+                let size = [h, w][i] as i64 + pads[i] + pads[i + 2];
+                (size >= span).then(|| ((size - span) / s[i] + 1) as usize)
+            };
+            let (Some(oh), Some(ow)) = (out(0), out(1)) else {
+                continue;
+            };
+            let bytes: Vec<u8> = (0..n * h * w * c).map(|_| r.gen()).collect();
+            let signed = case % 2 == 1;
+            let x = if signed {
+                Tensor::from_vec(vec![n, h, w, c], bytes.iter().map(|&v| v as i8).collect())
+            } else {
+                Tensor::from_vec(vec![n, h, w, c], bytes.clone())
+            }
+            .unwrap();
+            let value = |v: u8| if signed { v as i8 as i32 } else { v as i32 };
+            for threads in 1..=3 {
+                ferrum_kernels::pool::set_threads(Some(threads));
+                let y = max_pool_node(&x, k, s, d, pads);
+                assert_eq!(y.shape(), [n, oh, ow, c], "seed {seed} case {case}");
+                let got: Vec<i32> = if signed {
+                    y.as_slice::<i8>()
+                        .unwrap()
+                        .iter()
+                        .map(|&v| v as i32)
+                        .collect()
+                } else {
+                    y.as_slice::<u8>()
+                        .unwrap()
+                        .iter()
+                        .map(|&v| v as i32)
+                        .collect()
+                };
+                for (at, &g) in got.iter().enumerate() {
+                    let (b, oy, ox, ch) =
+                        (at / (oh * ow * c), at / (ow * c) % oh, at / c % ow, at % c);
+                    let mut want = if signed { -128 } else { 0 };
+                    for ky in 0..k[0] {
+                        for kx in 0..k[1] {
+                            let iy = (oy as i64 * s[0] + ky * d[0]) - pads[0];
+                            let ix = (ox as i64 * s[1] + kx * d[1]) - pads[1];
+                            if (0..h as i64).contains(&iy) && (0..w as i64).contains(&ix) {
+                                let i = ((b * h + iy as usize) * w + ix as usize) * c + ch;
+                                want = want.max(value(bytes[i]));
+                            }
+                        }
+                    }
+                    assert_eq!(
+                        g, want,
+                        "seed {seed} case {case}: {n}x{h}x{w}x{c}, k {k:?} s {s:?} d {d:?} \
+                         pads {pads:?}, output ({b}, {oy}, {ox}, {ch}), {threads} threads"
+                    );
+                }
+            }
+        }
+        ferrum_kernels::pool::set_threads(None);
+    }
 
     #[test]
     fn channel_transposes_of_bytes_match_the_generic_transpose() {
