@@ -59,7 +59,8 @@ pub struct RunArgs {
     /// activations into the Conv/Gemm/MatMul that produces them; 3 (the default) also runs
     /// chains of depthwise and dense convolutions (MobileNet's blocks) channels-last (f32; a
     /// large 1x1 expansion made row by row inside the depthwise convolution that reads it), and
-    /// chains of 8-bit QLinearConvs and QLinearAdds (a statically quantized ResNet's blocks).
+    /// chains of 8-bit QLinearConvs and QLinearAdds (a statically quantized ResNet's blocks),
+    /// and pools a channels-last tensor without turning it back to NCHW first.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=3))]
     pub opt_level: u32,
     /// Arithmetic of the float MatMul/Gemm/Conv products with constant weights: f32 (the

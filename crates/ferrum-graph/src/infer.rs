@@ -301,6 +301,13 @@ fn infer_node(n: &Node, s: &mut Shapes) -> Option<Vec<usize>> {
             }
             Some(out)
         }
+        "NhwcGlobalAveragePool" if n.domain == crate::passes::DOMAIN => {
+            let x = x?;
+            let [b, _, _, c] = x.as_slice() else {
+                return None;
+            };
+            Some(vec![*b, *c, 1, 1])
+        }
         "GlobalAveragePool" | "GlobalMaxPool" => {
             let x = x?;
             let mut o = x.get(..2)?.to_vec();
@@ -574,7 +581,7 @@ pub fn node_flops(n: &Node, s: &Shapes) -> Option<f64> {
                 .product();
             Some(numel(out?) * k as f64)
         }
-        "GlobalAveragePool" | "GlobalMaxPool" => Some(numel(inp(0)?)),
+        "GlobalAveragePool" | "GlobalMaxPool" | "NhwcGlobalAveragePool" => Some(numel(inp(0)?)),
         "Softmax"
         | "LogSoftmax"
         | "LayerNormalization"

@@ -1419,6 +1419,94 @@ fn a_quantized_stem_and_max_pool_run_channels_last() {
 }
 
 #[test]
+fn a_global_pool_behind_a_transpose_from_channels_last_reads_it_in_place() {
+    // A channels-last image turned to NCHW and pooled (a channels-last region's exit, or a model
+    // from a channels-last framework): the pool reads the channels-last tensor and the transpose
+    // goes, the same bits as level 0. With a per-tensor DequantizeLinear between the two (an
+    // 8-bit region's exit), the dequantize moves before the transpose. A transpose read
+    // elsewhere too stays. Some inputs hold +-2^60, which absorb the small values they meet in
+    // a partial sum: a different summation order would show.
+    let mut r = rng();
+    let (h, w, c) = (7i64, 5i64, 70i64);
+    let perm = || vec![attr_ints("perm", &[0, 3, 1, 2])];
+    let mut feeds = || {
+        let mut x = randv(&mut r, (h * w * c) as usize);
+        for v in x.iter_mut() {
+            if v.abs() > 0.8 {
+                *v = v.signum() * 2f32.powi(60);
+            }
+        }
+        [("x", vec![1, h as usize, w as usize, c as usize], x)]
+    };
+    let mp = model(
+        vec![
+            node("Transpose", &["x"], &["t"], perm()),
+            node("GlobalAveragePool", &["t"], &["y"], vec![]),
+        ],
+        vec![f32_in("x", &[1, h, w, c])],
+        vec![f32_out("y")],
+        vec![],
+        17,
+    );
+    for _ in 0..3 {
+        check(
+            &mp,
+            OptLevel::All,
+            &feeds(),
+            &["com.ferrum.NhwcGlobalAveragePool"],
+            0.0,
+        );
+    }
+    let quantized = model(
+        vec![
+            node("QuantizeLinear", &["x", "s", "z"], &["q"], vec![]),
+            node("Transpose", &["q"], &["t"], perm()),
+            node("DequantizeLinear", &["t", "s", "z"], &["d"], vec![]),
+            node("GlobalAveragePool", &["d"], &["y"], vec![]),
+        ],
+        vec![f32_in("x", &[1, h, w, c])],
+        vec![f32_out("y")],
+        vec![
+            init("s", &[], vec![0.05]),
+            int8_init("z", &[], false, vec![131]),
+        ],
+        17,
+    );
+    for _ in 0..3 {
+        let mut x = feeds();
+        x[0].2.iter_mut().for_each(|v| *v = v.clamp(-6.0, 6.0));
+        check(
+            &quantized,
+            OptLevel::All,
+            &x,
+            &[
+                "QuantizeLinear",
+                "DequantizeLinear",
+                "com.ferrum.NhwcGlobalAveragePool",
+            ],
+            0.0,
+        );
+    }
+    let read_twice = model(
+        vec![
+            node("Transpose", &["x"], &["t"], perm()),
+            node("GlobalAveragePool", &["t"], &["y"], vec![]),
+        ],
+        vec![f32_in("x", &[1, h, w, c])],
+        vec![f32_out("y"), f32_out("t")],
+        vec![],
+        17,
+    );
+    check(
+        &read_twice,
+        OptLevel::All,
+        &feeds(),
+        &["Transpose", "GlobalAveragePool"],
+        0.0,
+    );
+}
+
+#[test]
 fn a_lone_quantized_convolution_stays_nchw() {
     // One QLinearConv between a QuantizeLinear and a DequantizeLinear: transposes around it
     // would move as many bytes as the kernel turns around itself, so it is left as it is.

@@ -312,6 +312,19 @@ pub fn global_avg_pool_f32(x: &[f32], plane: usize) -> Vec<f32> {
         .collect()
 }
 
+/// GlobalAveragePool of channels-last float32 images (`[N, pixels, C]`) into `[N, C]`: the same
+/// bits as [`global_avg_pool_f32`] on the NCHW planes (each channel summed in the same order,
+/// divided and rounded alike). `pixels, c > 0`.
+pub fn global_avg_pool_nhwc_f32(x: &[f32], pixels: usize, c: usize) -> Vec<f32> {
+    x.chunks_exact(pixels * c)
+        .flat_map(|img| {
+            vecmath::channel_sums_f64(img, c)
+                .into_iter()
+                .map(|s| (s / pixels as f64) as f32)
+        })
+        .collect()
+}
+
 /// Transpose of a float32 tensor: dims of size 1 dropped and dims that stay adjacent merged,
 /// then output rows copied when the input is contiguous along the output's last dim, else
 /// 16-row tiles read along the input's contiguous dim. The same elements as the reference,
@@ -510,6 +523,54 @@ mod tests {
 
     fn same(a: f32, b: f32) -> bool {
         a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+    }
+
+    #[test]
+    fn channels_last_global_average_pool_gives_the_planes_bits() {
+        // Fresh images (with NaN, infinities and signed zeros in some), pixel counts below, at
+        // and past whole groups of lanes, channels in one or more blocks: each output against
+        // the NCHW planes' pool bit for bit.
+        let seed: u64 = rand::random();
+        let mut r = rng(seed);
+        for case in 0..40 {
+            let n = 1 + (r() * 2.0) as usize;
+            let pixels = 1 + (r() * 70.0) as usize;
+            let c = 1 + (r() * 150.0) as usize;
+            // In most cases a fifth of the values +-2^60, which absorb the small ones they meet
+            // in a partial sum: a different order gives a different result.
+            let mut x = values(&mut r, n * pixels * c, case % 4 == 0);
+            if case % 4 != 1 {
+                for v in x.iter_mut() {
+                    let u = r();
+                    if u < 0.2 {
+                        *v = if u < 0.1 {
+                            2f32.powi(60)
+                        } else {
+                            -(2f32.powi(60))
+                        };
+                    }
+                }
+            }
+            // The same values as NCHW planes.
+            let mut planes = vec![0f32; x.len()];
+            for b in 0..n {
+                for p in 0..pixels {
+                    for j in 0..c {
+                        planes[(b * c + j) * pixels + p] = x[(b * pixels + p) * c + j];
+                    }
+                }
+            }
+            let want = global_avg_pool_f32(&planes, pixels);
+            let got = global_avg_pool_nhwc_f32(&x, pixels, c);
+            assert_eq!(got.len(), n * c);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                // Bit for bit; a NaN as any NaN (its payload is the compiler's choice).
+                assert!(
+                    same(*g, *w),
+                    "seed {seed} case {case}: {n}x{pixels}x{c}, output {i}: {g} vs {w}"
+                );
+            }
+        }
     }
 
     /// The element of `s` (broadcast to `out`) at the output's flat index `i`.

@@ -248,6 +248,25 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
         "QLinearAdd" => crate::ops::quant::qlinear_add(cx)?,
         "NhwcQLinearConv" => crate::ops::conv::nhwc_qlinear_conv(cx)?,
         "NhwcMaxPool" => crate::ops::conv::nhwc_max_pool(cx)?,
+        "NhwcGlobalAveragePool" => {
+            // Channels-last `[N, H, W, C]` in, GlobalAveragePool's `[N, C, 1, 1]` out (the
+            // same bytes as `[N, 1, 1, C]`).
+            let x = cx.t(0)?;
+            let &[n, h, w, c] = x.shape() else {
+                kbail!(
+                    "NhwcGlobalAveragePool expects [N, H, W, C], got {:?}",
+                    x.shape()
+                );
+            };
+            if x.dtype() != DType::F32 {
+                return Err(unsupported("NhwcGlobalAveragePool on non-float32 input"));
+            }
+            if h * w == 0 || c == 0 {
+                kbail!("NhwcGlobalAveragePool of an empty image {:?}", x.shape());
+            }
+            let v = crate::ops::fast::global_avg_pool_nhwc_f32(x.as_slice::<f32>()?, h * w, c);
+            Tensor::from_vec(vec![n, c, 1, 1], v)?
+        }
         "FusedAttention" => crate::ops::attention::fused_attention(cx)?,
         "Gelu" => {
             let x = cx.t(0)?;

@@ -1042,6 +1042,38 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// Per channel `j < c` of channels-last values `x` (`[pixels, c]`), the f64 sum of that
+    /// channel's values in [`sum_f64`]'s order over them (what `sum_slice_f64` gives for the
+    /// channel's NCHW plane): pixel `p` of the whole groups of `L` into lane `p % L`, the
+    /// pixels left over in order, then their sum plus the lanes' sum. `c > 0`.
+    pub fn channel_sums_f64(x: &[f32], c: usize) -> Vec<f64> {
+        // Channels in blocks of B, so that a block's lanes (8 KiB) stay in the first-level
+        // cache.
+        const B: usize = 64;
+        let pixels = x.len() / c;
+        let full = pixels / L * L;
+        let mut sums = Vec::with_capacity(c);
+        for j0 in (0..c).step_by(B) {
+            let w = B.min(c - j0);
+            let mut lanes = [[0f64; B]; L];
+            let mut rest = [0f64; B];
+            for p in 0..pixels {
+                let acc = if p < full {
+                    &mut lanes[p % L]
+                } else {
+                    &mut rest
+                };
+                for (a, &v) in acc[..w].iter_mut().zip(&x[p * c + j0..][..w]) {
+                    *a += v as f64;
+                }
+            }
+            sums.extend((0..w).map(|j| rest[j] + lanes.iter().map(|l| l[j]).sum::<f64>()));
+        }
+        sums
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -938,3 +938,96 @@ fn value_dtype(model: &Model, v: ValueId) -> Option<DType> {
         _ => None,
     }
 }
+
+/// A GlobalAveragePool whose input is a channels-last tensor turned back to NCHW (a transpose
+/// with `perm = [0, 3, 1, 2]`: a channels-last region's exit, or a model from a channels-last
+/// framework) reads the channels-last tensor itself: `com.ferrum.NhwcGlobalAveragePool`, the
+/// same bits (each channel summed in the NCHW pool's order). With a per-tensor float32
+/// DequantizeLinear between the two (an 8-bit region's exit), the dequantize moves before the
+/// transpose (elementwise with one scale and zero point, it commutes with it). The transpose,
+/// then read by nothing, goes with dead-code elimination. Returns the pools rewritten.
+pub fn channels_last_pool(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let g = &model.graph;
+    if !g.nodes.iter().any(|n| is_op(n, "GlobalAveragePool")) {
+        return 0;
+    }
+    let shapes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| static_shapes(model)))
+        .unwrap_or_default();
+    let uses = Uses::of(g);
+    // The node producing `v` when `v` is read by that one reader only.
+    let only_for = |v: ValueId| uses.sole_reader(v).and(uses.producer.get(&v).copied());
+    let scalar = |v: Option<ValueId>, dtypes: &[DType]| {
+        v.and_then(|v| constant(g, v))
+            .is_some_and(|t| t.len() == 1 && dtypes.contains(&t.dtype()))
+    };
+    // (pool, the transpose's channels-last input, the dequantize between them).
+    let mut found: Vec<(usize, ValueId, Option<usize>)> = Vec::new();
+    for (i, n) in g.nodes.iter().enumerate() {
+        if !is_op(n, "GlobalAveragePool") || n.inputs.len() != 1 || n.outputs.len() != 1 {
+            continue;
+        }
+        let Some(pi) = n.inputs[0].and_then(only_for) else {
+            continue;
+        };
+        let p = &g.nodes[pi];
+        let (ti, dq) = if is_op(p, "Transpose") {
+            (pi, None)
+        } else if is_op(p, "DequantizeLinear")
+            && p.outputs.len() == 1
+            && attr_i(p, "block_size", 0) == 0
+            && scalar(p.inputs.get(1).copied().flatten(), &[DType::F32])
+            && (p.inputs.get(2).copied().flatten().is_none()
+                || scalar(
+                    p.inputs.get(2).copied().flatten(),
+                    &[DType::U8, DType::I8, DType::I32],
+                ))
+        {
+            match p.inputs[0].and_then(only_for) {
+                Some(ti) => (ti, Some(pi)),
+                None => continue,
+            }
+        } else {
+            continue;
+        };
+        let t = &g.nodes[ti];
+        if !is_op(t, "Transpose") || ints(t, "perm") != Some(TO_NCHW.map(|p| p as i64).to_vec()) {
+            continue;
+        }
+        let Some(src) = t.inputs.first().copied().flatten() else {
+            continue;
+        };
+        let ok_shape = shapes
+            .get(Some(src))
+            .is_some_and(|s| s.len() == 4 && !s.contains(&0));
+        // Float32 into the pool: the value itself, or what the dequantize makes.
+        if ok_shape && (dq.is_some() || value_dtype(model, src) == Some(DType::F32)) {
+            found.push((i, src, dq));
+        }
+    }
+    for &(i, src, dq) in &found {
+        let mut x = src;
+        if let Some(di) = dq {
+            let name = format!("{}#nhwc", model.value(src).name);
+            let shape = shapes.get(Some(src)).expect("checked above").clone();
+            x = new_value(model, name, &shape);
+            let d = &mut model.graph.nodes[di];
+            d.inputs[0] = Some(src);
+            d.outputs[0] = Some(x);
+        }
+        let n = &mut model.graph.nodes[i];
+        n.op = "NhwcGlobalAveragePool".into();
+        n.domain = DOMAIN.into();
+        n.opset = 1;
+        n.inputs = vec![Some(x)];
+        log.push(format!(
+            "{} -> NhwcGlobalAveragePool (reads the channels-last input{})",
+            n.name,
+            if dq.is_some() {
+                ", dequantized before the transpose"
+            } else {
+                ""
+            }
+        ));
+    }
+    found.len()
+}

@@ -8,12 +8,12 @@
 //! | 0 `Disabled` | none: the graph runs as imported |
 //! | 1 `Basic` | constant folding, Identity/Dropout elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights; then constant weights packed for the GEMM ([`PackedWeights`]; in bf16 for the tile unit with [`Precision::Bf16`]) |
 //! | 2 `Extended` | level 1, then the erf form of GELU into one node, multi-head attention (MatMul, scale, mask, Softmax, MatMul) into one `FusedAttention` node, a dynamically quantized MatMul's MatMulInteger + Cast + scale Mul (+ bias Add) into one MatMulIntegerToFloat, (before constant folding) a statically quantized model's QDQ groups into integer operators (Conv into QLinearConv, a residual Add into QLinearAdd, a Linear's Gemm into MatMulIntegerToFloat on the integer weights: `passes/qdq.rs`), and bias, residual Add and activation fused into the Conv, Gemm or MatMul (activation only: MatMulIntegerToFloat) that produces their input ([`crate::ops`]' `com.ferrum` ops) |
-//! | 3 `All` | level 2, then chains of depthwise and pointwise convolutions moved to channels-last (`NhwcConv` on `[N, H, W, C]` tensors, transposes at the region's edges; f32 sessions; a large 1x1 expansion and the depthwise convolution that reads it as one `NhwcExpandDepthwise`), and chains of 8-bit QLinearConvs and QLinearAdds likewise (`NhwcQLinearConv`; a dequantized max pool between them as `NhwcMaxPool` on the bytes) |
+//! | 3 `All` | level 2, then chains of depthwise and pointwise convolutions moved to channels-last (`NhwcConv` on `[N, H, W, C]` tensors, transposes at the region's edges; f32 sessions; a large 1x1 expansion and the depthwise convolution that reads it as one `NhwcExpandDepthwise`), and chains of 8-bit QLinearConvs and QLinearAdds likewise (`NhwcQLinearConv`; a dequantized max pool between them as `NhwcMaxPool` on the bytes); a GlobalAveragePool reading a channels-last tensor through a transpose (and a per-tensor DequantizeLinear) reads it in place (`NhwcGlobalAveragePool`) |
 //!
 //! Fused nodes live in the `com.ferrum` domain: `FusedConv` (Conv's inputs, then an optional
 //! residual `Z` added before the activation), `NhwcConv` (the same on channels-last tensors,
 //! filter `[kh, kw, C/group, M]`; see `layout`), `NhwcExpandDepthwise` (a 1x1 expansion's X, W, bias, then a depthwise filter, its bias and a residual; the expansion's activation in `expand_activation`), `NhwcQLinearConv` (QLinearConv's inputs on
-//! channels-last 8-bit tensors), `NhwcMaxPool` (MaxPool on channels-last bytes), `FusedGemm`, `FusedMatMul` (A, B, an optional bias
+//! channels-last 8-bit tensors), `NhwcMaxPool` (MaxPool on channels-last bytes), `NhwcGlobalAveragePool` (GlobalAveragePool of a channels-last float32 tensor, output `[N, C, 1, 1]`), `FusedGemm`, `FusedMatMul` (A, B, an optional bias
 //! along the last axis), `FusedAttention` (see `attention`) and `Gelu`, each with an `activation` attribute (and
 //! `activation_params`), and `MatMulIntegerToFloat` (A, B, a_scale, a_zero_point, b_scale,
 //! b_zero_point, bias: ONNX Runtime's op of that name, with the same optional activation). Subgraphs (If/Loop/Scan bodies) are left as they are.
@@ -147,6 +147,12 @@ pub fn optimize(model: &mut Model, level: OptLevel, precision: Precision) -> Res
             "8-bit channels-last layout",
             model,
             layout::quantized_channels_last,
+        );
+        run(
+            &mut report,
+            "channels-last global pool",
+            model,
+            layout::channels_last_pool,
         );
         run(&mut report, "dead-code elimination", model, fold::dead_code);
     }
