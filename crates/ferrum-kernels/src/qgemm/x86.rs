@@ -546,8 +546,6 @@ impl Epilogue for Q8x64 {
         _fin: &Finish,
     ) {
         debug_assert_eq!(P, 4);
-        let hold = _mm512_set1_ps(super::Q8_HOLD);
-        let neg_hold = _mm512_set1_ps(-super::Q8_HOLD);
         let zero = _mm512_set1_epi32(self.zero);
         for (r, row) in acc.iter().enumerate() {
             // A plain loop, not a closure: a closure would not inherit the target features.
@@ -558,9 +556,8 @@ impl Epilogue for Q8x64 {
                     _mm512_mul_ps(_mm512_cvtepi32_ps(v), self.scale[c]),
                     self.bias[c],
                 );
-                // `min(y, hold)` gives `hold` for a NaN y (the second operand), as f32::min.
-                let y = _mm512_max_ps(_mm512_min_ps(y, hold), neg_hold);
-                *out = _mm512_add_epi32(_mm512_cvtps_epi32(y), zero);
+                // SAFETY: inlined into the VNNI kernels (AVX-512F).
+                *out = unsafe { held_rounded(y, zero) };
             }
             // SAFETY: (i0 + r, j0..j0 + 64) is in this task's tile, 64 bytes from
             // (i0 + r) * rs + j0 (see OutPtr).
@@ -725,13 +722,21 @@ fn lanes_f32(cols: &Cols16, v: __m512i) -> __m512 {
 #[inline]
 fn q8_lanes(fin: &Finish, i: usize, cols: &Cols16, raw: __m512i, zero: i32) -> __m512i {
     let y = lanes_f32(cols, lanes_i32(fin, i, cols, raw));
+    // SAFETY: this function's features include AVX-512F.
+    unsafe { held_rounded(y, _mm512_set1_epi32(zero)) }
+}
+
+/// The float values `y` held within `+-Q8_HOLD` (NaN as +hold), rounded half to even (the
+/// default rounding mode), plus `zero`: [`QOut::Q8`](super::QOut::Q8) before the clamp.
+///
+/// # Safety
+/// AVX-512F present (always inlined into kernels compiled for it).
+#[inline(always)]
+unsafe fn held_rounded(y: __m512, zero: __m512i) -> __m512i {
     // `min(y, hold)` gives `hold` for a NaN y (the second operand), as f32::min.
     let hold = _mm512_set1_ps(super::Q8_HOLD);
-    let y = _mm512_max_ps(
-        _mm512_min_ps(y, hold),
-        _mm512_sub_ps(_mm512_setzero_ps(), hold),
-    );
-    _mm512_add_epi32(_mm512_cvtps_epi32(y), _mm512_set1_epi32(zero))
+    let y = _mm512_max_ps(_mm512_min_ps(y, hold), _mm512_set1_ps(-super::Q8_HOLD));
+    _mm512_add_epi32(_mm512_cvtps_epi32(y), zero)
 }
 
 /// Stores [`q8_lanes`]' values of 64 columns (`q[v]` columns 16v..16v + 16) as bytes: two
