@@ -641,17 +641,15 @@ struct Cols16 {
 
 impl Cols16 {
     /// Placeholder terms of a partial panel, never read.
+    #[target_feature(enable = "avx512f")]
     fn unused(j0: usize) -> Cols16 {
-        // SAFETY: zeroed vectors, all bits valid.
-        unsafe {
-            Cols16 {
-                j0,
-                col_sums: _mm512_setzero_si512(),
-                za_col_sums: None,
-                b_terms: _mm512_setzero_si512(),
-                scale: _mm512_setzero_ps(),
-                bias: None,
-            }
+        Cols16 {
+            j0,
+            col_sums: _mm512_setzero_si512(),
+            za_col_sums: None,
+            b_terms: _mm512_setzero_si512(),
+            scale: _mm512_setzero_ps(),
+            bias: None,
         }
     }
 
