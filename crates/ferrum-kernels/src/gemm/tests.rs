@@ -250,6 +250,33 @@ fn gemm_ex_random_epilogues_and_packed_operands_match_the_f64_reference() {
 }
 
 #[test]
+fn whole_tiles_with_convolution_epilogues_match_the_f64_reference() {
+    // The epilogues a convolution or a linear layer asks for (a bias per row or column, a
+    // residual, the identity, Relu or Clip), on products whose tiles are mostly whole, with K in
+    // one block or several (C then accumulated across the blocks before the epilogue), plain
+    // and packed, so each kernel's whole-tile epilogue runs in every combination.
+    let mut rng = rng();
+    let acts = [Act::Identity, Act::Relu, Act::Clip { lo: -0.25, hi: 0.5 }];
+    for isa in available_isas() {
+        for case in 0..48 {
+            let c = Case {
+                m: rng.gen_range(24..2 * MC),
+                n: 64 * rng.gen_range(1..3),
+                k: [rng.gen_range(1..kc()), rng.gen_range(kc() + 1..3 * kc())][case % 2],
+                alpha: 1.0,
+                beta: [0.0, 1.0][case / 2 % 2],
+                bias: case / 4 % 3,
+                act: acts[case / 12 % 3],
+                packed_a: rng.gen(),
+                packed_b: rng.gen(),
+                bf16: false,
+            };
+            run_case(&mut rng, &c, isa, 1 + case % 2);
+        }
+    }
+}
+
+#[test]
 fn bf16_products_match_the_f64_reference_on_rounded_operands() {
     if !bf16_supported() {
         eprintln!("skipped: this CPU (or FERRUM_NO_AVX512) runs no bf16 product");

