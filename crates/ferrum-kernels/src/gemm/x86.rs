@@ -116,15 +116,17 @@ unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize, const IN
         }
         return;
     }
-    if out.alpha == 1.0 && cols == 16 * NV {
+    if out.alpha == 1.0 {
         if let Some(e) = &out.epi {
-            // A whole tile with a bias, residual or simple activation (a convolution's or a
-            // linear layer's epilogue): written from the registers, the activation chosen once
-            // for the tile. SAFETY (each call): forwarded from the caller.
+            // A tile with a bias, residual or simple activation (a convolution's or a linear
+            // layer's epilogue): written from the registers, the activation chosen once for
+            // the tile. SAFETY (each call): forwarded from the caller.
             match e.act {
-                Act::Identity => return unsafe { write_whole_avx512::<R, NV, 0>(&t, e, out) },
-                Act::Relu => return unsafe { write_whole_avx512::<R, NV, 1>(&t, e, out) },
-                Act::Clip { .. } => return unsafe { write_whole_avx512::<R, NV, 2>(&t, e, out) },
+                Act::Identity => return unsafe { write_epi_avx512::<R, NV, 0>(&t, cols, e, out) },
+                Act::Relu => return unsafe { write_epi_avx512::<R, NV, 1>(&t, cols, e, out) },
+                Act::Clip { .. } => {
+                    return unsafe { write_epi_avx512::<R, NV, 2>(&t, cols, e, out) }
+                }
                 _ => {}
             }
         }
@@ -133,11 +135,11 @@ unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize, const IN
     unsafe { write_avx512::<R, NV>(t, cols, out) };
 }
 
-/// Writes a whole tile (`16 * NV` columns, `csc == 1`, `alpha == 1`) with its epilogue:
-/// [`write_avx512`]'s operations in its order (C's old value where it accumulates, row bias,
-/// column bias, residual, activation), so the same bits, with the activation fixed at compile
-/// time (`ACT`: 0 identity, 1 [`Act::Relu`], 2 [`Act::Clip`]) and the column bias loaded once
-/// for the tile. MobileNetV2's 1x1 layers spent 9% of the network's time in the out-of-line
+/// Writes a tile (`csc == 1`, `alpha == 1`, its first `cols` columns, a masked right edge as
+/// [`write_avx512`]'s) with its epilogue: [`write_avx512`]'s operations in its order (C's old
+/// value where it accumulates, row bias, column bias, residual, activation), so the same bits,
+/// with the activation fixed at compile time (`ACT`: 0 identity, 1 [`Act::Relu`], 2
+/// [`Act::Clip`]) and the column bias loaded once for the tile. MobileNetV2's 1x1 layers spent 9% of the network's time in the out-of-line
 /// general writer (the tile's 24 vectors stored and reloaded, a branch per vector); through
 /// this one the expansion-and-depthwise layers run 3-5% faster (`cargo bench --bench conv`).
 ///
@@ -146,14 +148,24 @@ unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize, const IN
 /// function cannot have.
 ///
 /// # Safety
-/// As [`tile_avx512`]: `out` addresses an `R x 16 * NV` tile with `csc == 1`, and `e`'s bias
-/// and residual pointers (where not null) its rows and columns; the CPU supports AVX-512F.
+/// As [`tile_avx512`]: `16 * (NV - 1) < cols <= 16 * NV`, `out` addresses an `R x cols` tile
+/// with `csc == 1`, and `e`'s bias and residual pointers (where not null) its rows and
+/// columns; the CPU supports AVX-512F.
 #[inline(always)]
-unsafe fn write_whole_avx512<const R: usize, const NV: usize, const ACT: u8>(
+unsafe fn write_epi_avx512<const R: usize, const NV: usize, const ACT: u8>(
     t: &[[__m512; NV]; R],
+    cols: usize,
     e: &TileEpi,
     out: &Out,
 ) {
+    let tail: __mmask16 = {
+        let left = cols - 16 * (NV - 1);
+        if left >= 16 {
+            0xffff
+        } else {
+            (1u16 << left) - 1
+        }
+    };
     let (lo, hi) = match e.act {
         Act::Clip { lo, hi } => (_mm512_set1_ps(lo), _mm512_set1_ps(hi)),
         _ => (_mm512_setzero_ps(), _mm512_setzero_ps()),
@@ -162,19 +174,22 @@ unsafe fn write_whole_avx512<const R: usize, const NV: usize, const ACT: u8>(
     let mut col = [_mm512_setzero_ps(); NV];
     if !e.col.is_null() {
         for (v, c) in col.iter_mut().enumerate() {
-            // SAFETY: the tile's 16 * NV columns of the column bias (the caller's extent).
-            *c = unsafe { _mm512_loadu_ps(e.col.add(16 * v)) };
+            let mask = if v == NV - 1 { tail } else { 0xffff };
+            // SAFETY: the tile's masked columns of the column bias (the caller's extent).
+            *c = unsafe { _mm512_maskz_loadu_ps(mask, e.col.add(16 * v)) };
         }
     }
     for (r, row) in t.iter().enumerate() {
         for (v, &x) in row.iter().enumerate() {
-            // SAFETY: r < R rows and 16 * NV columns lie in the tile the caller vouched for,
-            // as do the row bias and the residual (C's extent).
+            let mask = if v == NV - 1 { tail } else { 0xffff };
+            // SAFETY: r < R rows and the masked columns (< cols) lie in the tile the caller
+            // vouched for, as do the row bias and the residual (C's extent); masked-off lanes
+            // are neither read nor written.
             unsafe {
                 let p = out.c.add(r * out.rsc + 16 * v);
                 let mut x = x;
                 if out.acc {
-                    x = _mm512_add_ps(x, _mm512_loadu_ps(p));
+                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, p));
                 }
                 if !e.row.is_null() {
                     x = _mm512_add_ps(x, _mm512_set1_ps(*e.row.add(r)));
@@ -183,7 +198,8 @@ unsafe fn write_whole_avx512<const R: usize, const NV: usize, const ACT: u8>(
                     x = _mm512_add_ps(x, col[v]);
                 }
                 if !e.z.is_null() {
-                    x = _mm512_add_ps(x, _mm512_loadu_ps(e.z.add(r * out.rsc + 16 * v)));
+                    let z = e.z.add(r * out.rsc + 16 * v);
+                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, z));
                 }
                 // `act_avx512`'s operations for the kinds named by ACT.
                 x = match ACT {
@@ -191,7 +207,11 @@ unsafe fn write_whole_avx512<const R: usize, const NV: usize, const ACT: u8>(
                     2 => _mm512_min_ps(hi, _mm512_max_ps(lo, x)),
                     _ => x,
                 };
-                _mm512_storeu_ps(p, x);
+                if mask == 0xffff {
+                    _mm512_storeu_ps(p, x);
+                } else {
+                    _mm512_mask_storeu_ps(p, mask, x);
+                }
             }
         }
     }
