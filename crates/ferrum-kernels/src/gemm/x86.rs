@@ -139,9 +139,10 @@ unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize, const IN
 /// [`write_avx512`]'s) with its epilogue: [`write_avx512`]'s operations in its order (C's old
 /// value where it accumulates, row bias, column bias, residual, activation), so the same bits,
 /// with the activation fixed at compile time (`ACT`: 0 identity, 1 [`Act::Relu`], 2
-/// [`Act::Clip`]) and the column bias loaded once for the tile. MobileNetV2's 1x1 layers spent 9% of the network's time in the out-of-line
-/// general writer (the tile's 24 vectors stored and reloaded, a branch per vector); through
-/// this one the expansion-and-depthwise layers run 3-5% faster (`cargo bench --bench conv`).
+/// [`Act::Clip`]) and the column bias loaded once for the tile. MobileNetV2's 1x1 layers spent
+/// 9% of the network's time in the out-of-line general writer (the tile's 24 vectors stored and
+/// reloaded, a branch per vector); through this one the expansion-and-depthwise layers run 3-5%
+/// faster (`cargo bench --bench conv`).
 ///
 /// Always inlined into [`tile_avx512`] (so the tile stays in registers), whose AVX-512 feature
 /// its intrinsics then run under: it has no target feature of its own, which an always-inlined
@@ -158,14 +159,7 @@ unsafe fn write_epi_avx512<const R: usize, const NV: usize, const ACT: u8>(
     e: &TileEpi,
     out: &Out,
 ) {
-    let tail: __mmask16 = {
-        let left = cols - 16 * (NV - 1);
-        if left >= 16 {
-            0xffff
-        } else {
-            (1u16 << left) - 1
-        }
-    };
+    let tail = edge_mask::<NV>(cols);
     let (lo, hi) = match e.act {
         Act::Clip { lo, hi } => (_mm512_set1_ps(lo), _mm512_set1_ps(hi)),
         _ => (_mm512_setzero_ps(), _mm512_setzero_ps()),
@@ -217,6 +211,17 @@ unsafe fn write_epi_avx512<const R: usize, const NV: usize, const ACT: u8>(
     }
 }
 
+/// The lanes of a tile's last vector that lie inside its `cols` columns (`16 * (NV - 1) < cols
+/// <= 16 * NV`).
+fn edge_mask<const NV: usize>(cols: usize) -> __mmask16 {
+    let left = cols - 16 * (NV - 1);
+    if left >= 16 {
+        0xffff
+    } else {
+        (1u16 << left) - 1
+    }
+}
+
 /// Writes a tile per `out` on the general path: `alpha`, a masked right edge, the epilogue.
 /// Kept out of line so that the common path keeps the tile in registers.
 ///
@@ -230,14 +235,7 @@ pub(super) unsafe fn write_avx512<const R: usize, const NV: usize>(
     out: &Out,
 ) {
     let alpha = _mm512_set1_ps(out.alpha);
-    let tail: __mmask16 = {
-        let left = cols - 16 * (NV - 1);
-        if left >= 16 {
-            0xffff
-        } else {
-            (1u16 << left) - 1
-        }
-    };
+    let tail = edge_mask::<NV>(cols);
     for (r, row) in t.iter().enumerate() {
         for (v, &x) in row.iter().enumerate() {
             let mask = if v == NV - 1 { tail } else { 0xffff };
