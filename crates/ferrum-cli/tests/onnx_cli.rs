@@ -242,6 +242,70 @@ fn inspect_lists_io_ops_parameters_and_flops() {
 }
 
 #[test]
+fn huge_pages_change_no_output() {
+    // `--huge-pages` (the default) runs the process again with glibc's huge-page tunable where
+    // the system gives huge pages on request: the same outputs as without it, with other
+    // tunables kept, and it runs itself again once (the run ends).
+    let d = Dir::new("huge");
+    let m = write_model(&d);
+    let x = [1.0f32, 2.0, 3.0, -1.0, 0.0, 4.0];
+    let t = Tensor::from_vec(vec![2, 3], x.to_vec()).unwrap();
+    std::fs::write(d.path("in/input_0.pb"), encode(&tensor_to_proto(&t, "x"))).unwrap();
+    let on_request = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_ok_and(|s| s.contains("[madvise]"))
+        && cfg!(all(target_os = "linux", target_env = "gnu"));
+    let run = |tag: &str, huge: &str, tunables: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrum"));
+        cmd.args([
+            "run",
+            "--model",
+            m.to_str().unwrap(),
+            "--inputs",
+            d.path("in").to_str().unwrap(),
+            "--outputs",
+            d.path(tag).to_str().unwrap(),
+            "--huge-pages",
+            huge,
+        ])
+        .env("FERRUM_LOG", "info");
+        match tunables {
+            Some(v) => cmd.env("GLIBC_TUNABLES", v),
+            None => cmd.env_remove("GLIBC_TUNABLES"),
+        };
+        let out = cmd.output().expect("run ferrum");
+        assert!(
+            out.status.success(),
+            "{tag}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let logged = String::from_utf8_lossy(&out.stderr).into_owned();
+        let files: Vec<Vec<u8>> = ["output_0.pb", "output_1.pb"]
+            .iter()
+            .map(|f| std::fs::read(d.path(tag).join(f)).unwrap())
+            .collect();
+        (logged, files)
+    };
+    let (log_off, off) = run("off", "false", None);
+    let (log_on, on) = run("on", "true", None);
+    let (log_kept, kept) = run("kept", "true", Some("glibc.malloc.tcache_count=7"));
+    assert_eq!(on, off, "outputs with and without huge pages");
+    assert_eq!(kept, off, "outputs with another tunable set");
+    assert!(!log_off.contains("heap on huge pages"), "{log_off}");
+    if on_request {
+        assert!(
+            log_on.contains("heap on huge pages: GLIBC_TUNABLES=glibc.malloc.hugetlb=1"),
+            "{log_on}"
+        );
+        assert!(
+            log_kept.contains(
+                "heap on huge pages: GLIBC_TUNABLES=glibc.malloc.tcache_count=7:glibc.malloc.hugetlb=1"
+            ),
+            "{log_kept}"
+        );
+    }
+}
+
+#[test]
 fn run_repeat_prints_timing_and_profile_and_keeps_outputs() {
     let d = Dir::new("repeat");
     let m = write_model(&d);
