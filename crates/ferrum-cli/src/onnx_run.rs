@@ -76,7 +76,10 @@ pub struct RunArgs {
     /// tunable added to GLIBC_TUNABLES (unless that already names it), so that every stretch
     /// of heap glibc maps is advised before use. Products that stream their weights from
     /// memory then take far fewer TLB misses (on an AMD Zen 4: MobileNetV2 about 7% faster,
-    /// ResNet-50 1-6%, BERT-base 2%). `--huge-pages false` keeps the system's default.
+    /// ResNet-50 1-6%, BERT-base 2%). The cost is at session creation, where each huge page is
+    /// zeroed as it is first touched: on that (virtual) host up to 1-1.5 s more for the
+    /// 350-440 MB transformers, while small models often loaded faster. `--huge-pages false`
+    /// keeps the system's default.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub huge_pages: bool,
 }
