@@ -75,11 +75,12 @@ pub struct RunArgs {
     /// `madvise`): the process then runs itself again with glibc's `glibc.malloc.hugetlb=1`
     /// tunable added to GLIBC_TUNABLES (unless that already names it), so that every stretch
     /// of heap glibc maps is advised before use. Products that stream their weights from
-    /// memory then take far fewer TLB misses (on an AMD Zen 4: MobileNetV2 about 7% faster,
-    /// ResNet-50 1-6%, BERT-base 2%). The cost is at session creation, where each huge page is
-    /// zeroed as it is first touched: on that (virtual) host up to 1-1.5 s more for the
-    /// 350-440 MB transformers, while small models often loaded faster. `--huge-pages false`
-    /// keeps the system's default.
+    /// memory then take far fewer TLB misses: a few percent faster on average on an AMD Zen 4
+    /// (alternated series: MobileNetV2 0.93-1.0x the time, ResNet-50 0.84-1.06x, BERT-base
+    /// 0.98x). The cost is at session creation, where each huge page is zeroed as it is first
+    /// touched: on that (virtual) host up to 1-1.5 s more for the 350-440 MB transformers,
+    /// while the small CNNs often loaded faster. `--huge-pages false` keeps the system's
+    /// default.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub huge_pages: bool,
 }

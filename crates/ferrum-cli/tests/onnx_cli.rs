@@ -57,6 +57,14 @@ fn write_model(dir: &Dir) -> PathBuf {
     p
 }
 
+/// The [2, 3] input `x` of [`write_model`]'s model, written as `in/input_0.pb`; returned.
+fn write_input(dir: &Dir) -> [f32; 6] {
+    let x = [1.0f32, 2.0, 3.0, -1.0, 0.0, 4.0];
+    let t = Tensor::from_vec(vec![2, 3], x.to_vec()).unwrap();
+    std::fs::write(dir.path("in/input_0.pb"), encode(&tensor_to_proto(&t, "x"))).unwrap();
+    x
+}
+
 fn expected(x: &[f32]) -> Vec<f64> {
     let mut out = Vec::new();
     for r in x.chunks(3) {
@@ -77,9 +85,7 @@ fn read_pb(p: &Path) -> Tensor {
 fn run_reads_pb_inputs_and_writes_pb_outputs() {
     let d = Dir::new("pb");
     let m = write_model(&d);
-    let x = [1.0f32, 2.0, 3.0, -1.0, 0.0, 4.0];
-    let t = Tensor::from_vec(vec![2, 3], x.to_vec()).unwrap();
-    std::fs::write(d.path("in/input_0.pb"), encode(&tensor_to_proto(&t, "x"))).unwrap();
+    let x = write_input(&d);
     let out = ferrum(&[
         "run",
         "--model",
@@ -248,9 +254,7 @@ fn huge_pages_change_no_output() {
     // tunables kept, and it runs itself again once (the run ends).
     let d = Dir::new("huge");
     let m = write_model(&d);
-    let x = [1.0f32, 2.0, 3.0, -1.0, 0.0, 4.0];
-    let t = Tensor::from_vec(vec![2, 3], x.to_vec()).unwrap();
-    std::fs::write(d.path("in/input_0.pb"), encode(&tensor_to_proto(&t, "x"))).unwrap();
+    let x = write_input(&d);
     let on_request = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
         .is_ok_and(|s| s.contains("[madvise]"))
         && cfg!(all(target_os = "linux", target_env = "gnu"));
@@ -288,6 +292,10 @@ fn huge_pages_change_no_output() {
     let (log_off, off) = run("off", "false", None);
     let (log_on, on) = run("on", "true", None);
     let (log_kept, kept) = run("kept", "true", Some("glibc.malloc.tcache_count=7"));
+    let y = read_pb(&d.path("off/output_0.pb"));
+    for (a, b) in y.to_f64_vec().unwrap().iter().zip(expected(&x)) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
     assert_eq!(on, off, "outputs with and without huge pages");
     assert_eq!(kept, off, "outputs with another tunable set");
     assert!(!log_off.contains("heap on huge pages"), "{log_off}");
@@ -309,9 +317,7 @@ fn huge_pages_change_no_output() {
 fn run_repeat_prints_timing_and_profile_and_keeps_outputs() {
     let d = Dir::new("repeat");
     let m = write_model(&d);
-    let x = [1.0f32, 2.0, 3.0, -1.0, 0.0, 4.0];
-    let t = Tensor::from_vec(vec![2, 3], x.to_vec()).unwrap();
-    std::fs::write(d.path("in/input_0.pb"), encode(&tensor_to_proto(&t, "x"))).unwrap();
+    let x = write_input(&d);
     let out = ferrum(&[
         "run",
         "--quiet",
