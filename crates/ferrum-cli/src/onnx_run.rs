@@ -75,15 +75,27 @@ pub struct RunArgs {
     /// `madvise`): the process then runs itself again with glibc's `glibc.malloc.hugetlb=1`
     /// tunable added to GLIBC_TUNABLES (unless that already names it), so that every stretch
     /// of heap glibc maps is advised before use. Products that stream their weights from
-    /// memory then take far fewer TLB misses: a few percent faster on average on an AMD Zen 4
-    /// (alternated series: MobileNetV2 0.93-1.0x the time, ResNet-50 0.84-1.06x, BERT-base
-    /// 0.98x). The cost is at session creation, where each huge page is zeroed as it is first
-    /// touched: on that (virtual) host up to 1-1.5 s more for the 350-440 MB transformers,
-    /// while the small CNNs often loaded faster. `--huge-pages false` keeps the system's
-    /// default.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    pub huge_pages: bool,
+    /// memory then take fewer TLB misses: on an AMD Zen 4 0-7% faster depending on the host's
+    /// load (MobileNetV2 0.93-1.0x the time, ResNet-50 0.84-1.06x, BERT-base 0.98x). The cost
+    /// is at session creation, where each huge page is zeroed as it is first touched: on that
+    /// (virtual) host up to 1-1.5 s more for the 350-440 MB transformers, while the small CNNs
+    /// often loaded faster. `auto` (the default): on for model files up to 256 MiB; `on`,
+    /// `off`: always, never (`off` keeps the system's default).
+    #[arg(long, value_enum, default_value_t = HugePages::Auto)]
+    pub huge_pages: HugePages,
 }
+
+/// `--huge-pages`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HugePages {
+    Auto,
+    On,
+    Off,
+}
+
+/// The largest model file `--huge-pages auto` puts on huge pages: past it, zeroing fresh huge
+/// pages at session creation cost more (up to 1.5 s for BERT-base's 440 MB) than its runs gain.
+const HUGE_PAGES_AUTO_MAX_BYTES: u64 = 256 << 20;
 
 /// `--precision`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,7 +153,14 @@ fn exit_unsupported<T>(r: Result<T>) -> Result<T> {
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
-    if a.huge_pages {
+    let huge = match a.huge_pages {
+        HugePages::On => true,
+        HugePages::Off => false,
+        HugePages::Auto => {
+            std::fs::metadata(&a.model).is_ok_and(|m| m.len() <= HUGE_PAGES_AUTO_MAX_BYTES)
+        }
+    };
+    if huge {
         run_on_huge_pages();
     }
     exit_unsupported(run_inner(a))

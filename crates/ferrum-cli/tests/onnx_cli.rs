@@ -249,9 +249,9 @@ fn inspect_lists_io_ops_parameters_and_flops() {
 
 #[test]
 fn huge_pages_change_no_output() {
-    // `--huge-pages` (the default) runs the process again with glibc's huge-page tunable where
-    // the system gives huge pages on request: the same outputs as without it, with other
-    // tunables kept, and it runs itself again once (the run ends).
+    // `--huge-pages` (`auto`, the default, for a small model) runs the process again with
+    // glibc's huge-page tunable where the system gives huge pages on request: the same outputs
+    // as without it, with other tunables kept, and it runs itself again once (the run ends).
     let d = Dir::new("huge");
     let m = write_model(&d);
     let x = write_input(&d);
@@ -289,9 +289,9 @@ fn huge_pages_change_no_output() {
             .collect();
         (logged, files)
     };
-    let (log_off, off) = run("off", "false", None);
-    let (log_on, on) = run("on", "true", None);
-    let (log_kept, kept) = run("kept", "true", Some("glibc.malloc.tcache_count=7"));
+    let (log_off, off) = run("off", "off", None);
+    let (log_on, on) = run("on", "auto", None);
+    let (log_kept, kept) = run("kept", "on", Some("glibc.malloc.tcache_count=7"));
     let y = read_pb(&d.path("off/output_0.pb"));
     for (a, b) in y.to_f64_vec().unwrap().iter().zip(expected(&x)) {
         assert!((a - b).abs() < 1e-6, "{a} vs {b}");
