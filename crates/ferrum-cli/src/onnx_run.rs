@@ -179,7 +179,7 @@ fn run_on_huge_pages() {
         use std::os::unix::process::CommandExt;
         let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
         if tunables.contains(HUGE_PAGE_TUNABLE) {
-            tracing::info!("heap on huge pages: GLIBC_TUNABLES={tunables}");
+            tracing::info!("huge pages as GLIBC_TUNABLES sets them: {tunables}");
             return;
         }
         let on_request = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
