@@ -181,20 +181,7 @@ unsafe fn write_epi_avx512<const R: usize, const NV: usize, const ACT: u8>(
             // are neither read nor written.
             unsafe {
                 let p = out.c.add(r * out.rsc + 16 * v);
-                let mut x = x;
-                if out.acc {
-                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, p));
-                }
-                if !e.row.is_null() {
-                    x = _mm512_add_ps(x, _mm512_set1_ps(*e.row.add(r)));
-                }
-                if !e.col.is_null() {
-                    x = _mm512_add_ps(x, col[v]);
-                }
-                if !e.z.is_null() {
-                    let z = e.z.add(r * out.rsc + 16 * v);
-                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, z));
-                }
+                let mut x = add_terms(x, mask, out, Some(e), col[v], r, v);
                 // `act_avx512`'s operations for the kinds named by ACT.
                 x = match ACT {
                     1 => _mm512_max_ps(x, _mm512_setzero_ps()),
@@ -209,6 +196,45 @@ unsafe fn write_epi_avx512<const R: usize, const NV: usize, const ACT: u8>(
             }
         }
     }
+}
+
+/// Vector `v` of row `r` of a tile (lanes `mask`) plus its epilogue's terms, in the order both
+/// tile writers use and so with their bits: C's old value (where `out.acc`), then, where `e` has
+/// them, the row bias, the column bias (`col`: the tile's columns of it, loaded by the caller),
+/// and the residual. Always inlined, so it runs under its caller's AVX-512 feature.
+///
+/// # Safety
+/// `r` and the masked lanes of vector `v` lie in the tile `out` addresses, as do `e`'s row bias
+/// and residual (C's extent); the CPU supports AVX-512F.
+#[inline(always)]
+unsafe fn add_terms(
+    mut x: __m512,
+    mask: __mmask16,
+    out: &Out,
+    e: Option<&TileEpi>,
+    col: __m512,
+    r: usize,
+    v: usize,
+) -> __m512 {
+    let at = r * out.rsc + 16 * v;
+    // SAFETY: the caller's extent; masked-off lanes are not read.
+    unsafe {
+        if out.acc {
+            x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, out.c.add(at)));
+        }
+        if let Some(e) = e {
+            if !e.row.is_null() {
+                x = _mm512_add_ps(x, _mm512_set1_ps(*e.row.add(r)));
+            }
+            if !e.col.is_null() {
+                x = _mm512_add_ps(x, col);
+            }
+            if !e.z.is_null() {
+                x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, e.z.add(at)));
+            }
+        }
+    }
+    x
 }
 
 /// The lanes of a tile's last vector that lie inside its `cols` columns (`16 * (NV - 1) < cols
@@ -248,20 +274,13 @@ pub(super) unsafe fn write_avx512<const R: usize, const NV: usize>(
                 if out.alpha != 1.0 {
                     x = _mm512_mul_ps(x, alpha);
                 }
-                if out.acc {
-                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, p));
-                }
-                if let Some(e) = &out.epi {
-                    if !e.row.is_null() {
-                        x = _mm512_add_ps(x, _mm512_set1_ps(*e.row.add(r)));
-                    }
-                    if !e.col.is_null() {
-                        x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, e.col.add(16 * v)));
-                    }
-                    if !e.z.is_null() {
-                        let z = e.z.add(r * out.rsc + 16 * v);
-                        x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, z));
-                    }
+                let e = out.epi.as_ref();
+                let col = match e {
+                    Some(e) if !e.col.is_null() => _mm512_maskz_loadu_ps(mask, e.col.add(16 * v)),
+                    _ => _mm512_setzero_ps(),
+                };
+                x = add_terms(x, mask, out, e, col, r, v);
+                if let Some(e) = e {
                     x = act_avx512(e.act, x);
                 }
                 if mask == 0xffff {
