@@ -167,6 +167,9 @@ fn conv_matches_the_reference_on_large_blocks() {
         (48, 96, 14, 14, 1, 2, 0, 1),
         (20, 24, 21, 19, 5, 1, 2, 2),
         (3, 16, 45, 45, 7, 2, 3, 1),
+        // Stride-2 rows wide enough for whole 16-lane groups in the patch gather.
+        (16, 24, 9, 75, 3, 2, 1, 1),
+        (8, 16, 6, 70, 1, 2, 0, 1),
     ];
     for (case, &(c, m, ih, iw, k, s, pad, d)) in cases.iter().enumerate() {
         let inputs = vec![
