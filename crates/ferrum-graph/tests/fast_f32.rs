@@ -367,8 +367,15 @@ fn maxpool_matches_the_reference_exactly() {
         ];
         let s = [rng.gen_range(1..3), rng.gen_range(1..3)];
         let mut x = randv(&mut rng, 2 * 3 * h * w);
-        if case == 3 {
-            x[5] = f32::NAN;
+        match case {
+            3 => x[5] = f32::NAN,
+            // NaN in the last plane only (planes without NaN take another combination).
+            7 => x[5 * h * w + rng.gen_range(0..h * w)] = f32::NAN,
+            // Only zeros of both signs: the first of a window's equal values must win.
+            5 | 11 => x
+                .iter_mut()
+                .for_each(|v| *v = if *v > 0.0 { 0.0 } else { -0.0 }),
+            _ => {}
         }
         let attrs = vec![
             attr_ints("kernel_shape", &[k[0] as i64, k[1] as i64]),
