@@ -915,14 +915,14 @@ fn max_no_nan(best: f32, v: f32) -> f32 {
 /// terms of at least `out.len()` values), or of `out[i]` and then those with `keep`. The
 /// combination (first largest, or first NaN, wins) is associative, so the terms are taken three
 /// or two at a time in one pass each: fewer loads and stores of `out` than a pass per term.
-/// `pool_max` is that combination ([`pool_max`], or [`max_no_nan`] where no term is NaN).
+/// `comb` is that combination ([`pool_max`], or [`max_no_nan`] where no term is NaN).
 #[inline(always)]
 fn max_terms<'a>(
     out: &mut [f32],
     count: usize,
     keep: bool,
     terms: impl Fn(usize) -> &'a [f32],
-    pool_max: impl Fn(f32, f32) -> f32,
+    comb: impl Fn(f32, f32) -> f32,
 ) {
     let n = out.len();
     let mut t = 0;
@@ -933,11 +933,11 @@ fn max_terms<'a>(
             let (a, b, c) = (&terms(t)[..n], &terms(t + 1)[..n], &terms(t + 2)[..n]);
             if first {
                 for i in 0..n {
-                    out[i] = pool_max(pool_max(a[i], b[i]), c[i]);
+                    out[i] = comb(comb(a[i], b[i]), c[i]);
                 }
             } else {
                 for i in 0..n {
-                    out[i] = pool_max(out[i], pool_max(pool_max(a[i], b[i]), c[i]));
+                    out[i] = comb(out[i], comb(comb(a[i], b[i]), c[i]));
                 }
             }
             t += 3;
@@ -945,11 +945,11 @@ fn max_terms<'a>(
             let (a, b) = (&terms(t)[..n], &terms(t + 1)[..n]);
             if first {
                 for i in 0..n {
-                    out[i] = pool_max(a[i], b[i]);
+                    out[i] = comb(a[i], b[i]);
                 }
             } else {
                 for i in 0..n {
-                    out[i] = pool_max(out[i], pool_max(a[i], b[i]));
+                    out[i] = comb(out[i], comb(a[i], b[i]));
                 }
             }
             t += 2;
@@ -959,7 +959,7 @@ fn max_terms<'a>(
                 out.copy_from_slice(a);
             } else {
                 for i in 0..n {
-                    out[i] = pool_max(out[i], a[i]);
+                    out[i] = comb(out[i], a[i]);
                 }
             }
             t += 1;
@@ -1011,8 +1011,8 @@ multiversion! {
     }
 }
 
-/// One plane of [`maxpool_planes`] with the combination `pool_max` (scratch: the padded row,
-/// its phases, the rows' maxima).
+/// One plane of [`maxpool_planes`] with the combination `comb` (see [`max_terms`]); scratch:
+/// the padded row, its phases, the rows' maxima.
 #[inline(always)]
 fn pool_plane(
     plane: &[f32],
@@ -1020,7 +1020,7 @@ fn pool_plane(
     g: &PoolGeom,
     (padded, phases, h): &mut (&mut [f32], &mut [f32], &mut [f32]),
     nph: usize,
-    pool_max: impl Fn(f32, f32) -> f32 + Copy,
+    comb: impl Fn(f32, f32) -> f32 + Copy,
 ) {
     let ([ih, iw], [kh, kw], [sh, sw], [dh, dw], [ph, pw], [_, ow]) =
         (g.input, g.k, g.s, g.d, g.pad, g.out);
@@ -1042,7 +1042,7 @@ fn pool_plane(
                 let at = (t % sw) * nph + t / sw;
                 &ph_src[at..at + ow]
             },
-            pool_max,
+            comb,
         );
     }
     let h = &**h;
@@ -1058,7 +1058,7 @@ fn pool_plane(
                     k1 - k0 + 1,
                     false,
                     |j| &h[iy(k0 + j) as usize * ow..][..ow],
-                    pool_max,
+                    comb,
                 );
             }
             _ => orow.fill(f32::NEG_INFINITY),
