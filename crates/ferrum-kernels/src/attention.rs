@@ -269,7 +269,7 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             scale: p.softcap.map_or(p.scale, |c| p.scale / c),
             softcap: p.softcap,
             sink: p.sinks.map(|sk| sk[h]),
-            whole_rows: false,
+            fetch: Fetch::OwnV,
         }
     };
     // AVX2 without AVX-512: the same task split and three-pass structure, 256-bit registers.
@@ -308,7 +308,7 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
         // streamed two cache lines in six of every row from memory: 15-25% slower
         // (`cargo bench --bench ops -- batched`, 30 layers).
         let whole = nkv > 1 && n_q == seqs.len() && n_q >= 2 * pool::threads();
-        let one = |task: usize, first_of_row: bool| {
+        let one = |task: usize, fetch: Fetch| {
             let (t, rest) = (task / (nkv * per_kv), task % (nkv * per_kv));
             let (kvh, gi) = (rest / per_kv, rest % per_kv);
             let h0 = kvh * group + gi * g;
@@ -318,7 +318,7 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
             // and the range lies inside `out` (t < n_q, h0 + n <= nh).
             let o = unsafe { std::slice::from_raw_parts_mut(o_ptr.at(r0 * hd), n * hd) };
             let mut rows: [Row; 4] = core::array::from_fn(|i| job(r0 + i.min(n - 1)));
-            rows[0].whole_rows = first_of_row;
+            rows[0].fetch = fetch;
             if narrow {
                 // SAFETY (every call): `narrow` is true only when the CPU reports AVX2, FMA and
                 // F16C and head_dim is 64, 128 or 256, which is 8 * NV for the NV each call
@@ -346,11 +346,16 @@ fn run(p: &AttnParams, q: &[f32], seqs: &[SeqAttn<'_>], out: &mut [f32], simd: b
         if whole {
             pool::parallel_for(n_q, |t| {
                 for i in 0..nkv * per_kv {
-                    one(t * nkv * per_kv + i, i == 0);
+                    let fetch = if i == 0 {
+                        Fetch::WholeRows
+                    } else {
+                        Fetch::None
+                    };
+                    one(t * nkv * per_kv + i, fetch);
                 }
             });
         } else {
-            pool::parallel_for(tasks_for(g), |task| one(task, false));
+            pool::parallel_for(tasks_for(g), |task| one(task, Fetch::OwnV));
         }
         return;
     }
@@ -398,9 +403,20 @@ struct Row<'a> {
     softcap: Option<f32>,
     /// This head's sink logit ([`AttnParams::sinks`]).
     sink: Option<f32>,
-    /// Prefetch every head's part of each key's K and V rows into L2 (the first of a task
-    /// that runs all of a query's KV heads).
-    whole_rows: bool,
+    /// What the score pass brings into L2 besides this head's next K rows.
+    fetch: Fetch,
+}
+
+/// The prefetches of a row's score pass ([`KeyWalk`]) beyond its own K rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fetch {
+    /// Each key's V row (this head's part) while the key is scored.
+    OwnV,
+    /// Every head's part of the K and V rows [`PREFETCH_ROWS`] keys ahead: the first of a task
+    /// that runs all of a query's KV heads.
+    WholeRows,
+    /// Nothing: a later head of such a task, whose rows the first brought in.
+    None,
 }
 
 impl Row<'_> {
@@ -653,23 +669,46 @@ impl<'r, 'a> KeyCursor<'r, 'a> {
 
 /// A row's keys one after another for a score pass: each key's offset ([`KeyCursor`]), and
 /// while it is scored the K row [`PREFETCH_KEYS`] keys ahead fetched into L1 and the key's V
-/// row into L2 (whole K and V cache rows where the row asks for them, [`Row::whole_rows`]).
+/// row into L2, or as the row's [`Fetch`] asks: where whole cache rows, the whole K and V rows
+/// [`PREFETCH_ROWS`] keys ahead instead (the first `PREFETCH_ROWS` keys' when the walk starts).
 #[cfg(target_arch = "x86_64")]
 struct KeyWalk<'r, 'a> {
     keys: KeyCursor<'r, 'a>,
     ahead: KeyCursor<'r, 'a>,
     /// Keys left whose K row `PREFETCH_KEYS` ahead still lies inside the row's keys.
     left_ahead: usize,
+    far: KeyCursor<'r, 'a>,
+    /// Keys left whose rows `PREFETCH_ROWS` ahead still lie inside the row's keys.
+    left_far: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
 impl<'r, 'a> KeyWalk<'r, 'a> {
     fn new(row: &'r Row<'a>) -> Self {
+        let n = row.keys.len();
+        let mut far = KeyCursor::new(row, row.keys.start);
+        let mut left_far = 0;
+        if row.fetch == Fetch::WholeRows {
+            for _ in 0..PREFETCH_ROWS.min(n) {
+                Self::fetch_rows(row, far.next_offset());
+            }
+            left_far = n.saturating_sub(PREFETCH_ROWS);
+        }
         Self {
             keys: KeyCursor::new(row, row.keys.start),
             ahead: KeyCursor::new(row, row.keys.start + PREFETCH_KEYS),
-            left_ahead: row.keys.len().saturating_sub(PREFETCH_KEYS),
+            left_ahead: n.saturating_sub(PREFETCH_KEYS),
+            far,
+            left_far,
         }
+    }
+
+    /// Brings the whole K and V cache rows of the key at offset `at` into L2.
+    #[inline(always)]
+    fn fetch_rows(r: &Row, at: usize) {
+        use core::arch::x86_64::_MM_HINT_T1;
+        prefetch_lines::<_MM_HINT_T1>(r.k, at - r.at, r.kv_row / 32);
+        prefetch_lines::<_MM_HINT_T1>(r.v, at - r.at, r.kv_row / 32);
     }
 
     /// The next key's offset ([`KeyCursor::next_offset`]), its prefetches issued.
@@ -683,11 +722,13 @@ impl<'r, 'a> KeyWalk<'r, 'a> {
             self.left_ahead -= 1;
             prefetch_lines::<_MM_HINT_T0>(r.k, self.ahead.next_offset(), lines);
         }
-        if r.whole_rows {
-            prefetch_lines::<_MM_HINT_T1>(r.k, at - r.at, r.kv_row / 32);
-            prefetch_lines::<_MM_HINT_T1>(r.v, at - r.at, r.kv_row / 32);
-        } else {
-            prefetch_lines::<_MM_HINT_T1>(r.v, at, lines);
+        match r.fetch {
+            Fetch::WholeRows if self.left_far > 0 => {
+                self.left_far -= 1;
+                Self::fetch_rows(r, self.far.next_offset());
+            }
+            Fetch::OwnV => prefetch_lines::<_MM_HINT_T1>(r.v, at, lines),
+            _ => {}
         }
         at
     }
@@ -697,8 +738,7 @@ impl<'r, 'a> KeyWalk<'r, 'a> {
 /// `by_row` ([H, n_keys]). Each K row is converted once for the H rows; per row and key the
 /// 16-lane sums (a0 + a2) + (a1 + a3) of `dot_f16_order`, 16 keys' sums reduced together by
 /// [`scores_block`]. While a key is scored, the K row [`PREFETCH_KEYS`] keys ahead is fetched
-/// into L1 and the key's V row into L2 (whole K and V cache rows where the row asks for them,
-/// [`Row::whole_rows`]).
+/// into L1 and V (or whole cache) rows into L2 as the row's [`Fetch`] asks ([`KeyWalk`]).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // index loops over register arrays mirror the lanes
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
@@ -909,13 +949,23 @@ fn prefetch_lines<const HINT: i32>(rows: &[f16], at: usize, lines: usize) {
     }
 }
 
-/// How far ahead of the key being scored the K row is fetched (into L1); the key's V row, read
-/// in pass 3, is fetched into L2 meanwhile (a task's K rows stream through L1 in pass 1 and
-/// would push its V rows out: 5-10% faster on a cold cache, `cargo bench --bench ops --
-/// batched`). The rows of one KV head lie a cache row apart (paged), a pattern the hardware
-/// prefetcher follows poorly at this little work per key.
+/// How far ahead of the key being scored the K row is fetched (into L1); V rows, read in pass
+/// 3, go to L2 only (a task's K rows stream through L1 in pass 1 and would
+/// push its V rows out: 5-10% faster on a cold cache, `cargo bench --bench ops -- batched`).
+/// The rows of one KV head lie a cache row apart (paged), a pattern the hardware prefetcher
+/// follows poorly at this little work per key.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_KEYS: usize = 8;
+
+/// How far ahead of the key being scored the first task of a query fetches whole K and V cache
+/// rows into L2 ([`Fetch::WholeRows`]): far enough to cover a miss to memory at the few tens of
+/// cycles a key takes. At 16 (whole rows of the key being scored before) a batched decode
+/// step's attention ran 0.78x the time (`cargo bench --bench ops -- batched`: 0.142 -> 0.111 ms
+/// a layer at two threads, medians of five alternated runs; 0.84x at one thread), and SmolLM2's
+/// `ferrum profile --batch 8 -p 128 -n 128 -t 2` 0.885x (629 -> 557 ms over 128 steps); 24
+/// gained nothing more.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_ROWS: usize = 16;
 
 /// The dot products of 16 keys from their 16-lane sums `r` (key k's in `r[k]`): lane k of the
 /// result is `dot_f16_order`'s halving tree over r[k]'s lanes (l + l+8, then l + l+4, then
@@ -1659,8 +1709,8 @@ mod tests {
                 .gen_bool(0.4)
                 .then(|| (0..nh).map(|_| rng.gen_range(-3.0..12.0)).collect());
             let scale = 1.0 / (hd as f32).sqrt();
-            // Prefetching whole cache rows (a hint) must not change a bit.
-            let whole_rows = rng.gen_bool(0.5);
+            // Prefetching (a hint) must not change a bit.
+            let fetch = [Fetch::OwnV, Fetch::WholeRows, Fetch::None][rng.gen_range(0..3)];
             let row = |h: usize| Row {
                 q: &q[h * hd..(h + 1) * hd],
                 k: &k,
@@ -1673,7 +1723,7 @@ mod tests {
                 scale: softcap.map_or(scale, |c| scale / c),
                 softcap,
                 sink: sinks.as_ref().map(|s| s[h]),
-                whole_rows,
+                fetch,
             };
             for kvh in 0..nkv {
                 let mut h0 = kvh * group;
