@@ -482,6 +482,58 @@ fn packed_matrix_equals_row_major_bit_for_bit() {
     }
 }
 
+/// [`PackedMatrix::matmul_many`] (several matrices over one input in one parallel call, where
+/// their layout and type allow) gives each matrix the bits of its own `matmul`: matrices of one
+/// type with different row counts (each part's groups split over the threads with the
+/// others'), of two types (one call each), decode batches and prompts.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn matmul_many_equals_each_matrix_alone_bit_for_bit() {
+    use ferrum_kernels::matmul::PackedMatrix;
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let seg_sets: &[&[usize]] = &[&[1], &[1; 8], &[3], &[1; 17], &[40], &[2, 1, 1]];
+    for &dtype in &PACKED_TYPES {
+        let cols = if dtype.block_size() == 256 { 512 } else { 96 };
+        let other = if dtype == DType::Q8_0 {
+            DType::Q4_1
+        } else {
+            DType::Q8_0
+        };
+        for types in [[dtype; 3], [dtype, other, dtype]] {
+            let mats: Vec<PackedMatrix> = types
+                .iter()
+                .zip([48, 16, 80])
+                .map(|(&t, rows)| {
+                    let data = random_weights(t, rows, cols, &mut rng);
+                    PackedMatrix::new(t, rows, cols, ferrum_core::Bytes::from_vec(data)).unwrap()
+                })
+                .collect();
+            let refs: Vec<&PackedMatrix> = mats.iter().collect();
+            for segs in seg_sets {
+                let t: usize = segs.iter().sum();
+                let x: Vec<f32> = (0..t * cols).map(|_| rng.gen_range(-3.0..3.0)).collect();
+                let mut got: Vec<Vec<f32>> =
+                    mats.iter().map(|m| vec![f32::NAN; t * m.rows()]).collect();
+                let mut ys: Vec<&mut [f32]> = got.iter_mut().map(|y| y.as_mut_slice()).collect();
+                PackedMatrix::matmul_many(&refs, &x, &mut ys, segs);
+                for (i, m) in mats.iter().enumerate() {
+                    let mut want = vec![f32::NAN; t * m.rows()];
+                    m.matmul(&x, &mut want, segs);
+                    for (j, (a, b)) in got[i].iter().zip(&want).enumerate() {
+                        assert!(
+                            a.is_finite() && a.to_bits() == b.to_bits(),
+                            "seed {seed}: {types:?} segs {segs:?} matrix {i} token {} row {}: together {a} vs alone {b}",
+                            j / m.rows(),
+                            j % m.rows()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn k_quant_prompt_kernels_follow_llama_cpp_orders_bit_for_bit() {
     use ferrum_kernels::matmul::Order;

@@ -626,6 +626,22 @@ pub fn gemv_x16_order(
     y: &mut [f32],
     tiled: bool,
 ) {
+    gemv_x16_parts(dtype, &mut [X16Part { packed, rows, y }], cols, x, tiled)
+}
+
+/// One matrix of a [`gemv_x16_parts`] call: its packed bytes, its rows and its output
+/// ([t, rows]).
+pub struct X16Part<'a> {
+    pub packed: &'a [u8],
+    pub rows: usize,
+    pub y: &'a mut [f32],
+}
+
+/// [`gemv_x16_order`] for several matrices of one type and width over the same tokens (a
+/// layer's Q, K and V projections): the activations are quantized once, and the matrices'
+/// groups, taken one after another, are split over the threads as one matrix's would be, in a
+/// single parallel call. Each output gets the bits the matrix's own call gives.
+pub fn gemv_x16_parts(dtype: DType, parts: &mut [X16Part], cols: usize, x: &[f32], tiled: bool) {
     assert!(available(), "gemv_x16: CPU lacks AVX-512 VNNI");
     assert!(
         !tiled || dtype == DType::IQ4_XS,
@@ -633,22 +649,38 @@ pub fn gemv_x16_order(
     );
     let (block, cell_len) =
         packed_cell(dtype).unwrap_or_else(|| panic!("gemv_x16: no packed layout for {dtype}"));
-    assert!(
-        rows.is_multiple_of(GROUP) && cols.is_multiple_of(block),
-        "gemv_x16: {dtype} {rows}x{cols}"
-    );
+    assert!(cols.is_multiple_of(block), "gemv_x16: {dtype} x{cols}");
     let nb = cols / block;
-    assert_eq!(
-        packed.len(),
-        rows / GROUP * nb * cell_len,
-        "gemv_x16: packed bytes"
-    );
     assert!(x.len().is_multiple_of(cols), "gemv_x16: x");
     let t = x.len() / cols;
-    assert_eq!(y.len(), t * rows, "gemv_x16: y");
-    if t == 0 {
+    for part in parts.iter() {
+        let rows = part.rows;
+        assert!(
+            rows.is_multiple_of(GROUP),
+            "gemv_x16: {dtype} {rows}x{cols}"
+        );
+        assert_eq!(
+            part.packed.len(),
+            rows / GROUP * nb * cell_len,
+            "gemv_x16: packed bytes"
+        );
+        assert_eq!(part.y.len(), t * rows, "gemv_x16: y");
+    }
+    if t == 0 || parts.is_empty() {
         return;
     }
+    // Where each part's groups start in the run of all parts' groups (inline for a few parts).
+    let mut first: smallvec::SmallVec<[usize; 5]> = smallvec::SmallVec::new();
+    let mut n_groups = 0;
+    for part in parts.iter() {
+        first.push(n_groups);
+        n_groups += part.rows / GROUP;
+    }
+    first.push(n_groups);
+    let outs: smallvec::SmallVec<[(&[u8], usize, super::OutPtr); 4]> = parts
+        .iter_mut()
+        .map(|p| (p.packed, p.rows, super::OutPtr(p.y.as_mut_ptr())))
+        .collect();
     let act_type = crate::quant::vec_dot_type(dtype);
     let ab = act_type.row_bytes(cols).expect("whole blocks");
     let kq = matches!(dtype, DType::Q4_K | DType::Q6_K | DType::IQ4_XS);
@@ -665,14 +697,18 @@ pub fn gemv_x16_order(
         // streams its part of the matrix front to back instead of hopping over the other's
         // tasks, which retrains the hardware prefetcher at every task (Gemma 3's decode at 2
         // threads: 108 -> 116-144 tok/s). One thread keeps 4-group tasks.
-        let n_groups = rows / GROUP;
         let groups_per_task = match crate::pool::threads() {
             1 => 4,
             n => n_groups.div_ceil(n),
         };
         let group_bytes = nb * cell_len;
         let (p, act) = (&*p, &*act);
-        let out = super::OutPtr(y.as_mut_ptr());
+        // Group `gg` of the run: its part's bytes, rows and output, and its index there.
+        let group_at = |gg: usize| {
+            let i = first.partition_point(|&f| f <= gg) - 1;
+            let (packed, rows, out) = outs[i];
+            (packed, rows, out, gg - first[i])
+        };
         let pairs = matches!(dtype, DType::Q4_1 | DType::Q5_0 | DType::Q8_0);
         crate::pool::parallel_for(n_groups.div_ceil(groups_per_task), |task| {
             let g0 = task * groups_per_task;
@@ -682,12 +718,13 @@ pub fn gemv_x16_order(
             // from L2).
             for tb in (0..t).step_by(GEMV_TOKEN_BLOCK) {
                 let te = (tb + GEMV_TOKEN_BLOCK).min(t);
-                for g in groups.clone() {
+                for gg in groups.clone() {
+                    let (packed, rows, out, g) = group_at(gg);
                     let w = &packed[g * group_bytes..(g + 1) * group_bytes];
                     let store = |tok: usize, v: &[f32; GROUP]| {
                         for (i, &val) in v.iter().enumerate() {
-                            // SAFETY: tok < t and g * 16 + i < rows: inside `y` ([t, rows]);
-                            // only this task writes group g's rows.
+                            // SAFETY: tok < t and g * 16 + i < rows: inside the part's output
+                            // ([t, rows]); only this task writes group g's rows.
                             unsafe { *out.at(tok * rows + g * GROUP + i) = val };
                         }
                     };
@@ -700,8 +737,10 @@ pub fn gemv_x16_order(
                     } else {
                         te - tb
                     };
-                    let next = (n_pass > 1 && g + 1 < groups.end)
-                        .then(|| &packed[(g + 1) * group_bytes..(g + 2) * group_bytes]);
+                    let next = (n_pass > 1 && gg + 1 < groups.end).then(|| {
+                        let (packed, _, _, g) = group_at(gg + 1);
+                        &packed[g * group_bytes..(g + 1) * group_bytes]
+                    });
                     let mut pass = 0;
                     let mut prefetch_next = || {
                         if let Some(nx) = next {

@@ -304,6 +304,44 @@ impl PackedMatrix {
         }
     }
 
+    /// Products of several matrices with the same input: `ys[i] = x mats[i]ᵀ`, each the bits
+    /// [`PackedMatrix::matmul`] gives it (`x` is [T, cols] in sequences of `segs[i]` rows). Where
+    /// every matrix is in the 16-row layout, all of one type and width, and every token takes
+    /// the packed GEMV, one parallel call runs them all: the activations quantized once, and the
+    /// threads splitting all the matrices' groups as one matrix's (a layer's Q, K and V
+    /// projections, or its gate and up). Otherwise one call each.
+    pub fn matmul_many(mats: &[&PackedMatrix], x: &[f32], ys: &mut [&mut [f32]], segs: &[usize]) {
+        assert_eq!(mats.len(), ys.len(), "matmul_many: one output per matrix");
+        #[cfg(target_arch = "x86_64")]
+        if let Some(m0) = mats.first() {
+            let fused = mats.len() > 1
+                && avx512::available()
+                && mats.iter().zip(ys.iter_mut()).all(|(m, y)| {
+                    let t = check_shapes(&m.src(), x, y, segs);
+                    m.layout == Layout::X16
+                        && m.dtype == m0.dtype
+                        && m.cols == m0.cols
+                        && gemv_only(m.dtype, &orders_of(m.dtype, m.rows, segs), t)
+                });
+            if fused {
+                let mut parts: smallvec::SmallVec<[avx512::X16Part; 4]> = mats
+                    .iter()
+                    .zip(ys.iter_mut())
+                    .map(|(m, y)| avx512::X16Part {
+                        packed: &m.data,
+                        rows: m.rows,
+                        y,
+                    })
+                    .collect();
+                avx512::gemv_x16_parts(m0.dtype, &mut parts, m0.cols, x, false);
+                return;
+            }
+        }
+        for (m, y) in mats.iter().zip(ys.iter_mut()) {
+            m.matmul(x, y, segs);
+        }
+    }
+
     /// [`PackedMatrix::matmul`] over the 16-row packed layout.
     #[cfg(target_arch = "x86_64")]
     fn matmul_x16(&self, x: &[f32], y: &mut [f32], orders: &[Order]) {
@@ -333,13 +371,13 @@ impl PackedMatrix {
             }
             return;
         }
-        let g = gemv_order(dtype);
-        let n_gemv = orders.iter().filter(|&&o| o == g).count();
-        let rows_take_g = row_kernels_take(dtype, g);
-        if n_gemv == t && (t <= GEMV_MAX_TOKENS || !rows_take_g || gemv_takes_prompts(dtype)) {
+        if gemv_only(dtype, orders, t) {
             avx512::gemv_x16(dtype, &self.data, rows, cols, x, y);
             return;
         }
+        let g = gemv_order(dtype);
+        let n_gemv = orders.iter().filter(|&&o| o == g).count();
+        let rows_take_g = row_kernels_take(dtype, g);
         if n_gemv == 0 || rows_take_g {
             matmul_rows(&self.src(), x, y, orders);
             return;
@@ -394,6 +432,16 @@ fn split_tokens(
         y[tok * rows..(tok + 1) * rows].copy_from_slice(&ys[i][at[i] * rows..(at[i] + 1) * rows]);
         at[i] += 1;
     }
+}
+
+/// Whether the packed GEMV takes all `t` tokens of a call with these orders (every token in the
+/// one-token kernel's order, and few enough of them, or no faster kernel for the rest).
+#[cfg(target_arch = "x86_64")]
+fn gemv_only(dtype: DType, orders: &[Order], t: usize) -> bool {
+    let g = gemv_order(dtype);
+    orders.len() == t
+        && orders.iter().all(|&o| o == g)
+        && (t <= GEMV_MAX_TOKENS || !row_kernels_take(dtype, g) || gemv_takes_prompts(dtype))
 }
 
 /// The float order of the packed one-token kernel for `dtype`.

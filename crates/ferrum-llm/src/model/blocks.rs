@@ -78,9 +78,9 @@ impl Attention {
     pub fn forward(&self, il: usize, s: &mut Step, h: &[f32], x: &mut Buf, o: AttnOpts) -> Buf {
         let cfg = s.cfg;
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
-        let mut q = self.q.forward(h, &s.segs); // [T, n_head * head_dim]
-        let mut k = self.k.forward(h, &s.segs); // [T, n_head_kv * head_dim]
-        let v = self.v.forward(h, &s.segs); // [T, n_head_kv * head_dim]
+        // [T, n_head * head_dim], [T, n_head_kv * head_dim] twice.
+        let [mut q, mut k, v] =
+            Linear::forward_many("attn_qkv", [&self.q, &self.k, &self.v], h, &s.segs);
         if let Some(n) = o.qk_norm {
             rms_norm_inplace(&mut q, &n.q, cfg.rms_eps); // per head: rows of head_dim
             rms_norm_inplace(&mut k, &n.k, cfg.rms_eps);
@@ -156,15 +156,15 @@ impl Mlp {
 
     /// `down(SiLU(gate h) * up h)`.
     pub fn swiglu(&self, h: &[f32], segs: &[usize]) -> Buf {
-        let mut g = self.gate.forward(h, segs); // [T, n_ff]
-        swiglu(&mut g, &self.up.forward(h, segs));
+        let [mut g, u] = Linear::forward_many("ffn_gate_up", [&self.gate, &self.up], h, segs);
+        swiglu(&mut g, &u); // [T, n_ff]
         self.down.forward(&g, segs)
     }
 
     /// `down(GELU_tanh(gate h) * up h)`.
     pub fn geglu(&self, il: usize, h: &[f32], segs: &[usize]) -> Buf {
-        let mut g = self.gate.forward(h, segs); // [T, n_ff]
-        geglu(&mut g, &self.up.forward(h, segs));
+        let [mut g, u] = Linear::forward_many("ffn_gate_up", [&self.gate, &self.up], h, segs);
+        geglu(&mut g, &u); // [T, n_ff]
         trace("ffn_geglu", Some(il), &g, self.gate.n_out);
         self.down.forward(&g, segs)
     }

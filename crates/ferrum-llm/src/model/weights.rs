@@ -88,6 +88,44 @@ impl Linear {
         }
         y
     }
+
+    /// Several projections of the same input `x` ([T, n_in] each), one product call for all
+    /// ([`PackedMatrix::matmul_many`]: a layer's Q, K and V, or its gate and up, split over the
+    /// threads as one matrix): each output the bits its own [`Linear::forward`] gives. Profiles
+    /// record the call once, as `kind`.
+    pub fn forward_many<const N: usize>(
+        kind: &'static str,
+        ls: [&Linear; N],
+        x: &[f32],
+        segs: &[usize],
+    ) -> [Buf; N] {
+        let n_in = ls[0].n_in;
+        assert!(
+            ls.iter().all(|l| l.n_in == n_in),
+            "forward_many: projections of one input"
+        );
+        let t = x.len() / n_in;
+        let mut ys: [Buf; N] = core::array::from_fn(|i| Buf::overwritten(t * ls[i].n_out));
+        let n_out: usize = ls.iter().map(|l| l.n_out).sum();
+        let flops = 2.0 * (n_in * n_out * t) as f64;
+        let w_bytes: usize = ls.iter().map(|l| l.weight.n_bytes()).sum();
+        let bytes = (w_bytes + 4 * t * (n_in + n_out)) as f64;
+        profile::record("matmul", kind, flops, bytes, || {
+            let mats: [&PackedMatrix; N] = core::array::from_fn(|i| &ls[i].weight);
+            let mut outs = ys.each_mut().map(|y| &mut y[..]);
+            PackedMatrix::matmul_many(&mats, x, &mut outs, segs)
+        });
+        for (l, y) in ls.iter().zip(ys.iter_mut()) {
+            if let Some(b) = &l.bias {
+                for row in y.chunks_exact_mut(l.n_out) {
+                    for (v, bv) in row.iter_mut().zip(b) {
+                        *v += bv;
+                    }
+                }
+            }
+        }
+        ys
+    }
 }
 
 #[derive(Clone, Debug)]
