@@ -602,7 +602,9 @@ unsafe fn attend_rows_avx512<const H: usize, const NV: usize>(rows: [&Row; H], o
     // row, then per key whether any row's running max rose there.
     let taken = SCORES.lock().unwrap_or_else(|e| e.into_inner()).pop();
     let mut scores = taken.unwrap_or_default();
-    scores.clear();
+    // Every value is written by the passes below (`raised` cleared by the second): the
+    // buffer keeps what it holds rather than be cleared first.
+    scores.truncate((3 * H + 1) * n_keys);
     scores.resize((3 * H + 1) * n_keys, 0.0);
     let (by_row, rest) = scores.split_at_mut(H * n_keys);
     let (vs_all, rest) = rest.split_at_mut(H * n_keys);

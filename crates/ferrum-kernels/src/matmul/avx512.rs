@@ -67,13 +67,13 @@ impl Prepared {
             _ => ab / 34, // Q8_0 activations (Q8_0 and Q5_0 weights)
         };
         self.nb = nb;
-        self.quants.clear();
-        self.quants.resize(t * nb * 64, 0);
-        self.scales.clear();
-        self.corr.clear();
+        // Every value below is written: the buffers keep what they hold rather than be
+        // cleared first (a prompt's activations are megabytes).
+        overwritten(&mut self.quants, t * nb * 64);
         match w {
             DType::Q4_1 => {
-                self.scales.resize(t * nb * 4, 0.0);
+                overwritten(&mut self.scales, t * nb * 4);
+                self.corr.clear();
                 for (i, blk) in act[..t * ab].chunks_exact(40).enumerate() {
                     let d = crate::quant::blocks::rd_f16(blk, 0);
                     let s = crate::quant::blocks::rd_f16(blk, 2);
@@ -87,8 +87,8 @@ impl Prepared {
                 }
             }
             _ => {
-                self.scales.resize(t * nb, 0.0);
-                self.corr.resize(t * nb * 16, 0);
+                overwritten(&mut self.scales, t * nb);
+                overwritten(&mut self.corr, t * nb * 16);
                 for (i, blk) in act[..t * ab].chunks_exact(34).enumerate() {
                     self.scales[i] = crate::quant::blocks::rd_f16(blk, 0);
                     let q = &blk[2..34];
@@ -105,6 +105,12 @@ impl Prepared {
             }
         }
     }
+}
+
+/// `v` resized to `n` values without clearing those it keeps (the caller writes all of them).
+fn overwritten<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
+    v.truncate(n);
+    v.resize(n, T::default());
 }
 
 impl Default for Prepared {
