@@ -70,10 +70,17 @@ impl Prepared {
         // Every value below is written: the buffers keep what they hold rather than be
         // cleared first (a prompt's activations are megabytes).
         overwritten(&mut self.quants, t * nb * 64);
+        let simd = available();
         match w {
             DType::Q4_1 => {
                 overwritten(&mut self.scales, t * nb * 4);
                 self.corr.clear();
+                if simd {
+                    // SAFETY: `available()`: the CPU has AVX-512 (F, VL, VNNI) and F16C; the
+                    // buffers were sized above for t * nb blocks.
+                    unsafe { fill_q8_1(&act[..t * ab], &mut self.quants, &mut self.scales) };
+                    return;
+                }
                 for (i, blk) in act[..t * ab].chunks_exact(40).enumerate() {
                     let d = crate::quant::blocks::rd_f16(blk, 0);
                     let s = crate::quant::blocks::rd_f16(blk, 2);
@@ -89,6 +96,18 @@ impl Prepared {
             _ => {
                 overwritten(&mut self.scales, t * nb);
                 overwritten(&mut self.corr, t * nb * 16);
+                if simd {
+                    // SAFETY: as for Q8_1 above.
+                    unsafe {
+                        fill_q8_0(
+                            &act[..t * ab],
+                            &mut self.quants,
+                            &mut self.scales,
+                            &mut self.corr,
+                        )
+                    };
+                    return;
+                }
                 for (i, blk) in act[..t * ab].chunks_exact(34).enumerate() {
                     self.scales[i] = crate::quant::blocks::rd_f16(blk, 0);
                     let q = &blk[2..34];
@@ -103,6 +122,57 @@ impl Prepared {
                     }
                 }
             }
+        }
+    }
+}
+
+/// [`Prepared::fill`] of Q8_1 rows (40-byte blocks: d, s, 32 quants) with AVX-512: per block the
+/// quants as [0..16, 0..16, 16..32, 16..32] and the scales as [d, s, d, s] (F16C, exact: the
+/// same values as the scalar loop).
+#[target_feature(enable = "avx512f,avx512vl,f16c")]
+unsafe fn fill_q8_1(act: &[u8], quants: &mut [u8], scales: &mut [f32]) {
+    let n = act.len() / 40;
+    assert!(quants.len() >= 64 * n && scales.len() >= 4 * n);
+    let idx = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
+    for i in 0..n {
+        // SAFETY: block i's 40 bytes lie in `act`, its 64 quants and 4 scales in the outputs
+        // (asserted above).
+        unsafe {
+            let b = act.as_ptr().add(40 * i);
+            let q = _mm256_loadu_si256(b.add(4) as *const __m256i);
+            let o = _mm512_permutexvar_epi64(idx, _mm512_castsi256_si512(q));
+            _mm512_storeu_si512(quants.as_mut_ptr().add(64 * i) as *mut _, o);
+            let ds = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
+            _mm_storeu_ps(scales.as_mut_ptr().add(4 * i), _mm_movelh_ps(ds, ds));
+        }
+    }
+}
+
+/// [`Prepared::fill`] of Q8_0 rows (34-byte blocks: d, 32 quants) with AVX-512: per block the
+/// quants twice, d (F16C, exact), and the 16 start values `-128·Σ` of each 4 quants (twice),
+/// the sums by `dpbusd` against ones (exact).
+#[target_feature(enable = "avx512f,avx512vl,avx512vnni,f16c")]
+unsafe fn fill_q8_0(act: &[u8], quants: &mut [u8], scales: &mut [f32], corr: &mut [i32]) {
+    let n = act.len() / 34;
+    assert!(quants.len() >= 64 * n && scales.len() >= n && corr.len() >= 16 * n);
+    let ones = _mm256_set1_epi8(1);
+    for i in 0..n {
+        // SAFETY: block i's 34 bytes lie in `act`, its outputs in theirs (asserted above).
+        unsafe {
+            let b = act.as_ptr().add(34 * i);
+            let q = _mm256_loadu_si256(b.add(2) as *const __m256i);
+            _mm512_storeu_si512(
+                quants.as_mut_ptr().add(64 * i) as *mut _,
+                _mm512_broadcast_i64x4(q),
+            );
+            let d = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const u16).read_unaligned() as i32));
+            *scales.get_unchecked_mut(i) = _mm_cvtss_f32(d);
+            let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, q);
+            let c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<7>(sums));
+            _mm512_storeu_si512(
+                corr.as_mut_ptr().add(16 * i) as *mut _,
+                _mm512_broadcast_i64x4(c),
+            );
         }
     }
 }
