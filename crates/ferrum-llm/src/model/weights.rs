@@ -79,6 +79,12 @@ impl Linear {
         profile::record("matmul", self.kind, flops, bytes, || {
             self.weight.matmul(x, &mut y, segs)
         });
+        self.add_bias(&mut y);
+        y
+    }
+
+    /// Adds the bias, if any, to every row of `y` ([T, n_out]).
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(b) = &self.bias {
             for row in y.chunks_exact_mut(self.n_out) {
                 for (v, bv) in row.iter_mut().zip(b) {
@@ -86,7 +92,6 @@ impl Linear {
                 }
             }
         }
-        y
     }
 
     /// Several projections of the same input `x` ([T, n_in] each), one product call for all
@@ -116,13 +121,7 @@ impl Linear {
             PackedMatrix::matmul_many(&mats, x, &mut outs, segs)
         });
         for (l, y) in ls.iter().zip(ys.iter_mut()) {
-            if let Some(b) = &l.bias {
-                for row in y.chunks_exact_mut(l.n_out) {
-                    for (v, bv) in row.iter_mut().zip(b) {
-                        *v += bv;
-                    }
-                }
-            }
+            l.add_bias(y);
         }
         ys
     }
