@@ -61,7 +61,9 @@ impl Prepared {
     }
 
     /// Lays out `t` quantized activation rows `act` (`ab` bytes each) for weights of type `w`.
-    pub fn fill(&mut self, w: DType, act: &[u8], ab: usize, t: usize) {
+    /// With `quants` false (Q4_1 only: the packed GEMV reads the quants in place, in `act`),
+    /// only the scales.
+    pub fn fill(&mut self, w: DType, act: &[u8], ab: usize, t: usize, quants: bool) {
         let nb = match w {
             DType::Q4_1 => ab / 40,
             _ => ab / 34, // Q8_0 activations (Q8_0 and Q5_0 weights)
@@ -69,7 +71,11 @@ impl Prepared {
         self.nb = nb;
         // Every value below is written: the buffers keep what they hold rather than be
         // cleared first (a prompt's activations are megabytes).
-        overwritten(&mut self.quants, t * nb * 64);
+        assert!(
+            quants || w == DType::Q4_1,
+            "Prepared::fill: {w} needs its quants"
+        );
+        overwritten(&mut self.quants, if quants { t * nb * 64 } else { 0 });
         let simd = available();
         match w {
             DType::Q4_1 => {
@@ -77,20 +83,31 @@ impl Prepared {
                 self.corr.clear();
                 if simd {
                     // SAFETY: `available()`: the CPU has AVX-512 (F, VL, VNNI) and F16C; the
-                    // buffers were sized above for t * nb blocks.
-                    unsafe { fill_q8_1(&act[..t * ab], &mut self.quants, &mut self.scales) };
+                    // buffers were sized above for t * nb blocks (quants: none without them).
+                    unsafe {
+                        match quants {
+                            true => fill_q8_1::<true>(
+                                &act[..t * ab],
+                                &mut self.quants,
+                                &mut self.scales,
+                            ),
+                            false => fill_q8_1::<false>(&act[..t * ab], &mut [], &mut self.scales),
+                        }
+                    };
                     return;
                 }
                 for (i, blk) in act[..t * ab].chunks_exact(40).enumerate() {
                     let d = crate::quant::blocks::rd_f16(blk, 0);
                     let s = crate::quant::blocks::rd_f16(blk, 2);
-                    let q = &blk[4..36];
-                    let o = &mut self.quants[i * 64..(i + 1) * 64];
-                    o[0..16].copy_from_slice(&q[0..16]);
-                    o[16..32].copy_from_slice(&q[0..16]);
-                    o[32..48].copy_from_slice(&q[16..32]);
-                    o[48..64].copy_from_slice(&q[16..32]);
                     self.scales[i * 4..(i + 1) * 4].copy_from_slice(&[d, s, d, s]);
+                    if quants {
+                        let q = &blk[4..36];
+                        let o = &mut self.quants[i * 64..(i + 1) * 64];
+                        o[0..16].copy_from_slice(&q[0..16]);
+                        o[16..32].copy_from_slice(&q[0..16]);
+                        o[32..48].copy_from_slice(&q[16..32]);
+                        o[48..64].copy_from_slice(&q[16..32]);
+                    }
                 }
             }
             _ => {
@@ -127,21 +144,23 @@ impl Prepared {
 }
 
 /// [`Prepared::fill`] of Q8_1 rows (40-byte blocks: d, s, 32 quants) with AVX-512: per block the
-/// quants as [0..16, 0..16, 16..32, 16..32] and the scales as [d, s, d, s] (F16C, exact: the
-/// same values as the scalar loop).
+/// scales as [d, s, d, s] (F16C, exact: the same values as the scalar loop) and, with `QUANTS`,
+/// the quants as [0..16, 0..16, 16..32, 16..32].
 #[target_feature(enable = "avx512f,avx512vl,f16c")]
-unsafe fn fill_q8_1(act: &[u8], quants: &mut [u8], scales: &mut [f32]) {
+unsafe fn fill_q8_1<const QUANTS: bool>(act: &[u8], quants: &mut [u8], scales: &mut [f32]) {
     let n = act.len() / 40;
-    assert!(quants.len() >= 64 * n && scales.len() >= 4 * n);
+    assert!((!QUANTS || quants.len() >= 64 * n) && scales.len() >= 4 * n);
     let idx = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
     for i in 0..n {
         // SAFETY: block i's 40 bytes lie in `act`, its 64 quants and 4 scales in the outputs
         // (asserted above).
         unsafe {
             let b = act.as_ptr().add(40 * i);
-            let q = _mm256_loadu_si256(b.add(4) as *const __m256i);
-            let o = _mm512_permutexvar_epi64(idx, _mm512_castsi256_si512(q));
-            _mm512_storeu_si512(quants.as_mut_ptr().add(64 * i) as *mut _, o);
+            if QUANTS {
+                let q = _mm256_loadu_si256(b.add(4) as *const __m256i);
+                let o = _mm512_permutexvar_epi64(idx, _mm512_castsi256_si512(q));
+                _mm512_storeu_si512(quants.as_mut_ptr().add(64 * i) as *mut _, o);
+            }
             let ds = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
             _mm_storeu_ps(scales.as_mut_ptr().add(4 * i), _mm_movelh_ps(ds, ds));
         }
@@ -767,7 +786,9 @@ pub fn gemv_x16_parts(dtype: DType, parts: &mut [X16Part], cols: usize, x: &[f32
             crate::quant::quantize_row(act_type, xr, ar);
         }
         if !kq {
-            p.fill(dtype, act, ab, t);
+            // Q4_1: the kernel reads the quants in place (a copy would miss the cache the
+            // weights stream through, on the calling thread alone).
+            p.fill(dtype, act, ab, t, dtype != DType::Q4_1);
         }
         // With several threads, one contiguous run of groups per thread: each thread then
         // streams its part of the matrix front to back instead of hopping over the other's
@@ -836,7 +857,7 @@ pub fn gemv_x16_parts(dtype: DType, parts: &mut [X16Part], cols: usize, x: &[f32
                                 match dtype {
                                     DType::Q8_0 => gemv_group_q8_0::<2>(w, p, tok),
                                     DType::Q5_0 => gemv_group_q5_0::<2>(w, p, tok),
-                                    _ => gemv_group_q4_1::<2>(w, p, tok),
+                                    _ => gemv_group_q4_1::<2>(w, p, act, tok),
                                 }
                             };
                             store(tok, &v[0]);
@@ -858,7 +879,7 @@ pub fn gemv_x16_parts(dtype: DType, parts: &mut [X16Part], cols: usize, x: &[f32
                                 DType::Q6_K => gemv_group_q6_k(w, a, nb),
                                 DType::IQ4_XS if tiled => gemv_group_iq4xs::<true>(w, a, nb),
                                 DType::IQ4_XS => gemv_group_iq4xs::<false>(w, a, nb),
-                                _ => gemv_group_q4_1::<1>(w, p, tok)[0],
+                                _ => gemv_group_q4_1::<1>(w, p, act, tok)[0],
                             }
                         };
                         store(tok, &v);
@@ -1262,14 +1283,20 @@ unsafe fn gemv_group_q5_0<const N: usize>(w: &[u8], p: &Prepared, tok: usize) ->
 /// accumulates in vector `acc[j]` (lane r = row r) by the same `fma(d_w·d_a, f32(lane), acc)`;
 /// the end reduces the 8 vectors in `hsum_float_8`'s order and adds the rows' Σ m·s, summed in
 /// the row kernel's order. Same bits as `vec_dot` for each token; the weights are loaded and
-/// unpacked once for the N tokens.
+/// unpacked once for the N tokens. The quants are read in place from the Q8_1 rows `act`
+/// (40-byte blocks, quants at bytes 4..36), the scales from `p` ([`Prepared::fill`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q4_1<const N: usize>(w: &[u8], p: &Prepared, tok: usize) -> [[f32; GROUP]; N] {
+unsafe fn gemv_group_q4_1<const N: usize>(
+    w: &[u8],
+    p: &Prepared,
+    act: &[u8],
+    tok: usize,
+) -> [[f32; GROUP]; N] {
     let nb = p.nb;
     let cell_len = GROUP * 20;
     let t0 = tok * nb;
     let tn = (tok + N) * nb;
-    assert!(w.len() >= nb * cell_len && p.quants.len() >= tn * 64 && p.scales.len() >= tn * 4);
+    assert!(w.len() >= nb * cell_len && act.len() >= tn * 40 && p.scales.len() >= tn * 4);
     let m4 = _mm512_set1_epi8(0x0f);
     let mut acc = [[_mm512_setzero_ps(); 8]; N];
     let mut summs = [_mm512_setzero_ps(); N];
@@ -1287,10 +1314,12 @@ unsafe fn gemv_group_q4_1<const N: usize>(w: &[u8], p: &Prepared, tok: usize) ->
                 let sa = *p.scales.get_unchecked(4 * at(c) + 1);
                 summs[c] = _mm512_add_ps(summs[c], _mm512_mul_ps(mw, _mm512_set1_ps(sa)));
             }
-            // Prepared Q8_1 layout: elements 0..16 at bytes 0..16, 16..32 at bytes 32..48.
+            // Q8_1 block: elements 0..32 at bytes 4..36; `off` counts elements 0..16 from 0
+            // and 16..32 from 32.
             let av = |c: usize, off: usize| {
-                let a = p.quants.as_ptr().add(at(c) * 64);
-                _mm512_set1_epi32((a.add(off) as *const i32).read_unaligned())
+                let q = act.as_ptr().add(at(c) * 40 + 4);
+                let e = if off < 32 { off } else { off - 16 };
+                _mm512_set1_epi32((q.add(e) as *const i32).read_unaligned())
             };
             for k in 0..4 {
                 let x = _mm512_loadu_si512(cell.add(64 + 64 * k) as *const _);

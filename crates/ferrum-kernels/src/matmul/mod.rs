@@ -272,7 +272,7 @@ fn matmul_rows(w: &Src, x: &[f32], y: &mut [f32], orders: &[Order]) {
         if avx512::available() && avx512::supports(w.dtype) && (t > 1 || w.dtype == DType::Q4_1) {
             // (One token of Q8_0 or Q5_0 streams faster through the row-at-a-time kernel below,
             // with the same bits: see benches/matmul.rs.)
-            sc.prepared.fill(w.dtype, &sc.act, ab, t);
+            sc.prepared.fill(w.dtype, &sc.act, ab, t, true);
             matmul_tiles(w, &sc.prepared, t, y);
             return;
         }
