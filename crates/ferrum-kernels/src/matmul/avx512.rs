@@ -84,16 +84,7 @@ impl Prepared {
                 if simd {
                     // SAFETY: `available()`: the CPU has AVX-512 (F, VL, VNNI) and F16C; the
                     // buffers were sized above for t * nb blocks (quants: none without them).
-                    unsafe {
-                        match quants {
-                            true => fill_q8_1::<true>(
-                                &act[..t * ab],
-                                &mut self.quants,
-                                &mut self.scales,
-                            ),
-                            false => fill_q8_1::<false>(&act[..t * ab], &mut [], &mut self.scales),
-                        }
-                    };
+                    unsafe { fill_q8_1(&act[..t * ab], &mut self.quants, &mut self.scales) };
                     return;
                 }
                 for (i, blk) in act[..t * ab].chunks_exact(40).enumerate() {
@@ -144,19 +135,20 @@ impl Prepared {
 }
 
 /// [`Prepared::fill`] of Q8_1 rows (40-byte blocks: d, s, 32 quants) with AVX-512: per block the
-/// scales as [d, s, d, s] (F16C, exact: the same values as the scalar loop) and, with `QUANTS`,
-/// the quants as [0..16, 0..16, 16..32, 16..32].
+/// scales as [d, s, d, s] (F16C, exact: the same values as the scalar loop) and, unless `quants`
+/// is empty, the quants as [0..16, 0..16, 16..32, 16..32].
 #[target_feature(enable = "avx512f,avx512vl,f16c")]
-unsafe fn fill_q8_1<const QUANTS: bool>(act: &[u8], quants: &mut [u8], scales: &mut [f32]) {
+unsafe fn fill_q8_1(act: &[u8], quants: &mut [u8], scales: &mut [f32]) {
     let n = act.len() / 40;
-    assert!((!QUANTS || quants.len() >= 64 * n) && scales.len() >= 4 * n);
+    let with_quants = !quants.is_empty();
+    assert!((!with_quants || quants.len() >= 64 * n) && scales.len() >= 4 * n);
     let idx = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
     for i in 0..n {
         // SAFETY: block i's 40 bytes lie in `act`, its 64 quants and 4 scales in the outputs
         // (asserted above).
         unsafe {
             let b = act.as_ptr().add(40 * i);
-            if QUANTS {
+            if with_quants {
                 let q = _mm256_loadu_si256(b.add(4) as *const __m256i);
                 let o = _mm512_permutexvar_epi64(idx, _mm512_castsi256_si512(q));
                 _mm512_storeu_si512(quants.as_mut_ptr().add(64 * i) as *mut _, o);
@@ -1314,11 +1306,9 @@ unsafe fn gemv_group_q4_1<const N: usize>(
                 let sa = *p.scales.get_unchecked(4 * at(c) + 1);
                 summs[c] = _mm512_add_ps(summs[c], _mm512_mul_ps(mw, _mm512_set1_ps(sa)));
             }
-            // Q8_1 block: elements 0..32 at bytes 4..36; `off` counts elements 0..16 from 0
-            // and 16..32 from 32.
-            let av = |c: usize, off: usize| {
+            // Elements e..e + 4 of a Q8_1 block (its quants at bytes 4..36).
+            let av = |c: usize, e: usize| {
                 let q = act.as_ptr().add(at(c) * 40 + 4);
-                let e = if off < 32 { off } else { off - 16 };
                 _mm512_set1_epi32((q.add(e) as *const i32).read_unaligned())
             };
             for k in 0..4 {
@@ -1327,7 +1317,7 @@ unsafe fn gemv_group_q4_1<const N: usize>(
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), m4);
                 for c in 0..N {
                     let slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, av(c, 4 * k));
-                    let shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, av(c, 32 + 4 * k));
+                    let shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, av(c, 16 + 4 * k));
                     acc[c][k] = _mm512_fmadd_ps(d[c], _mm512_cvtepi32_ps(slo), acc[c][k]);
                     acc[c][k + 4] = _mm512_fmadd_ps(d[c], _mm512_cvtepi32_ps(shi), acc[c][k + 4]);
                 }
