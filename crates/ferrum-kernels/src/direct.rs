@@ -6,8 +6,10 @@
 //! x[.., ci] * w[tap, ci, ..])`. Through a patch matrix, such a layer's GEMM has `kh * kw * cin`
 //! (27) columns, so packing the patches costs as much as the products; here each input value is
 //! broadcast once per pixel and tap against the output channels' weights (up to 64 output
-//! channels, four pixels at a time in registers). AVX-512 only (other ISAs take the patch
-//! matrix and the GEMM: [`worthwhile`]); [`dense_nhwc_ref`] is the f64 reference.
+//! channels, four pixels at a time in registers; on AVX2, up to 32 output channels in 8-lane
+//! vectors). AVX-512 and AVX2 + FMA (the portable tier takes the patch matrix and the GEMM:
+//! [`worthwhile`]); [`dense_nhwc_ref`] is the f64 reference. Every tier sums each output in the
+//! same order, so they give the same bits.
 
 use std::mem::MaybeUninit;
 
@@ -20,12 +22,14 @@ pub const MAX_CIN: usize = 4;
 
 /// True when [`dense_nhwc`] runs on this CPU for `cin` input channels.
 pub fn worthwhile(cin: usize) -> bool {
-    cin <= MAX_CIN && gemm::isa() == Isa::Avx512 && std::env::var_os("FERRUM_NO_DIRECT").is_none()
+    cin <= MAX_CIN
+        && matches!(gemm::isa(), Isa::Avx512 | Isa::Avx2)
+        && std::env::var_os("FERRUM_NO_DIRECT").is_none()
 }
 
 /// The convolution of `n` images (see the module's documentation; `g.channels` is `cin`) into
 /// `out` (`n * oh * ow * cout`, every element written). Panics when a buffer is too short, the
-/// activation is not a vector one, or AVX-512 is missing.
+/// activation is not a vector one, or the CPU has neither AVX-512 nor AVX2 and FMA.
 pub fn dense_nhwc(
     x: &[f32],
     w: &[f32],
@@ -62,9 +66,27 @@ pub fn dense_with(
     fin: &Finish,
     out: &mut [MaybeUninit<f32>],
 ) {
+    dense_with_isa(gemm::isa(), threads, input, x, w, cout, n, g, fin, out)
+}
+
+/// [`dense_with`] by a chosen kernel family: [`Isa::Avx512`] or [`Isa::Avx2`] (panics for
+/// others, or when this CPU lacks it).
+#[allow(clippy::too_many_arguments)]
+pub fn dense_with_isa(
+    isa: Isa,
+    threads: usize,
+    input: Input,
+    x: &[f32],
+    w: &[f32],
+    cout: usize,
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+    out: &mut [MaybeUninit<f32>],
+) {
     assert!(
-        gemm::available_isas().contains(&Isa::Avx512),
-        "direct: needs AVX-512"
+        matches!(isa, Isa::Avx512 | Isa::Avx2) && gemm::available_isas().contains(&isa),
+        "direct: needs AVX-512 or AVX2 and FMA ({isa:?} asked for)"
     );
     let wlen = g.kernel[0] * g.kernel[1] * g.channels * cout;
     let ([ih, iw], cin) = (g.input, g.channels);
@@ -93,11 +115,14 @@ pub fn dense_with(
         out,
         |img, oy, z, o| {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX-512 is supported (asserted above); `img` is one image, `w` the filter,
-            // `z` and `o` one output row, the bias `cout` values (lengths checked by
+            // SAFETY: the ISA is supported (asserted above); `img` is one image, `w` the
+            // filter, `z` and `o` one output row, the bias `cout` values (lengths checked by
             // `for_each_row`).
             unsafe {
-                x86::row(img, st, w, cout, g, oy, fin.bias, z, fin.act, o)
+                match isa {
+                    Isa::Avx512 => x86::row(img, st, w, cout, g, oy, fin.bias, z, fin.act, o),
+                    _ => x86::avx2::row(img, st, w, cout, g, oy, fin.bias, z, fin.act, o),
+                }
             };
             #[cfg(not(target_arch = "x86_64"))]
             let _ = (img, oy, z, o, st);
@@ -460,6 +485,333 @@ mod x86 {
             store(&acc, np, &m, act, op, ox, cout, mb);
         }
     }
+
+    /// The kernels of [`row`] on AVX2 and FMA: output channels in vectors of 8, up to four
+    /// vectors (32 channels) a block; each output summed in the same order as on AVX-512, so
+    /// the same bits. Blocks of whole vectors load and store plainly, a block ending past
+    /// `cout` through lane masks.
+    pub(super) mod avx2 {
+        use std::arch::x86_64::*;
+        use std::mem::MaybeUninit;
+
+        use super::super::Strides;
+        use crate::depthwise::Geometry;
+        use crate::gemm::x86::act_avx2;
+        use crate::gemm::Act;
+
+        /// Pixels computed together near the row's edges (taps checked one by one).
+        const P: usize = 4;
+        /// Pixels of an interior run: with `V` vectors of output channels, `WIDE / Q` runs
+        /// of `Q` pixels, `V * Q` accumulators beside the `V` weight vectors and a broadcast
+        /// in the 16 registers (12, 6, 3 and 2 pixels for 1 to 4 vectors).
+        const WIDE: usize = 12;
+
+        /// Where a run lies and what it adds: pixels from `ox` of output row `oy`, output
+        /// channels from `mb`.
+        #[derive(Clone, Copy)]
+        struct At<'a> {
+            oy: usize,
+            ox: usize,
+            mb: usize,
+            bias: Option<&'a [f32]>,
+            z: Option<&'a [f32]>,
+            act: Act,
+        }
+
+        /// One output row (every pixel and output channel), as [`super::row`].
+        ///
+        /// # Safety
+        /// AVX2 and FMA must be supported; the buffers as for [`super::row`].
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        pub(in super::super) unsafe fn row(
+            x: &[f32],
+            st: Strides,
+            w: &[f32],
+            cout: usize,
+            g: &Geometry,
+            oy: usize,
+            bias: Option<&[f32]>,
+            z: Option<&[f32]>,
+            act: Act,
+            o: &mut [MaybeUninit<f32>],
+        ) {
+            let ow = g.output[1];
+            // Output columns whose taps all lie inside the input row: [lo, hi).
+            let (iw, sx, dx, px) = (g.input[1], g.stride[1], g.dilation[1], g.pad[1]);
+            let span = (g.kernel[1] - 1) * dx;
+            let lo = px.div_ceil(sx).min(ow);
+            let hi = if iw + px > span {
+                ((iw + px - span - 1) / sx + 1).clamp(lo, ow)
+            } else {
+                lo
+            };
+            let mut ox = 0;
+            while ox < ow {
+                let interior = ox >= lo && ox + WIDE <= hi;
+                let np = if interior { WIDE } else { P.min(ow - ox) };
+                let mut mb = 0;
+                while mb < cout {
+                    let v = (cout - mb).div_ceil(8).min(4);
+                    let full = cout - mb >= 8 * v;
+                    let at = At {
+                        oy,
+                        ox,
+                        mb,
+                        bias,
+                        z,
+                        act,
+                    };
+                    macro_rules! go {
+                        ($v:literal, $q:literal) => {
+                            // SAFETY: forwarded; an interior run's pixels lie inside [lo, hi),
+                            // so every tap of theirs is inside the input row; an edge block
+                            // covers pixels ox..ox + np of this row.
+                            unsafe {
+                                match (interior, full) {
+                                    (true, true) => wide::<$v, $q, true>(x, st, w, cout, g, at, o),
+                                    (true, false) => {
+                                        wide::<$v, $q, false>(x, st, w, cout, g, at, o)
+                                    }
+                                    (false, true) => {
+                                        block::<$v, true>(x, st, w, cout, g, at, np, o)
+                                    }
+                                    (false, false) => {
+                                        block::<$v, false>(x, st, w, cout, g, at, np, o)
+                                    }
+                                }
+                            }
+                        };
+                    }
+                    match v {
+                        1 => go!(1, 12),
+                        2 => go!(2, 6),
+                        3 => go!(3, 3),
+                        _ => go!(4, 2),
+                    }
+                    mb += 32;
+                }
+                ox += np;
+            }
+        }
+
+        /// The lane masks of `V` vectors of output channels from `mb` (the last masked past
+        /// `cout`).
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn masks<const V: usize>(cout: usize, mb: usize) -> [__m256i; V] {
+            core::array::from_fn(|v| {
+                let left = cout.saturating_sub(mb + 8 * v).min(8) as i32;
+                _mm256_cmpgt_epi32(
+                    _mm256_set1_epi32(left),
+                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                )
+            })
+        }
+
+        /// Eight floats at `p`: all of them (`FULL`) or the lanes under `m`.
+        ///
+        /// # Safety
+        /// The lanes read lie in one buffer.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn load<const FULL: bool>(p: *const f32, m: __m256i) -> __m256 {
+            // SAFETY: the caller's contract.
+            unsafe {
+                if FULL {
+                    _mm256_loadu_ps(p)
+                } else {
+                    _mm256_maskload_ps(p, m)
+                }
+            }
+        }
+
+        /// The first `np` pixels' accumulators set to the bias plus the residual (each when
+        /// given) of pixels `at.ox..` and output channels `at.mb..`.
+        ///
+        /// # Safety
+        /// As [`row`]: pixels `at.ox..at.ox + np` and the masked channels lie in the row.
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn start<const V: usize, const Q: usize, const FULL: bool>(
+            acc: &mut [[__m256; V]; Q],
+            np: usize,
+            m: &[__m256i; V],
+            at: At,
+            cout: usize,
+        ) {
+            for v in 0..V {
+                let ch = at.mb + 8 * v;
+                // SAFETY: channels under the mask, pixels below ox + np (caller's contract).
+                unsafe {
+                    let b = match at.bias {
+                        Some(b) => load::<FULL>(b.as_ptr().add(ch), m[v]),
+                        None => _mm256_setzero_ps(),
+                    };
+                    for (p, a) in acc.iter_mut().enumerate().take(np) {
+                        a[v] = match at.z {
+                            Some(z) => _mm256_add_ps(
+                                load::<FULL>(z.as_ptr().add((at.ox + p) * cout + ch), m[v]),
+                                b,
+                            ),
+                            None => _mm256_add_ps(_mm256_setzero_ps(), b),
+                        };
+                    }
+                }
+            }
+        }
+
+        /// Stores the first `np` pixels' accumulators, activated, at pixels `at.ox..` and
+        /// output channels `at.mb..` of the row at `op`.
+        ///
+        /// # Safety
+        /// As [`start`], for the output row at `op`.
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn store<const V: usize, const Q: usize, const FULL: bool>(
+            acc: &[[__m256; V]; Q],
+            np: usize,
+            m: &[__m256i; V],
+            at: At,
+            op: *mut f32,
+            cout: usize,
+        ) {
+            for (p, a) in acc.iter().enumerate().take(np) {
+                for v in 0..V {
+                    let y = act_avx2(at.act, a[v]);
+                    // SAFETY: channels under the mask, pixels below ox + np (caller's
+                    // contract).
+                    unsafe {
+                        let dst = op.add((at.ox + p) * cout + at.mb + 8 * v);
+                        if FULL {
+                            _mm256_storeu_ps(dst, y)
+                        } else {
+                            _mm256_maskstore_ps(dst, m[v], y)
+                        }
+                    };
+                }
+            }
+        }
+
+        /// [`WIDE`] pixels from `at.ox` of output row `at.oy`, all of whose taps lie inside
+        /// the input row, in runs of `Q`; output channels `at.mb..` in `V` vectors of 8
+        /// (`FULL`: all inside `cout`): per run, tap and input channel, the `V` weight
+        /// vectors are loaded once and each pixel's input value broadcast against them.
+        ///
+        /// # Safety
+        /// As [`row`]; pixels `at.ox..at.ox + WIDE` lie in the row's interior (every tap
+        /// column inside the input).
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn wide<const V: usize, const Q: usize, const FULL: bool>(
+            x: &[f32],
+            st: Strides,
+            w: &[f32],
+            cout: usize,
+            g: &Geometry,
+            at: At,
+            o: &mut [MaybeUninit<f32>],
+        ) {
+            let ([ih, _], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
+            let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
+            let m = masks::<V>(cout, at.mb);
+            let step = g.stride[1] * st.pixel;
+            for run in 0..WIDE / Q {
+                let at = At {
+                    ox: at.ox + run * Q,
+                    ..at
+                };
+                let mut acc = [[_mm256_setzero_ps(); V]; Q];
+                // SAFETY (all pointer reads and writes below): channel offsets stay below
+                // `cout` (whole vectors, or under the masks), pixel offsets below `ow`, input
+                // offsets inside the image (rows outside are skipped; columns are inside by
+                // the caller's contract).
+                unsafe {
+                    start::<V, Q, FULL>(&mut acc, Q, &m, at, cout);
+                    for ky in 0..kh {
+                        let iy =
+                            (at.oy * g.stride[0] + ky * g.dilation[0]) as isize - g.pad[0] as isize;
+                        if iy < 0 || iy as usize >= ih {
+                            continue;
+                        }
+                        for kx in 0..kw {
+                            let ix0 = at.ox * g.stride[1] + kx * g.dilation[1] - g.pad[1];
+                            let src = xp.add(iy as usize * st.row + ix0 * st.pixel);
+                            let wt = wp.add((ky * kw + kx) * cin * cout + at.mb);
+                            for ci in 0..cin {
+                                let src = src.add(ci * st.channel);
+                                let wv: [__m256; V] = core::array::from_fn(|v| {
+                                    load::<FULL>(wt.add(ci * cout + 8 * v), m[v])
+                                });
+                                for (p, a) in acc.iter_mut().enumerate() {
+                                    let xv = _mm256_set1_ps(*src.add(p * step));
+                                    for v in 0..V {
+                                        a[v] = _mm256_fmadd_ps(wv[v], xv, a[v]);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    store::<V, Q, FULL>(&acc, Q, &m, at, op, cout);
+                }
+            }
+        }
+
+        /// Pixels `at.ox..at.ox + np` (at most [`P`]) of output row `at.oy`, output
+        /// channels `at.mb..` in `V` vectors of 8 (`FULL`: all inside `cout`).
+        ///
+        /// # Safety
+        /// As [`row`].
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn block<const V: usize, const FULL: bool>(
+            x: &[f32],
+            st: Strides,
+            w: &[f32],
+            cout: usize,
+            g: &Geometry,
+            at: At,
+            np: usize,
+            o: &mut [MaybeUninit<f32>],
+        ) {
+            let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
+            let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), o.as_mut_ptr() as *mut f32);
+            let m = masks::<V>(cout, at.mb);
+            let mut acc = [[_mm256_setzero_ps(); V]; P];
+            // SAFETY (all pointer reads and writes below): channel offsets stay below `cout`
+            // (whole vectors, or under the masks), pixel offsets below `ow`, input offsets
+            // inside the image (taps outside are skipped).
+            unsafe {
+                start::<V, P, FULL>(&mut acc, np, &m, at, cout);
+                for ky in 0..kh {
+                    let iy =
+                        (at.oy * g.stride[0] + ky * g.dilation[0]) as isize - g.pad[0] as isize;
+                    if iy < 0 || iy as usize >= ih {
+                        continue;
+                    }
+                    for kx in 0..kw {
+                        let tap = ky * kw + kx;
+                        for (p, a) in acc.iter_mut().enumerate().take(np) {
+                            let ix = ((at.ox + p) * g.stride[1] + kx * g.dilation[1]) as isize
+                                - g.pad[1] as isize;
+                            if ix < 0 || ix as usize >= iw {
+                                continue;
+                            }
+                            let src = xp.add(iy as usize * st.row + ix as usize * st.pixel);
+                            for ci in 0..cin {
+                                let xv = _mm256_set1_ps(*src.add(ci * st.channel));
+                                let wr = wp.add((tap * cin + ci) * cout + at.mb);
+                                for v in 0..V {
+                                    let wv = load::<FULL>(wr.add(8 * v), m[v]);
+                                    a[v] = _mm256_fmadd_ps(wv, xv, a[v]);
+                                }
+                            }
+                        }
+                    }
+                }
+                store::<V, P, FULL>(&acc, np, &m, at, op, cout);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -471,11 +823,17 @@ mod tests {
     /// Against the f64 reference on fresh random shapes: 1-4 input channels, 1-90 output
     /// channels (below, at and past whole vectors and the 64-channel blocks), kernels 1-7,
     /// strides 1-3, dilations 1-2, paddings 0-3, batches 1-2, bias / residual / each vector
-    /// activation, 1-3 threads. Bound: 4e-6 x (the sum of the terms' magnitudes + 1e-3), 1.5x
-    /// after an activation; the output starts as NaN, so an element left unwritten fails.
+    /// activation, 1-3 threads, each kernel family (AVX-512, AVX2) this CPU has. Bound: 4e-6 x
+    /// (the sum of the terms' magnitudes + 1e-3), 1.5x after an activation; the output starts
+    /// as NaN, so an element left unwritten fails. Every family and thread count gives the
+    /// same bits, and images read as planes the same bits as channels-last.
     #[test]
     fn matches_the_f64_reference() {
-        if !gemm::available_isas().contains(&Isa::Avx512) {
+        let isas: Vec<Isa> = gemm::available_isas()
+            .into_iter()
+            .filter(|i| matches!(i, Isa::Avx512 | Isa::Avx2))
+            .collect();
+        if isas.is_empty() {
             return;
         }
         let seed: u64 = rand::random();
@@ -529,9 +887,21 @@ mod tests {
             );
             let abs = |v: &[f32]| v.iter().map(|a| a.abs()).collect::<Vec<_>>();
             let mag = dense_nhwc_ref(&abs(&x), &abs(&w), cout, n, &g, &plain);
-            for threads in 1..4 {
+            let mut first: Option<Vec<u32>> = None;
+            for (threads, &isa) in (1..4).flat_map(|t| isas.iter().map(move |i| (t, i))) {
                 let mut out = vec![MaybeUninit::new(f32::NAN); want.len()];
-                dense_with(threads, Input::Nhwc, &x, &w, cout, n, &g, &fin, &mut out);
+                dense_with_isa(
+                    isa,
+                    threads,
+                    Input::Nhwc,
+                    &x,
+                    &w,
+                    cout,
+                    n,
+                    &g,
+                    &fin,
+                    &mut out,
+                );
                 for (i, o) in out.iter().enumerate() {
                     // SAFETY: initialised above (NaN), then overwritten by the kernel.
                     let got = unsafe { o.assume_init() } as f64;
@@ -544,8 +914,21 @@ mod tests {
                     let exp = act.apply(want[i] as f32) as f64;
                     assert!(
                         (got - exp).abs() <= tol,
-                        "seed {seed} case {case} {threads}t {g:?} -> {cout}, n {n}, at {i}: {got} vs {exp} (tol {tol})"
+                        "seed {seed} case {case} {isa:?} {threads}t {g:?} -> {cout}, n {n}, at {i}: {got} vs {exp} (tol {tol})"
                     );
+                }
+                // Every tier and thread count sums in the same order: the same bits.
+                // SAFETY: initialised above (NaN), then overwritten by the kernel.
+                let bits: Vec<u32> = out
+                    .iter()
+                    .map(|o| unsafe { o.assume_init() }.to_bits())
+                    .collect();
+                match &first {
+                    None => first = Some(bits),
+                    Some(f) => assert!(
+                        *f == bits,
+                        "seed {seed} case {case} {isa:?} {threads}t {g:?}: bits differ from the first run"
+                    ),
                 }
                 // The same images as planes, read where they lie: the same bits.
                 let (ih, iw) = (input[0], input[1]);
@@ -558,7 +941,8 @@ mod tests {
                     }
                 }
                 let mut from_planes = vec![MaybeUninit::new(f32::NAN); want.len()];
-                dense_with(
+                dense_with_isa(
+                    isa,
                     threads,
                     Input::Nchw,
                     &planes,
@@ -574,7 +958,7 @@ mod tests {
                     let (a, b) = unsafe { (a.assume_init(), b.assume_init()) };
                     assert!(
                         a.to_bits() == b.to_bits() && !b.is_nan(),
-                        "seed {seed} case {case} {threads}t {g:?} -> {cout}, n {n}, planes, at {i}: {b} vs {a}"
+                        "seed {seed} case {case} {isa:?} {threads}t {g:?} -> {cout}, n {n}, planes, at {i}: {b} vs {a}"
                     );
                 }
             }

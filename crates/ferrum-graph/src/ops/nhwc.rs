@@ -12,7 +12,7 @@
 //! each image's patches `[OH*OW, kh*kw*C]` with W `[kh*kw*C, M]` (for a 1x1 with stride 1 and
 //! no padding the input itself, all images at once), with the bias, residual and simple
 //! activations in its epilogue; with at most [`direct::MAX_CIN`] input channels (an image) on
-//! AVX-512, directly ([`ferrum_kernels::direct`]). Grouped convolutions that are not depthwise are refused (the
+//! AVX-512 or AVX2, directly ([`ferrum_kernels::direct`]). Grouped convolutions that are not depthwise are refused (the
 //! pass makes none).
 
 use ferrum_kernels::gemm::{gemm_ex_uninit, Bias, Epilogue, Lhs, Mat, Rhs};
