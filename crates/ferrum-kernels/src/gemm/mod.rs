@@ -508,8 +508,8 @@ fn steps_in_registers(x: Mat, full: usize, kc: usize, w: usize, dst: &mut [f32])
     }
 }
 
-/// Packs one panel of `lanes` rows from `r0` of `x` (`cs == 1`) with the AVX-512 transpose, if
-/// the CPU has it.
+/// Packs one panel of `lanes` rows from `r0` of `x` (`cs == 1`) with the AVX-512 or AVX2
+/// transposes, if the CPU has one of them.
 fn transposed_panel(x: Mat, r0: usize, lanes: usize, kc: usize, w: usize, out: &mut [f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {

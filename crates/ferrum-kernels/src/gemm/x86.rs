@@ -660,8 +660,10 @@ unsafe fn pack_steps_avx512(
 }
 
 /// Packs one panel from `lanes` rows that are contiguous along K (row `r` at
-/// `src[r * rs..][..kc]`): `out[p * w + r]`, zero for `r >= lanes`. Returns false (and writes
-/// nothing) when the CPU lacks AVX-512F.
+/// `src[r * rs..][..kc]`): `out[p * w + r]`, zero for `r >= lanes`, by 16 x 16 transposes in
+/// AVX-512 registers or 8 x 8 ones in AVX2 registers. Returns false (and writes nothing) when
+/// the CPU has neither (as [`crate::cpu::features`] reports it, so `FERRUM_NO_AVX512` takes
+/// the AVX2 one).
 pub fn pack_transposed(
     src: &[f32],
     rs: usize,
@@ -670,14 +672,111 @@ pub fn pack_transposed(
     w: usize,
     out: &mut [f32],
 ) -> bool {
-    if !is_x86_feature_detected!("avx512f") {
-        return false;
-    }
+    let f = crate::cpu::features();
     assert!(lanes >= 1 && lanes <= w && out.len() >= kc * w);
     assert!((lanes - 1) * rs + kc <= src.len());
-    // SAFETY: AVX-512F is present; the asserts bound every read and write made.
-    unsafe { pack_transposed_avx512(src.as_ptr(), rs, lanes, kc, w, out.as_mut_ptr()) };
-    true
+    if f.avx512() {
+        // SAFETY: AVX-512F is present; the asserts bound every read and write made.
+        unsafe { pack_transposed_avx512(src.as_ptr(), rs, lanes, kc, w, out.as_mut_ptr()) };
+        true
+    } else if f.x86_simd() && f.avx2 {
+        // SAFETY: AVX2 is present; the asserts bound every read and write made.
+        unsafe { pack_transposed_avx2(src.as_ptr(), rs, lanes, kc, w, out.as_mut_ptr()) };
+        true
+    } else {
+        false
+    }
+}
+
+/// [`pack_transposed`] by 8 x 8 transposes in AVX2 registers: per group of 8 lanes and 8 steps,
+/// the lanes' 8 values loaded as rows, transposed, and each step's lanes stored (whole, or
+/// the group's first lanes through a copy when it is narrower than 8).
+///
+/// # Safety
+/// `src` holds `(lanes - 1) * rs + kc` floats, `out` holds `kc * w`, `lanes <= w`, and the CPU
+/// supports AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn pack_transposed_avx2(
+    src: *const f32,
+    rs: usize,
+    lanes: usize,
+    kc: usize,
+    w: usize,
+    out: *mut f32,
+) {
+    let full = kc - kc % 8;
+    for g in (0..w).step_by(8) {
+        let gl = 8.min(w - g);
+        let live = lanes.saturating_sub(g).min(gl);
+        for p0 in (0..full).step_by(8) {
+            let mut r = [_mm256_setzero_ps(); 8];
+            for (i, v) in r.iter_mut().enumerate().take(live) {
+                // SAFETY: row g + i < lanes, columns p0..p0 + 8 <= kc: inside `src`.
+                *v = unsafe { _mm256_loadu_ps(src.add((g + i) * rs + p0)) };
+            }
+            let t = transpose8(&r);
+            for (c, &v) in t.iter().enumerate() {
+                let dst = (p0 + c) * w + g;
+                if gl == 8 {
+                    // SAFETY: step p0 + c < kc, lanes g..g + 8 <= w: inside `out`.
+                    unsafe { _mm256_storeu_ps(out.add(dst), v) };
+                } else {
+                    let mut tmp = [0f32; 8];
+                    // SAFETY: `tmp` holds 8 floats; lanes g..g + gl <= w of step p0 + c lie
+                    // inside `out` and do not overlap `tmp`.
+                    unsafe {
+                        _mm256_storeu_ps(tmp.as_mut_ptr(), v);
+                        std::ptr::copy_nonoverlapping(tmp.as_ptr(), out.add(dst), gl);
+                    }
+                }
+            }
+        }
+        for p in full..kc {
+            for i in 0..gl {
+                // SAFETY: as above, one element at a time.
+                unsafe {
+                    *out.add(p * w + g + i) = if i < live {
+                        *src.add((g + i) * rs + p)
+                    } else {
+                        0.0
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// The 8 x 8 transpose of `r` (row `i` in `r[i]`): column `c` in the result's `c`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn transpose8(r: &[__m256; 8]) -> [__m256; 8] {
+    // Pairs of rows interleaved, then pairs of pairs, then the 128-bit halves.
+    let u0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let u1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let u2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let u3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let u4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let u5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let u6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let u7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let s0 = _mm256_shuffle_ps::<0x44>(u0, u2);
+    let s1 = _mm256_shuffle_ps::<0xee>(u0, u2);
+    let s2 = _mm256_shuffle_ps::<0x44>(u1, u3);
+    let s3 = _mm256_shuffle_ps::<0xee>(u1, u3);
+    let s4 = _mm256_shuffle_ps::<0x44>(u4, u6);
+    let s5 = _mm256_shuffle_ps::<0xee>(u4, u6);
+    let s6 = _mm256_shuffle_ps::<0x44>(u5, u7);
+    let s7 = _mm256_shuffle_ps::<0xee>(u5, u7);
+    [
+        _mm256_permute2f128_ps::<0x20>(s0, s4),
+        _mm256_permute2f128_ps::<0x20>(s1, s5),
+        _mm256_permute2f128_ps::<0x20>(s2, s6),
+        _mm256_permute2f128_ps::<0x20>(s3, s7),
+        _mm256_permute2f128_ps::<0x31>(s0, s4),
+        _mm256_permute2f128_ps::<0x31>(s1, s5),
+        _mm256_permute2f128_ps::<0x31>(s2, s6),
+        _mm256_permute2f128_ps::<0x31>(s3, s7),
+    ]
 }
 
 /// # Safety
