@@ -703,6 +703,15 @@ mod x86 {
                 }
                 ox += WIDE;
             }
+            if ox + GROUP <= hi {
+                for cb in (0..whole).step_by(8) {
+                    pixels_avx2::<GROUP, true, true>(&k, o, ox, cb, tail);
+                }
+                if whole < c {
+                    pixels_avx2::<GROUP, false, true>(&k, o, ox, whole, tail);
+                }
+                ox += GROUP;
+            }
             for ox in (0..lo).chain(ox..ow) {
                 let inside = ox >= lo && ox < hi;
                 for cb in (0..whole).step_by(8) {
