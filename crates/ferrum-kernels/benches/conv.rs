@@ -3,7 +3,8 @@
 //! stride 1 or 2, ReLU6 as the network fuses it), the large ones also behind their 1x1
 //! expansion (the product over every pixel then the depthwise convolution, beside
 //! `expand_depthwise_nhwc`, which never holds the expanded tensor), and the first layers over an
-//! image's 3 channels (`direct`, AVX-512 only), at 1 and 2 threads; GFLOP/s count 2 FLOPs per multiply-add. Each
+//! image's 3 channels (`direct`, AVX-512 and AVX2), and ResNet's 3x3 layers by Winograd's
+//! F(2x2, 3x3) (channels-first), at 1 and 2 threads; GFLOP/s count 2 FLOPs per multiply-add. Each
 //! figure: the median and the fastest of `--reps` runs (default 15) after one warm-up (the
 //! fastest is the steadier estimate on a machine shared with other work).
 
@@ -12,8 +13,8 @@ use std::mem::MaybeUninit;
 use ferrum_kernels::depthwise::{
     depthwise_nhwc_with, expand_depthwise_nhwc_with, Expand, Finish, Geometry,
 };
-use ferrum_kernels::direct;
 use ferrum_kernels::gemm::{self, Act};
+use ferrum_kernels::{direct, winograd};
 
 mod common;
 use common::timings as time;
@@ -126,6 +127,39 @@ fn main() {
                     flops / best / 1e9
                 );
             }
+        }
+        // ResNet-50's 3x3 stride-1 layers (channels, size), by Winograd F(2x2, 3x3) with the
+        // bias, residual and ReLU as the network fuses them; GFLOP/s of the direct convolution's
+        // multiply-adds (so above the machine's peak when the transform saves enough).
+        for (c, size) in [(64, 56), (128, 28), (256, 14), (512, 7)] {
+            let (x, w, b) = (
+                vals(c * size * size, 1.0),
+                vals(c * c * 9, 2.0),
+                vals(c, 3.0),
+            );
+            let z = vals(c * size * size, 4.0);
+            let f = winograd::WinogradFilter::new(&w, c, c);
+            let g = winograd::Geometry {
+                input: [size, size],
+                output: [size, size],
+                pad: [1, 1],
+            };
+            let fin = winograd::Finish {
+                bias: Some(&b),
+                residual: Some(&z),
+                act: Act::Relu,
+            };
+            let mut out = vec![MaybeUninit::new(0f32); c * size * size];
+            let (med, best) = time(reps, || {
+                winograd::conv3x3_with(gemm::isa(), threads, &f, &x, 1, g, &fin, &mut out)
+            });
+            let flops = 2.0 * (c * c * 9 * size * size) as f64;
+            println!(
+                "| winograd | {c}x{size}x{size} 3x3/1 -> {c} | {threads} | {:.3} | {:.3} | {:.1} |",
+                med * 1e3,
+                best * 1e3,
+                flops / best / 1e9
+            );
         }
         if !direct::worthwhile(3) {
             continue;

@@ -491,27 +491,92 @@ unsafe fn transform_input(job: &Job, grp: Group, (c0, c1): (usize, usize), v: Sh
     }
 }
 
-/// One tile row of one channel (see [`transform_input`]): `v` points at its first tile for
-/// `xi = 0`, each further `xi` `step` floats on.
-///
-/// # Safety
-/// `v + xi * step + tx` is writable for every `xi < 16`, `tx < tiles_x`.
-/// [`input_tile_row`] compiled for AVX2 (same values).
+/// [`input_tile_row`] on 8 tiles per AVX2 vector (same arithmetic, same order, so the same
+/// bits), the tiles past the last whole 8 as [`input_tile_row`] does them. Per input row and 8
+/// tiles, the 16 columns from the first tile's and the 16 from two columns on are split into
+/// even and odd ones: the tiles' columns 0 and 1, then 2 and 3.
 ///
 /// # Safety
 /// As [`input_tile_row`], and the CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn input_tile_row_avx2(rows: &[f32], w: usize, tiles_x: usize, v: *mut f32, step: usize) {
+    use std::arch::x86_64::*;
+    let whole = tiles_x / 8 * 8;
+    assert!(rows.len() >= 4 * w && (whole == 0 || 2 * whole + 2 <= w));
+    // Even and odd floats of the 16 at `p`: [p0 p2 .. p14], [p1 p3 .. p15].
+    let split = |p: *const f32| -> (__m256, __m256) {
+        // SAFETY: 16 floats from `p` lie inside `rows` (the callers below).
+        let (a, b) = unsafe { (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))) };
+        let ev = _mm256_shuffle_ps::<0x88>(a, b); // a0 a2 b0 b2 | a4 a6 b4 b6
+        let od = _mm256_shuffle_ps::<0xdd>(a, b); // a1 a3 b1 b3 | a5 a7 b5 b7
+        let order =
+            |x: __m256| _mm256_castpd_ps(_mm256_permute4x64_pd::<0xd8>(_mm256_castps_pd(x)));
+        (order(ev), order(od))
+    };
+    for tx0 in (0..whole).step_by(8) {
+        // Columns 0 - 3 of the 8 tiles of input row r: lanes l at 2 (tx0 + l) + col.
+        let cols = |r: usize| -> [__m256; 4] {
+            // Reads columns 2 tx0 .. 2 tx0 + 18 <= 2 whole + 2 <= w of row r.
+            let p = rows[r * w + 2 * tx0..].as_ptr();
+            let (c0, c1) = split(p);
+            // SAFETY: as above.
+            let (c2, c3) = split(unsafe { p.add(2) });
+            [c0, c1, c2, c3]
+        };
+        let d = [cols(0), cols(1), cols(2), cols(3)];
+        let mut q = [[_mm256_setzero_ps(); 4]; 4];
+        for col in 0..4 {
+            let e = |r: usize| d[r][col];
+            q[0][col] = _mm256_sub_ps(e(0), e(2));
+            q[1][col] = _mm256_add_ps(e(1), e(2));
+            q[2][col] = _mm256_sub_ps(e(2), e(1));
+            q[3][col] = _mm256_sub_ps(e(1), e(3));
+        }
+        for (i, row) in q.iter().enumerate() {
+            let vals = [
+                _mm256_sub_ps(row[0], row[2]),
+                _mm256_add_ps(row[1], row[2]),
+                _mm256_sub_ps(row[2], row[1]),
+                _mm256_sub_ps(row[1], row[3]),
+            ];
+            for (j, &val) in vals.iter().enumerate() {
+                // SAFETY: xi = 4 i + j < 16 and tiles tx0 .. tx0 + 8 <= tiles_x, per the
+                // contract.
+                unsafe { _mm256_storeu_ps(v.add((i * 4 + j) * step + tx0), val) };
+            }
+        }
+    }
     // SAFETY: forwarded from the caller.
-    unsafe { input_tile_row(rows, w, tiles_x, v, step) }
+    unsafe { input_tiles(rows, w, whole..tiles_x, v, step) }
 }
 
-#[allow(clippy::needless_range_loop)] // the transforms' indices, as in the matrices
+/// One tile row of one channel (see [`transform_input`]): `v` points at its first tile for
+/// `xi = 0`, each further `xi` `step` floats on.
+///
+/// # Safety
+/// `v + xi * step + tx` is writable for every `xi < 16`, `tx < tiles_x`.
 #[inline(always)]
 unsafe fn input_tile_row(rows: &[f32], w: usize, tiles_x: usize, v: *mut f32, step: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { input_tiles(rows, w, 0..tiles_x, v, step) }
+}
+
+/// [`input_tile_row`] for the tiles `txs` of the row.
+///
+/// # Safety
+/// As [`input_tile_row`], for `tx` in `txs`.
+#[allow(clippy::needless_range_loop)] // the transforms' indices, as in the matrices
+#[inline(always)]
+unsafe fn input_tiles(
+    rows: &[f32],
+    w: usize,
+    txs: std::ops::Range<usize>,
+    v: *mut f32,
+    step: usize,
+) {
     let d = |r: usize, col: usize| &rows[r * w + col..];
-    for tx in 0..tiles_x {
+    for tx in txs {
         // B^T d: rows 0 - 2, 1 + 2, 2 - 1, 1 - 3; then times B: columns likewise.
         let mut q = [[0f32; 4]; 4];
         for col in 0..4 {
@@ -694,25 +759,18 @@ fn output_row_kernel(isa: Isa) -> OutputRow {
     output_tile_row
 }
 
-/// [`output_tile_row`] compiled for AVX2 (same values).
+/// [`output_tile_row`] on 8 tiles per AVX2 vector (same arithmetic, same order, so the same
+/// bits), the tiles past the last whole 8 as [`output_tile_row`] does them. A row's two
+/// outputs per tile are interleaved into 16 consecutive columns; columns past the output's
+/// width are left unwritten.
 ///
 /// # Safety
 /// As [`output_tile_row`], and the CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn output_tile_row_avx2(r: &OutRow) {
-    // SAFETY: forwarded from the caller.
-    unsafe { output_tile_row(r) }
-}
-
-/// One tile row of one output channel (see [`transform_output`] and [`OutRow`]).
-///
-/// # Safety
-/// `m + xi * step + tx` is readable for `xi < 16`, `tx < tiles_x`; `dst` has `rows * ow`
-/// writable floats.
 #[allow(clippy::needless_range_loop)] // the transforms' indices, as in the matrices
-#[inline(always)]
-unsafe fn output_tile_row(r: &OutRow) {
+unsafe fn output_tile_row_avx2(r: &OutRow) {
+    use std::arch::x86_64::*;
     let OutRow {
         m,
         step,
@@ -724,7 +782,103 @@ unsafe fn output_tile_row(r: &OutRow) {
         act,
         dst,
     } = *r;
-    for tx in 0..tiles_x {
+    let whole = tiles_x / 8 * 8;
+    let bv = _mm256_set1_ps(bias);
+    for tx0 in (0..whole).step_by(8) {
+        // SAFETY: tiles tx0 .. tx0 + 8 <= tiles_x of product xi, readable per the contract.
+        let mv = |xi: usize| unsafe { _mm256_loadu_ps(m.add(xi * step + tx0)) };
+        let mut s = [[_mm256_setzero_ps(); 4]; 2];
+        for j in 0..4 {
+            s[0][j] = _mm256_add_ps(_mm256_add_ps(mv(j), mv(4 + j)), mv(8 + j));
+            s[1][j] = _mm256_sub_ps(_mm256_sub_ps(mv(4 + j), mv(8 + j)), mv(12 + j));
+        }
+        for (i, si) in s.iter().enumerate().take(rows) {
+            let y0 = _mm256_add_ps(_mm256_add_ps(si[0], si[1]), si[2]);
+            let y1 = _mm256_sub_ps(_mm256_sub_ps(si[1], si[2]), si[3]);
+            // Output columns 2 tx0 .. 2 tx0 + 16, interleaved: y0[0] y1[0] y0[1] y1[1] ...
+            let (lo, hi) = (_mm256_unpacklo_ps(y0, y1), _mm256_unpackhi_ps(y0, y1));
+            let halves = [
+                _mm256_permute2f128_ps::<0x20>(lo, hi),
+                _mm256_permute2f128_ps::<0x31>(lo, hi),
+            ];
+            for (h, &yv) in halves.iter().enumerate() {
+                let col = 2 * tx0 + 8 * h;
+                if col >= ow {
+                    break;
+                }
+                let n = (ow - col).min(8);
+                let at = i * ow + col;
+                let mut val = _mm256_add_ps(yv, bv);
+                let mut buf = [0f32; 8];
+                if let Some(z) = z {
+                    let zv = if n == 8 {
+                        // SAFETY: columns col .. col + 8 <= ow of row i, inside `z`.
+                        unsafe { _mm256_loadu_ps(z.as_ptr().add(at)) }
+                    } else {
+                        buf[..n].copy_from_slice(&z[at..at + n]);
+                        // SAFETY: `buf` holds 8 floats.
+                        unsafe { _mm256_loadu_ps(buf.as_ptr()) }
+                    };
+                    val = _mm256_add_ps(val, zv);
+                }
+                let val = if act.is_vector() {
+                    gemm::act_avx2(act, val)
+                } else {
+                    // SAFETY: `buf` holds 8 floats.
+                    unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), val) };
+                    buf.iter_mut().for_each(|x| *x = act.apply(*x));
+                    // SAFETY: `buf` holds 8 floats.
+                    unsafe { _mm256_loadu_ps(buf.as_ptr()) }
+                };
+                if n == 8 {
+                    // SAFETY: columns col .. col + 8 <= ow of row i, inside `dst`.
+                    unsafe { _mm256_storeu_ps(dst.add(at), val) };
+                } else {
+                    // SAFETY: `buf` holds 8 floats; columns col .. ow of row i lie inside
+                    // `dst`, apart from `buf`.
+                    unsafe {
+                        _mm256_storeu_ps(buf.as_mut_ptr(), val);
+                        std::ptr::copy_nonoverlapping(buf.as_ptr(), dst.add(at), n);
+                    }
+                }
+            }
+        }
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { output_tiles(r, whole..tiles_x) }
+}
+
+/// One tile row of one output channel (see [`transform_output`] and [`OutRow`]).
+///
+/// # Safety
+/// `m + xi * step + tx` is readable for `xi < 16`, `tx < tiles_x`; `dst` has `rows * ow`
+/// writable floats.
+#[inline(always)]
+unsafe fn output_tile_row(r: &OutRow) {
+    // SAFETY: forwarded from the caller.
+    unsafe { output_tiles(r, 0..r.tiles_x) }
+}
+
+/// [`output_tile_row`] for the tiles `txs` of the row.
+///
+/// # Safety
+/// As [`output_tile_row`], for `tx` in `txs`.
+#[allow(clippy::needless_range_loop)] // the transforms' indices, as in the matrices
+#[inline(always)]
+unsafe fn output_tiles(r: &OutRow, txs: std::ops::Range<usize>) {
+    let OutRow {
+        m,
+        step,
+        tiles_x,
+        ow,
+        rows,
+        bias,
+        z,
+        act,
+        dst,
+    } = *r;
+    let _ = tiles_x;
+    for tx in txs {
         // SAFETY: xi < 16 and tx < tiles_x, per the contract.
         let mv = |xi: usize| unsafe { *m.add(xi * step + tx) };
         // A^T M (rows 0 + 1 + 2 and 1 - 2 - 3), then times A (columns likewise).

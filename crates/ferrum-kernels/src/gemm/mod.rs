@@ -46,7 +46,7 @@ mod tests;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::act_avx512;
+pub(crate) use x86::{act_avx2, act_avx512};
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
