@@ -443,8 +443,34 @@ impl Micro for Scalar {
 }
 
 /// Packs `rows x kc` of `x` into panels of `w` rows (zero-padded to whole panels): panel `q`,
-/// step `p`, lane `r` at `q * kc * w + p * w + r`. Writes every float of those panels.
+/// step `p`, lane `r` at `q * kc * w + p * w + r`. Writes every float of those panels. Compiled
+/// for AVX2 where that is the best the CPU offers (its copies then move 32 bytes at a time; the
+/// AVX-512 path has its own packers, [`steps_in_registers`] and [`transposed_panel`]).
 fn pack(x: Mat, rows: usize, kc: usize, w: usize, dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let f = crate::cpu::features();
+        if !f.avx512() && f.x86_simd() && f.avx2 {
+            // SAFETY: the CPU has AVX2 and the process allows it.
+            return unsafe { pack_avx2(x, rows, kc, w, dst) };
+        }
+    }
+    pack_any(x, rows, kc, w, dst)
+}
+
+/// [`pack_any`] compiled for AVX2 (same values).
+///
+/// # Safety
+/// The CPU supports AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pack_avx2(x: Mat, rows: usize, kc: usize, w: usize, dst: &mut [f32]) {
+    pack_any(x, rows, kc, w, dst)
+}
+
+/// [`pack`] for any CPU.
+#[inline(always)]
+fn pack_any(x: Mat, rows: usize, kc: usize, w: usize, dst: &mut [f32]) {
     let panels = rows.div_ceil(w);
     if x.rs == 1 {
         // Each step's lanes are contiguous: read the operand step by step (one row of B at a

@@ -195,10 +195,35 @@ pub(super) fn pack(
     dst: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu::features().avx512() {
-        // SAFETY: the CPU has AVX-512F/BW/VL (and AVX2, FMA) and the process allows them.
-        return unsafe { pack_avx512(x, j0, r0, cols, kc, w, dst) };
+    {
+        let f = crate::cpu::features();
+        if f.avx512() {
+            // SAFETY: the CPU has AVX-512F/BW/VL (and AVX2, FMA) and the process allows them.
+            return unsafe { pack_avx512(x, j0, r0, cols, kc, w, dst) };
+        }
+        if f.x86_simd() && f.avx2 {
+            // SAFETY: the CPU has AVX2 and the process allows it.
+            return unsafe { pack_avx2(x, j0, r0, cols, kc, w, dst) };
+        }
     }
+    pack_any(x, j0, r0, cols, kc, w, dst)
+}
+
+/// [`pack_any`] compiled for AVX2 (its copies in 32-byte registers; same values).
+///
+/// # Safety
+/// The CPU supports AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pack_avx2(
+    x: &Patches,
+    j0: usize,
+    r0: usize,
+    cols: usize,
+    kc: usize,
+    w: usize,
+    dst: &mut [f32],
+) {
     pack_any(x, j0, r0, cols, kc, w, dst)
 }
 
@@ -306,13 +331,52 @@ fn copy_run(dst: &mut [f32], src: &[f32]) {
 /// with [`every_other_avx512`] where the CPU has it: a stride-2 row of a convolution's patches.
 pub fn every_other(src: &[f32], d: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu::features().avx512() {
-        // SAFETY: the CPU has AVX-512F and the process allows it.
-        return unsafe { every_other_avx512(src, d) };
+    {
+        let f = crate::cpu::features();
+        if f.avx512() {
+            // SAFETY: the CPU has AVX-512F and the process allows it.
+            return unsafe { every_other_avx512(src, d) };
+        }
+        if f.x86_simd() && f.avx2 {
+            // SAFETY: the CPU has AVX2 and the process allows it.
+            return unsafe { every_other_avx2(src, d) };
+        }
     }
-    for (i, v) in d.iter_mut().enumerate() {
+    every_other_from(src, d, 0);
+}
+
+/// `d[i] = src[2 * i]` for `i` from `start`.
+#[inline(always)]
+fn every_other_from(src: &[f32], d: &mut [f32], start: usize) {
+    for (i, v) in d.iter_mut().enumerate().skip(start) {
         *v = src[2 * i];
     }
+}
+
+/// [`every_other`] in 8 lanes: whole groups of 8 from two loads, a shuffle of their even
+/// lanes and a lane permute while 16 values remain in `src`, the rest one by one.
+///
+/// # Safety
+/// The CPU supports AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn every_other_avx2(src: &[f32], d: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = d.len();
+    let mut i = 0;
+    while i + 8 <= n && 2 * i + 16 <= src.len() {
+        // SAFETY: values 2i .. 2i + 16 lie in `src` (the loop's condition), outputs
+        // i .. i + 8 in `d`.
+        unsafe {
+            let p = src.as_ptr().add(2 * i);
+            // a0 a2 b0 b2 | a4 a6 b4 b6, then the 64-bit pairs in order 0 2 1 3.
+            let e = _mm256_shuffle_ps::<0x88>(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)));
+            let v = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xd8>(_mm256_castps_pd(e)));
+            _mm256_storeu_ps(d.as_mut_ptr().add(i), v);
+        }
+        i += 8;
+    }
+    every_other_from(src, d, i);
 }
 
 /// [`every_other`] in 16 lanes: whole groups of 16 from two loads and one two-source permute
@@ -368,5 +432,51 @@ unsafe fn every_other_avx512(src: &[f32], d: &mut [f32]) {
             _mm512_mask_storeu_ps(d.as_mut_ptr().add(i), keep, v);
         }
         i += count;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Every vector version of [`every_other`] this CPU runs gives `src[2 i]` exactly, for
+    /// lengths around the vector widths and sources that end at the last value used or run
+    /// past it (fresh random values; the destination starts as NaN, so a value left
+    /// unwritten fails).
+    #[test]
+    fn every_other_picks_the_even_values() {
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let f = crate::cpu::hardware();
+        for n in 0..70usize {
+            for extra in [0, 1, 17] {
+                let len = (2 * n).saturating_sub(1) + extra;
+                let src: Vec<f32> = (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                let want: Vec<u32> = (0..n).map(|i| src[2 * i].to_bits()).collect();
+                let mut got = vec![f32::NAN; n];
+                every_other_from(&src, &mut got, 0);
+                let mut kinds: Vec<(&str, Vec<f32>)> = vec![("portable", got)];
+                #[cfg(target_arch = "x86_64")]
+                {
+                    if f.x86_simd() && f.avx2 {
+                        let mut d = vec![f32::NAN; n];
+                        // SAFETY: the CPU has AVX2.
+                        unsafe { every_other_avx2(&src, &mut d) };
+                        kinds.push(("avx2", d));
+                    }
+                    if f.avx512() && n > 0 {
+                        let mut d = vec![f32::NAN; n];
+                        // SAFETY: the CPU has AVX-512F.
+                        unsafe { every_other_avx512(&src, &mut d) };
+                        kinds.push(("avx512", d));
+                    }
+                }
+                for (kind, d) in kinds {
+                    let bits: Vec<u32> = d.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(bits, want, "seed {seed} {kind} n {n} src {len}");
+                }
+            }
+        }
     }
 }
