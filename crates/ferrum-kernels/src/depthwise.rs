@@ -694,12 +694,22 @@ mod x86 {
         // inside [lo, hi) where INSIDE is set.
         unsafe {
             let mut ox = lo;
+            let (kw, s1, d1) = (g.kernel[1], g.stride[1], g.dilation[1]);
+            let three = kw == 3 && d1 == 1 && (s1 == 1 || s1 == 2);
             while ox + WIDE <= hi {
                 for cb in (0..whole).step_by(8) {
-                    pixels_avx2::<WIDE, true, true>(&k, o, ox, cb, tail);
+                    match (three, s1) {
+                        (true, 1) => wide3_avx2::<1, true>(&k, o, ox, cb, tail),
+                        (true, _) => wide3_avx2::<2, true>(&k, o, ox, cb, tail),
+                        _ => pixels_avx2::<WIDE, true, true>(&k, o, ox, cb, tail),
+                    }
                 }
                 if whole < c {
-                    pixels_avx2::<WIDE, false, true>(&k, o, ox, whole, tail);
+                    match (three, s1) {
+                        (true, 1) => wide3_avx2::<1, false>(&k, o, ox, whole, tail),
+                        (true, _) => wide3_avx2::<2, false>(&k, o, ox, whole, tail),
+                        _ => pixels_avx2::<WIDE, false, true>(&k, o, ox, whole, tail),
+                    }
                 }
                 ox += WIDE;
             }
@@ -723,6 +733,80 @@ mod x86 {
                 }
                 if whole < c {
                     pixels_avx2::<1, false, false>(&k, o, ox, whole, tail);
+                }
+            }
+        }
+    }
+
+    /// [`WIDE`] pixels from `ox` of the row's interior, channels `cb..cb + 8` (`FULL`) or those
+    /// under `m`, for a filter three taps wide at stride `S` (1 or 2), no dilation: per filter
+    /// row, the input vectors the run reads are loaded once each (one more at the end at
+    /// stride 2) and feed every tap that reads them (a pixel's taps still in order, so
+    /// [`pixels_avx2`]'s sums and bits).
+    ///
+    /// # Safety
+    /// As [`pixels_avx2`] with `INSIDE`, and `g.kernel[1] == 3`, `g.dilation[1] == 1`,
+    /// `g.stride[1] == S`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn wide3_avx2<const S: usize, const FULL: bool>(
+        k: &Kernel,
+        o: &mut [MaybeUninit<f32>],
+        ox: usize,
+        cb: usize,
+        m: __m256i,
+    ) {
+        let g = k.g;
+        let c = g.channels;
+        let Taps { ky0, rows } = k.taps;
+        let (wp, op) = (k.w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        // SAFETY (all pointer reads and writes below): channels cb..cb + 8 inside the row (or
+        // under the mask); the run's pixels and every tap of theirs inside the row's interior
+        // (the caller's contract).
+        unsafe {
+            let ld = |p: *const f32| {
+                if FULL {
+                    _mm256_loadu_ps(p)
+                } else {
+                    _mm256_maskload_ps(p, m)
+                }
+            };
+            let b = match k.bias {
+                Some(b) => ld(b.as_ptr().add(cb)),
+                None => _mm256_setzero_ps(),
+            };
+            let mut acc: [__m256; WIDE] = core::array::from_fn(|p| match k.z {
+                Some(z) => _mm256_add_ps(ld(z.as_ptr().add((ox + p) * c + cb)), b),
+                None => _mm256_add_ps(_mm256_setzero_ps(), b),
+            });
+            for (r, row) in rows.iter().enumerate() {
+                let at = row.as_ptr().add(cb + (ox * S - g.pad[1]) * c);
+                let wt: [__m256; 3] =
+                    core::array::from_fn(|kx| ld(wp.add(((ky0 + r) * 3 + kx) * c + cb)));
+                // Pixel p reads input columns p S .. p S + 3; the last of them is the next
+                // pixel's first at stride 2, and the last two its first two at stride 1.
+                let mut x0 = ld(at);
+                let mut x1 = ld(at.add(c));
+                for (p, a) in acc.iter_mut().enumerate() {
+                    let x2 = ld(at.add((p * S + 2) * c));
+                    *a = _mm256_fmadd_ps(wt[0], x0, *a);
+                    *a = _mm256_fmadd_ps(wt[1], x1, *a);
+                    *a = _mm256_fmadd_ps(wt[2], x2, *a);
+                    if S == 1 {
+                        (x0, x1) = (x1, x2);
+                    } else {
+                        x0 = x2;
+                        x1 = ld(at.add((p * S + 3) * c));
+                    }
+                }
+            }
+            for (p, a) in acc.iter().enumerate() {
+                let y = act_avx2(k.act, *a);
+                let dst = op.add((ox + p) * c + cb);
+                if FULL {
+                    _mm256_storeu_ps(dst, y)
+                } else {
+                    _mm256_maskstore_ps(dst, m, y)
                 }
             }
         }
