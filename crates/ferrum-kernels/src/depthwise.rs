@@ -759,26 +759,13 @@ mod x86 {
         let g = k.g;
         let c = g.channels;
         let Taps { ky0, rows } = k.taps;
-        let (wp, op) = (k.w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        let wp = k.w.as_ptr();
         // SAFETY (all pointer reads and writes below): channels cb..cb + 8 inside the row (or
         // under the mask); the run's pixels and every tap of theirs inside the row's interior
         // (the caller's contract).
         unsafe {
-            let ld = |p: *const f32| {
-                if FULL {
-                    _mm256_loadu_ps(p)
-                } else {
-                    _mm256_maskload_ps(p, m)
-                }
-            };
-            let b = match k.bias {
-                Some(b) => ld(b.as_ptr().add(cb)),
-                None => _mm256_setzero_ps(),
-            };
-            let mut acc: [__m256; WIDE] = core::array::from_fn(|p| match k.z {
-                Some(z) => _mm256_add_ps(ld(z.as_ptr().add((ox + p) * c + cb)), b),
-                None => _mm256_add_ps(_mm256_setzero_ps(), b),
-            });
+            let ld = |p: *const f32| load8::<FULL>(p, m);
+            let mut acc = start8::<WIDE, FULL>(k, ox, cb, m);
             for (r, row) in rows.iter().enumerate() {
                 let at = row.as_ptr().add(cb + (ox * S - g.pad[1]) * c);
                 let wt: [__m256; 3] =
@@ -800,15 +787,7 @@ mod x86 {
                     }
                 }
             }
-            for (p, a) in acc.iter().enumerate() {
-                let y = act_avx2(k.act, *a);
-                let dst = op.add((ox + p) * c + cb);
-                if FULL {
-                    _mm256_storeu_ps(dst, y)
-                } else {
-                    _mm256_maskstore_ps(dst, m, y)
-                }
-            }
+            store8::<WIDE, FULL>(k, &acc, o, ox, cb, m);
         }
     }
 
@@ -842,26 +821,13 @@ mod x86 {
         let (c, iw, [_, kw]) = (g.channels, g.input[1], g.kernel);
         let Taps { ky0, rows } = k.taps;
         let (s1, d1, p1) = (g.stride[1], g.dilation[1], g.pad[1] as isize);
-        let (wp, op) = (k.w.as_ptr(), o.as_mut_ptr() as *mut f32);
+        let wp = k.w.as_ptr();
         // SAFETY (all pointer reads and writes below): channels cb..cb + 8 inside the row (or
         // under the mask), pixels and taps as the caller's contract says (taps outside the
         // input skipped unless INSIDE).
         unsafe {
-            let ld = |p: *const f32| {
-                if FULL {
-                    _mm256_loadu_ps(p)
-                } else {
-                    _mm256_maskload_ps(p, m)
-                }
-            };
-            let b = match k.bias {
-                Some(b) => ld(b.as_ptr().add(cb)),
-                None => _mm256_setzero_ps(),
-            };
-            let mut acc: [__m256; NP] = core::array::from_fn(|p| match k.z {
-                Some(z) => _mm256_add_ps(ld(z.as_ptr().add((ox + p) * c + cb)), b),
-                None => _mm256_add_ps(_mm256_setzero_ps(), b),
-            });
+            let ld = |p: *const f32| load8::<FULL>(p, m);
+            let mut acc = start8::<NP, FULL>(k, ox, cb, m);
             for (r, row) in rows.iter().enumerate() {
                 let row = row.as_ptr().add(cb);
                 for kx in 0..kw {
@@ -876,8 +842,75 @@ mod x86 {
                     }
                 }
             }
-            for (p, a) in acc.iter().enumerate() {
-                let y = act_avx2(k.act, *a);
+            store8::<NP, FULL>(k, &acc, o, ox, cb, m);
+        }
+    }
+
+    /// Eight floats at `p`: all of them (`FULL`) or the lanes under `m`.
+    ///
+    /// # Safety
+    /// The lanes read lie in one buffer; the CPU supports AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load8<const FULL: bool>(p: *const f32, m: __m256i) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if FULL {
+                _mm256_loadu_ps(p)
+            } else {
+                _mm256_maskload_ps(p, m)
+            }
+        }
+    }
+
+    /// The starting sums of pixels `ox..ox + NP`, channels `cb..cb + 8` (`FULL`) or those under
+    /// `m`: the residual (when given) plus the bias (when given), as [`row_avx512`] starts.
+    ///
+    /// # Safety
+    /// As [`pixels_avx2`]: the channels and pixels inside the output row.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn start8<const NP: usize, const FULL: bool>(
+        k: &Kernel,
+        ox: usize,
+        cb: usize,
+        m: __m256i,
+    ) -> [__m256; NP] {
+        let c = k.g.channels;
+        // SAFETY: the bias's channels and the residual's pixels and channels lie in them (the
+        // caller's contract).
+        unsafe {
+            let b = match k.bias {
+                Some(b) => load8::<FULL>(b.as_ptr().add(cb), m),
+                None => _mm256_setzero_ps(),
+            };
+            core::array::from_fn(|p| match k.z {
+                Some(z) => _mm256_add_ps(load8::<FULL>(z.as_ptr().add((ox + p) * c + cb), m), b),
+                None => _mm256_add_ps(_mm256_setzero_ps(), b),
+            })
+        }
+    }
+
+    /// Stores the sums `acc` of pixels `ox..`, activated, at channels `cb..cb + 8` (`FULL`) or
+    /// those under `m` of the output row `o`.
+    ///
+    /// # Safety
+    /// As [`start8`], for the output row.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn store8<const NP: usize, const FULL: bool>(
+        k: &Kernel,
+        acc: &[__m256; NP],
+        o: &mut [MaybeUninit<f32>],
+        ox: usize,
+        cb: usize,
+        m: __m256i,
+    ) {
+        let (c, op) = (k.g.channels, o.as_mut_ptr() as *mut f32);
+        for (p, a) in acc.iter().enumerate() {
+            let y = act_avx2(k.act, *a);
+            // SAFETY: pixel ox + p and the channels lie in the row (the caller's contract).
+            unsafe {
                 let dst = op.add((ox + p) * c + cb);
                 if FULL {
                     _mm256_storeu_ps(dst, y)
