@@ -470,7 +470,7 @@ mod x86 {
     use std::mem::MaybeUninit;
 
     use super::{inner_cols, Geometry, Taps, GROUP};
-    use crate::gemm::x86::{act_avx2, act_avx512};
+    use crate::gemm::x86::{act_avx2, act_avx512, first_lanes, load8};
     use crate::gemm::Act;
 
     /// [`super::out_row`] on AVX-512: 16 channels a vector (masked past the last whole one).
@@ -677,10 +677,7 @@ mod x86 {
         let (c, ow) = (g.channels, g.output[1]);
         let (lo, hi) = inner_cols(g);
         let whole = c / 8 * 8;
-        let tail = _mm256_cmpgt_epi32(
-            _mm256_set1_epi32((c - whole) as i32),
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        );
+        let tail = first_lanes(c - whole);
         let k = Kernel {
             taps,
             w,
@@ -843,23 +840,6 @@ mod x86 {
                 }
             }
             store8::<NP, FULL>(k, &acc, o, ox, cb, m);
-        }
-    }
-
-    /// Eight floats at `p`: all of them (`FULL`) or the lanes under `m`.
-    ///
-    /// # Safety
-    /// The lanes read lie in one buffer; the CPU supports AVX2.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn load8<const FULL: bool>(p: *const f32, m: __m256i) -> __m256 {
-        // SAFETY: the caller's contract.
-        unsafe {
-            if FULL {
-                _mm256_loadu_ps(p)
-            } else {
-                _mm256_maskload_ps(p, m)
-            }
         }
     }
 

@@ -496,7 +496,7 @@ mod x86 {
 
         use super::super::Strides;
         use crate::depthwise::Geometry;
-        use crate::gemm::x86::act_avx2;
+        use crate::gemm::x86::{act_avx2, first_lanes, load8};
         use crate::gemm::Act;
 
         /// Pixels computed together near the row's edges (taps checked one by one).
@@ -600,30 +600,7 @@ mod x86 {
         #[inline]
         #[target_feature(enable = "avx2")]
         fn masks<const V: usize>(cout: usize, mb: usize) -> [__m256i; V] {
-            core::array::from_fn(|v| {
-                let left = cout.saturating_sub(mb + 8 * v).min(8) as i32;
-                _mm256_cmpgt_epi32(
-                    _mm256_set1_epi32(left),
-                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                )
-            })
-        }
-
-        /// Eight floats at `p`: all of them (`FULL`) or the lanes under `m`.
-        ///
-        /// # Safety
-        /// The lanes read lie in one buffer.
-        #[inline]
-        #[target_feature(enable = "avx2")]
-        unsafe fn load<const FULL: bool>(p: *const f32, m: __m256i) -> __m256 {
-            // SAFETY: the caller's contract.
-            unsafe {
-                if FULL {
-                    _mm256_loadu_ps(p)
-                } else {
-                    _mm256_maskload_ps(p, m)
-                }
-            }
+            core::array::from_fn(|v| first_lanes(cout.saturating_sub(mb + 8 * v)))
         }
 
         /// The first `np` pixels' accumulators set to the bias plus the residual (each when
@@ -645,13 +622,13 @@ mod x86 {
                 // SAFETY: channels under the mask, pixels below ox + np (caller's contract).
                 unsafe {
                     let b = match at.bias {
-                        Some(b) => load::<FULL>(b.as_ptr().add(ch), m[v]),
+                        Some(b) => load8::<FULL>(b.as_ptr().add(ch), m[v]),
                         None => _mm256_setzero_ps(),
                     };
                     for (p, a) in acc.iter_mut().enumerate().take(np) {
                         a[v] = match at.z {
                             Some(z) => _mm256_add_ps(
-                                load::<FULL>(z.as_ptr().add((at.ox + p) * cout + ch), m[v]),
+                                load8::<FULL>(z.as_ptr().add((at.ox + p) * cout + ch), m[v]),
                                 b,
                             ),
                             None => _mm256_add_ps(_mm256_setzero_ps(), b),
@@ -740,7 +717,7 @@ mod x86 {
                             for ci in 0..cin {
                                 let src = src.add(ci * st.channel);
                                 let wv: [__m256; V] = core::array::from_fn(|v| {
-                                    load::<FULL>(wt.add(ci * cout + 8 * v), m[v])
+                                    load8::<FULL>(wt.add(ci * cout + 8 * v), m[v])
                                 });
                                 for (p, a) in acc.iter_mut().enumerate() {
                                     let xv = _mm256_set1_ps(*src.add(p * step));
@@ -801,7 +778,7 @@ mod x86 {
                                 let xv = _mm256_set1_ps(*src.add(ci * st.channel));
                                 let wr = wp.add((tap * cin + ci) * cout + at.mb);
                                 for v in 0..V {
-                                    let wv = load::<FULL>(wr.add(8 * v), m[v]);
+                                    let wv = load8::<FULL>(wr.add(8 * v), m[v]);
                                     a[v] = _mm256_fmadd_ps(wv, xv, a[v]);
                                 }
                             }

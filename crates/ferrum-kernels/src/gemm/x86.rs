@@ -745,6 +745,34 @@ unsafe fn pack_transposed_avx2(
     }
 }
 
+/// Eight floats at `p`: all of them (`FULL`) or the lanes under `m` (the AVX2 kernels' loads of
+/// a vector that may end past a row's last channel).
+///
+/// # Safety
+/// The lanes read lie in one buffer; the CPU supports AVX2.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn load8<const FULL: bool>(p: *const f32, m: __m256i) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if FULL {
+            _mm256_loadu_ps(p)
+        } else {
+            _mm256_maskload_ps(p, m)
+        }
+    }
+}
+
+/// The mask of the first `n` (at most 8) of 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn first_lanes(n: usize) -> __m256i {
+    _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(n.min(8) as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    )
+}
+
 /// Stores the first `n` (1 to 8) lanes of `v` at `p`, nothing past them (a call to `memcpy` per
 /// step was 14% of a panel transpose's time).
 ///
