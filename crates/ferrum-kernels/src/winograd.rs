@@ -869,7 +869,7 @@ unsafe fn output_tiles(r: &OutRow, txs: std::ops::Range<usize>) {
     let OutRow {
         m,
         step,
-        tiles_x,
+        tiles_x: _,
         ow,
         rows,
         bias,
@@ -877,7 +877,6 @@ unsafe fn output_tiles(r: &OutRow, txs: std::ops::Range<usize>) {
         act,
         dst,
     } = *r;
-    let _ = tiles_x;
     for tx in txs {
         // SAFETY: xi < 16 and tx < tiles_x, per the contract.
         let mv = |xi: usize| unsafe { *m.add(xi * step + tx) };

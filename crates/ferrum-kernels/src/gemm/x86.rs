@@ -689,8 +689,9 @@ pub fn pack_transposed(
 }
 
 /// [`pack_transposed`] by 8 x 8 transposes in AVX2 registers: per group of 8 lanes and 8 steps,
-/// the lanes' 8 values loaded as rows, transposed, and each step's lanes stored (whole, or
-/// the group's first lanes through a copy when it is narrower than 8).
+/// the lanes' 8 values loaded as rows, transposed, and each step's lanes stored (a group
+/// narrower than 8 that is the whole panel as whole vectors running into the next step's lanes,
+/// its last step exactly; other narrower groups exactly).
 ///
 /// # Safety
 /// `src` holds `(lanes - 1) * rs + kc` floats, `out` holds `kc * w`, `lanes <= w`, and the CPU
@@ -730,18 +731,8 @@ unsafe fn pack_transposed_avx2(
                 }
             }
         }
-        for p in full..kc {
-            for i in 0..gl {
-                // SAFETY: as above, one element at a time.
-                unsafe {
-                    *out.add(p * w + g + i) = if i < live {
-                        *src.add((g + i) * rs + p)
-                    } else {
-                        0.0
-                    };
-                }
-            }
-        }
+        // SAFETY: steps full..kc of lanes g..g + gl, inside both (the caller's contract).
+        unsafe { transpose_tail(src, rs, g, gl, live, full..kc, w, out) };
     }
 }
 
@@ -771,6 +762,37 @@ pub(crate) fn first_lanes(n: usize) -> __m256i {
         _mm256_set1_epi32(n.min(8) as i32),
         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
     )
+}
+
+/// The steps `steps` (past the transposers' whole blocks) of lanes `g..g + gl` of a panel, one
+/// element at a time: lane `g + i` from `src` row `g + i` for `i < live`, zero past it.
+///
+/// # Safety
+/// As [`pack_transposed_avx512`], for these steps and lanes.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn transpose_tail(
+    src: *const f32,
+    rs: usize,
+    g: usize,
+    gl: usize,
+    live: usize,
+    steps: std::ops::Range<usize>,
+    w: usize,
+    out: *mut f32,
+) {
+    for p in steps {
+        for i in 0..gl {
+            // SAFETY: step p < kc, lane g + i < w; row g + i < lanes when read (the contract).
+            unsafe {
+                *out.add(p * w + g + i) = if i < live {
+                    *src.add((g + i) * rs + p)
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
 }
 
 /// Stores the first `n` (1 to 8) lanes of `v` at `p`, nothing past them (a call to `memcpy` per
@@ -869,17 +891,7 @@ unsafe fn pack_transposed_avx512(
                 unsafe { _mm512_mask_storeu_ps(out.add((p0 + c) * w + g), mask, v) };
             }
         }
-        for p in full..kc {
-            for i in 0..gl {
-                // SAFETY: as above, one element at a time.
-                unsafe {
-                    *out.add(p * w + g + i) = if i < live {
-                        *src.add((g + i) * rs + p)
-                    } else {
-                        0.0
-                    };
-                }
-            }
-        }
+        // SAFETY: steps full..kc of lanes g..g + gl, inside both (the caller's contract).
+        unsafe { transpose_tail(src, rs, g, gl, live, full..kc, w, out) };
     }
 }
