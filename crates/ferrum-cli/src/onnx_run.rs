@@ -546,14 +546,14 @@ fn inspect_inner(a: InspectArgs) -> Result<()> {
     } else {
         OptLevel::Disabled
     };
-    let session = Session::from_file_with(
+    let (model, report, unsupported) = Session::inspect_file_with(
         &a.model,
         &SessionOptions {
             opt_level: level,
             precision: a.precision.into(),
         },
     )?;
-    let m = session.model();
+    let m = &model;
     let g = &m.graph;
     println!("model: {}", a.model.display());
     println!("IR version {}, producer '{}'", m.ir_version, m.producer);
@@ -618,8 +618,11 @@ fn inspect_inner(a: InspectArgs) -> Result<()> {
     }
     let total: f64 = flops.values().sum();
     println!("{:<28} {:>6} {:>12}", "total", g.nodes.len(), human(total));
+    if let Some(e) = &unsupported {
+        println!("\nferrum cannot run this model: {e}");
+    }
     if a.optimized {
-        let r = session.optimization_report();
+        let r = &report;
         println!(
             "\noptimised at level {} ({:?}): {} nodes before, {} after; {} products",
             r.level as u32,

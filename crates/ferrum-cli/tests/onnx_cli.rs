@@ -191,6 +191,18 @@ fn unsupported_op_exits_with_status_3_naming_the_node() {
     for part in ["fancy_1", "FancyOp", "opset 17", "FLOAT"] {
         assert!(err.contains(part), "{err} lacks {part}");
     }
+    // `inspect` still shows the graph, and says which op stops it from running.
+    let out = ferrum(&["inspect", d.path("m.onnx").to_str().unwrap()]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{s}");
+    for part in [
+        "FancyOp",
+        "nodes: 1",
+        "ferrum cannot run this model",
+        "fancy_1",
+    ] {
+        assert!(s.contains(part), "{s} lacks {part}");
+    }
 }
 
 #[test]

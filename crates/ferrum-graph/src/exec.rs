@@ -1,5 +1,6 @@
 //! The executor: runs a [`Graph`]'s nodes in order, freeing each value after its last reader.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -157,11 +158,24 @@ pub fn run_graph<'a>(
             env.set(*id, v);
         }
     }
-    for (node, frees) in graph.nodes.iter().zip(&graph.frees) {
+    // A prepared graph's nodes were resolved when the session was created; one made since (a
+    // subgraph run while folding constants at load) is resolved here.
+    let resolved: Cow<[ops::Resolved]> = if graph.kernels.len() == graph.nodes.len() {
+        Cow::Borrowed(&graph.kernels)
+    } else {
+        Cow::Owned(
+            graph
+                .nodes
+                .iter()
+                .map(ops::resolve)
+                .collect::<Result<_>>()?,
+        )
+    };
+    for ((node, frees), op) in graph.nodes.iter().zip(&graph.frees).zip(resolved.iter()) {
         let start = PROFILING.load(Ordering::Relaxed).then(Instant::now);
-        let outs = match view_in_place(node, frees, &mut env)? {
+        let outs = match view_in_place(node, op, frees, &mut env)? {
             Some(v) => vec![Some(v)],
-            None => run_node(node, &env)?,
+            None => run_node(node, op.kernel, &env)?,
         };
         if let Some(t) = start {
             record(node, &env, &outs, t.elapsed().as_secs_f64());
@@ -189,8 +203,13 @@ pub fn run_graph<'a>(
 /// A view op (Reshape, Flatten, Squeeze, Unsqueeze) whose input this node is the last to read:
 /// the value is moved out and given its new shape, instead of copied as the op would. `None`
 /// when the node is not such a view (it then runs as usual).
-fn view_in_place(node: &Node, frees: &[ValueId], env: &mut Env) -> Result<Option<Value>> {
-    let Some(Some(x)) = node.inputs.first().copied() else {
+fn view_in_place(
+    node: &Node,
+    op: &ops::Resolved,
+    frees: &[ValueId],
+    env: &mut Env,
+) -> Result<Option<Value>> {
+    let (Some(view), Some(Some(x))) = (op.view, node.inputs.first().copied()) else {
         return Ok(None);
     };
     if !frees.contains(&x)
@@ -213,7 +232,11 @@ fn view_in_place(node: &Node, frees: &[ValueId], env: &mut Env) -> Result<Option
         // Under catch_unwind as `run_node`'s kernels are; errors (and a panic) come from the op
         // itself, run as usual, with the node attached.
         let dims = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            ops::view_dims(node, &ins, env)
+            view(&ops::Ctx {
+                node,
+                ins: &ins,
+                env,
+            })
         }));
         match dims {
             Ok(Some(Ok(d))) => d,
@@ -240,7 +263,7 @@ pub(crate) fn eval_node(node: &Node, ins: &[Option<&Value>]) -> Result<Vec<Value
         .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
 }
 
-fn run_node(node: &Node, env: &Env) -> Result<Vec<Option<Value>>> {
+fn run_node(node: &Node, kernel: ops::Kernel, env: &Env) -> Result<Vec<Option<Value>>> {
     let mut ins = Vec::with_capacity(node.inputs.len());
     for i in &node.inputs {
         match i {
@@ -257,7 +280,12 @@ fn run_node(node: &Node, env: &Env) -> Result<Vec<Option<Value>>> {
         .flatten()
         .find_map(|v| v.tensor().ok().map(|t| t.dtype().to_string()));
     // A kernel bug must not take the process down: a panic becomes this node's error.
-    let outs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ops::run(node, &ins, env)))
+    let cx = ops::Ctx {
+        node,
+        ins: &ins,
+        env,
+    };
+    let outs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kernel(&cx)))
         .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
         .map_err(|e| wrap(e, node, dtype.clone()))?;
     let outs: Vec<Option<Value>> = outs.into_iter().map(Some).collect();

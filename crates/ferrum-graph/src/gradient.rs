@@ -1,6 +1,6 @@
 //! `ai.onnx.preview.training.Gradient`, expanded at import into ordinary nodes by reverse-mode
 //! differentiation of the graph between `xs` and `y` (Add, Sub, Mul, Neg, Identity so far; a
-//! Gradient through anything else stays in place and reports itself unsupported when run).
+//! Gradient through anything else stays in place, and a session refuses it as an unsupported op).
 
 use std::collections::HashMap;
 

@@ -96,6 +96,9 @@ pub struct Graph {
     pub frees: Vec<Vec<ValueId>>,
     /// Constant weights packed for the GEMM when the session was created.
     pub packed: crate::passes::PackedWeights,
+    /// Each node's kernel, resolved once when the session was created ([`Graph::resolve`]);
+    /// empty before (the executor then resolves the nodes when it runs the graph).
+    pub kernels: Vec<crate::ops::Resolved>,
 }
 
 impl Graph {
@@ -106,6 +109,76 @@ impl Graph {
             .copied()
             .filter(|v| !self.initializers.iter().any(|(i, _)| i == v))
             .collect()
+    }
+
+    /// Resolves every node's op to its kernel ([`Graph::kernels`]), in this graph and in the
+    /// subgraphs its nodes hold, so that running it looks nothing up. Fails on the first node
+    /// whose op ferrum does not implement, naming it (and counting the others).
+    /// `values` are the model's value table: the element type an unsupported node's first input
+    /// is declared with goes into the error.
+    pub fn resolve(&mut self, values: &[ValueInfo]) -> crate::Result<()> {
+        let mut kernels = Vec::with_capacity(self.nodes.len());
+        let mut missing: Vec<crate::Error> = Vec::new();
+        for node in &mut self.nodes {
+            for attr in node.attrs.values_mut() {
+                let graphs: &mut [Arc<Graph>] = match attr {
+                    Attr::Graph(g) => std::slice::from_mut(g),
+                    Attr::Graphs(gs) => gs,
+                    _ => continue,
+                };
+                for g in graphs {
+                    if let Err(e) = Arc::make_mut(g).resolve(values) {
+                        missing.push(e);
+                    }
+                }
+            }
+            match crate::ops::resolve(node) {
+                Ok(k) => kernels.push(k),
+                Err(crate::Error::Unsupported(mut u)) => {
+                    let first = node.inputs.first().copied().flatten();
+                    if let Some(ValueType::Tensor {
+                        dtype: Some(dt), ..
+                    }) = first.and_then(|v| values.get(v.0 as usize)).map(|v| &v.ty)
+                    {
+                        u.dtype = Some(dt.to_string());
+                    }
+                    missing.push(crate::Error::Unsupported(u));
+                }
+                Err(e) => missing.push(e),
+            }
+        }
+        let mut missing = missing.into_iter();
+        match missing.next() {
+            None => {
+                self.kernels = kernels;
+                Ok(())
+            }
+            Some(crate::Error::Unsupported(mut first)) if missing.len() > 0 => {
+                // The others by op, each once with its count.
+                let mut others: BTreeMap<String, usize> = BTreeMap::new();
+                for e in missing {
+                    let key = match e {
+                        crate::Error::Unsupported(u) => {
+                            format!("{}{} (opset {})", u.domain, u.op, u.opset)
+                        }
+                        other => other.to_string(),
+                    };
+                    *others.entry(key).or_default() += 1;
+                }
+                let n: usize = others.values().sum();
+                let list: Vec<String> = others
+                    .into_iter()
+                    .map(|(op, k)| if k > 1 { format!("{op} x{k}") } else { op })
+                    .collect();
+                first.detail = format!(
+                    "{}; {n} more node(s) with ops not implemented: {}",
+                    first.detail,
+                    list.join(", ")
+                );
+                Err(crate::Error::Unsupported(first))
+            }
+            Some(e) => Err(e),
+        }
     }
 
     /// Recomputes [`Graph::frees`] from the node order (call after changing nodes).

@@ -35,7 +35,10 @@ impl Session {
 
     /// [`Session::from_file`] with options.
     pub fn from_file_with(path: impl AsRef<Path>, opts: &SessionOptions) -> Result<Session> {
-        Session::prepare(crate::onnx::load_model(path.as_ref())?, opts)
+        Ok(Session::prepare(
+            crate::onnx::load_model(path.as_ref())?,
+            opts,
+        )?)
     }
 
     /// Imports a model from memory (external data is refused), optimised at the default level.
@@ -45,10 +48,32 @@ impl Session {
 
     /// [`Session::from_bytes`] with options.
     pub fn from_bytes_with(bytes: &[u8], opts: &SessionOptions) -> Result<Session> {
-        Session::prepare(crate::onnx::load_model_bytes(bytes, None)?, opts)
+        Ok(Session::prepare(
+            crate::onnx::load_model_bytes(bytes, None)?,
+            opts,
+        )?)
     }
 
-    fn prepare(mut model: Model, opts: &SessionOptions) -> Result<Session> {
+    /// A model after the graph passes, for tools that show a graph (`ferrum inspect`) whether
+    /// or not ferrum runs all of it: the model, what the passes did, and the error
+    /// [`Session::from_file_with`] gives for its unsupported ops (`None` when every op has a
+    /// kernel).
+    pub fn inspect_file_with(
+        path: impl AsRef<Path>,
+        opts: &SessionOptions,
+    ) -> Result<(Model, Report, Option<Error>)> {
+        let model = crate::onnx::load_model(path.as_ref())?;
+        match Session::prepare(model, opts) {
+            Ok(s) => Ok((s.model, s.report, None)),
+            Err(PrepareError::Unsupported(u)) => {
+                let (model, report, e) = *u;
+                Ok((model, report, Some(e)))
+            }
+            Err(PrepareError::Other(e)) => Err(e),
+        }
+    }
+
+    fn prepare(mut model: Model, opts: &SessionOptions) -> Result<Session, PrepareError> {
         let mut precision = opts.precision;
         if precision == Precision::Bf16 && !ferrum_kernels::gemm::bf16_supported() {
             tracing::warn!(
@@ -57,8 +82,12 @@ impl Session {
             );
             precision = Precision::F32;
         }
-        let report = optimize(&mut model, opts.opt_level, precision)?;
-        Ok(Session { model, report })
+        let report =
+            optimize(&mut model, opts.opt_level, precision).map_err(PrepareError::Other)?;
+        match model.graph.resolve(&model.values) {
+            Ok(()) => Ok(Session { model, report }),
+            Err(e) => Err(PrepareError::Unsupported(Box::new((model, report, e)))),
+        }
     }
 
     /// The model as it runs (after the graph passes).
@@ -160,4 +189,20 @@ pub fn fmt_dims(dims: &[Dim]) -> String {
         })
         .collect();
     format!("[{}]", parts.join(", "))
+}
+
+/// Why [`Session::prepare`] failed: ops without a kernel (the prepared model kept for
+/// [`Session::inspect_file_with`]) or anything else.
+enum PrepareError {
+    Unsupported(Box<(Model, Report, Error)>),
+    Other(Error),
+}
+
+impl From<PrepareError> for Error {
+    fn from(e: PrepareError) -> Error {
+        match e {
+            PrepareError::Unsupported(u) => u.2,
+            PrepareError::Other(e) => e,
+        }
+    }
 }

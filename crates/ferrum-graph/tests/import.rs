@@ -278,26 +278,150 @@ fn nodes_out_of_order_are_sorted() {
 }
 
 #[test]
-fn unsupported_ops_name_node_op_opset_and_dtype() {
-    let mut n = node("NoSuchOp", &["x"], &["y"], vec![]);
+fn unsupported_ops_fail_at_load_naming_node_op_opset_and_dtype() {
+    let mut n = node("NoSuchOp", &["x"], &["t"], vec![]);
     n.name = "mystery".into();
+    let mut other = node("Frobnicate", &["t"], &["u"], vec![]);
+    other.domain = "com.example".into();
     let mp = model(
-        vec![n],
+        vec![n, other, node("Relu", &["u"], &["y"], vec![])],
         vec![value("x", 1, &[Some(1)])],
         vec![value("y", 1, &[Some(1)])],
         vec![],
         17,
     );
+    // The session is refused before any run: every node's op is resolved when it is created.
+    let err = match Session::from_bytes(&encode(&mp)) {
+        Ok(_) => panic!("a model with unknown ops loaded"),
+        Err(e) => e,
+    };
+    assert!(err.is_unsupported());
+    let msg = err.to_string();
+    for part in [
+        "mystery",
+        "NoSuchOp",
+        "opset 17",
+        "FLOAT",
+        "1 more node",
+        "com.example.Frobnicate",
+    ] {
+        assert!(msg.contains(part), "{msg} lacks {part}");
+    }
+}
+
+/// `If(c)` choosing between `then_op(x)` and `else_op(x)` (float [2]), both bodies reading the
+/// outer `x`.
+fn if_model(then_op: &str, else_op: &str) -> Vec<u8> {
+    use ferrum_graph::proto::GraphProto;
+    let branch = |name: &str, op: &str| AttributeProto {
+        name: name.into(),
+        r#type: 5,
+        g: Some(Box::new(GraphProto {
+            name: format!("{name}_body"),
+            node: vec![{
+                let mut n = node(op, &["x"], &[&format!("{name}_y")], vec![]);
+                n.name = format!("{name}_node");
+                n
+            }],
+            output: vec![value(&format!("{name}_y"), 1, &[Some(2)])],
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let mp = model(
+        vec![node(
+            "If",
+            &["c"],
+            &["y"],
+            vec![
+                branch("then_branch", then_op),
+                branch("else_branch", else_op),
+            ],
+        )],
+        vec![value("c", 9, &[]), value("x", 1, &[Some(2)])],
+        vec![value("y", 1, &[Some(2)])],
+        vec![],
+        17,
+    );
+    encode(&mp)
+}
+
+#[test]
+fn subgraph_ops_are_resolved_at_load() {
+    use ferrum_graph::ir::Attr;
+    let s = Session::from_bytes(&if_model("Relu", "Neg")).unwrap();
+    // Every node of the main graph and of the If's bodies has its kernel before any run.
+    let g = &s.model().graph;
+    assert_eq!(g.kernels.len(), g.nodes.len());
+    let bodies: Vec<_> = g.nodes[0]
+        .attrs
+        .values()
+        .filter_map(|a| match a {
+            Attr::Graph(b) => Some(b.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(bodies.len(), 2);
+    for b in &bodies {
+        assert_eq!(b.kernels.len(), b.nodes.len());
+    }
+    let x = || {
+        Tensor::from_vec(vec![2], vec![-1.5f32, 2.0])
+            .unwrap()
+            .into()
+    };
+    for (c, want) in [(true, [0.0, 2.0]), (false, [1.5, -2.0])] {
+        let out = s
+            .run(vec![
+                ("c".into(), Tensor::scalar(c).into()),
+                ("x".into(), x()),
+            ])
+            .unwrap();
+        assert_eq!(out[0].1.tensor().unwrap().to_f64_vec().unwrap(), want);
+    }
+    // An op nothing implements in a branch refuses the model at load, though a run might
+    // never take that branch.
+    let err = match Session::from_bytes(&if_model("Relu", "NoSuchOp")) {
+        Ok(_) => panic!("a model with an unknown op in a branch loaded"),
+        Err(e) => e,
+    };
+    assert!(err.is_unsupported());
+    let msg = err.to_string();
+    for part in ["else_branch_node", "NoSuchOp", "opset 17"] {
+        assert!(msg.contains(part), "{msg} lacks {part}");
+    }
+}
+
+#[test]
+fn unsupported_forms_name_node_op_opset_and_dtype_when_run() {
+    // BitShift exists, but not with this direction: the kernel reports it when it meets it.
+    let mut n = node(
+        "BitShift",
+        &["x", "s"],
+        &["y"],
+        vec![AttributeProto {
+            name: "direction".into(),
+            s: b"SIDEWAYS".to_vec(),
+            r#type: 3,
+            ..Default::default()
+        }],
+    );
+    n.name = "shifty".into();
+    let mp = model(
+        vec![n],
+        vec![value("x", 4, &[Some(1)]), value("s", 4, &[Some(1)])],
+        vec![value("y", 4, &[Some(1)])],
+        vec![],
+        17,
+    );
     let s = Session::from_bytes(&encode(&mp)).unwrap();
+    let t = || Tensor::from_vec(vec![1], vec![1u16]).unwrap().into();
     let err = s
-        .run(vec![(
-            "x".into(),
-            Tensor::from_vec(vec![1], vec![1f32]).unwrap().into(),
-        )])
+        .run(vec![("x".into(), t()), ("s".into(), t())])
         .unwrap_err();
     assert!(err.is_unsupported());
     let msg = err.to_string();
-    for part in ["mystery", "NoSuchOp", "opset 17", "FLOAT"] {
+    for part in ["shifty", "BitShift", "opset 17", "UINT16", "SIDEWAYS"] {
         assert!(msg.contains(part), "{msg} lacks {part}");
     }
 }

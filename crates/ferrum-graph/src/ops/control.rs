@@ -5,6 +5,7 @@ use std::sync::Arc;
 use crate::exec::run_graph;
 use crate::ir::{Attr, Graph};
 use crate::ops::shape::{concat_t, narrow, transpose_t};
+use crate::ops::Kernel;
 use crate::ops::{axis, unsupported, Ctx};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
@@ -250,13 +251,12 @@ fn seq_pos(cx: &Ctx, i: usize, len: usize, insert: bool) -> Result<usize> {
 }
 
 /// Control-flow, sequence and optional ops; `None` when `cx`'s op is not one of them.
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    let one = |v: Value| Ok(Some(vec![v]));
-    match cx.node.op.as_str() {
-        "If" => if_op(cx).map(Some),
-        "Loop" => loop_op(cx).map(Some),
-        "Scan" => scan_op(cx).map(Some),
-        "SequenceMap" => {
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "If" => if_op,
+        "Loop" => loop_op,
+        "Scan" => scan_op,
+        "SequenceMap" => |cx| {
             let body = graph_attr(cx, "body")?;
             let n = seq(cx, 0)?.len();
             let mut outs: Vec<Vec<Tensor>> = vec![Vec::new(); body.outputs.len()];
@@ -276,50 +276,52 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
                     outs[k].push(v.into_tensor()?);
                 }
             }
-            Ok(Some(outs.into_iter().map(Value::Sequence).collect()))
-        }
-        "SequenceEmpty" => one(Value::Sequence(vec![])),
-        "SequenceConstruct" => one(Value::Sequence(
-            (0..cx.n_in())
-                .map(|i| cx.t(i).cloned())
-                .collect::<Result<_>>()?,
-        )),
-        "SequenceLength" => one(Value::Tensor(Tensor::scalar(seq(cx, 0)?.len() as i64))),
-        "SequenceAt" => {
+            Ok(outs.into_iter().map(Value::Sequence).collect())
+        },
+        "SequenceEmpty" => |_| value(Value::Sequence(vec![])),
+        "SequenceConstruct" => |cx| {
+            value(Value::Sequence(
+                (0..cx.n_in())
+                    .map(|i| cx.t(i).cloned())
+                    .collect::<Result<_>>()?,
+            ))
+        },
+        "SequenceLength" => |cx| value(Value::Tensor(Tensor::scalar(seq(cx, 0)?.len() as i64))),
+        "SequenceAt" => |cx| {
             let s = seq(cx, 0)?;
             let p = seq_pos(cx, 1, s.len(), false)?;
-            one(Value::Tensor(
+            value(Value::Tensor(
                 s.get(p)
                     .cloned()
                     .ok_or_else(|| crate::kerr!("empty sequence"))?,
             ))
-        }
-        "SequenceInsert" => {
+        },
+        "SequenceInsert" => |cx| {
             let mut s = seq(cx, 0)?.clone();
             let p = seq_pos(cx, 2, s.len(), true)?;
             s.insert(p, cx.t(1)?.clone());
-            one(Value::Sequence(s))
-        }
-        "SequenceErase" => {
+            value(Value::Sequence(s))
+        },
+        "SequenceErase" => |cx| {
             let mut s = seq(cx, 0)?.clone();
             let p = seq_pos(cx, 1, s.len(), false)?;
             if p < s.len() {
                 s.remove(p);
             }
-            one(Value::Sequence(s))
-        }
-        "ConcatFromSequence" => {
+            value(Value::Sequence(s))
+        },
+        "ConcatFromSequence" => |cx| {
             let s = seq(cx, 0)?;
             let new_axis = cx.ai("axis", 0);
             if cx.ai("new_axis", 0) != 0 {
                 let r = s.first().map_or(0, |t| t.rank()) + 1;
-                one(Value::Tensor(stack(s, axis(new_axis, r)?)?))
+                value(Value::Tensor(stack(s, axis(new_axis, r)?)?))
             } else {
                 let refs: Vec<&Tensor> = s.iter().collect();
-                one(Value::Tensor(concat_t(&refs, new_axis)?))
+                value(Value::Tensor(concat_t(&refs, new_axis)?))
             }
-        }
-        "SplitToSequence" => {
+        },
+        "SplitToSequence" => |cx| {
             let x = cx.t(0)?;
             let a = axis(cx.ai("axis", 0), x.rank())?;
             let d = x.shape()[a];
@@ -346,21 +348,27 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
                     t
                 });
             }
-            one(Value::Sequence(out))
-        }
-        "Optional" => one(Value::Optional(cx.value(0).map(|v| Box::new(v.clone())))),
-        "OptionalHasElement" => {
+            value(Value::Sequence(out))
+        },
+        "Optional" => |cx| value(Value::Optional(cx.value(0).map(|v| Box::new(v.clone())))),
+        "OptionalHasElement" => |cx| {
             let has = match cx.value(0) {
                 None | Some(Value::Optional(None)) => false,
                 Some(_) => true,
             };
-            one(Value::Tensor(Tensor::scalar(has)))
-        }
-        "OptionalGetElement" => match cx.value(0) {
-            Some(Value::Optional(Some(v))) => one((**v).clone()),
-            Some(Value::Optional(None)) | None => kbail!("the optional is empty"),
-            Some(v) => one(v.clone()),
+            value(Value::Tensor(Tensor::scalar(has)))
         },
-        _ => Ok(None),
-    }
+        "OptionalGetElement" => |cx| match cx.value(0) {
+            Some(Value::Optional(Some(v))) => value((**v).clone()),
+            Some(Value::Optional(None)) | None => kbail!("the optional is empty"),
+            Some(v) => value(v.clone()),
+        },
+        _ => return None,
+    };
+    Some(k)
+}
+
+/// A kernel's one output.
+fn value(v: Value) -> Result<Vec<Value>> {
+    Ok(vec![v])
 }

@@ -11,6 +11,7 @@ use crate::ops::fused::Epi;
 use crate::ops::nn::{f64_tensor, minus_zp};
 use crate::ops::shape::strides;
 use crate::ops::{fast, linear};
+use crate::ops::{one, Kernel};
 use crate::ops::{unsupported, Ctx};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
@@ -1238,22 +1239,22 @@ fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
 }
 
 /// Convolution and pooling ops; `None` when `cx`'s op is not one of them.
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
-    match cx.node.op.as_str() {
-        "DeformConv" => one(deform_conv(cx)?),
-        "Conv" => one(conv(cx, ConvKind::Float)?),
-        "ConvInteger" => one(conv(cx, ConvKind::Integer)?),
-        "QLinearConv" => one(conv(cx, ConvKind::QLinear)?),
-        "ConvTranspose" => one(conv_transpose(cx)?),
-        "MaxPool" => pool(cx, Pool::Max, false).map(Some),
-        "AveragePool" => pool(cx, Pool::Avg, false).map(Some),
-        "LpPool" => pool(cx, Pool::Lp(cx.ai("p", 2) as f64), false).map(Some),
-        "GlobalMaxPool" => pool(cx, Pool::Max, true).map(Some),
-        "GlobalAveragePool" => pool(cx, Pool::Avg, true).map(Some),
-        "GlobalLpPool" => pool(cx, Pool::Lp(cx.ai("p", 2) as f64), true).map(Some),
-        _ => Ok(None),
-    }
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "DeformConv" => |cx| one(deform_conv(cx)?),
+        "Conv" => |cx| one(conv(cx, ConvKind::Float)?),
+        "ConvInteger" => |cx| one(conv(cx, ConvKind::Integer)?),
+        "QLinearConv" => |cx| one(conv(cx, ConvKind::QLinear)?),
+        "ConvTranspose" => |cx| one(conv_transpose(cx)?),
+        "MaxPool" => |cx| pool(cx, Pool::Max, false),
+        "AveragePool" => |cx| pool(cx, Pool::Avg, false),
+        "LpPool" => |cx| pool(cx, Pool::Lp(cx.ai("p", 2) as f64), false),
+        "GlobalMaxPool" => |cx| pool(cx, Pool::Max, true),
+        "GlobalAveragePool" => |cx| pool(cx, Pool::Avg, true),
+        "GlobalLpPool" => |cx| pool(cx, Pool::Lp(cx.ai("p", 2) as f64), true),
+        _ => return None,
+    };
+    Some(k)
 }
 
 /// DeformConv (2-D): each kernel tap samples X bilinearly at its offset position (zero outside),

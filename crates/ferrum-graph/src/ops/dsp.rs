@@ -2,7 +2,8 @@
 
 use crate::ops::elementwise::cast;
 use crate::ops::{axis, Ctx};
-use crate::tensor::{Tensor, Value};
+use crate::ops::{one, Kernel};
+use crate::tensor::Tensor;
 use crate::{kbail, Result};
 
 /// DFT of `n_in` complex samples zero-padded or cut to `n`; returns `n` bins (or `n/2+1`).
@@ -153,10 +154,11 @@ fn stft(cx: &Ctx) -> Result<Tensor> {
     cast(&Tensor::from_vec(vec![b, frames, bins, 2], out)?, x.dtype())
 }
 
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    match cx.node.op.as_str() {
-        "DFT" => Ok(Some(vec![Value::Tensor(dft(cx)?)])),
-        "STFT" => Ok(Some(vec![Value::Tensor(stft(cx)?)])),
-        _ => Ok(None),
-    }
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "DFT" => |cx| one(dft(cx)?),
+        "STFT" => |cx| one(stft(cx)?),
+        _ => return None,
+    };
+    Some(k)
 }

@@ -1,7 +1,9 @@
 //! Elementwise ops: binary with multidirectional (numpy) broadcasting, variadic, unary, Cast.
 
-use crate::ops::{unsupported, Ctx};
-use crate::tensor::{numel, DType, Data, Elem, Num, Tensor};
+use crate::ops::fast;
+use crate::ops::vecmath::{Bin as FastBin, Unary};
+use crate::ops::{one, unsupported, Ctx, Kernel};
+use crate::tensor::{numel, DType, Data, Elem, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
 /// The numpy broadcast of two shapes.
@@ -467,120 +469,125 @@ pub fn erf(x: f64) -> f64 {
     sum * 2.0 / std::f64::consts::PI.sqrt()
 }
 
-fn unary(cx: &Ctx) -> Result<Option<Tensor>> {
-    let op = cx.node.op.as_str();
-    let f: &dyn Fn(f64) -> f64 = match op {
-        "Exp" => &f64::exp,
-        "Log" => &f64::ln,
-        "Sqrt" => &f64::sqrt,
-        "Reciprocal" => &|x| 1.0 / x,
-        "Sin" => &f64::sin,
-        "Cos" => &f64::cos,
-        "Tan" => &f64::tan,
-        "Asin" => &f64::asin,
-        "Acos" => &f64::acos,
-        "Atan" => &f64::atan,
-        "Sinh" => &f64::sinh,
-        "Cosh" => &f64::cosh,
-        "Asinh" => &f64::asinh,
-        "Acosh" => &f64::acosh,
-        "Atanh" => &f64::atanh,
-        "Tanh" => &f64::tanh,
-        "Sigmoid" => &|x| {
-            if x >= 0.0 {
-                1.0 / (1.0 + (-x).exp())
-            } else {
-                let e = x.exp();
-                e / (1.0 + e)
-            }
-        },
-        "Erf" => &erf,
-        "Floor" => &f64::floor,
-        "Ceil" => &f64::ceil,
-        "Round" => &f64::round_ties_even,
-        "Softsign" => &|x| x / (1.0 + x.abs()),
-        "Softplus" => &|x| if x > 30.0 { x } else { x.exp().ln_1p() },
-        "Mish" => &|x| x * (if x > 30.0 { x } else { x.exp().ln_1p() }).tanh(),
-        "HardSwish" => &|x| x * (x / 6.0 + 0.5).clamp(0.0, 1.0),
-        _ => return unary_attr(cx),
-    };
-    Ok(Some(map_float(cx.t(0)?, f)?))
+/// A float op applied to every element in f64 (rounded once to the input's type).
+fn float_map(cx: &Ctx, f: &dyn Fn(f64) -> f64) -> Result<Vec<Value>> {
+    one(map_float(cx.t(0)?, f)?)
 }
 
-const UNARY_ATTR: &[&str] = &[
-    "Abs",
-    "Neg",
-    "Sign",
-    "Relu",
-    "Elu",
-    "Celu",
-    "Selu",
-    "LeakyRelu",
-    "ThresholdedRelu",
-    "HardSigmoid",
-    "Shrink",
-    "Swish",
-    "Gelu",
-    "Not",
-    "BitwiseNot",
-    "IsNaN",
-    "IsInf",
-];
-
-fn unary_attr(cx: &Ctx) -> Result<Option<Tensor>> {
-    let op = cx.node.op.as_str();
-    if !UNARY_ATTR.contains(&op) {
-        return Ok(None);
+/// The float32 fast path of `op` where it applies, else `reference`.
+fn fast_or(cx: &Ctx, op: Unary, reference: fn(&Ctx) -> Result<Vec<Value>>) -> Result<Vec<Value>> {
+    match fast::unary(cx, op)? {
+        Some(t) => one(t),
+        None => reference(cx),
     }
-    let x = cx.t(0)?;
-    let alpha = |d: f32| cx.af("alpha", d) as f64;
-    Ok(Some(match op {
-        "Abs" => map_num_signed(x, |v| v.abs())?,
-        "Neg" => map_num_signed(x, |v| -v)?,
-        "Sign" => map_num(x, &|v| {
-            if v > 0.0 {
-                1.0
-            } else if v < 0.0 {
-                -1.0
-            } else {
-                v
-            }
-        })?,
-        "Relu" => map_num(x, &|v| if v > 0.0 { v } else { 0.0 })?,
-        "Elu" => {
-            let a = alpha(1.0);
-            map_float(x, &|v| if v > 0.0 { v } else { a * (v.exp() - 1.0) })?
-        }
-        "Celu" => {
-            let a = alpha(1.0);
-            map_float(x, &|v| v.max(0.0) + (a * ((v / a).exp() - 1.0)).min(0.0))?
-        }
-        "Selu" => {
+}
+
+/// The kernel of a unary op without attributes (computed in f64).
+fn unary(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "Exp" => |cx| float_map(cx, &f64::exp),
+        "Log" => |cx| float_map(cx, &f64::ln),
+        "Sqrt" => |cx| fast_or(cx, Unary::Sqrt, |cx| float_map(cx, &f64::sqrt)),
+        "Reciprocal" => |cx| float_map(cx, &|x| 1.0 / x),
+        "Sin" => |cx| float_map(cx, &f64::sin),
+        "Cos" => |cx| float_map(cx, &f64::cos),
+        "Tan" => |cx| float_map(cx, &f64::tan),
+        "Asin" => |cx| float_map(cx, &f64::asin),
+        "Acos" => |cx| float_map(cx, &f64::acos),
+        "Atan" => |cx| float_map(cx, &f64::atan),
+        "Sinh" => |cx| float_map(cx, &f64::sinh),
+        "Cosh" => |cx| float_map(cx, &f64::cosh),
+        "Asinh" => |cx| float_map(cx, &f64::asinh),
+        "Acosh" => |cx| float_map(cx, &f64::acosh),
+        "Atanh" => |cx| float_map(cx, &f64::atanh),
+        "Tanh" => |cx| float_map(cx, &f64::tanh),
+        "Sigmoid" => |cx| {
+            float_map(cx, &|x| {
+                if x >= 0.0 {
+                    1.0 / (1.0 + (-x).exp())
+                } else {
+                    let e = x.exp();
+                    e / (1.0 + e)
+                }
+            })
+        },
+        "Erf" => |cx| fast_or(cx, Unary::Erf, |cx| float_map(cx, &erf)),
+        "Floor" => |cx| float_map(cx, &f64::floor),
+        "Ceil" => |cx| float_map(cx, &f64::ceil),
+        "Round" => |cx| float_map(cx, &f64::round_ties_even),
+        "Softsign" => |cx| float_map(cx, &|x| x / (1.0 + x.abs())),
+        "Softplus" => |cx| float_map(cx, &|x| if x > 30.0 { x } else { x.exp().ln_1p() }),
+        "Mish" => |cx| {
+            float_map(cx, &|x| {
+                x * (if x > 30.0 { x } else { x.exp().ln_1p() }).tanh()
+            })
+        },
+        "HardSwish" => |cx| float_map(cx, &|x| x * (x / 6.0 + 0.5).clamp(0.0, 1.0)),
+        _ => return unary_attr(op),
+    };
+    Some(k)
+}
+
+/// Attribute `alpha` (default `d`) in f64.
+fn alpha(cx: &Ctx, d: f32) -> f64 {
+    cx.af("alpha", d) as f64
+}
+
+/// The kernel of a unary op with attributes, or on other types than floats.
+fn unary_attr(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "Abs" => |cx| one(map_num_signed(cx.t(0)?, |v| v.abs())?),
+        "Neg" => |cx| one(map_num_signed(cx.t(0)?, |v| -v)?),
+        "Sign" => |cx| {
+            one(map_num(cx.t(0)?, &|v| {
+                if v > 0.0 {
+                    1.0
+                } else if v < 0.0 {
+                    -1.0
+                } else {
+                    v
+                }
+            })?)
+        },
+        "Relu" => |cx| {
+            fast_or(cx, Unary::Relu, |cx| {
+                one(map_num(cx.t(0)?, &|v| if v > 0.0 { v } else { 0.0 })?)
+            })
+        },
+        "Elu" => |cx| {
+            let a = alpha(cx, 1.0);
+            float_map(cx, &|v| if v > 0.0 { v } else { a * (v.exp() - 1.0) })
+        },
+        "Celu" => |cx| {
+            let a = alpha(cx, 1.0);
+            float_map(cx, &|v| v.max(0.0) + (a * ((v / a).exp() - 1.0)).min(0.0))
+        },
+        "Selu" => |cx| {
             let a = cx.af("alpha", 1.673_263_2) as f64;
             let g = cx.af("gamma", 1.050_701) as f64;
-            map_float(x, &|v| {
+            float_map(cx, &|v| {
                 if v > 0.0 {
                     g * v
                 } else {
                     g * (a * v.exp() - a)
                 }
-            })?
-        }
-        "LeakyRelu" => {
-            let a = alpha(0.01);
-            map_float(x, &|v| if v >= 0.0 { v } else { a * v })?
-        }
-        "ThresholdedRelu" => {
-            let a = alpha(1.0);
-            map_float(x, &|v| if v > a { v } else { 0.0 })?
-        }
-        "HardSigmoid" => {
-            let (a, b) = (alpha(0.2), cx.af("beta", 0.5) as f64);
-            map_float(x, &|v| (a * v + b).clamp(0.0, 1.0))?
-        }
-        "Shrink" => {
+            })
+        },
+        "LeakyRelu" => |cx| {
+            let a = alpha(cx, 0.01);
+            float_map(cx, &|v| if v >= 0.0 { v } else { a * v })
+        },
+        "ThresholdedRelu" => |cx| {
+            let a = alpha(cx, 1.0);
+            float_map(cx, &|v| if v > a { v } else { 0.0 })
+        },
+        "HardSigmoid" => |cx| {
+            let (a, b) = (alpha(cx, 0.2), cx.af("beta", 0.5) as f64);
+            float_map(cx, &|v| (a * v + b).clamp(0.0, 1.0))
+        },
+        "Shrink" => |cx| {
             let (b, l) = (cx.af("bias", 0.0) as f64, cx.af("lambd", 0.5) as f64);
-            map_num(x, &|v| {
+            one(map_num(cx.t(0)?, &|v| {
                 if v < -l {
                     v + b
                 } else if v > l {
@@ -588,27 +595,28 @@ fn unary_attr(cx: &Ctx) -> Result<Option<Tensor>> {
                 } else {
                     0.0
                 }
-            })?
-        }
-        "Swish" => {
-            let a = alpha(1.0);
-            map_float(x, &|v| v / (1.0 + (-a * v).exp()))?
-        }
-        "Gelu" => {
+            })?)
+        },
+        "Swish" => |cx| {
+            let a = alpha(cx, 1.0);
+            float_map(cx, &|v| v / (1.0 + (-a * v).exp()))
+        },
+        "Gelu" => |cx| {
             if cx.astr("approximate", "none") == "tanh" {
                 let c = (2.0 / std::f64::consts::PI).sqrt();
-                map_float(x, &|v| {
+                float_map(cx, &|v| {
                     0.5 * v * (1.0 + (c * (v + 0.044715 * v * v * v)).tanh())
-                })?
+                })
             } else {
-                map_float(x, &|v| 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2)))?
+                float_map(cx, &|v| 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2)))
             }
-        }
-        "Not" => {
+        },
+        "Not" => |cx| {
+            let x = cx.t(0)?;
             let v: Vec<bool> = x.as_slice::<bool>()?.iter().map(|b| !b).collect();
-            Tensor::from_vec(x.shape().to_vec(), v)?
-        }
-        "BitwiseNot" => {
+            one(Tensor::from_vec(x.shape().to_vec(), v)?)
+        },
+        "BitwiseNot" => |cx| {
             fn go<T: Num>(t: &Tensor) -> Result<Tensor> {
                 let v = t
                     .as_slice::<T>()?
@@ -617,21 +625,28 @@ fn unary_attr(cx: &Ctx) -> Result<Option<Tensor>> {
                     .collect();
                 Tensor::from_vec(t.shape().to_vec(), v)
             }
-            dispatch!(x.dtype(), int, go, x)?
-        }
-        "IsNaN" if x.dtype() == DType::F32 => crate::ops::fast::isnan_f32(x)?,
-        "IsNaN" => map_pred(x, &f64::is_nan)?,
-        "IsInf" => {
+            let x = cx.t(0)?;
+            one(dispatch!(x.dtype(), int, go, x)?)
+        },
+        "IsNaN" => |cx| {
+            let x = cx.t(0)?;
+            if x.dtype() == DType::F32 {
+                return one(crate::ops::fast::isnan_f32(x)?);
+            }
+            one(map_pred(x, &f64::is_nan)?)
+        },
+        "IsInf" => |cx| {
             let (neg, pos) = (
                 cx.ai("detect_negative", 1) != 0,
                 cx.ai("detect_positive", 1) != 0,
             );
-            map_pred(x, &|v| {
+            one(map_pred(cx.t(0)?, &|v| {
                 v.is_infinite() && ((v > 0.0 && pos) || (v < 0.0 && neg))
-            })?
-        }
-        _ => return Ok(None),
-    }))
+            })?)
+        },
+        _ => return None,
+    };
+    Some(k)
 }
 
 /// Abs/Neg: exact for every integer width (no f64 round trip), f64 for floats.
@@ -836,59 +851,82 @@ fn clip(cx: &Ctx) -> Result<Tensor> {
     dispatch!(x.dtype(), num_nobool, go, x, lo, hi)
 }
 
-/// Elementwise ops; `None` when `cx`'s op is not one of them.
-pub fn run(cx: &Ctx) -> Result<Option<Tensor>> {
-    if let Some(t) = crate::ops::fast::elementwise(cx)? {
-        return Ok(Some(t));
-    }
-    let op = cx.node.op.as_str();
-    let b = |o| binary(cx, o).map(Some);
-    let c = |o| -> Result<Option<Tensor>> {
-        let (a, b) = (cx.t(0)?, cx.t(1)?);
-        same_type(a, b)?;
-        dispatch!(a.dtype(), all, cmp, o, a, b).map(Some)
+/// A binary op, on the float32 fast path where it has one.
+fn bin(cx: &Ctx, op: Bin) -> Result<Vec<Value>> {
+    let fast_op = match op {
+        Bin::Add => Some(FastBin::Add),
+        Bin::Sub => Some(FastBin::Sub),
+        Bin::Mul => Some(FastBin::Mul),
+        Bin::Div => Some(FastBin::Div),
+        _ => None,
     };
-    match op {
-        "Add" => b(Bin::Add),
-        "Sub" => b(Bin::Sub),
-        "Mul" => b(Bin::Mul),
-        "Div" => b(Bin::Div),
-        "Pow" => b(Bin::Pow),
-        "Mod" => b(if cx.ai("fmod", 0) != 0 {
-            Bin::FMod
-        } else {
-            Bin::Mod
-        }),
-        "BitwiseAnd" => b(Bin::BitAnd),
-        "BitwiseOr" => b(Bin::BitOr),
-        "BitwiseXor" => b(Bin::BitXor),
-        "BitShift" => match cx.astr("direction", "").as_str() {
-            "LEFT" => b(Bin::Shl),
-            "RIGHT" => b(Bin::Shr),
+    if let Some(f) = fast_op {
+        if let Some(t) = fast::arith(cx, f)? {
+            return one(t);
+        }
+    }
+    one(binary(cx, op)?)
+}
+
+/// A comparison of two tensors of one type.
+fn compare(cx: &Ctx, op: Cmp) -> Result<Vec<Value>> {
+    let (a, b) = (cx.t(0)?, cx.t(1)?);
+    same_type(a, b)?;
+    one(dispatch!(a.dtype(), all, cmp, op, a, b)?)
+}
+
+/// And, Or, Xor on booleans (legacy broadcasting before opset 7).
+fn logic(cx: &Ctx, f: fn(bool, bool) -> bool) -> Result<Vec<Value>> {
+    let a = cx.t(0)?;
+    one(logical(a, &legacy_b(cx, a, cx.t(1)?)?, f)?)
+}
+
+/// The kernel of an elementwise op (binary, variadic, unary, Where, Clip, casts).
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "Add" => |cx| bin(cx, Bin::Add),
+        "Sub" => |cx| bin(cx, Bin::Sub),
+        "Mul" => |cx| bin(cx, Bin::Mul),
+        "Div" => |cx| bin(cx, Bin::Div),
+        "Pow" => |cx| bin(cx, Bin::Pow),
+        "Mod" => |cx| {
+            let fmod = cx.ai("fmod", 0) != 0;
+            bin(cx, if fmod { Bin::FMod } else { Bin::Mod })
+        },
+        "BitwiseAnd" => |cx| bin(cx, Bin::BitAnd),
+        "BitwiseOr" => |cx| bin(cx, Bin::BitOr),
+        "BitwiseXor" => |cx| bin(cx, Bin::BitXor),
+        "BitShift" => |cx| match cx.astr("direction", "").as_str() {
+            "LEFT" => bin(cx, Bin::Shl),
+            "RIGHT" => bin(cx, Bin::Shr),
             d => Err(unsupported(format!("BitShift direction '{d}'"))),
         },
-        "PRelu" => b(Bin::PRelu),
-        "Equal" => c(Cmp::Eq),
-        "Less" => c(Cmp::Lt),
-        "Greater" => c(Cmp::Gt),
-        "LessOrEqual" => c(Cmp::Le),
-        "GreaterOrEqual" => c(Cmp::Ge),
-        "And" => logical(cx.t(0)?, &legacy_b(cx, cx.t(0)?, cx.t(1)?)?, |p, q| p && q).map(Some),
-        "Or" => logical(cx.t(0)?, &legacy_b(cx, cx.t(0)?, cx.t(1)?)?, |p, q| p || q).map(Some),
-        "Xor" => logical(cx.t(0)?, &legacy_b(cx, cx.t(0)?, cx.t(1)?)?, |p, q| p ^ q).map(Some),
-        "Max" => variadic(cx, Bin::Max).map(Some),
-        "Min" => variadic(cx, Bin::Min).map(Some),
-        "Sum" | "Mean" => variadic(cx, Bin::Add).map(Some),
-        "Where" => where_op(cx).map(Some),
-        "Clip" => clip(cx).map(Some),
-        "Cast" => cast_with(
-            cx.t(0)?,
-            cast_to(cx)?,
-            cx.ai("saturate", 1) != 0,
-            &cx.astr("round_mode", "up"),
-        )
-        .map(Some),
-        "BitCast" => {
+        "PRelu" => |cx| bin(cx, Bin::PRelu),
+        "Equal" => |cx| compare(cx, Cmp::Eq),
+        "Less" => |cx| compare(cx, Cmp::Lt),
+        "Greater" => |cx| compare(cx, Cmp::Gt),
+        "LessOrEqual" => |cx| compare(cx, Cmp::Le),
+        "GreaterOrEqual" => |cx| compare(cx, Cmp::Ge),
+        "And" => |cx| logic(cx, |p, q| p && q),
+        "Or" => |cx| logic(cx, |p, q| p || q),
+        "Xor" => |cx| logic(cx, |p, q| p ^ q),
+        "Max" => |cx| one(variadic(cx, Bin::Max)?),
+        "Min" => |cx| one(variadic(cx, Bin::Min)?),
+        "Sum" | "Mean" => |cx| one(variadic(cx, Bin::Add)?),
+        "Where" => |cx| one(where_op(cx)?),
+        "Clip" => |cx| match fast::clip(cx)? {
+            Some(t) => one(t),
+            None => one(clip(cx)?),
+        },
+        "Cast" => |cx| {
+            one(cast_with(
+                cx.t(0)?,
+                cast_to(cx)?,
+                cx.ai("saturate", 1) != 0,
+                &cx.astr("round_mode", "up"),
+            )?)
+        },
+        "BitCast" => |cx| {
             let x = cx.t(0)?;
             let to = cast_to(cx)?;
             if to.size() != x.dtype().size()
@@ -900,15 +938,17 @@ pub fn run(cx: &Ctx) -> Result<Option<Tensor>> {
             }
             let mut p = crate::onnx::tensor_to_proto(x, "");
             p.data_type = to.onnx();
-            crate::onnx::tensor_from_proto(&p, None).map(Some)
-        }
-        "CastLike" => cast_with(
-            cx.t(0)?,
-            cx.t(1)?.dtype(),
-            cx.ai("saturate", 1) != 0,
-            &cx.astr("round_mode", "up"),
-        )
-        .map(Some),
-        _ => unary(cx),
-    }
+            one(crate::onnx::tensor_from_proto(&p, None)?)
+        },
+        "CastLike" => |cx| {
+            one(cast_with(
+                cx.t(0)?,
+                cx.t(1)?.dtype(),
+                cx.ai("saturate", 1) != 0,
+                &cx.astr("round_mode", "up"),
+            )?)
+        },
+        _ => return unary(op),
+    };
+    Some(k)
 }

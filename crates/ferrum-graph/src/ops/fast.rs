@@ -19,70 +19,56 @@ pub fn all_f32(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| t.dtype() == DType::F32)
 }
 
-/// Elementwise float32 fast paths: Add, Sub, Mul, Div (any broadcast), Clip, Relu, Sqrt and
-/// Erf. The four arithmetic ops, Clip, Relu and Sqrt give the same bits as the reference (an f64
-/// result of one such operation on f32 values rounds to the correctly rounded f32 result); Erf
-/// comes from [`vecmath::erf_lane`] (within 2 ulp of the f64 reference). `None` when the node is
-/// not one of these on float32 inputs.
-pub fn elementwise(cx: &Ctx) -> Result<Option<Tensor>> {
-    let op = cx.node.op.as_str();
-    match op {
-        "Add" | "Sub" | "Mul" | "Div" => {
-            let (Some(a), Some(b)) = (cx.opt(0), cx.opt(1)) else {
-                return Ok(None);
-            };
-            // Legacy (opset < 7) broadcasting with `axis` stays on the reference path.
-            if !all_f32(&[a, b]) || cx.opset() < 7 {
-                return Ok(None);
-            }
-            let op = match op {
-                "Add" => Bin::Add,
-                "Sub" => Bin::Sub,
-                "Mul" => Bin::Mul,
-                _ => Bin::Div,
-            };
-            Ok(Some(zip_f32(a, b, op)?))
-        }
-        "Clip" if cx.opset() >= 11 => {
-            let Some(x) = cx.opt(0) else {
-                return Ok(None);
-            };
-            let bound = |i: usize| -> Result<Option<f32>> {
-                match cx.opt(i) {
-                    Some(t) if t.dtype() == DType::F32 && t.len() == 1 => {
-                        Ok(Some(t.as_slice::<f32>()?[0]))
-                    }
-                    Some(_) => Err(crate::Error::Kernel("Clip bound".into())),
-                    None => Ok(None),
-                }
-            };
-            if x.dtype() != DType::F32 {
-                return Ok(None);
-            }
-            let (Ok(lo), Ok(hi)) = (bound(1), bound(2)) else {
-                return Ok(None);
-            };
-            let (lo, hi) = (lo.unwrap_or(f32::NEG_INFINITY), hi.unwrap_or(f32::INFINITY));
-            let v = map_f32(x.as_slice::<f32>()?, Unary::Clip(lo, hi));
-            Ok(Some(Tensor::from_vec(x.shape().to_vec(), v)?))
-        }
-        "Relu" | "Sqrt" | "Erf" => {
-            let Some(x) = cx.opt(0) else {
-                return Ok(None);
-            };
-            if x.dtype() != DType::F32 {
-                return Ok(None);
-            }
-            let u = match op {
-                "Relu" => Unary::Relu,
-                "Sqrt" => Unary::Sqrt,
-                _ => Unary::Erf,
-            };
-            let v = map_f32(x.as_slice::<f32>()?, u);
-            Ok(Some(Tensor::from_vec(x.shape().to_vec(), v)?))
-        }
-        _ => Ok(None),
+/// Elementwise float32 fast paths: Add, Sub, Mul, Div (any broadcast; [`arith`]), Clip
+/// ([`clip`]), Relu, Sqrt and Erf ([`unary`]). The four arithmetic ops, Clip, Relu and Sqrt give
+/// the same bits as the reference (an f64 result of one such operation on f32 values rounds to
+/// the correctly rounded f32 result); Erf comes from [`vecmath::erf_lane`] (within 2 ulp of the
+/// f64 reference). Each returns `None` when its inputs are not float32 (or the form is not one
+/// it runs): the caller then runs the reference.
+pub fn arith(cx: &Ctx, op: Bin) -> Result<Option<Tensor>> {
+    let (Some(a), Some(b)) = (cx.opt(0), cx.opt(1)) else {
+        return Ok(None);
+    };
+    // Legacy (opset < 7) broadcasting with `axis` stays on the reference path.
+    if !all_f32(&[a, b]) || cx.opset() < 7 {
+        return Ok(None);
     }
+    Ok(Some(zip_f32(a, b, op)?))
+}
+
+/// Clip (opset 11 on: bounds as inputs) on float32; see [`arith`].
+pub fn clip(cx: &Ctx) -> Result<Option<Tensor>> {
+    let Some(x) = cx.opt(0) else {
+        return Ok(None);
+    };
+    if cx.opset() < 11 || x.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let bound = |i: usize| -> Result<Option<f32>> {
+        match cx.opt(i) {
+            Some(t) if t.dtype() == DType::F32 && t.len() == 1 => Ok(Some(t.as_slice::<f32>()?[0])),
+            Some(_) => Err(crate::Error::Kernel("Clip bound".into())),
+            None => Ok(None),
+        }
+    };
+    let (Ok(lo), Ok(hi)) = (bound(1), bound(2)) else {
+        return Ok(None);
+    };
+    let (lo, hi) = (lo.unwrap_or(f32::NEG_INFINITY), hi.unwrap_or(f32::INFINITY));
+    let v = map_f32(x.as_slice::<f32>()?, Unary::Clip(lo, hi));
+    Ok(Some(Tensor::from_vec(x.shape().to_vec(), v)?))
+}
+
+/// Relu, Sqrt or Erf (`op`) on float32; see [`arith`].
+pub fn unary(cx: &Ctx, op: Unary) -> Result<Option<Tensor>> {
+    let Some(x) = cx.opt(0) else {
+        return Ok(None);
+    };
+    if x.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let v = map_f32(x.as_slice::<f32>()?, op);
+    Ok(Some(Tensor::from_vec(x.shape().to_vec(), v)?))
 }
 
 /// The smallest part (in output elements) worth a pool task for the costly loops (Erf, Softmax,

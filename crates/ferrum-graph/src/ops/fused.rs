@@ -12,8 +12,8 @@ use ferrum_kernels::pool;
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape};
 use crate::ops::vecmath::{self, Unary};
-use crate::ops::{unsupported, Ctx};
-use crate::tensor::{DType, Tensor, Value};
+use crate::ops::{one, unsupported, Ctx, Kernel};
+use crate::tensor::{DType, Tensor};
 use crate::{kbail, Result};
 
 /// The activation applied to a fused product's output.
@@ -226,29 +226,41 @@ fn add_broadcast(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(out, v)
 }
 
-/// Runs a `com.ferrum` node.
-pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
-    let act = Act::from_node(cx)?;
-    let t = match cx.node.op.as_str() {
-        "FusedConv" => crate::ops::conv::conv_fused(cx, Epi { z: cx.opt(3), act })?,
-        "NhwcConv" => crate::ops::nhwc::conv(cx, act)?,
-        "NhwcExpandDepthwise" => crate::ops::nhwc::expand_depthwise(cx, act)?,
-        "FusedGemm" => crate::ops::nn::gemm_act(cx, act)?,
-        "FusedMatMul" => {
+/// The kernel of a `com.ferrum` op.
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "FusedConv" => |cx| {
+            let act = Act::from_node(cx)?;
+            one(crate::ops::conv::conv_fused(cx, Epi { z: cx.opt(3), act })?)
+        },
+        "NhwcConv" => |cx| one(crate::ops::nhwc::conv(cx, Act::from_node(cx)?)?),
+        "NhwcExpandDepthwise" => {
+            |cx| one(crate::ops::nhwc::expand_depthwise(cx, Act::from_node(cx)?)?)
+        }
+        "FusedGemm" => |cx| one(crate::ops::nn::gemm_act(cx, Act::from_node(cx)?)?),
+        "FusedMatMul" => |cx| {
+            let act = Act::from_node(cx)?;
             let (a, b) = (cx.t(0)?, cx.t(1)?);
             if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
                 return Err(unsupported("FusedMatMul on non-float32 inputs"));
             }
             let pb = cx.packed_b(1, crate::passes::Role::B);
-            crate::ops::linear::matmul_bias_act(a, b, cx.opt(2), act, pb)?
-        }
-        "MatMulIntegerToFloat" => {
-            Epi { z: None, act }.finish(crate::ops::quant::matmul_integer_to_float(cx)?)?
-        }
-        "QLinearAdd" => crate::ops::quant::qlinear_add(cx)?,
-        "NhwcQLinearConv" => crate::ops::conv::nhwc_qlinear_conv(cx)?,
-        "NhwcMaxPool" => crate::ops::conv::nhwc_max_pool(cx)?,
-        "NhwcGlobalAveragePool" => {
+            one(crate::ops::linear::matmul_bias_act(
+                a,
+                b,
+                cx.opt(2),
+                act,
+                pb,
+            )?)
+        },
+        "MatMulIntegerToFloat" => |cx| {
+            let act = Act::from_node(cx)?;
+            one(Epi { z: None, act }.finish(crate::ops::quant::matmul_integer_to_float(cx)?)?)
+        },
+        "QLinearAdd" => |cx| one(crate::ops::quant::qlinear_add(cx)?),
+        "NhwcQLinearConv" => |cx| one(crate::ops::conv::nhwc_qlinear_conv(cx)?),
+        "NhwcMaxPool" => |cx| one(crate::ops::conv::nhwc_max_pool(cx)?),
+        "NhwcGlobalAveragePool" => |cx| {
             // Channels-last `[N, H, W, C]` in, GlobalAveragePool's `[N, C, 1, 1]` out (the
             // same bytes as `[N, 1, 1, C]`).
             let x = cx.t(0)?;
@@ -265,19 +277,19 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
                 kbail!("NhwcGlobalAveragePool of an empty image {:?}", x.shape());
             }
             let v = crate::ops::fast::global_avg_pool_nhwc_f32(x.as_slice::<f32>()?, h * w, c);
-            Tensor::from_vec(vec![n, c, 1, 1], v)?
-        }
-        "FusedAttention" => crate::ops::attention::fused_attention(cx)?,
-        "Gelu" => {
+            one(Tensor::from_vec(vec![n, c, 1, 1], v)?)
+        },
+        "FusedAttention" => |cx| one(crate::ops::attention::fused_attention(cx)?),
+        "Gelu" => |cx| {
             let x = cx.t(0)?;
             if x.dtype() != DType::F32 {
                 return Err(unsupported("com.ferrum Gelu on non-float32 input"));
             }
             let mut v = x.as_slice::<f32>()?.to_vec();
             Act::Gelu.apply(&mut v);
-            Tensor::from_vec(x.shape().to_vec(), v)?
-        }
-        _ => return Err(unsupported("op not implemented")),
+            one(Tensor::from_vec(x.shape().to_vec(), v)?)
+        },
+        _ => return None,
     };
-    Ok(vec![Value::Tensor(t)])
+    Some(k)
 }

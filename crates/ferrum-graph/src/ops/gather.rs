@@ -2,7 +2,8 @@
 
 use crate::ops::shape::{strides, take};
 use crate::ops::{axis, Ctx};
-use crate::tensor::{DType, Data, Elem, Num, Tensor, Value};
+use crate::ops::{one, Kernel};
+use crate::tensor::{DType, Data, Elem, Num, Tensor};
 use crate::{dispatch, kbail, Result};
 
 fn norm_index(i: i64, d: usize) -> Result<usize> {
@@ -229,14 +230,14 @@ fn scatter_nd(cx: &Ctx) -> Result<Tensor> {
 }
 
 /// Gather and scatter ops; `None` when `cx`'s op is not one of them.
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
-    match cx.node.op.as_str() {
-        "Gather" => one(gather(cx)?),
-        "GatherElements" => one(gather_elements(cx)?),
-        "GatherND" => one(gather_nd(cx)?),
-        "ScatterElements" | "Scatter" => one(scatter_elements(cx)?),
-        "ScatterND" => one(scatter_nd(cx)?),
-        _ => Ok(None),
-    }
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "Gather" => |cx| one(gather(cx)?),
+        "GatherElements" => |cx| one(gather_elements(cx)?),
+        "GatherND" => |cx| one(gather_nd(cx)?),
+        "ScatterElements" | "Scatter" => |cx| one(scatter_elements(cx)?),
+        "ScatterND" => |cx| one(scatter_nd(cx)?),
+        _ => return None,
+    };
+    Some(k)
 }

@@ -5,6 +5,7 @@ use crate::ir::Attr;
 use crate::ops::elementwise::cast;
 use crate::ops::shape::{strides, take};
 use crate::ops::{axis, unsupported, Ctx};
+use crate::ops::{one, Kernel};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
 
@@ -488,22 +489,22 @@ fn nms(cx: &Ctx) -> Result<Tensor> {
     Tensor::from_vec(vec![n, 3], sel)
 }
 
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
-    match cx.node.op.as_str() {
-        "SwiGLU" => one(swiglu(cx)?),
-        "CenterCropPad" => one(center_crop_pad(cx)?),
-        "TensorScatter" => one(tensor_scatter(cx)?),
-        "HannWindow" | "HammingWindow" | "BlackmanWindow" => one(window(cx)?),
-        "Det" => one(det(cx)?),
-        "Unique" => unique(cx).map(Some),
-        "MaxUnpool" => one(max_unpool(cx)?),
-        "Col2Im" => one(col2im(cx)?),
-        "NonMaxSuppression" => one(nms(cx)?),
-        "RoiAlign" => one(roi_align(cx)?),
-        "MelWeightMatrix" => one(mel_weight_matrix(cx)?),
-        _ => Ok(None),
-    }
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "SwiGLU" => |cx| one(swiglu(cx)?),
+        "CenterCropPad" => |cx| one(center_crop_pad(cx)?),
+        "TensorScatter" => |cx| one(tensor_scatter(cx)?),
+        "HannWindow" | "HammingWindow" | "BlackmanWindow" => |cx| one(window(cx)?),
+        "Det" => |cx| one(det(cx)?),
+        "Unique" => unique,
+        "MaxUnpool" => |cx| one(max_unpool(cx)?),
+        "Col2Im" => |cx| one(col2im(cx)?),
+        "NonMaxSuppression" => |cx| one(nms(cx)?),
+        "RoiAlign" => |cx| one(roi_align(cx)?),
+        "MelWeightMatrix" => |cx| one(mel_weight_matrix(cx)?),
+        _ => return None,
+    };
+    Some(k)
 }
 
 /// RoiAlign: average or max of bilinear samples on a grid inside each region's output bins.

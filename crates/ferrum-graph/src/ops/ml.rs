@@ -3,8 +3,8 @@
 use crate::ir::Attr;
 use crate::ops::elementwise::cast;
 use crate::ops::shape::take;
-use crate::ops::{unsupported, Ctx};
-use crate::tensor::{DType, Data, Tensor, Value};
+use crate::ops::{one, unsupported, Ctx, Kernel};
+use crate::tensor::{DType, Data, Tensor};
 use crate::{kbail, Result};
 
 /// A key or value of LabelEncoder, compared across types by its text form.
@@ -105,21 +105,23 @@ fn label_encoder(cx: &Ctx) -> Result<Tensor> {
     tensor_of(out, x.shape().to_vec(), vt)
 }
 
-pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
-    let x = cx.t(0)?;
-    let out = match cx.node.op.as_str() {
-        "LabelEncoder" => label_encoder(cx)?,
-        "TreeEnsemble" => tree_ensemble(cx)?,
-        "Binarizer" => {
+/// The kernel of an `ai.onnx.ml` op.
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "LabelEncoder" => |cx| one(label_encoder(cx)?),
+        "TreeEnsemble" => |cx| one(tree_ensemble(cx)?),
+        "Binarizer" => |cx| {
+            let x = cx.t(0)?;
             let th = cx.af("threshold", 0.0) as f64;
             let v: Vec<f64> = x
                 .to_f64_vec()?
                 .iter()
                 .map(|&e| (e > th) as u8 as f64)
                 .collect();
-            cast(&Tensor::from_vec(x.shape().to_vec(), v)?, x.dtype())?
-        }
-        "ArrayFeatureExtractor" => {
+            one(cast(&Tensor::from_vec(x.shape().to_vec(), v)?, x.dtype())?)
+        },
+        "ArrayFeatureExtractor" => |cx| {
+            let x = cx.t(0)?;
             let idx = cx.t(1)?.to_i64_vec()?;
             let n = *x.shape().last().unwrap_or(&1);
             let outer = x.len() / n.max(1);
@@ -138,11 +140,11 @@ pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
                 x.shape()[..x.rank() - 1].to_vec()
             };
             shape.push(idx.len());
-            take(x, &offs, shape)?
-        }
-        op => return Err(unsupported(format!("ai.onnx.ml.{op} is not implemented"))),
+            one(take(x, &offs, shape)?)
+        },
+        _ => return None,
     };
-    Ok(vec![Value::Tensor(out)])
+    Some(k)
 }
 
 /// TreeEnsemble (ai.onnx.ml 5): every tree maps a row to a (target, weight) leaf; leaves are

@@ -1,8 +1,11 @@
-//! Operator kernels and the dispatch from an ONNX op type to them.
+//! Operator kernels, and the resolution of a node's domain and op type to its kernel.
 //!
-//! Each kernel reads its inputs and attributes through [`Ctx`] and returns its outputs. Kernels
-//! are plain reference loops written once over generic element types ([`crate::tensor::Num`]);
-//! float math runs in f64 and rounds once to the output type. Speed comes in later issues.
+//! Each kernel reads its inputs and attributes through [`Ctx`] and returns its outputs. Each
+//! module maps its op types to kernels (its `kernel` function); [`resolve`] picks the module
+//! once per node, when a session is created, so a run looks nothing up. The reference kernels
+//! are plain loops written once over generic element types ([`crate::tensor::Num`]); float math
+//! runs in f64 and rounds once to the output type. float32 fast paths (`fast`, `linear`,
+//! `conv`, `nhwc`, `attention`) sit beside them, in the same kernel.
 
 mod attention;
 mod control;
@@ -146,88 +149,104 @@ pub fn axis(a: i64, rank: usize) -> Result<usize> {
     Ok(if a < 0 { (a + r) as usize } else { a as usize })
 }
 
-/// The output dims of a default-domain view op (Reshape, Flatten, Squeeze, Unsqueeze) on these
-/// inputs, `None` for any other node: its output is input 0's elements, unchanged, under these
-/// dims.
-pub fn view_dims(node: &Node, ins: &[Option<&Value>], env: &Env) -> Option<Result<Vec<usize>>> {
-    if !(node.domain.is_empty() || node.domain == "ai.onnx") {
-        return None;
-    }
-    shape::view_dims(&Ctx { node, ins, env })
+/// A node's kernel: reads the node's inputs and attributes through [`Ctx`] and returns its
+/// outputs. Chosen once per node from its domain and op type ([`resolve`]) when a graph is
+/// prepared, so a run calls it without looking the op up.
+pub type Kernel = fn(&Ctx) -> Result<Vec<Value>>;
+
+/// For the view ops (Reshape, Flatten, Squeeze, Unsqueeze and an order-keeping Transpose): the
+/// output dims on these inputs (its elements are input 0's, unchanged), `None` when this run's
+/// form is not such a view.
+pub type ViewDims = fn(&Ctx) -> Option<Result<Vec<usize>>>;
+
+/// What a node runs, resolved from its domain and op type.
+#[derive(Clone, Copy)]
+pub struct Resolved {
+    pub kernel: Kernel,
+    /// Set for the view ops: the executor then moves input 0 into the output when the node is
+    /// its last reader, instead of running the kernel's copy.
+    pub view: Option<ViewDims>,
 }
 
-/// Runs one node.
+impl std::fmt::Debug for Resolved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resolved")
+            .field("view", &self.view.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A kernel's one tensor output.
+pub(crate) fn one(t: Tensor) -> Result<Vec<Value>> {
+    Ok(vec![Value::Tensor(t)])
+}
+
+/// The kernel of `node`'s op, or an [`Error::Unsupported`] naming the node, its domain, op and
+/// opset when ferrum does not implement it. Forms a kernel does not run (an attribute value, a
+/// data type) are reported by the kernel when it meets them.
+pub fn resolve(node: &Node) -> Result<Resolved> {
+    let default = node.domain.is_empty() || node.domain == "ai.onnx";
+    let kernel = match node.domain.as_str() {
+        "ai.onnx.preview.training" if node.op != "Gradient" => training::kernel(&node.op),
+        crate::passes::DOMAIN => fused::kernel(&node.op),
+        "ai.onnx.ml" => ml::kernel(&node.op),
+        "ai.onnx.preview" if node.op == "FlexAttention" => {
+            Some(attention::flex_attention as Kernel)
+        }
+        _ if default => default_domain(&node.op),
+        _ => None,
+    };
+    match kernel {
+        Some(kernel) => Ok(Resolved {
+            kernel,
+            view: if default { shape::view(&node.op) } else { None },
+        }),
+        None => Err(Error::Unsupported(Box::new(crate::error::UnsupportedOp {
+            node: node.name.clone(),
+            op: node.op.clone(),
+            domain: if default {
+                String::new()
+            } else {
+                format!("{}.", node.domain)
+            },
+            opset: node.opset,
+            dtype: None,
+            detail: if default {
+                "op not implemented".into()
+            } else {
+                format!("op not implemented in domain '{}'", node.domain)
+            },
+        }))),
+    }
+}
+
+/// The default domain's (`ai.onnx`) kernel for `op`.
+fn default_domain(op: &str) -> Option<Kernel> {
+    let here: Kernel = match op {
+        "Resize" | "Upsample" => |cx| one(resize::resize(cx)?),
+        "GridSample" => |cx| one(grid::grid_sample(cx)?),
+        "AffineGrid" => |cx| one(grid::affine_grid(cx)?),
+        "Attention" => attention::attention,
+        _ => {
+            return elementwise::kernel(op)
+                .or_else(|| shape::kernel(op))
+                .or_else(|| gather::kernel(op))
+                .or_else(|| conv::kernel(op))
+                .or_else(|| quant::kernel(op))
+                .or_else(|| reduce::kernel(op))
+                .or_else(|| nn::kernel(op))
+                .or_else(|| sequence_models::kernel(op))
+                .or_else(|| dsp::kernel(op))
+                .or_else(|| misc::kernel(op))
+                .or_else(|| rnn::kernel(op))
+                .or_else(|| text::kernel(op))
+                .or_else(|| control::kernel(op))
+        }
+    };
+    Some(here)
+}
+
+/// Resolves and runs one node (constant folding at load, graphs not prepared ahead).
 pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>> {
-    let cx = Ctx { node, ins, env };
-    if node.domain == "ai.onnx.preview.training" && node.op != "Gradient" {
-        return training::run(&cx);
-    }
-    if node.domain == crate::passes::DOMAIN {
-        return fused::run(&cx);
-    }
-    if node.domain == "ai.onnx.ml" {
-        return ml::run(&cx);
-    }
-    if node.domain == "ai.onnx.preview" && node.op == "FlexAttention" {
-        return attention::flex_attention(&cx);
-    }
-    if !(node.domain.is_empty() || node.domain == "ai.onnx") {
-        return Err(unsupported(format!(
-            "domain '{}' is not implemented",
-            node.domain
-        )));
-    }
-    let one = |t: Tensor| Ok(vec![Value::Tensor(t)]);
-    if let Some(r) = elementwise::run(&cx)? {
-        return one(r);
-    }
-    if let Some(r) = shape::run(&cx)? {
-        return Ok(r);
-    }
-    if let Some(r) = gather::run(&cx)? {
-        return Ok(r);
-    }
-    if let Some(r) = conv::run(&cx)? {
-        return Ok(r);
-    }
-    if let Some(r) = quant::run(&cx)? {
-        return Ok(r);
-    }
-    if let Some(r) = reduce::run(&cx)? {
-        return Ok(r);
-    }
-    if let Some(r) = nn::run(&cx)? {
-        return Ok(r);
-    }
-    if node.op == "Resize" || node.op == "Upsample" {
-        return one(resize::resize(&cx)?);
-    }
-    if node.op == "GridSample" {
-        return one(grid::grid_sample(&cx)?);
-    }
-    if node.op == "AffineGrid" {
-        return one(grid::affine_grid(&cx)?);
-    }
-    if node.op == "Attention" {
-        return attention::attention(&cx);
-    }
-    if let Some(r) = sequence_models::run(&cx)? {
-        return Ok(r);
-    }
-    if let Some(r) = dsp::run(&cx)? {
-        return Ok(r);
-    }
-    if let Some(r) = misc::run(&cx)? {
-        return Ok(r);
-    }
-    if let Some(r) = rnn::run(&cx)? {
-        return Ok(r);
-    }
-    if let Some(r) = text::run(&cx)? {
-        return Ok(r);
-    }
-    if let Some(r) = control::run(&cx)? {
-        return Ok(r);
-    }
-    Err(unsupported("op not implemented"))
+    (resolve(node)?.kernel)(&Ctx { node, ins, env })
 }

@@ -6,6 +6,7 @@ use crate::ops::fused::Act;
 use crate::ops::shape::strides;
 use crate::ops::{axis, unsupported, Ctx};
 use crate::ops::{fast, linear};
+use crate::ops::{one, Kernel};
 use crate::passes::Role;
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
@@ -664,22 +665,22 @@ fn nll_loss(cx: &Ctx, softmax: bool) -> Result<Vec<Value>> {
 }
 
 /// Neural-network ops; `None` when `cx`'s op is not one of them.
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
-    match cx.node.op.as_str() {
-        "MatMul" => one(matmul(cx)?),
-        "Gemm" => one(gemm(cx)?),
-        "BatchNormalization" => batch_norm(cx).map(Some),
-        "InstanceNormalization" => one(instance_norm(cx)?),
-        "LayerNormalization" => layer_norm(cx, false).map(Some),
-        "RMSNormalization" => layer_norm(cx, true).map(Some),
-        "GroupNormalization" => one(group_norm(cx)?),
-        "LRN" => one(lrn(cx)?),
-        "LpNormalization" => one(lp_norm(cx)?),
-        "MeanVarianceNormalization" => one(mvn(cx)?),
-        "Einsum" => one(einsum(cx)?),
-        "NegativeLogLikelihoodLoss" => nll_loss(cx, false).map(Some),
-        "SoftmaxCrossEntropyLoss" => nll_loss(cx, true).map(Some),
-        _ => Ok(None),
-    }
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "MatMul" => |cx| one(matmul(cx)?),
+        "Gemm" => |cx| one(gemm(cx)?),
+        "BatchNormalization" => batch_norm,
+        "InstanceNormalization" => |cx| one(instance_norm(cx)?),
+        "LayerNormalization" => |cx| layer_norm(cx, false),
+        "RMSNormalization" => |cx| layer_norm(cx, true),
+        "GroupNormalization" => |cx| one(group_norm(cx)?),
+        "LRN" => |cx| one(lrn(cx)?),
+        "LpNormalization" => |cx| one(lp_norm(cx)?),
+        "MeanVarianceNormalization" => |cx| one(mvn(cx)?),
+        "Einsum" => |cx| one(einsum(cx)?),
+        "NegativeLogLikelihoodLoss" => |cx| nll_loss(cx, false),
+        "SoftmaxCrossEntropyLoss" => |cx| nll_loss(cx, true),
+        _ => return None,
+    };
+    Some(k)
 }

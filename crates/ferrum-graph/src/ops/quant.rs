@@ -20,6 +20,7 @@ use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, cast};
 use crate::ops::nn::{f64_tensor, matmul_f64, minus_zp};
 use crate::ops::shape::strides;
 use crate::ops::{axis, Ctx};
+use crate::ops::{one, Kernel};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
 
@@ -455,16 +456,16 @@ fn qlinear_matmul(cx: &Ctx) -> Result<Tensor> {
 }
 
 /// Quantization ops; `None` when `cx`'s op is not one of them.
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
-    match cx.node.op.as_str() {
-        "MatMulInteger" => one(matmul_integer(cx)?),
-        "QLinearMatMul" => one(qlinear_matmul(cx)?),
-        "QuantizeLinear" => one(quantize(cx)?),
-        "DequantizeLinear" => one(dequantize(cx)?),
-        "DynamicQuantizeLinear" => dynamic_quantize(cx).map(Some),
-        _ => Ok(None),
-    }
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "MatMulInteger" => |cx| one(matmul_integer(cx)?),
+        "QLinearMatMul" => |cx| one(qlinear_matmul(cx)?),
+        "QuantizeLinear" => |cx| one(quantize(cx)?),
+        "DequantizeLinear" => |cx| one(dequantize(cx)?),
+        "DynamicQuantizeLinear" => dynamic_quantize,
+        _ => return None,
+    };
+    Some(k)
 }
 
 /// An 8-bit tensor's bytes and zero point, for [`qlinear_add`].

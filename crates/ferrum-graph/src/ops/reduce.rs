@@ -2,6 +2,7 @@
 
 use crate::ops::shape::strides;
 use crate::ops::{axis, Ctx};
+use crate::ops::{one, Kernel};
 use crate::tensor::{DType, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
@@ -356,33 +357,28 @@ fn cum(cx: &Ctx, prod: bool) -> Result<Tensor> {
 }
 
 /// Reductions and axis ops; `None` when `cx`'s op is not one of them.
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
-    let r = |op| reduce(cx, op);
-    match cx.node.op.as_str() {
-        "ReduceSum" => one(r(Red::Sum)?),
-        "ReduceMean" => one(r(Red::Mean)?),
-        "ReduceMax" => one(r(Red::Max)?),
-        "ReduceMin" => one(r(Red::Min)?),
-        "ReduceProd" => one(r(Red::Prod)?),
-        "ReduceL1" => one(r(Red::L1)?),
-        "ReduceL2" => one(r(Red::L2)?),
-        "ReduceLogSum" => one(r(Red::LogSum)?),
-        "ReduceLogSumExp" => one(r(Red::LogSumExp)?),
-        "ReduceSumSquare" => one(r(Red::SumSquare)?),
-        "ArgMax" => one(arg(cx, true)?),
-        "ArgMin" => one(arg(cx, false)?),
-        "Softmax" => one(softmax(cx, Soft::Softmax)?),
-        "LogSoftmax" => one(softmax(cx, Soft::LogSoftmax)?),
-        "Hardmax" => one(softmax(cx, Soft::Hardmax)?),
-        "TopK" => {
-            if cx.ai("sorted", 1) == 0 {
-                // any order is allowed; ours is sorted
-            }
-            topk(cx).map(Some)
-        }
-        "CumSum" => one(cum(cx, false)?),
-        "CumProd" => one(cum(cx, true)?),
-        _ => Ok(None),
-    }
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "ReduceSum" => |cx| one(reduce(cx, Red::Sum)?),
+        "ReduceMean" => |cx| one(reduce(cx, Red::Mean)?),
+        "ReduceMax" => |cx| one(reduce(cx, Red::Max)?),
+        "ReduceMin" => |cx| one(reduce(cx, Red::Min)?),
+        "ReduceProd" => |cx| one(reduce(cx, Red::Prod)?),
+        "ReduceL1" => |cx| one(reduce(cx, Red::L1)?),
+        "ReduceL2" => |cx| one(reduce(cx, Red::L2)?),
+        "ReduceLogSum" => |cx| one(reduce(cx, Red::LogSum)?),
+        "ReduceLogSumExp" => |cx| one(reduce(cx, Red::LogSumExp)?),
+        "ReduceSumSquare" => |cx| one(reduce(cx, Red::SumSquare)?),
+        "ArgMax" => |cx| one(arg(cx, true)?),
+        "ArgMin" => |cx| one(arg(cx, false)?),
+        "Softmax" => |cx| one(softmax(cx, Soft::Softmax)?),
+        "LogSoftmax" => |cx| one(softmax(cx, Soft::LogSoftmax)?),
+        "Hardmax" => |cx| one(softmax(cx, Soft::Hardmax)?),
+        // With `sorted` 0 any order is allowed; ours is sorted.
+        "TopK" => topk,
+        "CumSum" => |cx| one(cum(cx, false)?),
+        "CumProd" => |cx| one(cum(cx, true)?),
+        _ => return None,
+    };
+    Some(k)
 }

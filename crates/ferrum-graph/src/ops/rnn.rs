@@ -2,6 +2,7 @@
 //! sequence lengths; peepholes; clip).
 
 use crate::ops::elementwise::cast;
+use crate::ops::Kernel;
 use crate::ops::{unsupported, Ctx};
 use crate::tensor::{Tensor, Value};
 use crate::{kbail, Result};
@@ -274,11 +275,12 @@ fn recurrent(cx: &Ctx, cell: Cell) -> Result<Vec<Value>> {
     Ok(out)
 }
 
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    match cx.node.op.as_str() {
-        "RNN" => recurrent(cx, Cell::Rnn).map(Some),
-        "GRU" => recurrent(cx, Cell::Gru).map(Some),
-        "LSTM" => recurrent(cx, Cell::Lstm).map(Some),
-        _ => Ok(None),
-    }
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "RNN" => |cx| recurrent(cx, Cell::Rnn),
+        "GRU" => |cx| recurrent(cx, Cell::Gru),
+        "LSTM" => |cx| recurrent(cx, Cell::Lstm),
+        _ => return None,
+    };
+    Some(k)
 }

@@ -2,6 +2,7 @@
 //! CausalConvWithState (27).
 
 use crate::ops::elementwise::cast;
+use crate::ops::{one, Kernel};
 use crate::ops::{unsupported, Ctx};
 use crate::tensor::{Tensor, Value};
 use crate::{kbail, Result};
@@ -224,11 +225,12 @@ fn causal_conv(cx: &Ctx) -> Result<Vec<Value>> {
     Ok(vec![Value::Tensor(y), Value::Tensor(st)])
 }
 
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    match cx.node.op.as_str() {
-        "RotaryEmbedding" => Ok(Some(vec![Value::Tensor(rotary(cx)?)])),
-        "LinearAttention" => linear_attention(cx).map(Some),
-        "CausalConvWithState" => causal_conv(cx).map(Some),
-        _ => Ok(None),
-    }
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "RotaryEmbedding" => |cx| one(rotary(cx)?),
+        "LinearAttention" => linear_attention,
+        "CausalConvWithState" => causal_conv,
+        _ => return None,
+    };
+    Some(k)
 }

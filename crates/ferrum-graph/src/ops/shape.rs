@@ -3,7 +3,7 @@
 
 use crate::ir::Attr;
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape};
-use crate::ops::{axis, unsupported, Ctx};
+use crate::ops::{axis, one, unsupported, Ctx, Kernel, ViewDims};
 use crate::tensor::{numel, DType, Data, Elem, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
@@ -216,15 +216,16 @@ fn flatten_dims(cx: &Ctx) -> Result<Vec<usize>> {
 /// The output dims of a view op (Reshape, Flatten, Squeeze, Unsqueeze, and a Transpose that
 /// only moves dims of size 1: the same elements in the same order under another shape); `None`
 /// for other ops. The executor uses it to reshape a value it can move instead of copying it.
-pub fn view_dims(cx: &Ctx) -> Option<Result<Vec<usize>>> {
-    Some(match cx.node.op.as_str() {
-        "Reshape" => reshape_dims(cx),
-        "Flatten" => flatten_dims(cx),
-        "Squeeze" => squeeze_dims(cx),
-        "Unsqueeze" => unsqueeze_dims(cx),
-        "Transpose" => return order_keeping_transpose(cx).map(Ok),
+pub fn view(op: &str) -> Option<ViewDims> {
+    let dims: ViewDims = match op {
+        "Reshape" => |cx| Some(reshape_dims(cx)),
+        "Flatten" => |cx| Some(flatten_dims(cx)),
+        "Squeeze" => |cx| Some(squeeze_dims(cx)),
+        "Unsqueeze" => |cx| Some(unsqueeze_dims(cx)),
+        "Transpose" => |cx| order_keeping_transpose(cx).map(Ok),
         _ => return None,
-    })
+    };
+    Some(dims)
 }
 
 /// A Transpose's output dims when its permutation keeps the elements' memory order (the dims
@@ -797,15 +798,17 @@ fn reverse_sequence(cx: &Ctx) -> Result<Tensor> {
 }
 
 /// Shape and data-movement ops; `None` when `cx`'s op is not one of them.
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
-    match cx.node.op.as_str() {
-        "Identity" => Ok(Some(vec![cx
-            .value(0)
-            .ok_or_else(|| crate::kerr!("missing input"))?
-            .clone()])),
-        "Constant" => one(constant(cx)?),
-        "Shape" => {
+/// The kernel of a shape op.
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "Identity" => |cx| {
+            Ok(vec![cx
+                .value(0)
+                .ok_or_else(|| crate::kerr!("missing input"))?
+                .clone()])
+        },
+        "Constant" => |cx| one(constant(cx)?),
+        "Shape" => |cx| {
             let x = cx.t(0)?;
             let r = x.rank() as i64;
             let clampi = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
@@ -816,13 +819,13 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
                 vec![]
             };
             one(i64_tensor(vec![dims.len()], dims)?)
-        }
-        "Size" => one(Tensor::scalar(cx.t(0)?.len() as i64)),
-        "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" => {
-            let dims = view_dims(cx).expect("a view op")?;
-            one(cx.t(0)?.clone().reshape(dims)?)
-        }
-        "Transpose" => {
+        },
+        "Size" => |cx| one(Tensor::scalar(cx.t(0)?.len() as i64)),
+        "Reshape" => |cx| one(cx.t(0)?.clone().reshape(reshape_dims(cx)?)?),
+        "Flatten" => |cx| one(cx.t(0)?.clone().reshape(flatten_dims(cx)?)?),
+        "Squeeze" => |cx| one(cx.t(0)?.clone().reshape(squeeze_dims(cx)?)?),
+        "Unsqueeze" => |cx| one(cx.t(0)?.clone().reshape(unsqueeze_dims(cx)?)?),
+        "Transpose" => |cx| {
             let x = cx.t(0)?;
             let perm: Vec<usize> = match cx.aints("perm") {
                 Some(p) => p
@@ -838,71 +841,73 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
                 return one(t);
             }
             one(transpose(x, &perm)?)
-        }
-        "Concat" => {
+        },
+        "Concat" => |cx| {
             let ts: Vec<&Tensor> = (0..cx.n_in()).map(|i| cx.t(i)).collect::<Result<_>>()?;
             one(concat(
                 &ts,
                 cx.ai("axis", if cx.opset() < 4 { 1 } else { 0 }),
             )?)
-        }
-        "Split" => split(cx).map(Some),
-        "Slice" => one(slice(cx)?),
-        "Expand" => one(expand(cx)?),
-        "Tile" => one(tile(cx)?),
-        "Pad" => one(pad(cx)?),
-        "Range" => one(range(cx)?),
-        "OneHot" => one(one_hot(cx)?),
-        "ConstantOfShape" => one(constant_of_shape(cx)?),
-        "Trilu" => one(trilu(cx)?),
-        "DepthToSpace" => one(depth_space(cx, true)?),
-        "SpaceToDepth" => one(depth_space(cx, false)?),
-        "EyeLike" => one(eye_like(cx)?),
-        "NonZero" => one(nonzero(cx)?),
-        "Compress" => one(compress(cx)?),
-        "ReverseSequence" => one(reverse_sequence(cx)?),
-        "Dropout" => {
-            let x = cx.t(0)?;
-            let training = cx
-                .opt(2)
-                .map(|t| t.scalar_f64())
-                .transpose()?
-                .unwrap_or(0.0)
-                != 0.0;
-            let ratio = match cx.opt(1) {
-                Some(t) => t.scalar_f64()?,
-                None if cx.opset() < 12 => cx.af("ratio", 0.5) as f64,
-                None => 0.5,
-            };
-            if !training || ratio == 0.0 {
-                let mask = Tensor::from_vec(x.shape().to_vec(), vec![true; x.len()])?;
-                return Ok(Some(vec![Value::Tensor(x.clone()), Value::Tensor(mask)]));
-            }
-            // numpy's legacy RandomState(seed).uniform(0, 1, shape) >= ratio, as the reference draws it.
-            let seed = cx
-                .attr("seed")
-                .map(|_| cx.ai("seed", 0))
-                .ok_or_else(|| unsupported("training Dropout without a seed"))?;
-            let mut rng = Mt19937::new(seed as u32);
-            let mask: Vec<bool> = (0..x.len()).map(|_| rng.next_f64() >= ratio).collect();
-            let scale = 1.0 / (1.0 - ratio);
-            let y: Vec<f64> = x
-                .to_f64_vec()?
-                .iter()
-                .zip(&mask)
-                .map(|(&v, &m)| if m { v * scale } else { 0.0 })
-                .collect();
-            let y = crate::ops::elementwise::cast(
-                &Tensor::from_vec(x.shape().to_vec(), y)?,
-                x.dtype(),
-            )?;
-            Ok(Some(vec![
-                Value::Tensor(y),
-                Value::Tensor(Tensor::from_vec(x.shape().to_vec(), mask)?),
-            ]))
-        }
-        _ => Ok(None),
+        },
+        "Split" => split,
+        "Slice" => |cx| one(slice(cx)?),
+        "Expand" => |cx| one(expand(cx)?),
+        "Tile" => |cx| one(tile(cx)?),
+        "Pad" => |cx| one(pad(cx)?),
+        "Range" => |cx| one(range(cx)?),
+        "OneHot" => |cx| one(one_hot(cx)?),
+        "ConstantOfShape" => |cx| one(constant_of_shape(cx)?),
+        "Trilu" => |cx| one(trilu(cx)?),
+        "DepthToSpace" => |cx| one(depth_space(cx, true)?),
+        "SpaceToDepth" => |cx| one(depth_space(cx, false)?),
+        "EyeLike" => |cx| one(eye_like(cx)?),
+        "NonZero" => |cx| one(nonzero(cx)?),
+        "Compress" => |cx| one(compress(cx)?),
+        "ReverseSequence" => |cx| one(reverse_sequence(cx)?),
+        "Dropout" => dropout,
+        _ => return None,
+    };
+    Some(k)
+}
+
+/// Dropout: the input and an all-true mask in inference (or at ratio 0); in training, numpy's
+/// draws for the given seed.
+fn dropout(cx: &Ctx) -> Result<Vec<Value>> {
+    let x = cx.t(0)?;
+    let training = cx
+        .opt(2)
+        .map(|t| t.scalar_f64())
+        .transpose()?
+        .unwrap_or(0.0)
+        != 0.0;
+    let ratio = match cx.opt(1) {
+        Some(t) => t.scalar_f64()?,
+        None if cx.opset() < 12 => cx.af("ratio", 0.5) as f64,
+        None => 0.5,
+    };
+    if !training || ratio == 0.0 {
+        let mask = Tensor::from_vec(x.shape().to_vec(), vec![true; x.len()])?;
+        return Ok(vec![Value::Tensor(x.clone()), Value::Tensor(mask)]);
     }
+    // numpy's legacy RandomState(seed).uniform(0, 1, shape) >= ratio, as the reference draws it.
+    let seed = cx
+        .attr("seed")
+        .map(|_| cx.ai("seed", 0))
+        .ok_or_else(|| unsupported("training Dropout without a seed"))?;
+    let mut rng = Mt19937::new(seed as u32);
+    let mask: Vec<bool> = (0..x.len()).map(|_| rng.next_f64() >= ratio).collect();
+    let scale = 1.0 / (1.0 - ratio);
+    let y: Vec<f64> = x
+        .to_f64_vec()?
+        .iter()
+        .zip(&mask)
+        .map(|(&v, &m)| if m { v * scale } else { 0.0 })
+        .collect();
+    let y = crate::ops::elementwise::cast(&Tensor::from_vec(x.shape().to_vec(), y)?, x.dtype())?;
+    Ok(vec![
+        Value::Tensor(y),
+        Value::Tensor(Tensor::from_vec(x.shape().to_vec(), mask)?),
+    ])
 }
 
 /// The Mersenne Twister MT19937 seeded as numpy's legacy `RandomState(seed)` (`init_genrand`).

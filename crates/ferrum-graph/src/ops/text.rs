@@ -1,6 +1,7 @@
 //! String ops: StringNormalizer, StringSplit, StringConcat.
 
 use crate::ops::elementwise::zip_with;
+use crate::ops::{one, Kernel};
 use crate::ops::{unsupported, Ctx};
 use crate::tensor::{Tensor, Value};
 use crate::{kbail, Result};
@@ -141,14 +142,13 @@ fn concat(cx: &Ctx) -> Result<Tensor> {
 }
 
 /// String ops; `None` when `cx`'s op is not one of them.
-pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
-    let one = |t: Tensor| Ok(Some(vec![Value::Tensor(t)]));
-    match cx.node.op.as_str() {
-        "StringNormalizer" => one(normalizer(cx)?),
-        "StringSplit" => split(cx).map(Some),
-        "StringConcat" => one(concat(cx)?),
-        "TfIdfVectorizer" => one(tfidf(cx)?),
-        "RegexFullMatch" => {
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "StringNormalizer" => |cx| one(normalizer(cx)?),
+        "StringSplit" => split,
+        "StringConcat" => |cx| one(concat(cx)?),
+        "TfIdfVectorizer" => |cx| one(tfidf(cx)?),
+        "RegexFullMatch" => |cx| {
             let x = cx.t(0)?;
             let pat = cx.astr("pattern", "");
             let re = regex::Regex::new(&format!("^(?:{pat})$"))
@@ -159,9 +159,10 @@ pub fn run(cx: &Ctx) -> Result<Option<Vec<Value>>> {
                 .map(|s| re.is_match(s))
                 .collect();
             one(Tensor::from_vec(x.shape().to_vec(), v)?)
-        }
-        _ => Ok(None),
-    }
+        },
+        _ => return None,
+    };
+    Some(k)
 }
 
 /// TfIdfVectorizer: counts the pool's n-grams (with skips) in each row, then weighs them.

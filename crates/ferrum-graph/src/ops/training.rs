@@ -2,19 +2,26 @@
 //! Each updates one or more (X, G, state...) groups sharing the learning rate R and step T.
 
 use crate::ops::elementwise::cast;
-use crate::ops::{unsupported, Ctx};
+use crate::ops::{Ctx, Kernel};
 use crate::tensor::{Tensor, Value};
 use crate::{kbail, Result};
 
-pub fn run(cx: &Ctx) -> Result<Vec<Value>> {
+/// The kernel of a training op (Adagrad, Adam, Momentum).
+pub fn kernel(op: &str) -> Option<Kernel> {
+    let k: Kernel = match op {
+        "Adagrad" => |cx| optimizer(cx, 3, 0),
+        "Adam" => |cx| optimizer(cx, 4, 1),
+        "Momentum" => |cx| optimizer(cx, 3, 2),
+        _ => return None,
+    };
+    Some(k)
+}
+
+/// One optimizer step: `per` inputs per tensor (X, G and the optimizer's state), `kind` 0
+/// Adagrad, 1 Adam, 2 Momentum.
+fn optimizer(cx: &Ctx, per: usize, kind: u8) -> Result<Vec<Value>> {
     let r = cx.t(0)?.scalar_f64()?;
     let t = cx.t(1)?.scalar_f64()?;
-    let (per, kind) = match cx.node.op.as_str() {
-        "Adagrad" => (3, 0),
-        "Adam" => (4, 1),
-        "Momentum" => (3, 2),
-        op => return Err(unsupported(format!("{op} is not implemented"))),
-    };
     let n = (cx.n_in() - 2) / per;
     if n == 0 || 2 + n * per != cx.n_in() {
         kbail!("expected 2 + {per}·n inputs, got {}", cx.n_in());
