@@ -2298,3 +2298,130 @@ fn a_channels_last_convolution_given_planes_it_cannot_read_turns_them_first() {
         assert!((*g as f64 - w).abs() <= 1e-5, "at {i}: {g} vs {w}");
     }
 }
+
+/// LayerNormalization spelled out as exporters wrote it before opset 17: `y = (x - mean) /
+/// sqrt(mean((x - mean)^2) + eps) * gamma + beta` over the last axis.
+#[allow(clippy::too_many_arguments)]
+fn spelled_out_layer_norm(
+    r: &mut Rng64,
+    c: usize,
+    opset: i64,
+    axes: i64,
+    square_by_mul: bool,
+    with_bias: bool,
+    gamma_dims: &[i64],
+    eps: f32,
+    d_is_output: bool,
+) -> ModelProto {
+    let mut inits = vec![
+        init("gamma", gamma_dims, randv(r, c)),
+        init("beta", &[c as i64], randv(r, c)),
+        init("two", &[], vec![2.0]),
+        init("eps", &[], vec![eps]),
+    ];
+    let mean = |i: &str, o: &str| {
+        if opset >= 18 {
+            node("ReduceMean", &[i, "axes"], &[o], vec![])
+        } else {
+            node("ReduceMean", &[i], &[o], vec![attr_ints("axes", &[axes])])
+        }
+    };
+    if opset >= 18 {
+        inits.push(TensorProto {
+            name: "axes".into(),
+            dims: vec![1],
+            data_type: 7,
+            int64_data: vec![axes],
+            ..Default::default()
+        });
+    }
+    let mut nodes = vec![
+        mean("x", "mean"),
+        node("Sub", &["x", "mean"], &["d"], vec![]),
+        if square_by_mul {
+            node("Mul", &["d", "d"], &["sq"], vec![])
+        } else {
+            node("Pow", &["d", "two"], &["sq"], vec![])
+        },
+        mean("sq", "var"),
+        node("Add", &["var", "eps"], &["ve"], vec![]),
+        node("Sqrt", &["ve"], &["s"], vec![]),
+        node("Div", &["d", "s"], &["n"], vec![]),
+    ];
+    if with_bias {
+        nodes.push(node("Mul", &["n", "gamma"], &["m"], vec![]));
+        nodes.push(node("Add", &["m", "beta"], &["y"], vec![]));
+    } else {
+        nodes.push(node("Mul", &["gamma", "n"], &["y"], vec![]));
+    }
+    let mut outs = vec![f32_out("y")];
+    if d_is_output {
+        outs.push(f32_out("d"));
+    }
+    model(
+        nodes,
+        vec![f32_in("x", &[2, 5, c as i64])],
+        outs,
+        inits,
+        opset,
+    )
+}
+
+#[test]
+fn spelled_out_layer_norm_fuses_into_one_node() {
+    let mut r = rng();
+    let c = 24;
+    let feeds = |r: &mut Rng64| {
+        let x: Vec<f32> = randv(r, 10 * c).iter().map(|v| 3.0 * v + 0.5).collect();
+        [("x", vec![2, 5, c], x)]
+    };
+    // PyTorch at opset 14, the opset 18 axes input, a positive axis, a square by Mul without a
+    // bias, a scale of shape [1, 1, C] with BERT's epsilon, an epsilon large enough to matter.
+    for (opset, axes, by_mul, bias, gdims, eps) in [
+        (14, -1, false, true, vec![c as i64], 1e-5),
+        (18, -1, false, true, vec![c as i64], 1e-5),
+        (14, 2, false, true, vec![c as i64], 1e-6),
+        (13, -1, true, false, vec![c as i64], 1e-5),
+        (14, -1, false, true, vec![1, 1, c as i64], 1e-12),
+        (17, -1, false, true, vec![c as i64], 0.5),
+    ] {
+        eprintln!(
+            "opset {opset}, axes {axes}, square by Mul {by_mul}, bias {bias}, gamma {gdims:?}"
+        );
+        let mp = spelled_out_layer_norm(&mut r, c, opset, axes, by_mul, bias, &gdims, eps, false);
+        check(
+            &mp,
+            OptLevel::All,
+            &feeds(&mut r),
+            &["LayerNormalization"],
+            1e-5,
+        );
+        // Level 1 keeps the chain.
+        let n = if bias { 9 } else { 8 };
+        assert_eq!(session(&mp, OptLevel::Basic).model().graph.nodes.len(), n);
+    }
+}
+
+#[test]
+fn layer_norm_chains_that_differ_are_not_fused() {
+    let mut r = rng();
+    let c = 8;
+    let chain = [
+        "ReduceMean",
+        "Sub",
+        "Pow",
+        "ReduceMean",
+        "Add",
+        "Sqrt",
+        "Div",
+        "Mul",
+        "Add",
+    ];
+    let x: Vec<f32> = randv(&mut r, 10 * c);
+    let feeds = [("x", vec![2, 5, c], x)];
+    // The centred input is also a graph output; the mean is over the middle axis.
+    for (axes, d_out) in [(-1, true), (1, false)] {
+        let mp = spelled_out_layer_norm(&mut r, c, 14, axes, false, true, &[c as i64], 1e-5, d_out);
+        check(&mp, OptLevel::All, &feeds, &chain, 0.0);
+    }
+}
