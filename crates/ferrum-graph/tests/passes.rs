@@ -2425,3 +2425,79 @@ fn layer_norm_chains_that_differ_are_not_fused() {
         check(&mp, OptLevel::All, &feeds, &chain, 0.0);
     }
 }
+
+#[test]
+fn repeated_computations_are_made_once() {
+    let mut r = rng();
+    let c = 6;
+    let mp = model(
+        vec![
+            node("Relu", &["x"], &["a"], vec![]),
+            node("Relu", &["x"], &["b"], vec![]),
+            // Equal once `b` reads as `a`: goes in the same pass.
+            node("Mul", &["a", "two"], &["c"], vec![]),
+            node("Mul", &["b", "two"], &["d"], vec![]),
+            // Another attribute value: a different computation.
+            node("LeakyRelu", &["x"], &["e"], vec![attr_f("alpha", 0.1)]),
+            node("LeakyRelu", &["x"], &["f"], vec![attr_f("alpha", 0.2)]),
+            node("Add", &["c", "d"], &["s"], vec![]),
+            node("Add", &["e", "f"], &["t"], vec![]),
+            node("Sum", &["s", "t"], &["y"], vec![]),
+            // The same as `a`, but a graph output itself: stays.
+            node("Relu", &["x"], &["z"], vec![]),
+        ],
+        vec![f32_in("x", &[2, c as i64])],
+        vec![f32_out("y"), f32_out("z")],
+        vec![init("two", &[], vec![2.0])],
+        17,
+    );
+    let feeds = [("x", vec![2, c], randv(&mut r, 2 * c))];
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &[
+            "Relu",
+            "Mul",
+            "LeakyRelu",
+            "LeakyRelu",
+            "Add",
+            "Add",
+            "Sum",
+            "Relu",
+        ],
+        0.0,
+    );
+    // Random draws (here training-mode Dropout) are never merged.
+    let dropout = |o: &str| {
+        node(
+            "Dropout",
+            &["x", "ratio", "train"],
+            &[o],
+            vec![attr_int("seed", 3)],
+        )
+    };
+    let mp = model(
+        vec![
+            dropout("a"),
+            dropout("b"),
+            node("Add", &["a", "b"], &["y"], vec![]),
+        ],
+        vec![f32_in("x", &[2, c as i64])],
+        vec![f32_out("y")],
+        vec![
+            init("ratio", &[], vec![0.5]),
+            TensorProto {
+                name: "train".into(),
+                data_type: 9,
+                int32_data: vec![1],
+                ..Default::default()
+            },
+        ],
+        17,
+    );
+    assert_eq!(
+        ops(&session(&mp, OptLevel::All)),
+        ["Dropout", "Dropout", "Add"]
+    );
+}

@@ -1,6 +1,7 @@
-//! Level-1 cleanups: constant folding, Identity/Dropout elimination, dead-code elimination.
+//! Level-1 cleanups: constant folding, Identity/Dropout elimination, common-subexpression
+//! elimination, dead-code elimination.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use crate::infer::{static_shapes, Shapes};
 use crate::ir::{Attr, Model, ValueId};
@@ -167,6 +168,70 @@ pub fn eliminate_identity(model: &mut Model, _log: &mut Vec<String>) -> usize {
         for v in n.inputs.iter_mut().flatten() {
             *v = resolve(*v);
         }
+    }
+    remove_nodes(g, &dead);
+    dead.len()
+}
+
+/// Common-subexpression elimination: a node computing what an earlier node computes (the same
+/// domain, op, opset, inputs and attributes) is removed, and its readers read the earlier
+/// node's outputs (exporters repeat shape arithmetic and casts per use). Random ops, nodes
+/// holding tensors or subgraphs as attributes, and nodes whose outputs are graph outputs or
+/// read by subgraphs stay.
+pub fn common_subexpressions(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let g = &mut model.graph;
+    let uses = Uses::of(g);
+    let mut first: HashMap<String, usize> = HashMap::new();
+    let mut renames: HashMap<ValueId, ValueId> = HashMap::new();
+    let mut dead = HashSet::new();
+    for i in 0..g.nodes.len() {
+        // Read through the removals so far, so that a chain of duplicates goes at once.
+        for v in g.nodes[i].inputs.iter_mut().flatten() {
+            if let Some(r) = renames.get(v) {
+                *v = *r;
+            }
+        }
+        let n = &g.nodes[i];
+        let eligible = !NOT_FOLDED.contains(&n.op.as_str())
+            && n.implicit_inputs.is_empty()
+            && !n.attrs.values().any(|a| {
+                matches!(
+                    a,
+                    Attr::Tensor(_)
+                        | Attr::Tensors(_)
+                        | Attr::Graph(_)
+                        | Attr::Graphs(_)
+                        | Attr::Other
+                )
+            })
+            && !n.outputs.iter().flatten().any(|o| uses.pinned.contains(o));
+        if !eligible {
+            continue;
+        }
+        // Attributes print exactly (floats round-trip), in name order.
+        let key = format!(
+            "{}|{}|{}|{:?}|{:?}",
+            n.domain, n.op, n.opset, n.inputs, n.attrs
+        );
+        let Some(&j) = first.get(&key) else {
+            first.insert(key, i);
+            continue;
+        };
+        let m = &g.nodes[j];
+        // Every output this node gives must be one the earlier node gives too.
+        let pairs: Option<Vec<(ValueId, ValueId)>> = n
+            .outputs
+            .iter()
+            .enumerate()
+            .filter_map(|(k, o)| o.map(|o| (k, o)))
+            .map(|(k, o)| Some((o, m.outputs.get(k).copied().flatten()?)))
+            .collect();
+        let Some(pairs) = pairs else {
+            continue;
+        };
+        log.push(format!("{} = {} (common subexpression)", n.name, m.name));
+        renames.extend(pairs);
+        dead.insert(i);
     }
     remove_nodes(g, &dead);
     dead.len()
