@@ -2419,9 +2419,14 @@ fn layer_norm_chains_that_differ_are_not_fused() {
     ];
     let x: Vec<f32> = randv(&mut r, 10 * c);
     let feeds = [("x", vec![2, 5, c], x)];
-    // The centred input is also a graph output; the mean is over the middle axis.
-    for (axes, d_out) in [(-1, true), (1, false)] {
-        let mp = spelled_out_layer_norm(&mut r, c, 14, axes, false, true, &[c as i64], 1e-5, d_out);
+    // The centred input is also a graph output; the mean is over the middle axis; the scale
+    // has more dims than the input (its product broadcasts to rank 4).
+    for (axes, d_out, gdims) in [
+        (-1, true, vec![c as i64]),
+        (1, false, vec![c as i64]),
+        (-1, false, vec![1, 1, 1, c as i64]),
+    ] {
+        let mp = spelled_out_layer_norm(&mut r, c, 14, axes, false, true, &gdims, 1e-5, d_out);
         check(&mp, OptLevel::All, &feeds, &chain, 0.0);
     }
 }

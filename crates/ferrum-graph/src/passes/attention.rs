@@ -28,7 +28,9 @@ use std::collections::HashSet;
 use crate::infer::{static_shapes, Shapes};
 use crate::ir::{Attr, Graph, Model, Node, ValueId};
 use crate::ops::strides as row_major;
-use crate::passes::{attr_i, const_f32, const_scalar, constant, is_op, remove_nodes, Uses, DOMAIN};
+use crate::passes::{
+    attr_i, const_f32, const_scalar, constant, is_op, out, remove_nodes, Uses, DOMAIN,
+};
 
 /// The attention pass (level 2): returns how many chains it fused.
 pub fn attention(model: &mut Model, log: &mut Vec<String>) -> usize {
@@ -142,10 +144,6 @@ struct Chain {
     first: usize,
     last: usize,
     what: Vec<&'static str>,
-}
-
-fn out(n: &Node) -> Option<ValueId> {
-    n.outputs.first().copied().flatten()
 }
 
 fn ins2(n: &Node) -> Option<(ValueId, ValueId)> {

@@ -5,8 +5,8 @@ use std::collections::HashSet;
 use crate::infer::static_shapes;
 use crate::ir::{Attr, Graph, Model, Node, ValueId};
 use crate::passes::{
-    add_initializer, attr_f, attr_i, const_f32, const_scalar, constant, is_op, remove_nodes, Uses,
-    DOMAIN,
+    add_initializer, attr_f, attr_i, const_f32, const_scalar, constant, is_op, other_input, out,
+    remove_nodes, Uses, DOMAIN,
 };
 use crate::tensor::{DType, Tensor};
 
@@ -208,7 +208,6 @@ pub fn gelu(model: &mut Model, log: &mut Vec<String>) -> usize {
             _ => None,
         }
     };
-    let out = |n: &Node| n.outputs.first().copied().flatten();
     let mut dead = HashSet::new();
     let mut rewrites: Vec<(usize, ValueId)> = Vec::new();
     for (ei, erf) in g.nodes.iter().enumerate() {
@@ -363,7 +362,6 @@ pub fn activations(model: &mut Model, log: &mut Vec<String>) -> usize {
         .unwrap_or_default();
     let g = &model.graph;
     let uses = Uses::of(g);
-    let out = |n: &Node| n.outputs.first().copied().flatten();
     let mut dead = HashSet::new();
     // (producer, last absorbed node, fused node)
     let mut fused: Vec<(usize, usize, Node)> = Vec::new();
@@ -487,15 +485,6 @@ fn dynamic_scale(g: &Graph, uses: &Uses, v: ValueId) -> bool {
     })
 }
 
-/// The operand of a two-input node that is not `v` (`None` when both or neither are).
-fn other_input(n: &Node, v: ValueId) -> Option<ValueId> {
-    match n.inputs.as_slice() {
-        [Some(a), Some(b)] if *a == v && *b != v => Some(*b),
-        [Some(a), Some(b)] if *b == v && *a != v => Some(*a),
-        _ => None,
-    }
-}
-
 /// MatMulInteger -> Cast(float) -> Mul by `a_scale * b_scale` (-> Add of a bias), the chain ONNX
 /// Runtime's `quantize_dynamic` writes for each MatMul with a constant weight, into one
 /// `MatMulIntegerToFloat` (inputs A, B, a_scale, a_zero_point, b_scale, b_zero_point, bias),
@@ -506,7 +495,6 @@ fn other_input(n: &Node, v: ValueId) -> Option<ValueId> {
 pub fn int_matmul_to_float(model: &mut Model, log: &mut Vec<String>) -> usize {
     let g = &model.graph;
     let uses = Uses::of(g);
-    let out = |n: &Node| n.outputs.first().copied().flatten();
     let mut dead = HashSet::new();
     let mut fused: Vec<(usize, Node)> = Vec::new();
     for (pi, p) in g.nodes.iter().enumerate() {

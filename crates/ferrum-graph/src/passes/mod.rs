@@ -297,6 +297,20 @@ pub(crate) fn remove_nodes(g: &mut Graph, dead: &HashSet<usize>) {
         .collect();
 }
 
+/// A node's first output.
+pub(crate) fn out(n: &Node) -> Option<ValueId> {
+    n.outputs.first().copied().flatten()
+}
+
+/// The operand of a two-input node that is not `v` (`None` when both or neither are).
+pub(crate) fn other_input(n: &Node, v: ValueId) -> Option<ValueId> {
+    match n.inputs.as_slice() {
+        [Some(a), Some(b)] if *a == v && *b != v => Some(*b),
+        [Some(a), Some(b)] if *b == v && *a != v => Some(*a),
+        _ => None,
+    }
+}
+
 /// True for a node in the default ONNX domain with op `op`.
 pub(crate) fn is_op(n: &Node, op: &str) -> bool {
     n.op == op && (n.domain.is_empty() || n.domain == "ai.onnx")

@@ -15,7 +15,7 @@ use std::collections::HashSet;
 use crate::infer::static_shapes;
 use crate::ir::{Attr, Model, Node, ValueId};
 use crate::passes::{
-    add_initializer, const_f32, const_scalar, constant, is_op, remove_nodes, Uses,
+    add_initializer, const_f32, const_scalar, constant, is_op, other_input, out, remove_nodes, Uses,
 };
 use crate::tensor::Tensor;
 
@@ -41,19 +41,6 @@ fn mean_over_last_axis(model: &Model, n: &Node, rank: Option<usize>) -> bool {
         [a] => rank.is_some_and(|r| r > 0 && *a == r as i64 - 1),
         _ => false,
     }
-}
-
-/// The other input of a two-input node, given one of them.
-fn other(n: &Node, v: ValueId) -> Option<ValueId> {
-    match n.inputs.as_slice() {
-        [Some(a), Some(b)] if *a == v => Some(*b),
-        [Some(a), Some(b)] if *b == v => Some(*a),
-        _ => None,
-    }
-}
-
-fn out(n: &Node) -> Option<ValueId> {
-    n.outputs.first().copied().flatten()
 }
 
 /// One matched chain: its nodes (the last one becomes the LayerNormalization), the input, the
@@ -126,7 +113,7 @@ fn match_chain(
     if !is_op(add_eps, "Add") {
         return None;
     }
-    let eps = const_scalar(g, other(add_eps, var))?;
+    let eps = const_scalar(g, other_input(add_eps, var))?;
     if eps.is_nan() || eps < 0.0 {
         return None;
     }
@@ -144,11 +131,13 @@ fn match_chain(
         return None;
     }
     // The scale: a float32 vector along the last axis (its length is checked against the
-    // input's last dimension where that is known, and by the kernel at run time otherwise).
+    // input's last dimension where that is known, and by the kernel at run time otherwise),
+    // with leading dims of 1 only where they add no dims to the input's.
     let vector = |v: ValueId| -> Option<usize> {
         let t = constant(g, v)?;
         let c = const_f32(g, Some(v))?.len();
-        (t.rank() >= 1 && t.shape()[..t.rank() - 1].iter().all(|&d| d == 1) && c >= 2).then_some(c)
+        let fits = t.rank() == 1 || rank.is_some_and(|r| t.rank() <= r);
+        (fits && t.shape()[..t.rank() - 1].iter().all(|&d| d == 1) && c >= 2).then_some(c)
     };
     let n = out(div)?;
     let mi = uses.sole_reader(n)?;
@@ -156,7 +145,7 @@ fn match_chain(
     if !is_op(mul, "Mul") {
         return None;
     }
-    let gamma = other(mul, n)?;
+    let gamma = other_input(mul, n)?;
     let c = vector(gamma)?;
     let mut nodes = vec![ri, si, qi, r2i, ai, qi2, di, mi];
     let m = out(mul)?;
@@ -164,7 +153,7 @@ fn match_chain(
     if let Some(bi) = uses.sole_reader(m) {
         let add = node(bi);
         if is_op(add, "Add") {
-            if let Some(b) = other(add, m).filter(|&b| vector(b) == Some(c)) {
+            if let Some(b) = other_input(add, m).filter(|&b| vector(b) == Some(c)) {
                 beta = Some(b);
                 nodes.push(bi);
             }
