@@ -85,7 +85,7 @@ pub fn dense_with_isa(
     out: &mut [MaybeUninit<f32>],
 ) {
     assert!(
-        matches!(isa, Isa::Avx512 | Isa::Avx2) && gemm::available_isas().contains(&isa),
+        matches!(isa, Isa::Avx512 | Isa::Avx2) && gemm::isa_available(isa),
         "direct: needs AVX-512 or AVX2 and FMA ({isa:?} asked for)"
     );
     let wlen = g.kernel[0] * g.kernel[1] * g.channels * cout;

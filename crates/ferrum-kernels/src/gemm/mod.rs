@@ -252,15 +252,21 @@ pub fn isa() -> Isa {
 
 /// Every microkernel family this CPU can run (for tests that compare them).
 pub fn available_isas() -> Vec<Isa> {
-    let mut v = vec![Isa::Scalar];
+    [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|&isa| isa_available(isa))
+        .collect()
+}
+
+/// Whether this CPU can run the microkernel family `isa`.
+pub fn isa_available(isa: Isa) -> bool {
     let f = crate::cpu::hardware();
-    if cfg!(target_arch = "x86_64") && f.avx2 && f.fma {
-        v.push(Isa::Avx2);
-        if f.avx512f {
-            v.push(Isa::Avx512);
-        }
+    let avx2 = cfg!(target_arch = "x86_64") && f.avx2 && f.fma;
+    match isa {
+        Isa::Scalar => true,
+        Isa::Avx2 => avx2,
+        Isa::Avx512 => avx2 && f.avx512f,
     }
-    v
 }
 
 /// Where and how a kernel writes its tile of C.
@@ -582,41 +588,48 @@ fn pack_whole(x: Src, rows: usize, k: usize, w: usize, threads: usize, dst: &mut
         1
     };
     let per = panels.div_ceil(groups);
-    // One region per (K block, panel group), each a disjoint slice of `dst`.
-    struct Region<'a, 'b> {
-        x: Src<'a>,
-        lanes: usize,
-        kc: usize,
-        out: &'b mut [f32],
-    }
-    let mut regions: Vec<Mutex<Region>> = Vec::new();
-    let mut rest = &mut dst[..pad * k];
-    for pc in (0..k).step_by(kc()) {
-        let kc = kc().min(k - pc);
-        for g in (0..panels).step_by(per) {
-            let n = per.min(panels - g);
-            let (head, tail) = rest.split_at_mut(n * kc * w);
-            rest = tail;
-            let r0 = g * w;
-            regions.push(Mutex::new(Region {
-                x: x.offset(r0, pc),
-                lanes: (n * w).min(rows - r0),
-                kc,
-                out: head,
-            }));
-        }
-    }
+    let groups = panels.div_ceil(per);
+    // One region per (K block, panel group), each a disjoint run of `dst`: K block `b` starts
+    // at `b * kc() * pad` (the blocks before it are whole), its group `g` `g * per` panels of
+    // `kc * w` further on.
+    let kc0 = kc();
+    let dst = &mut dst[..pad * k];
+    let base = Shared(dst.as_mut_ptr());
     let run = |t: usize| {
-        let mut g = regions[t].lock().unwrap();
-        let r = &mut *g;
-        r.x.pack(r.lanes, r.kc, w, r.out);
+        let (pc, g) = ((t / groups) * kc0, (t % groups) * per);
+        let kc = kc0.min(k - pc);
+        let n = per.min(panels - g);
+        let (at, len) = (pc * pad + g * kc * w, n * kc * w);
+        // SAFETY: `at + len <= pad * k` (the last group of the last block ends there), `dst`
+        // is borrowed mutably for this whole function, and the runs of two different tasks do
+        // not overlap (they tile `dst` in order), so each task writes its own elements only.
+        let out = unsafe { std::slice::from_raw_parts_mut(base.get().add(at), len) };
+        x.offset(g * w, pc)
+            .pack((n * w).min(rows - g * w), kc, w, out);
     };
+    let regions = k.div_ceil(kc0) * groups;
     if groups > 1 {
-        pool::parallel_for(regions.len(), run);
+        pool::parallel_for(regions, run);
     } else {
-        (0..regions.len()).for_each(run);
+        (0..regions).for_each(run);
     }
 }
+
+/// A pointer the tasks of [`pack_whole`] share, each writing its own part of the memory.
+#[derive(Clone, Copy)]
+struct Shared(*mut f32);
+
+impl Shared {
+    /// The pointer (a method, so that closures capture the whole `Sync` wrapper).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+// SAFETY: only `pack_whole` makes one, and its tasks write disjoint parts through it.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
 
 /// An operand `X` (`rows x k`) packed whole, in panels of any of the kernels' widths: the
 /// width it was packed for up front, others (for another ISA, or the other side of a transposed
@@ -650,6 +663,19 @@ impl Packed {
         };
         let _ = p.by_width[width_index(w)].set(data);
         p
+    }
+
+    /// `x` packed as [`Packed::new`] packs it, in this operand's memory (grown when too small;
+    /// the panels of other widths are dropped).
+    fn repack(&mut self, x: Mat, rows: usize, k: usize, w: usize) {
+        x.check(rows, k, "packed operand");
+        let i = width_index(w);
+        let mut data = self.by_width[i].take().unwrap_or_default();
+        self.by_width.iter_mut().for_each(|d| drop(d.take()));
+        data.resize_for(4 * packed_len(rows, k, w));
+        pack_whole(Src::Mat(x), rows, k, w, pool::threads(), data.f32s_mut());
+        (self.rows, self.k) = (rows, k);
+        let _ = self.by_width[i].set(data);
     }
 
     /// The operand in panels of `w`.
@@ -781,6 +807,16 @@ impl PackedB {
             k,
             isa().tile().1,
         ))))
+    }
+
+    /// `b` packed as [`PackedB::new`] packs it, in this operand's memory (no allocation once it
+    /// is large enough): for operands packed anew at every call, such as attention's keys and
+    /// values.
+    pub fn repack(&mut self, k: usize, n: usize, b: Mat) {
+        match &mut self.0 {
+            Repr::F32(p) => p.repack(b.t(), n, k, isa().tile().1),
+            _ => *self = PackedB::new(k, n, b),
+        }
     }
 
     /// Packed in `precision` (products with a [`Precision::Bf16`] operand need
@@ -1382,7 +1418,7 @@ fn gemm_dst(
     ldc: usize,
     epi: &Epilogue<'_>,
 ) {
-    assert!(available_isas().contains(&isa), "gemm: {isa:?} unsupported");
+    assert!(isa_available(isa), "gemm: {isa:?} unsupported");
     if m == 0 || n == 0 {
         return;
     }

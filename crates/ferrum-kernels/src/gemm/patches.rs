@@ -35,6 +35,25 @@ pub struct Patches<'a> {
     output: [usize; 2],
 }
 
+thread_local! {
+    /// The last dropped [`Patches`]' phase buffer, for the next one made on this thread (a
+    /// convolution makes one per image and group, each the same size from run to run).
+    static SPARE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl Drop for Patches<'_> {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.phased);
+        let _ = SPARE.try_with(|s| {
+            if let Ok(mut s) = s.try_borrow_mut() {
+                if s.capacity() < v.capacity() {
+                    *s = v;
+                }
+            }
+        });
+    }
+}
+
 impl<'a> Patches<'a> {
     /// The patches of `channels` planes of `input = [ih, iw]` (row-major, one after another in
     /// `data`) under a `kernel = [kh, kw]` window, with the given stride, dilation, leading
@@ -98,7 +117,16 @@ impl<'a> Patches<'a> {
         let sx = self.stride[1];
         let (rows, width) = (self.rows, self.width);
         let plane = rows * sx * width;
-        let mut out = vec![0f32; self.channels * plane];
+        // Zeros (the padding rows stay so), in this thread's spare buffer when it holds them.
+        let mut out = SPARE
+            .try_with(|s| {
+                s.try_borrow_mut()
+                    .map(|mut s| std::mem::take(&mut *s))
+                    .unwrap_or_default()
+            })
+            .unwrap_or_default();
+        out.clear();
+        out.resize(self.channels * plane, 0.0);
         if plane == 0 {
             return out;
         }
