@@ -2,7 +2,8 @@
 //! free list instead of the allocator, and [`Buf::zeros`] takes the smallest free buffer that
 //! fits. A loop needing the same sizes every iteration (a decode step: the same activations,
 //! layer after layer, token after token) so allocates only in its first iterations: the buffers
-//! are planned by use, once per model and batch size.
+//! are planned by use, once per model and batch size. A [`Pool`] is such a free list owned by
+//! its user instead of a thread (a graph session's tensors), of any element type.
 
 use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
@@ -67,17 +68,117 @@ fn take_keeping(n: usize) -> Vec<f32> {
     let found = FREE
         .try_with(|f| {
             let mut f = f.borrow_mut();
-            let best = f
-                .iter()
-                .enumerate()
-                .filter(|(_, v)| v.capacity() >= n)
-                .min_by_key(|(_, v)| v.capacity())
-                .map(|(i, _)| i);
-            best.map(|i| f.swap_remove(i))
+            best_fit(f.iter().map(|v| v.capacity()), n, usize::MAX).map(|i| f.swap_remove(i))
         })
         .ok()
         .flatten();
     found.unwrap_or_else(|| Vec::with_capacity(n))
+}
+
+/// The position of the smallest capacity in `caps` that holds `n` and is at most `most`; of
+/// equal ones the last (the most recently freed, when buffers are kept in the order they were
+/// freed: its memory is the likeliest to be in cache still).
+fn best_fit(
+    caps: impl DoubleEndedIterator<Item = usize> + ExactSizeIterator,
+    n: usize,
+    most: usize,
+) -> Option<usize> {
+    caps.enumerate()
+        .rev()
+        .filter(|&(_, c)| c >= n && c <= most)
+        .min_by_key(|&(_, c)| c)
+        .map(|(i, _)| i)
+}
+
+/// A free list of vectors its owner keeps (a graph session's tensor memory) rather than a
+/// thread: the buffers a run frees serve the next requests of that run and of the next runs,
+/// so a run of the same shapes allocates nothing once warm. A request takes the best-fitting
+/// free buffer of at most twice its length, or 1024 elements more (a small request does not
+/// take the large buffer a later large one needs), and each [`Pool::end_run`] releases the
+/// buffers no request took during that run, so memory follows the shapes in use.
+#[derive(Debug)]
+pub struct Pool<T = f32> {
+    free: Vec<Vec<T>>,
+    /// Per free buffer: whether it was given back during the current run.
+    fresh: Vec<bool>,
+    taken: usize,
+    allocated: usize,
+}
+
+impl<T> Default for Pool<T> {
+    fn default() -> Self {
+        Pool {
+            free: Vec::new(),
+            fresh: Vec::new(),
+            taken: 0,
+            allocated: 0,
+        }
+    }
+}
+
+impl<T> Pool<T> {
+    /// An empty vector with room for `n`: the best-fitting free buffer, or a new one.
+    pub fn take(&mut self, n: usize) -> Vec<T> {
+        let most = n.saturating_mul(2).max(n.saturating_add(1024));
+        match best_fit(self.free.iter().map(|v| v.capacity()), n, most) {
+            Some(i) => {
+                // `remove`, not `swap_remove`: the others stay in the order they were freed.
+                self.fresh.remove(i);
+                let mut v = self.free.remove(i);
+                v.clear();
+                self.taken += 1;
+                v
+            }
+            None => {
+                self.allocated += 1;
+                Vec::with_capacity(n)
+            }
+        }
+    }
+
+    /// Keeps `v`'s memory for later requests.
+    pub fn give(&mut self, v: Vec<T>) {
+        if v.capacity() > 0 {
+            self.free.push(v);
+            self.fresh.push(true);
+        }
+    }
+
+    /// Ends a run: releases the free buffers not given back since the previous call (no
+    /// request of this run needed them), and returns this run's counts.
+    pub fn end_run(&mut self) -> PoolRun {
+        let mut keep = self.fresh.iter();
+        self.free.retain(|_| *keep.next().unwrap_or(&false));
+        self.fresh.clear();
+        self.fresh.resize(self.free.len(), false);
+        let run = PoolRun {
+            reused: self.taken,
+            allocated: self.allocated,
+            held_bytes: self.held_bytes(),
+        };
+        self.taken = 0;
+        self.allocated = 0;
+        run
+    }
+
+    /// The bytes of the free buffers.
+    pub fn held_bytes(&self) -> usize {
+        self.free
+            .iter()
+            .map(|v| v.capacity() * std::mem::size_of::<T>())
+            .sum()
+    }
+}
+
+/// What one run asked of a [`Pool`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolRun {
+    /// Requests served by a free buffer.
+    pub reused: usize,
+    /// Requests that allocated.
+    pub allocated: usize,
+    /// The free buffers' bytes at the run's end (after the release).
+    pub held_bytes: usize,
 }
 
 impl Drop for Buf {
@@ -173,6 +274,34 @@ mod tests {
         let e = Buf::from_slice(&[1.0, 2.0]);
         assert_eq!(&e[..], &[1.0, 2.0]);
         assert_eq!(e.into_vec(), vec![1.0, 2.0]);
+    }
+
+    #[test]
+    fn a_pool_fits_requests_tightly_and_releases_what_a_run_left_untouched() {
+        let mut p: Pool<f32> = Pool::default();
+        let a = p.take(100_000);
+        let b = p.take(10);
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        p.give(a);
+        p.give(b);
+        assert_eq!(p.end_run().allocated, 2);
+        // A small request does not take the large buffer; one of 60% of it does.
+        let c = p.take(10);
+        assert_eq!((c.as_ptr(), c.len()), (pb, 0));
+        let d = p.take(20);
+        assert_ne!(d.as_ptr(), pa);
+        let e = p.take(60_000);
+        assert_eq!(e.as_ptr(), pa);
+        p.give(c);
+        p.give(e);
+        drop(d);
+        let run = p.end_run();
+        assert_eq!((run.reused, run.allocated), (2, 1));
+        assert_eq!(run.held_bytes, (100_000 + 10) * 4);
+        // A run that takes only the small buffer releases the large one at its end.
+        let c = p.take(10);
+        p.give(c);
+        assert_eq!(p.end_run().held_bytes, 10 * 4);
     }
 
     #[test]
