@@ -272,6 +272,14 @@ fn run_inner(a: RunArgs) -> Result<()> {
             precision_name(r.precision)
         );
         println!("{}", timing_line(&ms));
+        let mem = session.memory();
+        println!(
+            "tensor memory: the last run reused {} freed buffers and allocated {}; {:.1} MiB kept \
+             for the next run",
+            mem.reused,
+            mem.allocated,
+            mem.held_bytes as f64 / (1u64 << 20) as f64
+        );
         if a.profile {
             let prof = ferrum_graph::exec::op_profile();
             let total: f64 = prof.iter().map(|p| p.2).sum();

@@ -17,7 +17,9 @@ use crate::{Error, Result};
 /// initializers, read in place), then those of the enclosing graphs.
 pub struct Env<'a> {
     local: HashMap<ValueId, Value>,
-    consts: HashMap<ValueId, &'a Value>,
+    /// The running graph's initializers, read in place, and their positions by id (sorted).
+    inits: &'a [(ValueId, Value)],
+    consts: Cow<'a, [(ValueId, usize)]>,
     /// This graph's constant weights packed for the GEMM.
     packed: Option<&'a PackedWeights>,
     parent: Option<&'a Env<'a>>,
@@ -26,8 +28,9 @@ pub struct Env<'a> {
 impl<'a> Env<'a> {
     pub fn new(parent: Option<&'a Env<'a>>) -> Env<'a> {
         Env {
-            local: HashMap::new(),
-            consts: HashMap::new(),
+            local: spare_map(),
+            inits: &[],
+            consts: Cow::Borrowed(&[]),
             packed: None,
             parent,
         }
@@ -41,9 +44,14 @@ impl<'a> Env<'a> {
     pub fn get(&self, id: ValueId) -> Option<&Value> {
         match self.local.get(&id) {
             Some(v) => Some(v),
-            None => match self.consts.get(&id) {
-                Some(v) => Some(*v),
-                None => self.parent.and_then(|p| p.get(id)),
+            None => match self
+                .consts
+                .binary_search_by_key(&id, |&(v, _)| v)
+                .ok()
+                .and_then(|i| self.inits.get(self.consts[i].1))
+            {
+                Some((v, value)) if *v == id => Some(value),
+                _ => self.parent.and_then(|p| p.get(id)),
             },
         }
     }
@@ -51,6 +59,51 @@ impl<'a> Env<'a> {
     pub fn set(&mut self, id: ValueId, v: Value) {
         self.local.insert(id, v);
     }
+}
+
+impl Drop for Env<'_> {
+    /// The value map (emptied) goes back to this thread's spares for the next graph run.
+    fn drop(&mut self) {
+        let mut map = std::mem::take(&mut self.local);
+        map.clear();
+        if map.capacity() > 0 {
+            let _ = SPARE_MAPS.try_with(|s| {
+                if let Ok(mut s) = s.try_borrow_mut() {
+                    if s.len() < 8 {
+                        s.push(map);
+                    }
+                }
+            });
+        }
+    }
+}
+
+thread_local! {
+    /// Emptied value maps of finished graph runs (one per nesting level of subgraphs): a run
+    /// reuses one instead of growing a new map value by value.
+    static SPARE_MAPS: std::cell::RefCell<Vec<HashMap<ValueId, Value>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// An empty value map: a spare one of this thread (with its capacity), else a new one.
+fn spare_map() -> HashMap<ValueId, Value> {
+    SPARE_MAPS
+        .try_with(|s| s.try_borrow_mut().ok().and_then(|mut s| s.pop()))
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// The positions of `inits` by id, sorted for lookup (what [`Graph::resolve`] keeps in
+/// [`Graph::const_index`]).
+pub(crate) fn const_index(inits: &[(ValueId, Value)]) -> Vec<(ValueId, usize)> {
+    let mut index: Vec<(ValueId, usize)> = inits
+        .iter()
+        .enumerate()
+        .map(|(i, (id, _))| (*id, i))
+        .collect();
+    index.sort_unstable();
+    index
 }
 
 static PROFILING: AtomicBool = AtomicBool::new(false);
@@ -89,7 +142,7 @@ pub fn node_profile() -> Vec<NodeTime> {
 }
 
 /// Records one timed run of `node`, whose inputs are still in `env` and whose outputs are `outs`.
-fn record(node: &Node, env: &Env, outs: &[Option<Value>], seconds: f64) {
+fn record(node: &Node, env: &Env, outs: &[Value], seconds: f64) {
     let shape = |v: Option<&Value>| match v {
         Some(Value::Tensor(t)) => Some(t.shape().to_vec()),
         _ => None,
@@ -101,7 +154,7 @@ fn record(node: &Node, env: &Env, outs: &[Option<Value>], seconds: f64) {
         }
     }
     for (id, v) in node.outputs.iter().zip(outs) {
-        if let (Some(id), Some(s)) = (id, shape(v.as_ref())) {
+        if let (Some(id), Some(s)) = (id, shape(Some(v))) {
             shapes.shapes.insert(*id, s);
         }
     }
@@ -149,9 +202,12 @@ pub fn run_graph<'a>(
     parent: Option<&'a Env<'a>>,
 ) -> Result<Vec<Value>> {
     let mut env = Env::new(parent);
-    for (id, v) in &graph.initializers {
-        env.consts.insert(*id, v);
-    }
+    env.inits = &graph.initializers;
+    env.consts = if graph.const_index.len() == graph.initializers.len() {
+        Cow::Borrowed(&graph.const_index)
+    } else {
+        Cow::Owned(const_index(&graph.initializers))
+    };
     env.packed = Some(&graph.packed);
     for (id, v) in graph.inputs.iter().zip(inputs) {
         if let Some(v) = v {
@@ -174,30 +230,45 @@ pub fn run_graph<'a>(
     for ((node, frees), op) in graph.nodes.iter().zip(&graph.frees).zip(resolved.iter()) {
         let start = PROFILING.load(Ordering::Relaxed).then(Instant::now);
         let outs = match view_in_place(node, op, frees, &mut env)? {
-            Some(v) => vec![Some(v)],
+            Some(v) => vec![v],
             None => run_node(node, op.kernel, &env)?,
         };
         if let Some(t) = start {
             record(node, &env, &outs, t.elapsed().as_secs_f64());
         }
         for (slot, v) in node.outputs.iter().zip(outs) {
-            if let (Some(id), Some(v)) = (slot, v) {
-                env.set(*id, v);
+            match slot {
+                Some(id) => env.set(*id, v),
+                // An output the graph does not read (an optional one left out).
+                None => crate::arena::recycle(v),
             }
         }
         for v in frees {
-            env.local.remove(v);
+            if let Some(v) = env.local.remove(v) {
+                crate::arena::recycle(v);
+            }
         }
     }
-    graph
-        .outputs
-        .iter()
-        .map(|id| {
-            env.get(*id)
+    // The outputs move out of the graph's values (a copy only for one listed twice or read from
+    // an initializer or an enclosing graph).
+    let mut outs = Vec::with_capacity(graph.outputs.len());
+    for (i, id) in graph.outputs.iter().enumerate() {
+        let again = graph.outputs[i + 1..].contains(id);
+        let v = match env.local.remove(id) {
+            Some(v) if again => {
+                let copy = v.clone();
+                env.local.insert(*id, v);
+                copy
+            }
+            Some(v) => v,
+            None => env
+                .get(*id)
                 .cloned()
-                .ok_or_else(|| Error::Format(format!("graph output #{} was not computed", id.0)))
-        })
-        .collect()
+                .ok_or_else(|| Error::Format(format!("graph output #{} was not computed", id.0)))?,
+        };
+        outs.push(v);
+    }
+    Ok(outs)
 }
 
 /// A view op (Reshape, Flatten, Squeeze, Unsqueeze) whose input this node is the last to read:
@@ -263,7 +334,7 @@ pub(crate) fn eval_node(node: &Node, ins: &[Option<&Value>]) -> Result<Vec<Value
         .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
 }
 
-fn run_node(node: &Node, kernel: ops::Kernel, env: &Env) -> Result<Vec<Option<Value>>> {
+fn run_node(node: &Node, kernel: ops::Kernel, env: &Env) -> Result<Vec<Value>> {
     let mut ins = Vec::with_capacity(node.inputs.len());
     for i in &node.inputs {
         match i {
@@ -275,10 +346,12 @@ fn run_node(node: &Node, kernel: ops::Kernel, env: &Env) -> Result<Vec<Option<Va
             })?)),
         }
     }
-    let dtype = ins
-        .iter()
-        .flatten()
-        .find_map(|v| v.tensor().ok().map(|t| t.dtype().to_string()));
+    // The first input's element type, for error messages (made only for one).
+    let dtype = || {
+        ins.iter()
+            .flatten()
+            .find_map(|v| v.tensor().ok().map(|t| t.dtype().to_string()))
+    };
     // A kernel bug must not take the process down: a panic becomes this node's error.
     let cx = ops::Ctx {
         node,
@@ -287,8 +360,7 @@ fn run_node(node: &Node, kernel: ops::Kernel, env: &Env) -> Result<Vec<Option<Va
     };
     let outs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kernel(&cx)))
         .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
-        .map_err(|e| wrap(e, node, dtype.clone()))?;
-    let outs: Vec<Option<Value>> = outs.into_iter().map(Some).collect();
+        .map_err(|e| wrap(e, node, dtype()))?;
     if outs.len()
         < node
             .outputs
@@ -301,7 +373,7 @@ fn run_node(node: &Node, kernel: ops::Kernel, env: &Env) -> Result<Vec<Option<Va
             op: node.op.clone(),
             domain: node.domain.clone(),
             opset: node.opset,
-            dtype,
+            dtype: dtype(),
             detail: format!(
                 "produces {} outputs, {} requested",
                 outs.len(),

@@ -99,6 +99,9 @@ pub struct Graph {
     /// Each node's kernel, resolved once when the session was created ([`Graph::resolve`]);
     /// empty before (the executor then resolves the nodes when it runs the graph).
     pub kernels: Vec<crate::ops::Resolved>,
+    /// The initializers' positions by value id, sorted (filled with [`Graph::kernels`]), so
+    /// that a run finds a constant without building a map first.
+    pub const_index: Vec<(ValueId, usize)>,
 }
 
 impl Graph {
@@ -151,6 +154,7 @@ impl Graph {
         match missing.next() {
             None => {
                 self.kernels = kernels;
+                self.const_index = crate::exec::const_index(&self.initializers);
                 Ok(())
             }
             Some(crate::Error::Unsupported(mut first)) if missing.len() > 0 => {

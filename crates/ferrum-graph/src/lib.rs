@@ -21,6 +21,7 @@
 //! # Ok::<(), ferrum_graph::Error>(())
 //! ```
 
+mod arena;
 mod codec;
 pub mod error;
 pub mod exec;

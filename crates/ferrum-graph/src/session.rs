@@ -24,6 +24,8 @@ pub struct SessionOptions {
 pub struct Session {
     model: Model,
     report: Report,
+    /// The tensor memory runs reuse ([`crate::arena`]).
+    arena: crate::arena::Arena,
 }
 
 impl Session {
@@ -85,7 +87,11 @@ impl Session {
         let report =
             optimize(&mut model, opts.opt_level, precision).map_err(PrepareError::Other)?;
         match model.graph.resolve(&model.values) {
-            Ok(()) => Ok(Session { model, report }),
+            Ok(()) => Ok(Session {
+                model,
+                report,
+                arena: Default::default(),
+            }),
             Err(e) => Err(PrepareError::Unsupported(Box::new((model, report, e)))),
         }
     }
@@ -142,8 +148,17 @@ impl Session {
                 )));
             }
         }
-        let outs = run_graph(g, slots, None)?;
+        let outs = {
+            let _pool = self.arena.install();
+            run_graph(g, slots, None)?
+        };
         Ok(self.output_names().into_iter().zip(outs).collect())
+    }
+
+    /// The tensor memory the last finished run used: requests served by memory an earlier
+    /// value freed, requests that allocated, and the bytes kept for the next run.
+    pub fn memory(&self) -> ferrum_core::recycle::PoolRun {
+        self.arena.last_run()
     }
 
     fn check_input(&self, pos: usize, v: &Value) -> Result<()> {

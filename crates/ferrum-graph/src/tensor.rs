@@ -218,6 +218,14 @@ impl<T: Clone> Store<T> {
         }
     }
 
+    /// The owned vector, `None` for shared elements (another owner's memory).
+    pub fn into_owned(self) -> Option<Vec<T>> {
+        match self.0 {
+            Repr::Owned(v) => Some(v),
+            Repr::Shared(_) => None,
+        }
+    }
+
     /// The owned vector, copying shared elements into one first.
     pub fn make_mut(&mut self) -> &mut Vec<T> {
         if let Repr::Shared(o) = &self.0 {
@@ -329,6 +337,11 @@ pub trait Elem: Clone + Default + fmt::Debug + PartialEq + Send + Sync + 'static
     const DT: DType;
     fn slice(d: &Data) -> Option<&[Self]>;
     fn into_data(v: Vec<Self>) -> Data;
+    /// An empty vector with room for `n`, for a kernel's output: from the running session's
+    /// pools ([`crate::arena`]; strings are allocated).
+    fn room(n: usize) -> Vec<Self> {
+        Vec::with_capacity(n)
+    }
 }
 
 /// Numeric element types (everything but strings): conversions and the arithmetic of ONNX.
@@ -357,7 +370,7 @@ pub trait Num: Elem + Copy + PartialOrd {
 }
 
 macro_rules! elem_impl {
-    ($t:ty, $dt:ident) => {
+    ($t:ty, $dt:ident $(, $room:path)?) => {
         impl Elem for $t {
             const DT: DType = DType::$dt;
             fn slice(d: &Data) -> Option<&[Self]> {
@@ -369,23 +382,28 @@ macro_rules! elem_impl {
             fn into_data(v: Vec<Self>) -> Data {
                 Data::$dt(v.into())
             }
+            $(
+                fn room(n: usize) -> Vec<Self> {
+                    $room(n)
+                }
+            )?
         }
     };
 }
 
-elem_impl!(f32, F32);
-elem_impl!(f64, F64);
-elem_impl!(f16, F16);
-elem_impl!(bf16, BF16);
-elem_impl!(i8, I8);
-elem_impl!(i16, I16);
-elem_impl!(i32, I32);
-elem_impl!(i64, I64);
-elem_impl!(u8, U8);
-elem_impl!(u16, U16);
-elem_impl!(u32, U32);
-elem_impl!(u64, U64);
-elem_impl!(bool, Bool);
+elem_impl!(f32, F32, crate::arena::take);
+elem_impl!(f64, F64, crate::arena::take);
+elem_impl!(f16, F16, crate::arena::take);
+elem_impl!(bf16, BF16, crate::arena::take);
+elem_impl!(i8, I8, crate::arena::take);
+elem_impl!(i16, I16, crate::arena::take);
+elem_impl!(i32, I32, crate::arena::take);
+elem_impl!(i64, I64, crate::arena::take);
+elem_impl!(u8, U8, crate::arena::take);
+elem_impl!(u16, U16, crate::arena::take);
+elem_impl!(u32, U32, crate::arena::take);
+elem_impl!(u64, U64, crate::arena::take);
+elem_impl!(bool, Bool, crate::arena::take);
 elem_impl!(String, Str);
 
 macro_rules! int_impl {

@@ -666,18 +666,28 @@ fn attention_f32(
     };
     // K^T and V packed once per batch entry when several row blocks read them (and they fit
     // in 64 MiB), instead of once per block.
+    // The packed operands live in this thread's list, kept between calls (repacked in place).
     let packed_bytes = nb * sk * (d + dv) * 4;
-    let mut packed: Vec<Option<(PackedB, PackedB)>> = Vec::new();
-    if sq > rows && packed_bytes <= 64 << 20 {
+    let mut packed = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    let use_packed = sq > rows && packed_bytes <= 64 << 20;
+    if use_packed {
         let kmats: Vec<Mat> = (0..nb).map(|bi| mat(k, kb[bi])).collect::<Result<_>>()?;
+        packed.truncate(nb);
         packed.resize_with(nb, || None);
-        pool::parallel_chunks_mut(&mut packed, 1, |bi, slot| {
-            slot[0] = Some((
-                PackedB::new(d, sk, kmats[bi]),
-                PackedB::new(sk, dv, vmat(bi)),
-            ));
+        pool::parallel_chunks_mut(&mut packed, 1, |bi, slot| match &mut slot[0] {
+            Some((pk, pv)) => {
+                pk.repack(d, sk, kmats[bi]);
+                pv.repack(sk, dv, vmat(bi));
+            }
+            empty => {
+                *empty = Some((
+                    PackedB::new(d, sk, kmats[bi]),
+                    PackedB::new(sk, dv, vmat(bi)),
+                ))
+            }
         });
     }
+    let packed_now: &[Option<(PackedB, PackedB)>] = if use_packed { &packed } else { &[] };
     // Rows `r0..` of outer entry `o` into `chunk` (those rows' run of the output).
     let run_block = |o: usize, r0: usize, chunk: &mut [f32]| -> Result<()> {
         let cnt = chunk.len() / ldc;
@@ -685,7 +695,7 @@ fn attention_f32(
             let mut sbuf = sc.borrow_mut();
             for (i, &bi) in split.entries[o].iter().enumerate() {
                 let qm = Lhs::Mat(mat(q, qb[bi] + r0 * q.strides[q.shape.len() - 2])?);
-                let (km, vm) = match packed.get(bi) {
+                let (km, vm) = match packed_now.get(bi) {
                     Some(Some((pk, pv))) => (Rhs::Packed(pk), Rhs::Packed(pv)),
                     _ => (Rhs::Mat(mat(k, kb[bi])?), Rhs::Mat(vmat(bi))),
                 };
@@ -704,7 +714,7 @@ fn attention_f32(
             Ok(())
         })
     };
-    let mut y = vec![0f32; n_out];
+    let mut y = crate::arena::full(n_out, 0.0);
     let per_outer = sq * ldc;
     let failed = std::sync::Mutex::new(None);
     let keep = |r: Result<()>| {
@@ -725,10 +735,18 @@ fn attention_f32(
             }
         });
     }
+    PACKED.with(|p| *p.borrow_mut() = packed);
     if let Some(e) = failed.into_inner().unwrap() {
         return Err(e);
     }
     Tensor::from_vec(out_shape, y).map(Some)
+}
+
+thread_local! {
+    /// [`attention_f32`]'s packed keys and values per batch entry, kept per thread between
+    /// calls and repacked in place.
+    static PACKED: std::cell::RefCell<Vec<Option<(PackedB, PackedB)>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// How a product `[batch.., sq, dv]` lies in its output: the batch dims in front of the rows

@@ -82,8 +82,38 @@ pub fn broadcast_offsets(shapes: &[&[usize]], out: &[usize]) -> Vec<Vec<usize>> 
     offs
 }
 
+/// Calls `f` with the offsets into each of `shapes` (each broadcast to `out`) of every
+/// element of `out`, in row-major order: [`broadcast_offsets`] without the tables.
+pub fn broadcast_walk<const K: usize>(
+    shapes: [&[usize]; K],
+    out: &[usize],
+    mut f: impl FnMut([usize; K]) -> Result<()>,
+) -> Result<()> {
+    let n = numel(out).unwrap_or(0);
+    let strides: [Vec<usize>; K] = shapes.map(|s| bstrides(s, out));
+    let mut idx = vec![0usize; out.len()];
+    let mut cur = [0usize; K];
+    for _ in 0..n {
+        f(cur)?;
+        for d in (0..out.len()).rev() {
+            idx[d] += 1;
+            for (c, st) in cur.iter_mut().zip(&strides) {
+                *c += st[d];
+            }
+            if idx[d] < out[d] {
+                break;
+            }
+            for (c, st) in cur.iter_mut().zip(&strides) {
+                *c -= st[d] * out[d];
+            }
+            idx[d] = 0;
+        }
+    }
+    Ok(())
+}
+
 /// Applies `f` over the broadcast of `a` and `b`.
-pub fn zip_with<A: Clone, B: Clone, O>(
+pub fn zip_with<A: Clone, B: Clone, O: Elem>(
     a: &[A],
     ash: &[usize],
     b: &[B],
@@ -91,23 +121,21 @@ pub fn zip_with<A: Clone, B: Clone, O>(
     mut f: impl FnMut(A, B) -> Result<O>,
 ) -> Result<(Vec<usize>, Vec<O>)> {
     let out = broadcast_shape(ash, bsh)?;
-    let v = if ash == bsh {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| f(x.clone(), y.clone()))
-            .collect::<Result<_>>()?
+    let mut v = O::room(numel(&out).unwrap_or(0));
+    if ash == bsh {
+        for (x, y) in a.iter().zip(b) {
+            v.push(f(x.clone(), y.clone())?);
+        }
     } else if b.len() == 1 && out == ash {
-        a.iter()
-            .map(|x| f(x.clone(), b[0].clone()))
-            .collect::<Result<_>>()?
+        for x in a {
+            v.push(f(x.clone(), b[0].clone())?);
+        }
     } else {
-        let offs = broadcast_offsets(&[ash, bsh], &out);
-        offs[0]
-            .iter()
-            .zip(&offs[1])
-            .map(|(&i, &j)| f(a[i].clone(), b[j].clone()))
-            .collect::<Result<_>>()?
-    };
+        broadcast_walk([ash, bsh], &out, |[i, j]| {
+            v.push(f(a[i].clone(), b[j].clone())?);
+            Ok(())
+        })?;
+    }
     Ok((out, v))
 }
 

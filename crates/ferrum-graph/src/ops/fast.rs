@@ -11,7 +11,7 @@ use crate::ops::elementwise::broadcast_shape;
 use crate::ops::linear::Conv2d;
 use crate::ops::vecmath::{self, Bin, Operand, Pick, PoolGeom, Unary};
 use crate::ops::Ctx;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Elem, Tensor};
 use crate::Result;
 
 /// True when every given tensor is float32.
@@ -106,8 +106,8 @@ pub fn par_rows<T: Send>(
 /// on these memory-bound ops). `fill` must write every element of the slice it gets: the
 /// kernels it calls here each write their whole output slice and assert that their inputs
 /// cover it.
-pub(crate) fn filled<T>(n: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
-    let mut v = Vec::with_capacity(n);
+pub(crate) fn filled<T: Elem>(n: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+    let mut v = T::room(n);
     fill(&mut v.spare_capacity_mut()[..n]);
     // SAFETY: the capacity is at least `n`, and `fill` initialised elements 0..n (its contract
     // above; a panic inside it leaves the length 0).
@@ -269,7 +269,7 @@ fn zip_f32(a: &Tensor, b: &Tensor, op: Bin) -> Result<Tensor> {
 /// propagating, the same bits as the reference ([`vecmath::maxpool_planes`]).
 pub fn maxpool2d(x: &[f32], planes: usize, (ih, iw): (usize, usize), g: &Conv2d) -> Vec<f32> {
     let [oh, ow] = g.out;
-    let mut out = vec![f32::NEG_INFINITY; planes * oh * ow];
+    let mut out = crate::arena::full(planes * oh * ow, f32::NEG_INFINITY);
     if oh * ow == 0 || ih * iw == 0 {
         return out;
     }
@@ -293,22 +293,23 @@ pub fn maxpool2d(x: &[f32], planes: usize, (ih, iw): (usize, usize), g: &Conv2d)
 /// reference.
 pub fn global_avg_pool_f32(x: &[f32], plane: usize) -> Vec<f32> {
     let planes = x.len().checked_div(plane).unwrap_or(0);
-    (0..planes)
-        .map(|p| (vecmath::sum_slice_f64(&x[p * plane..][..plane]) / plane as f64) as f32)
-        .collect()
+    let mut out = crate::arena::take(planes);
+    out.extend(
+        (0..planes)
+            .map(|p| (vecmath::sum_slice_f64(&x[p * plane..][..plane]) / plane as f64) as f32),
+    );
+    out
 }
 
 /// GlobalAveragePool of channels-last float32 images (`[N, pixels, C]`) into `[N, C]`: the same
 /// bits as [`global_avg_pool_f32`] on the NCHW planes (each channel summed in the same order,
 /// divided and rounded alike). `pixels, c > 0`.
 pub fn global_avg_pool_nhwc_f32(x: &[f32], pixels: usize, c: usize) -> Vec<f32> {
-    x.chunks_exact(pixels * c)
-        .flat_map(|img| {
-            vecmath::channel_sums_f64(img, c)
-                .into_iter()
-                .map(|s| (s / pixels as f64) as f32)
-        })
-        .collect()
+    let mut out = crate::arena::take(x.len() / pixels);
+    for img in x.chunks_exact(pixels * c) {
+        vecmath::channel_means_f32(img, c, &mut out);
+    }
+    out
 }
 
 /// Transpose of a float32 tensor: dims of size 1 dropped and dims that stay adjacent merged,
@@ -404,9 +405,9 @@ pub fn transpose_f32(x: &Tensor, perm: &[usize]) -> Result<Tensor> {
 /// (e^x within 2 ulp, an f64 sum, the product with its reciprocal rounded once), apart from
 /// values below 1.7e-38 (e^-87), which may come out 0; NaN, +-inf and empty rows as the
 /// reference.
-pub fn softmax_last_f32(x: &Tensor) -> Result<Tensor> {
+pub fn softmax_last_f32(x: &Tensor, d: usize) -> Result<Tensor> {
     let xv = x.as_slice::<f32>()?;
-    let d = x.shape().last().copied().unwrap_or(1).max(1);
+    let d = d.max(1);
     let out = filled(xv.len(), |out| {
         par_rows(out, d, PAR_MIN, |first, o| {
             vecmath::softmax_rows(&xv[first * d..][..o.len()], o, d)
@@ -835,7 +836,7 @@ mod tests {
                 }
             }
             let t = Tensor::from_vec(vec![rows, d], x.clone()).unwrap();
-            let y = softmax_last_f32(&t).unwrap();
+            let y = softmax_last_f32(&t, d).unwrap();
             let yv = y.as_slice::<f32>().unwrap();
             for (row, got) in x.chunks(d).zip(yv.chunks(d)) {
                 for (&g, &w) in got.iter().zip(&softmax_ref(row)) {
@@ -1006,7 +1007,7 @@ mod tests {
                 map_f32(&x, Unary::Erf);
             });
             let soft = time(&|| {
-                softmax_last_f32(&sm).unwrap();
+                softmax_last_f32(&sm, 197).unwrap();
             });
             let norm = time(&|| {
                 layer_norm_f32(&ln, 768, 1e-5, &sc, Some(&sc)).unwrap();

@@ -17,40 +17,52 @@ fn norm_index(i: i64, d: usize) -> Result<usize> {
 fn gather(cx: &Ctx) -> Result<Tensor> {
     let (x, ind) = (cx.t(0)?, cx.t(1)?);
     let a = axis(cx.ai("axis", 0), x.rank())?;
-    let idx = ind.to_i64_vec()?;
+    // int64 indices are read in place (the common case: token ids), others converted.
+    let idx: std::borrow::Cow<[i64]> = match ind.as_slice::<i64>() {
+        Ok(v) => v.into(),
+        Err(_) => ind.to_i64_vec()?.into(),
+    };
     let d = x.shape()[a];
     let inner: usize = x.shape()[a + 1..].iter().product();
     let outer: usize = x.shape()[..a].iter().product();
     let mut shape = x.shape()[..a].to_vec();
     shape.extend_from_slice(ind.shape());
     shape.extend_from_slice(&x.shape()[a + 1..]);
-    let idx: Vec<usize> = idx
-        .iter()
-        .map(|&i| norm_index(i, d))
-        .collect::<Result<_>>()?;
+    for &i in idx.iter() {
+        norm_index(i, d)?;
+    }
+    // Checked above: negative indices count from the end.
+    let at = |i: i64| {
+        if i < 0 {
+            (i + d as i64) as usize
+        } else {
+            i as usize
+        }
+    };
     if !matches!(x.data(), Data::Code(..)) {
         // Whole runs of `inner` elements at a time (a memcpy each for plain types).
         fn go<T: Elem>(
             x: &Tensor,
-            idx: &[usize],
+            idx: &[i64],
+            at: &dyn Fn(i64) -> usize,
             (outer, d, inner): (usize, usize, usize),
             shape: Vec<usize>,
         ) -> Result<Tensor> {
             let v = x.as_slice::<T>()?;
-            let mut out = Vec::with_capacity(outer * idx.len() * inner);
+            let mut out = T::room(outer * idx.len() * inner);
             for o in 0..outer {
                 for &i in idx {
-                    out.extend_from_slice(&v[(o * d + i) * inner..][..inner]);
+                    out.extend_from_slice(&v[(o * d + at(i)) * inner..][..inner]);
                 }
             }
             Tensor::from_vec(shape, out)
         }
-        return dispatch!(x.dtype(), all, go, x, &idx, (outer, d, inner), shape);
+        return dispatch!(x.dtype(), all, go, x, &idx, &at, (outer, d, inner), shape);
     }
     let mut offs = Vec::with_capacity(outer * idx.len() * inner);
     for o in 0..outer {
-        for &i in &idx {
-            let b = (o * d + i) * inner;
+        for &i in idx.iter() {
+            let b = (o * d + at(i)) * inner;
             offs.extend(b..b + inner);
         }
     }

@@ -153,46 +153,54 @@ pub fn gemm_op(
     } else {
         Mat::row_major(bv, n)
     };
-    let mut out = vec![0f32; m * n];
+    let mut out = crate::arena::full(m * n, 0.0);
     // `beta * C` (computed even when beta is 0, as the reference does: 0 * inf is NaN): the
-    // epilogue's bias when C is a row or a column of the output, else the output's start.
+    // epilogue's bias when C is a row or a column of the output (read in place when beta is
+    // 1), else the output's start.
     let cv = c.map(|c| c.as_slice::<f32>()).transpose()?;
     let cs = c.map(|c| c.shape()).unwrap_or(&[]);
     let is_row = cs.last() == Some(&n) && cs.iter().rev().skip(1).all(|&d| d == 1);
     let is_col = cs == [m, 1];
-    let scaled: Option<Vec<f32>> = cv
-        .filter(|_| m > 1 && (is_row || is_col))
-        .map(|cv| cv.iter().map(|&v| beta * v).collect());
+    let scaled: Option<std::borrow::Cow<[f32]>> =
+        cv.filter(|_| m > 1 && (is_row || is_col)).map(|cv| {
+            if beta == 1.0 {
+                cv.into()
+            } else {
+                cv.iter().map(|&v| beta * v).collect::<Vec<f32>>().into()
+            }
+        });
     let bias = match &scaled {
         Some(v) if is_row => Bias::Col(v),
         Some(v) => Bias::Row(v),
         None => Bias::None,
     };
-    let mut beta_eff = 0.0;
-    if let (Some(c), Some(cv), None) = (c, cv, &scaled) {
-        let offs = broadcast_to(c.shape(), &[m, n])?;
-        for (o, &ci) in out.iter_mut().zip(&offs) {
-            *o = beta * cv[ci];
-        }
-        beta_eff = 1.0;
-    }
     let (in_gemm, after) = if m > 1 {
         split_act(act)
     } else {
         (GemmAct::Identity, act)
     };
     if m == 1 {
-        // One row (a classifier head): a matrix-vector product, B read once, no packing.
-        let mut y = vec![0f32; n];
-        gemv(av, bv, tb, k, n, &mut y);
-        for (o, v) in out.iter_mut().zip(y) {
-            *o = if beta_eff == 0.0 {
-                alpha * v
-            } else {
-                *o + alpha * v
-            };
+        // One row (a classifier head): a matrix-vector product, B read once, no packing, then
+        // `beta * C` added (C broadcasts to `[1, n]`: one value or `n`).
+        gemv(av, bv, tb, k, n, &mut out);
+        match cv {
+            Some(cv) => {
+                let one = cv.len() == 1;
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = beta * cv[if one { 0 } else { j }] + alpha * *o;
+                }
+            }
+            None => out.iter_mut().for_each(|o| *o *= alpha),
         }
     } else {
+        let mut beta_eff = 0.0;
+        if let (Some(c), Some(cv), None) = (c, cv, &scaled) {
+            let offs = broadcast_to(c.shape(), &[m, n])?;
+            for (o, &ci) in out.iter_mut().zip(&offs) {
+                *o = beta * cv[ci];
+            }
+            beta_eff = 1.0;
+        }
         gemm_ex(
             m,
             n,

@@ -215,8 +215,7 @@ fn softmax(cx: &Ctx, kind: Soft) -> Result<Tensor> {
     if kind == Soft::Softmax && x.dtype() == DType::F32 && (legacy || a + 1 == x.rank()) {
         // One row per softmax: the last axis, or (legacy) everything from `axis` on.
         let rows: usize = x.shape()[..a].iter().product();
-        let flat = x.clone().reshape(vec![rows, x.len() / rows.max(1)])?;
-        return crate::ops::fast::softmax_last_f32(&flat)?.reshape(x.shape().to_vec());
+        return crate::ops::fast::softmax_last_f32(x, x.len() / rows.max(1));
     }
     let (outer, d, inner) = if legacy {
         (

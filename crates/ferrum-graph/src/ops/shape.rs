@@ -2,7 +2,7 @@
 //! generic copy serves every element type.
 
 use crate::ir::Attr;
-use crate::ops::elementwise::{broadcast_offsets, broadcast_shape};
+use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, broadcast_walk};
 use crate::ops::{axis, one, unsupported, Ctx, Kernel, ViewDims};
 use crate::tensor::{numel, DType, Data, Elem, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
@@ -20,7 +20,9 @@ pub fn strides(shape: &[usize]) -> Vec<usize> {
 pub fn take(t: &Tensor, idx: &[usize], shape: Vec<usize>) -> Result<Tensor> {
     fn go<T: Elem>(t: &Tensor, idx: &[usize], shape: Vec<usize>) -> Result<Tensor> {
         let v = t.as_slice::<T>()?;
-        Tensor::from_vec(shape, idx.iter().map(|&i| v[i].clone()).collect())
+        let mut out = T::room(idx.len());
+        out.extend(idx.iter().map(|&i| v[i].clone()));
+        Tensor::from_vec(shape, out)
     }
     if let Some(&bad) = idx.iter().find(|&&i| i >= t.len()) {
         kbail!(
@@ -279,7 +281,7 @@ fn concat(ts: &[&Tensor], ax: i64) -> Result<Tensor> {
     }
     fn go<T: Elem>(ts: &[&Tensor], a: usize, shape: Vec<usize>) -> Result<Tensor> {
         let outer: usize = shape[..a].iter().product();
-        let mut v = Vec::with_capacity(numel(&shape).unwrap_or(0));
+        let mut v = T::room(numel(&shape).unwrap_or(0));
         let parts: Vec<(&[T], usize)> = ts
             .iter()
             .map(|t| Ok((t.as_slice::<T>()?, t.shape()[a..].iter().product::<usize>())))
@@ -419,8 +421,20 @@ fn expand(cx: &Ctx) -> Result<Tensor> {
         .collect();
     let out = broadcast_shape(x.shape(), &dims)?;
     check_len(numel(&out))?;
-    let offs = broadcast_offsets(&[x.shape()], &out);
-    take(x, &offs[0], out)
+    if matches!(x.data(), crate::tensor::Data::Code(..)) {
+        let offs = broadcast_offsets(&[x.shape()], &out);
+        return take(x, &offs[0], out);
+    }
+    fn go<T: Elem>(x: &Tensor, out: Vec<usize>) -> Result<Tensor> {
+        let v = x.as_slice::<T>()?;
+        let mut o = T::room(numel(&out).unwrap_or(0));
+        broadcast_walk([x.shape()], &out, |[i]| {
+            o.push(v[i].clone());
+            Ok(())
+        })?;
+        Tensor::from_vec(out, o)
+    }
+    dispatch!(x.dtype(), all, go, x, out)
 }
 
 fn tile(cx: &Ctx) -> Result<Tensor> {

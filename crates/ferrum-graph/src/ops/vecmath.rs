@@ -228,7 +228,10 @@ multiversion! {
     /// holding NaN or +inf, or only -inf, comes out all NaN, as in the reference.
     pub fn softmax_rows(x: &[f32], out: &mut [MaybeUninit<f32>], d: usize) {
         assert!(d > 0 && x.len() == out.len() && x.len().is_multiple_of(d));
-        let mut e = vec![0f32; d];
+        // The exponentials in this thread's buffer, kept between calls.
+        let mut e = SOFTMAX_ROW.with(|b| std::mem::take(&mut *b.borrow_mut()));
+        e.clear();
+        e.resize(d, 0.0);
         for (row, orow) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
             let m = row_max(row);
             for (o, &v) in e.iter_mut().zip(row) {
@@ -239,7 +242,13 @@ multiversion! {
                 o.write((v as f64 * inv) as f32);
             }
         }
+        SOFTMAX_ROW.with(|b| *b.borrow_mut() = e);
     }
+}
+
+thread_local! {
+    /// [`softmax_rows`]' exponentials, kept per thread between calls.
+    static SOFTMAX_ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 multiversion! {
@@ -994,21 +1003,31 @@ multiversion! {
         // Columns of the padded row that any window reaches.
         let wp = ((ow - 1) * sw + (kw.max(1) - 1) * dw + 1).max(pw + iw);
         let nph = wp.div_ceil(sw);
-        let mut padded = vec![f32::NEG_INFINITY; nph * sw];
-        let mut phases = vec![f32::NEG_INFINITY; nph * sw];
-        let mut h = vec![f32::NEG_INFINITY; ih * ow];
+        // The scratch (padded row, phases, row maxima) lives in this thread's buffer, kept
+        // between calls, set to -inf here as fresh scratch would be.
+        let mut buf = POOL_ROWS.with(|b| std::mem::take(&mut *b.borrow_mut()));
+        buf.clear();
+        buf.resize(2 * nph * sw + ih * ow, f32::NEG_INFINITY);
+        let (padded, rest) = buf.split_at_mut(nph * sw);
+        let (phases, h) = rest.split_at_mut(nph * sw);
         for (plane, oplane) in x.chunks_exact(ih * iw).zip(out.chunks_exact_mut(oh * ow)) {
             // A plane without NaN takes one `maxps` per combination instead of a compare,
             // a NaN test and a blend (ResNet-50's 64 x 112 x 112 max pool, one thread:
             // see the kernel timings below); the same bits either way.
-            let mut scratch = (&mut padded[..], &mut phases[..], &mut h[..]);
+            let mut scratch = (&mut *padded, &mut *phases, &mut *h);
             if plane.iter().fold(false, |a, v| a | v.is_nan()) {
                 pool_plane(plane, oplane, g, &mut scratch, nph, pool_max);
             } else {
                 pool_plane(plane, oplane, g, &mut scratch, nph, max_no_nan);
             }
         }
+        POOL_ROWS.with(|b| *b.borrow_mut() = buf);
     }
+}
+
+thread_local! {
+    /// [`maxpool_planes`]' scratch, kept per thread between calls.
+    static POOL_ROWS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// One plane of [`maxpool_planes`] with the combination `comb` (see [`max_terms`]); scratch:
@@ -1096,17 +1115,17 @@ multiversion! {
 }
 
 multiversion! {
-    /// Per channel `j < c` of channels-last values `x` (`[pixels, c]`), the f64 sum of that
-    /// channel's values in [`sum_f64`]'s order over them (what `sum_slice_f64` gives for the
-    /// channel's NCHW plane): pixel `p` of the whole groups of `L` into lane `p % L`, the
-    /// pixels left over in order, then their sum plus the lanes' sum. `c > 0`.
-    pub fn channel_sums_f64(x: &[f32], c: usize) -> Vec<f64> {
+    /// Per channel `j < c` of channels-last values `x` (`[pixels, c]`), appended to `out`: the
+    /// mean of that channel's values, its f64 sum taken in [`sum_f64`]'s order over them (what
+    /// `sum_slice_f64` gives for the channel's NCHW plane: pixel `p` of the whole groups of `L`
+    /// into lane `p % L`, the pixels left over in order, then their sum plus the lanes' sum),
+    /// divided by `pixels` and rounded once. `c > 0`.
+    pub fn channel_means_f32(x: &[f32], c: usize, out: &mut Vec<f32>) {
         // Channels in blocks of B, so that a block's lanes (8 KiB) stay in the first-level
         // cache.
         const B: usize = 64;
         let pixels = x.len() / c;
         let full = pixels / L * L;
-        let mut sums = Vec::with_capacity(c);
         for j0 in (0..c).step_by(B) {
             let w = B.min(c - j0);
             let mut lanes = [[0f64; B]; L];
@@ -1121,9 +1140,11 @@ multiversion! {
                     *a += v as f64;
                 }
             }
-            sums.extend((0..w).map(|j| rest[j] + lanes.iter().map(|l| l[j]).sum::<f64>()));
+            out.extend((0..w).map(|j| {
+                let sum = rest[j] + lanes.iter().map(|l| l[j]).sum::<f64>();
+                (sum / pixels as f64) as f32
+            }));
         }
-        sums
     }
 }
 
