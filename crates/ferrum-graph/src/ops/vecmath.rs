@@ -228,10 +228,8 @@ multiversion! {
     /// holding NaN or +inf, or only -inf, comes out all NaN, as in the reference.
     pub fn softmax_rows(x: &[f32], out: &mut [MaybeUninit<f32>], d: usize) {
         assert!(d > 0 && x.len() == out.len() && x.len().is_multiple_of(d));
-        // The exponentials in this thread's buffer, kept between calls.
-        let mut e = SOFTMAX_ROW.with(|b| std::mem::take(&mut *b.borrow_mut()));
-        e.clear();
-        e.resize(d, 0.0);
+        // The exponentials, in a recycled buffer of this thread.
+        let mut e = ferrum_core::Buf::overwritten(d);
         for (row, orow) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
             let m = row_max(row);
             for (o, &v) in e.iter_mut().zip(row) {
@@ -242,13 +240,7 @@ multiversion! {
                 o.write((v as f64 * inv) as f32);
             }
         }
-        SOFTMAX_ROW.with(|b| *b.borrow_mut() = e);
     }
-}
-
-thread_local! {
-    /// [`softmax_rows`]' exponentials, kept per thread between calls.
-    static SOFTMAX_ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 multiversion! {
@@ -1003,10 +995,9 @@ multiversion! {
         // Columns of the padded row that any window reaches.
         let wp = ((ow - 1) * sw + (kw.max(1) - 1) * dw + 1).max(pw + iw);
         let nph = wp.div_ceil(sw);
-        // The scratch (padded row, phases, row maxima) lives in this thread's buffer, kept
-        // between calls, set to -inf here as fresh scratch would be.
-        let mut buf = POOL_ROWS.with(|b| std::mem::take(&mut *b.borrow_mut()));
-        buf.clear();
+        // The scratch (padded row, phases, row maxima) in a recycled buffer of this thread, set
+        // to -inf as fresh scratch would be.
+        let mut buf = ferrum_core::Buf::with_capacity(2 * nph * sw + ih * ow);
         buf.resize(2 * nph * sw + ih * ow, f32::NEG_INFINITY);
         let (padded, rest) = buf.split_at_mut(nph * sw);
         let (phases, h) = rest.split_at_mut(nph * sw);
@@ -1021,13 +1012,7 @@ multiversion! {
                 pool_plane(plane, oplane, g, &mut scratch, nph, max_no_nan);
             }
         }
-        POOL_ROWS.with(|b| *b.borrow_mut() = buf);
     }
-}
-
-thread_local! {
-    /// [`maxpool_planes`]' scratch, kept per thread between calls.
-    static POOL_ROWS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// One plane of [`maxpool_planes`] with the combination `comb` (see [`max_terms`]); scratch:

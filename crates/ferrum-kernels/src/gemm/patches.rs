@@ -12,6 +12,7 @@
 //! phase).
 
 use crate::pool;
+use ferrum_core::Buf;
 
 /// A convolution's input seen as its patch matrix (`k x n`: `channels * kh * kw` rows, `oh * ow`
 /// columns), the right-hand operand `B` of `W * patches` (see [`super::Rhs::Patches`]).
@@ -20,7 +21,7 @@ pub struct Patches<'a> {
     data: &'a [f32],
     /// The image zero-padded and split by column phase: plane `c`, padded row `y`, phase `f`,
     /// value `i` (padded column `i * sx + f`) at `((c * rows + y) * sx + f) * width + i`.
-    phased: Vec<f32>,
+    phased: Buf,
     /// Padded rows that the windows reach.
     rows: usize,
     /// Values in each phase of a padded row.
@@ -33,25 +34,6 @@ pub struct Patches<'a> {
     /// Padding before the first row and column.
     pad: [usize; 2],
     output: [usize; 2],
-}
-
-thread_local! {
-    /// The last dropped [`Patches`]' phase buffer, for the next one made on this thread (a
-    /// convolution makes one per image and group, each the same size from run to run).
-    static SPARE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-impl Drop for Patches<'_> {
-    fn drop(&mut self) {
-        let v = std::mem::take(&mut self.phased);
-        let _ = SPARE.try_with(|s| {
-            if let Ok(mut s) = s.try_borrow_mut() {
-                if s.capacity() < v.capacity() {
-                    *s = v;
-                }
-            }
-        });
-    }
 }
 
 impl<'a> Patches<'a> {
@@ -95,7 +77,7 @@ impl<'a> Patches<'a> {
         let width = cols.div_ceil(stride[1]);
         let mut p = Patches {
             data,
-            phased: Vec::new(),
+            phased: Buf::default(),
             rows,
             width,
             channels,
@@ -111,22 +93,15 @@ impl<'a> Patches<'a> {
     }
 
     /// The phased copy of the image (see the field): every value written.
-    fn split_phases(&self) -> Vec<f32> {
+    fn split_phases(&self) -> Buf {
         let [ih, iw] = self.input;
         let [top, left] = self.pad;
         let sx = self.stride[1];
         let (rows, width) = (self.rows, self.width);
         let plane = rows * sx * width;
-        // Zeros (the padding rows stay so), in this thread's spare buffer when it holds them.
-        let mut out = SPARE
-            .try_with(|s| {
-                s.try_borrow_mut()
-                    .map(|mut s| std::mem::take(&mut *s))
-                    .unwrap_or_default()
-            })
-            .unwrap_or_default();
-        out.clear();
-        out.resize(self.channels * plane, 0.0);
+        // Zeros (the padding rows stay so), in a recycled buffer of this thread (a convolution
+        // makes one per image and group, each the same size from run to run).
+        let mut out = Buf::zeros(self.channels * plane);
         if plane == 0 {
             return out;
         }
