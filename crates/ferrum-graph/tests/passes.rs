@@ -443,6 +443,124 @@ fn matmul_bias_and_erf_gelu_fuse_as_in_bert() {
     }
 }
 
+/// BERT's attention and feed-forward outputs as PyTorch exports them: MatMul, bias Add, then the
+/// residual Add of the block's input (either operand order), then LayerNormalization; a residual
+/// without a bias; a bias, a residual and an activation. The residual joins the FusedMatMul
+/// (added as the GEMM writes each tile); one that broadcasts is left to its Add.
+#[test]
+fn matmul_bias_and_residual_fuse_as_in_bert() {
+    let mut r = rng();
+    let (k, n) = (16, 24);
+    /// Bias?, residual first in the Add?, residual shape, activation?, expected ops.
+    type Case = (bool, bool, Vec<i64>, bool, &'static [&'static str]);
+    let cases: [Case; 5] = [
+        (
+            true,
+            false,
+            vec![2, 7, n as i64],
+            false,
+            &["com.ferrum.FusedMatMul", "LayerNormalization"],
+        ),
+        (
+            true,
+            true,
+            vec![2, 7, n as i64],
+            false,
+            &["com.ferrum.FusedMatMul", "LayerNormalization"],
+        ),
+        (
+            false,
+            false,
+            vec![2, 7, n as i64],
+            false,
+            &["com.ferrum.FusedMatMul", "LayerNormalization"],
+        ),
+        (
+            true,
+            false,
+            vec![2, 7, n as i64],
+            true,
+            &["com.ferrum.FusedMatMul", "LayerNormalization"],
+        ),
+        // Broadcast over the rows: the bias fuses, the Add stays.
+        (
+            true,
+            false,
+            vec![1, 1, n as i64],
+            false,
+            &["com.ferrum.FusedMatMul", "Add", "LayerNormalization"],
+        ),
+    ];
+    for (case, (bias, z_first, zshape, relu, want)) in cases.into_iter().enumerate() {
+        let mut inits = vec![
+            init("w", &[k as i64, n as i64], randv(&mut r, k * n)),
+            init("b", &[n as i64], randv(&mut r, n)),
+            init("gamma", &[n as i64], randv(&mut r, n)),
+            init("beta", &[n as i64], randv(&mut r, n)),
+        ];
+        if !bias {
+            inits.truncate(1);
+            inits.push(init("gamma", &[n as i64], randv(&mut r, n)));
+            inits.push(init("beta", &[n as i64], randv(&mut r, n)));
+        }
+        let mut nodes = vec![node("MatMul", &["x", "w"], &["mm"], vec![])];
+        let mut h = "mm";
+        if bias {
+            nodes.push(node("Add", &["mm", "b"], &["h"], vec![]));
+            h = "h";
+        }
+        let add = if z_first { ["z", h] } else { [h, "z"] };
+        nodes.push(node("Add", &add, &["s"], vec![]));
+        let mut last = "s";
+        if relu {
+            nodes.push(node("Relu", &["s"], &["sr"], vec![]));
+            last = "sr";
+        }
+        nodes.push(node(
+            "LayerNormalization",
+            &[last, "gamma", "beta"],
+            &["y"],
+            vec![attr_int("axis", -1), attr_f("epsilon", 1e-5)],
+        ));
+        let mp = model(
+            nodes,
+            vec![f32_in("x", &[2, 7, k as i64]), f32_in("z", &zshape)],
+            vec![f32_out("y")],
+            inits,
+            17,
+        );
+        let zlen = zshape.iter().product::<i64>() as usize;
+        let feeds = [
+            ("x", vec![2, 7, k], randv(&mut r, 14 * k)),
+            (
+                "z",
+                zshape.iter().map(|&d| d as usize).collect(),
+                randv(&mut r, zlen),
+            ),
+        ];
+        eprintln!("case {case}");
+        check(&mp, OptLevel::All, &feeds, want, 1e-5);
+        // With bf16 products (whose kernels take no residual) the same graph runs, the
+        // residual added after the product.
+        let bf = Session::from_bytes_with(
+            &encode(&mp),
+            &SessionOptions {
+                opt_level: OptLevel::All,
+                precision: Precision::Bf16,
+            },
+        )
+        .unwrap();
+        assert_eq!(ops(&bf), want, "bf16 graph");
+        let (a, b) = (
+            outputs(&session(&mp, OptLevel::Disabled), &feeds),
+            outputs(&bf, &feeds),
+        );
+        for (u, v) in a[0].iter().zip(&b[0]) {
+            assert!((u - v).abs() <= 0.1, "bf16 {u} vs f32 {v}");
+        }
+    }
+}
+
 #[test]
 fn a_product_read_twice_or_a_standalone_gelu_is_not_fused_wrongly() {
     let mut r = rng();

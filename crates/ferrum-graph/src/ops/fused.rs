@@ -249,7 +249,7 @@ pub fn kernel(op: &str) -> Option<Kernel> {
                 a,
                 b,
                 cx.opt(2),
-                act,
+                Epi { z: cx.opt(3), act },
                 pb,
             )?)
         },

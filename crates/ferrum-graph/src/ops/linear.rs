@@ -53,15 +53,17 @@ pub fn matmul(a: &Tensor, b: &Tensor, pb: Option<&PackedB>) -> Result<Tensor> {
     Tensor::from_vec(out_shape, out)
 }
 
-/// `FusedMatMul`: `act(A B + bias)` with the bias along the last axis (numpy broadcasting when
-/// it is not a plain row of the output's width).
+/// `FusedMatMul`: `act((A B + bias) + z)` with the bias along the last axis and `z` the
+/// residual of `epi` (numpy broadcasting for either when it is not a plain row of the output's
+/// width, or the output's own shape).
 pub fn matmul_bias_act(
     a: &Tensor,
     b: &Tensor,
     bias: Option<&Tensor>,
-    act: Act,
+    epi: Epi,
     pb: Option<&PackedB>,
 ) -> Result<Tensor> {
+    let act = epi.act;
     let n = *b.shape().last().unwrap_or(&1);
     let row = bias.filter(|t| {
         t.dtype() == DType::F32
@@ -75,24 +77,37 @@ pub fn matmul_bias_act(
         let k = b.shape()[0];
         if a.shape().last() == Some(&k) {
             let rows = a.len() / k.max(1);
-            let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
-            let (in_gemm, after) = split_act(act);
-            // (k = 0 gives act(bias), as the unfused nodes would.)
-            let epi = Epilogue {
-                bias: Bias::Col(bt.as_slice::<f32>()?),
-                act: in_gemm,
-                residual: None,
-            };
-            // Fresh memory that the product fills (no zero-filling pass first).
-            let mut out = fast::filled(rows * n, |o| gemm_rows(av, bv, (rows, n, k), pb, o, &epi));
-            after.apply(&mut out);
             let mut shape = a.shape().to_vec();
             *shape.last_mut().expect("rank >= 2") = n;
-            return Tensor::from_vec(shape, out);
+            // A residual of the output's own shape is added as each tile is written, after
+            // the bias (the unfused Adds' order); any other, or one beside a bf16 product
+            // (whose kernels take no residual), goes through `Epi::finish`.
+            let bf16 = pb.is_some_and(|p| p.precision() == Precision::Bf16);
+            let residual = epi.z_exact(&shape).filter(|_| !bf16);
+            if epi.z.is_none() || residual.is_some() {
+                let (av, bv) = (a.as_slice::<f32>()?, b.as_slice::<f32>()?);
+                let (in_gemm, after) = split_act(act);
+                // (k = 0 gives act(bias), as the unfused nodes would.)
+                let gepi = Epilogue {
+                    bias: Bias::Col(bt.as_slice::<f32>()?),
+                    act: in_gemm,
+                    residual,
+                };
+                // Fresh memory that the product fills (no zero-filling pass first).
+                let mut out =
+                    fast::filled(rows * n, |o| gemm_rows(av, bv, (rows, n, k), pb, o, &gepi));
+                after.apply(&mut out);
+                return Tensor::from_vec(shape, out);
+            }
         }
     }
     let y = matmul(a, b, pb)?;
-    Epi { z: bias, act }.finish(y)
+    let y = Epi {
+        z: bias,
+        act: Act::Identity,
+    }
+    .finish(y)?;
+    epi.finish(y)
 }
 
 /// `out = epi(A B)` for A `rows x k` (row-major `av`) and B `k x n` (row-major `bv`, or its

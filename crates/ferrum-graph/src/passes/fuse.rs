@@ -351,8 +351,8 @@ fn activation(model: &Model, n: &Node) -> Option<(&'static str, Vec<f32>)> {
     }
 }
 
-/// Bias (MatMul), residual Add (Conv) and an activation fused into the float32 Conv, Gemm or
-/// MatMul producing their input: `FusedConv`, `FusedGemm`, `FusedMatMul`; an activation alone
+/// Bias (MatMul), residual Add (Conv, and MatMul after its bias) and an activation fused into
+/// the float32 Conv, Gemm or MatMul producing their input: `FusedConv`, `FusedGemm`, `FusedMatMul`; an activation alone
 /// into a `MatMulIntegerToFloat` (which took its bias when it was fused). The fused node takes
 /// the place of the last node it absorbs (so a residual computed after the product is ready).
 pub fn activations(model: &mut Model, log: &mut Vec<String>) -> usize {
@@ -398,6 +398,32 @@ pub fn activations(model: &mut Model, log: &mut Vec<String>) -> usize {
         let mut what: Vec<&str> = Vec::new();
         while let Some(ri) = uses.sole_reader(cur) {
             let r = &g.nodes[ri];
+            // A MatMul's residual: an Add after its bias (or of the bare product) of a
+            // non-constant operand of the product's own static shape, added by the GEMM as
+            // each tile is written: `(A B + bias) + z`, the unfused order. Not after a residual
+            // (a bias there would change the order of the sums) or an activation.
+            if kind == "FusedMatMul"
+                && act.is_none()
+                && what.iter().all(|&w| w == "bias")
+                && is_op(r, "Add")
+                && r.opset >= 7
+            {
+                let residual = other_input(r, cur).filter(|&o| {
+                    constant(g, o).is_none()
+                        && shapes.get(Some(cur)).is_some_and(|a| {
+                            shapes.get(Some(o)) == Some(a) && a.iter().all(|&d| d > 0)
+                        })
+                });
+                if let Some(z) = residual {
+                    inputs.resize(3, None);
+                    inputs.push(Some(z));
+                    what.push("residual add");
+                    absorbed.push(ri);
+                    let Some(next) = out(r) else { break };
+                    cur = next;
+                    continue;
+                }
+            }
             if act.is_none() && absorbed.is_empty() && is_op(r, "Add") && r.opset >= 7 {
                 let Some(o) = other_input(r, cur) else {
                     break;

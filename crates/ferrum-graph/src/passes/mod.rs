@@ -14,7 +14,7 @@
 //! residual `Z` added before the activation), `NhwcConv` (the same on channels-last tensors,
 //! filter `[kh, kw, C/group, M]`; see `layout`), `NhwcExpandDepthwise` (a 1x1 expansion's X, W, bias, then a depthwise filter, its bias and a residual; the expansion's activation in `expand_activation`), `NhwcQLinearConv` (QLinearConv's inputs on
 //! channels-last 8-bit tensors), `NhwcMaxPool` (MaxPool on channels-last bytes), `NhwcGlobalAveragePool` (GlobalAveragePool of a channels-last float32 tensor, output `[N, C, 1, 1]`), `FusedGemm`, `FusedMatMul` (A, B, an optional bias
-//! along the last axis), `FusedAttention` (see `attention`) and `Gelu`, each with an `activation` attribute (and
+//! along the last axis, an optional residual `Z` of the output's shape added after it), `FusedAttention` (see `attention`) and `Gelu`, each with an `activation` attribute (and
 //! `activation_params`), and `MatMulIntegerToFloat` (A, B, a_scale, a_zero_point, b_scale,
 //! b_zero_point, bias: ONNX Runtime's op of that name, with the same optional activation). Subgraphs (If/Loop/Scan bodies) are left as they are.
 
