@@ -119,13 +119,20 @@ impl<T> Default for Pool<T> {
 impl<T> Pool<T> {
     /// An empty vector with room for `n`: the best-fitting free buffer, or a new one.
     pub fn take(&mut self, n: usize) -> Vec<T> {
+        let mut v = self.take_keeping(n);
+        v.clear();
+        v
+    }
+
+    /// [`Pool::take`], the buffer still holding what it held when given back (for a caller
+    /// that overwrites every element: only the part past that length needs a first write).
+    pub fn take_keeping(&mut self, n: usize) -> Vec<T> {
         let most = n.saturating_mul(2).max(n.saturating_add(1024));
         match best_fit(self.free.iter().map(|v| v.capacity()), n, most) {
             Some(i) => {
                 // `remove`, not `swap_remove`: the others stay in the order they were freed.
                 self.fresh.remove(i);
-                let mut v = self.free.remove(i);
-                v.clear();
+                let v = self.free.remove(i);
                 self.taken += 1;
                 v
             }
@@ -302,6 +309,16 @@ mod tests {
         let c = p.take(10);
         p.give(c);
         assert_eq!(p.end_run().held_bytes, 10 * 4);
+        // `take_keeping` hands the buffer back as it was given (its values), `take` empty.
+        let mut f = p.take(10);
+        f.extend([7.0; 10]);
+        let pf = f.as_ptr();
+        p.give(f);
+        let g = p.take_keeping(8);
+        assert_eq!((g.as_ptr(), g.len()), (pf, 10));
+        assert!(g.iter().all(|&v| v == 7.0));
+        p.give(g);
+        assert_eq!(p.take(8).len(), 0);
     }
 
     #[test]

@@ -149,6 +149,25 @@ pub(crate) fn take<T: Pooled>(n: usize) -> Vec<T> {
         .unwrap_or_else(|| Vec::with_capacity(n))
 }
 
+/// `n` elements for a kernel that writes every one of them: a buffer from the running
+/// session's pool keeping what it held (only elements past its old length are set, to `v`),
+/// else `n` copies of `v` in new memory. Integer and float types only: any bits are a value.
+pub(crate) fn overwritten<T: Pooled + Copy>(n: usize, v: T) -> Vec<T> {
+    let mut out = CURRENT
+        .try_with(|c| {
+            c.try_borrow_mut()
+                .ok()?
+                .as_mut()
+                .map(|p| T::pool(p).take_keeping(n))
+        })
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| Vec::with_capacity(n));
+    out.truncate(n);
+    out.resize(n, v);
+    out
+}
+
 /// `n` copies of `v`, in memory from the running session's pool (else new).
 pub(crate) fn full<T: Pooled + Clone>(n: usize, v: T) -> Vec<T> {
     let mut out = take(n);

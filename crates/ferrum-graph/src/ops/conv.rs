@@ -231,16 +231,30 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
     if !ws.iter().all(|v| v.is_finite()) {
         return Ok(None);
     }
-    let wz: Vec<i32> = match cx.opt(5) {
-        None => vec![0],
+    // The filter's zero points: one value when they are all equal (symmetric weights give
+    // zeros), else one per output channel.
+    let (wz_one, wz_each): ([i32; 1], Vec<i32>) = match cx.opt(5) {
+        None => ([0], Vec::new()),
         Some(z) if z.dtype() == w.dtype() && (z.len() == 1 || z.len() == m) => {
-            z.to_i64_vec()?.iter().map(|&v| v as i32).collect()
+            let zs: Vec<i32> = match z.dtype() {
+                DType::U8 => zero_points(z.as_slice::<u8>()?, |v| v as i32),
+                _ => zero_points(z.as_slice::<i8>()?, |v| v as i32),
+            };
+            match zs.as_slice() {
+                [one] => ([*one], Vec::new()),
+                _ => ([0], zs),
+            }
         }
         Some(_) => return Ok(None),
     };
-    let bias: Option<Vec<i64>> = match cx.opt(8) {
+    let wz: &[i32] = if wz_each.is_empty() {
+        &wz_one
+    } else {
+        &wz_each
+    };
+    let bias: Option<&[i32]> = match cx.opt(8) {
         None => None,
-        Some(b) if b.dtype() == DType::I32 && b.len() == m => Some(b.to_i64_vec()?),
+        Some(b) if b.dtype() == DType::I32 && b.len() == m => Some(b.as_slice::<i32>()?),
         Some(_) => return Ok(None),
     };
     let k = [w.shape()[2], w.shape()[3]];
@@ -262,15 +276,18 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
     if osp == 0 {
         return Ok(Some(Tensor::zeros(y_dtype, shape)?));
     }
-    // Per output channel: the float32 multiplier and the bias in output steps.
-    let scale: Vec<f32> = (0..m)
-        .map(|o| (xs * ws[if ws.len() == 1 { 0 } else { o }] as f64 / ys) as f32)
-        .collect();
-    let bias_f: Option<Vec<f32>> = bias.map(|b| {
-        b.iter()
-            .zip(&scale)
-            .map(|(&v, &s)| (v as f64 * s as f64) as f32)
-            .collect()
+    // Per output channel: the float32 multiplier and the bias in output steps (in buffers
+    // this thread recycles: kilobytes a call).
+    let mut scale = ferrum_core::Buf::overwritten(m);
+    for (o, d) in scale.iter_mut().enumerate() {
+        *d = (xs * ws[if ws.len() == 1 { 0 } else { o }] as f64 / ys) as f32;
+    }
+    let bias_f = bias.map(|b| {
+        let mut f = ferrum_core::Buf::overwritten(m);
+        for ((d, &v), &s) in f.iter_mut().zip(b).zip(scale.iter()) {
+            *d = (v as i64 as f64 * s as f64) as f32;
+        }
+        f
     });
     // Signed bytes are read as unsigned ones shifted by 128 (and so is their zero point).
     let (flip, xz) = if x.dtype() == DType::I8 {
@@ -312,9 +329,12 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
     // Patch rows are written as far apart as the kernels read them, zeros past kk (an RGB
     // stem's 147 bytes in rows of 192), so the GEMM reads them in place.
     let ld = packed.kp().max(kk);
-    // A tap's run of C bytes where the window leaves the image (for gathered patches).
-    let fill_run = vec![geo.fill; c];
-    let mut y = vec![0u8; n * m * osp];
+    // A tap's run of C bytes where the window leaves the image (for gathered patches), in a
+    // buffer this thread keeps (taken out for the call, so a nested call finds it empty).
+    let mut fill_run = FILL_RUN.take();
+    fill_run.clear();
+    fill_run.resize(c, geo.fill);
+    let mut y = crate::arena::overwritten(n * m * osp, 0u8);
     // The channels-last image, A's rows and the channels-last output: scratch kept by the
     // thread between calls (every byte is written before it is read).
     SCRATCH.with(|cell| {
@@ -366,7 +386,7 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
                     rs: m,
                     cs: 1,
                     scale: &scale,
-                    bias: bias_f.as_deref(),
+                    bias: bias_f.as_deref().map(|b| &b[..]),
                     zero: yz,
                     signed: y_dtype == DType::I8,
                 };
@@ -382,7 +402,7 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
                         osp,
                         &[xz],
                         packed,
-                        &wz,
+                        wz,
                         q8,
                     ),
                     None => qgemm::qgemm(
@@ -394,7 +414,7 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
                             zero_padded: !direct,
                         },
                         packed,
-                        &wz,
+                        wz,
                         q8,
                     ),
                 }
@@ -408,11 +428,25 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
             }
         }
     });
+    FILL_RUN.set(fill_run);
     Ok(Some(if y_dtype == DType::I8 {
         Tensor::from_vec(shape, y.into_iter().map(|v| v as i8).collect())?
     } else {
         Tensor::from_vec(shape, y)?
     }))
+}
+
+/// Zero points of a filter as i32: one value when all are equal, else one each.
+pub(crate) fn zero_points<T: Copy + PartialEq>(z: &[T], to: impl Fn(T) -> i32) -> Vec<i32> {
+    match z.first() {
+        Some(&f) if z.iter().all(|&v| v == f) => vec![to(f)],
+        _ => z.iter().map(|&v| to(v)).collect(),
+    }
+}
+
+thread_local! {
+    /// [`qlinear_conv_layout`]'s run of fill bytes, kept between calls.
+    static FILL_RUN: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// `src` into `dst`, each byte `^ flip`, split across the pool.
@@ -636,48 +670,44 @@ pub(crate) fn nhwc_max_pool(cx: &Ctx) -> Result<Tensor> {
     let shape = vec![n, oh, ow, c];
     // A window over padding only gives the type's lowest value (the float chain's -inf,
     // quantized).
-    fn run<T: Copy + Ord + Default + Send + Sync>(
+    fn run<T: Copy + Ord + Default + Send + Sync + crate::arena::Pooled>(
         x: &[T],
         lowest: T,
         (n, c): (usize, usize),
         (ih, iw, oh, ow): (usize, usize, usize, usize),
         g: &Geom,
     ) -> Vec<T> {
-        let mut out = vec![T::default(); n * oh * ow * c];
+        // In the session's memory, not cleared (every element is written below).
+        let mut out = crate::arena::overwritten(n * oh * ow * c, T::default());
         if out.is_empty() {
             return out;
         }
-        // One output row (ow pixels of c channels) per task: the maximum over the window's
-        // input rows first (whole rows, element by element: it vectorizes), then over its
-        // columns in that row of maxima.
+        // One output row (ow pixels of c channels) per task; each pixel the maximum of its
+        // window's pixels, c channels at a time (element by element: it vectorizes), read where
+        // they lie in the image.
         pool::parallel_chunks_mut(&mut out, ow * c, |r, o| {
             let (b, oy) = (r / oh, r % oh);
             let img = &x[b * ih * iw * c..][..ih * iw * c];
-            let mut rows = (0..g.k[0]).filter_map(|ky| {
-                let iy = (oy * g.s[0] + ky * g.d[0]).checked_sub(g.pad_begin[0])?;
-                (iy < ih).then(|| &img[iy * iw * c..][..iw * c])
-            });
-            let Some(first) = rows.next() else {
-                o.fill(lowest);
-                return;
+            let rows = || {
+                (0..g.k[0]).filter_map(move |ky| {
+                    let iy = (oy * g.s[0] + ky * g.d[0]).checked_sub(g.pad_begin[0])?;
+                    (iy < ih).then_some(iy)
+                })
             };
-            let mut v = first.to_vec();
-            for row in rows {
-                for (d, &s) in v.iter_mut().zip(row) {
-                    *d = (*d).max(s);
-                }
-            }
             for (ox, px) in o.chunks_exact_mut(c).enumerate() {
-                let mut cols = (0..g.k[1]).filter_map(|kx| {
-                    let ix = (ox * g.s[1] + kx * g.d[1]).checked_sub(g.pad_begin[1])?;
-                    (ix < iw).then(|| &v[ix * c..][..c])
-                });
-                match cols.next() {
-                    Some(src) => px.copy_from_slice(src),
+                let cols = || {
+                    (0..g.k[1]).filter_map(move |kx| {
+                        let ix = (ox * g.s[1] + kx * g.d[1]).checked_sub(g.pad_begin[1])?;
+                        (ix < iw).then_some(ix)
+                    })
+                };
+                let mut taps = rows().flat_map(|iy| cols().map(move |ix| (iy * iw + ix) * c));
+                match taps.next() {
+                    Some(at) => px.copy_from_slice(&img[at..at + c]),
                     None => px.fill(lowest),
                 }
-                for src in cols {
-                    for (d, &s) in px.iter_mut().zip(src) {
+                for at in taps {
+                    for (d, &s) in px.iter_mut().zip(&img[at..at + c]) {
                         *d = (*d).max(s);
                     }
                 }
@@ -710,7 +740,7 @@ pub(crate) fn transpose_channels_u8(x: &Tensor, perm: &[usize]) -> Result<Option
     let shape: Vec<usize> = perm.iter().map(|&p| s[p]).collect();
     let per = rows * cols;
     let go = |src: &[u8]| {
-        let mut out = vec![0u8; src.len()];
+        let mut out = crate::arena::overwritten(src.len(), 0u8);
         if per > 0 {
             for (d, sv) in out.chunks_exact_mut(per).zip(src.chunks_exact(per)) {
                 transpose_bytes(sv, rows, cols, 0, d);

@@ -74,9 +74,15 @@ fn int_product<'a>(cx: &Ctx<'a>, za: usize, zb: usize) -> Result<Option<IntProdu
     if !(a_zero.len() == 1 || (a_zero.len() == m && a.rank() == 2)) {
         return Ok(None);
     }
+    // One value when they are all equal (symmetric weights: zeros), without widening the
+    // tensor first.
     let b_zero: Vec<i32> = match cx.opt(zb) {
         None => vec![0],
-        Some(z) => z.to_i64_vec()?.iter().map(|&v| v as i32).collect(),
+        Some(z) => match z.dtype() {
+            DType::U8 => crate::ops::conv::zero_points(z.as_slice::<u8>()?, |v| v as i32),
+            DType::I8 => crate::ops::conv::zero_points(z.as_slice::<i8>()?, |v| v as i32),
+            _ => z.to_i64_vec()?.iter().map(|&v| v as i32).collect(),
+        },
     };
     if !(b_zero.len() == 1 || b_zero.len() == n) {
         return Ok(None);
@@ -114,7 +120,7 @@ fn int_product<'a>(cx: &Ctx<'a>, za: usize, zb: usize) -> Result<Option<IntProdu
 
 fn matmul_integer(cx: &Ctx) -> Result<Tensor> {
     if let Some(p) = int_product(cx, 2, 3)? {
-        let mut out = vec![0i32; p.m * p.n()];
+        let mut out = crate::arena::overwritten(p.m * p.n(), 0i32);
         let n = p.n();
         p.run(QOut::I32 {
             out: &mut out,
@@ -184,14 +190,14 @@ fn quantize_fast(cx: &Ctx) -> Result<Option<Tensor>> {
     let shape = x.shape().to_vec();
     match to {
         DType::U8 => {
-            let mut out = vec![0u8; xv.len()];
+            let mut out = crate::arena::overwritten(xv.len(), 0u8);
             pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
                 qgemm::quantize_u8(&xv[c * CHUNK..c * CHUNK + o.len()], s, z, o)
             });
             Ok(Some(Tensor::from_vec(shape, out)?))
         }
         DType::I8 => {
-            let mut out = vec![0i8; xv.len()];
+            let mut out = crate::arena::overwritten(xv.len(), 0i8);
             pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
                 for (d, &v) in o.iter_mut().zip(&xv[c * CHUNK..]) {
                     *d = ((v / s).round_ties_even() + z).clamp(-128.0, 127.0) as i8;
@@ -225,7 +231,7 @@ fn dequantize_fast(cx: &Ctx) -> Result<Option<Tensor>> {
     };
     let s = scale.as_slice::<f32>()?[0];
     let shape = x.shape().to_vec();
-    let mut out = vec![0f32; x.len()];
+    let mut out = crate::arena::overwritten(x.len(), 0f32);
     match x.dtype() {
         DType::U8 => {
             let (xv, z) = (x.as_slice::<u8>()?, z as f32);
@@ -353,7 +359,11 @@ pub(crate) fn matmul_integer_to_float(cx: &Ctx) -> Result<Tensor> {
     if a_scale.len() != 1 {
         kbail!("MatMulIntegerToFloat: a_scale must hold one value");
     }
-    let scale: Vec<f32> = b_scale.iter().map(|&s| a_scale[0] * s).collect();
+    // In a buffer this thread recycles (one per column of a per-channel B: kilobytes a call).
+    let mut scale = ferrum_core::Buf::overwritten(b_scale.len());
+    for (d, &s) in scale.iter_mut().zip(b_scale) {
+        *d = a_scale[0] * s;
+    }
     let bias = cx.opt(6).map(|b| b.as_slice::<f32>()).transpose()?;
     let fast = int_product(cx, 3, 5)?;
     let n = match &fast {
@@ -364,7 +374,7 @@ pub(crate) fn matmul_integer_to_float(cx: &Ctx) -> Result<Tensor> {
         kbail!("MatMulIntegerToFloat: b_scale and bias must hold 1 or {n} values");
     }
     if let Some(p) = fast {
-        let mut out = vec![0f32; p.m * n];
+        let mut out = crate::arena::overwritten(p.m * n, 0f32);
         p.run(QOut::F32 {
             out: &mut out,
             ld: n,
@@ -394,7 +404,7 @@ fn dynamic_quantize(cx: &Ctx) -> Result<Vec<Value>> {
     let x = cx.t(0)?;
     if x.dtype() == DType::F32 {
         let xs = x.as_slice::<f32>()?;
-        let mut q = vec![0u8; xs.len()];
+        let mut q = crate::arena::overwritten(xs.len(), 0u8);
         let (scale, zp) = qgemm::quantize_dynamic_u8(xs, &mut q);
         return Ok(vec![
             Value::Tensor(Tensor::from_vec(x.shape().to_vec(), q)?),
@@ -545,7 +555,7 @@ pub(crate) fn qlinear_add(cx: &Ctx) -> Result<Tensor> {
     // Unsigned bytes of one shape into unsigned bytes (a quantized ResNet's residuals): the
     // same operations in one vector pass.
     if let (Q8::U8(av), Q8::U8(bv), DType::U8, None) = (&qa, &qb, to, &offs) {
-        let mut out = vec![0u8; len];
+        let mut out = crate::arena::overwritten(len, 0u8);
         pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
             let r = c * CHUNK..c * CHUNK + o.len();
             qgemm::qadd_u8(&av[r.clone()], (za, sa), &bv[r], (zb, sb), (zc, sc), o)
@@ -569,7 +579,7 @@ pub(crate) fn qlinear_add(cx: &Ctx) -> Result<Tensor> {
     };
     match to {
         DType::U8 => {
-            let mut out = vec![0u8; len];
+            let mut out = crate::arena::overwritten(len, 0u8);
             pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
                 let mut t = [0f32; BLOCK];
                 for (k, ob) in o.chunks_mut(BLOCK).enumerate() {
@@ -581,7 +591,7 @@ pub(crate) fn qlinear_add(cx: &Ctx) -> Result<Tensor> {
             Tensor::from_vec(shape, out)
         }
         DType::I8 => {
-            let mut out = vec![0i8; len];
+            let mut out = crate::arena::overwritten(len, 0i8);
             pool::parallel_chunks_mut(&mut out, CHUNK, |c, o| {
                 let mut t = [0f32; BLOCK];
                 for (k, ob) in o.chunks_mut(BLOCK).enumerate() {

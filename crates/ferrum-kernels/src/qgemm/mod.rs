@@ -578,11 +578,17 @@ fn qgemm_core(
         ASrc::Rows(d, l) => (d, l),
         ASrc::Gathered(_) => (&[][..], 0),
     };
-    let b_terms: Vec<i32> = b_zero.iter().map(|&z| b.offset - z).collect();
+    // The per-row and per-column terms in this thread's buffers, kept between products (a
+    // product's `m` rows are kilobytes of them): taken out for the call, so a product run
+    // inside another on this thread finds them empty rather than borrowed.
+    let (mut row_terms, mut b_terms) = TERMS.take();
+    b_terms.clear();
+    b_terms.extend(b_zero.iter().map(|&z| b.offset - z));
     // A's row sums enter only through `off - zb`: none are needed when that is 0 for every
     // column (a signed weight with zero point 0, as symmetric quantization writes).
     let b_terms_zero = b_terms.iter().all(|&t| t == 0);
-    let row_terms = row_terms(asrc, m, k, zero, !b_terms_zero);
+    fill_row_terms(asrc, m, k, zero, !b_terms_zero, &mut row_terms);
+    let (row_terms_ref, b_terms_ref) = (&row_terms, &b_terms);
     // Everything else, given A widened to 16 bits (`kp` per row) when the AVX2 kernel runs.
     let rest = move |awide: &[u16]| {
         let (out_ptr, scale, bias) = match out {
@@ -629,8 +635,8 @@ fn qgemm_core(
         };
         let fin = Finish {
             b,
-            row_terms: &row_terms,
-            b_terms: &b_terms,
+            row_terms: row_terms_ref,
+            b_terms: b_terms_ref,
             b_terms_zero,
             za: (zero.len() == 1).then(|| zero[0]),
             out: out_ptr,
@@ -696,6 +702,7 @@ fn qgemm_core(
     } else {
         rest(&[]);
     }
+    TERMS.set((row_terms, b_terms));
 }
 
 /// True when [`qgemm_gathered`] reads runs of `run` bytes where they lie (no rows written out)
@@ -732,6 +739,11 @@ thread_local! {
     /// A widened to 16 bits for the AVX2 kernel: kept by each thread that runs products, so a
     /// product writes it without allocating (and zeroing) it again.
     static WIDE: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    /// A product's per-row terms (row sum times the B offset less the zero point's, A's zero
+    /// point) and per-column terms (`offset - zb`), kept by each thread that runs products.
+    #[allow(clippy::type_complexity)]
+    static TERMS: std::cell::Cell<(Vec<(i32, i32)>, Vec<i32>)> =
+        const { std::cell::Cell::new((Vec::new(), Vec::new())) };
 }
 
 /// A's rows widened to 16 bits into `v` (`kp` per row: the AVX2 kernel broadcasts a pair as
@@ -756,12 +768,14 @@ fn widen_rows(a: &[u8], m: usize, ld: usize, kp: usize, v: &mut Vec<u16>) {
     }
 }
 
-/// Per row of A: `(rowsum(a) - k za, za)`, or `(0, za)` without `sums`; split across the pool
-/// for large A.
-fn row_terms(a: ASrc, m: usize, k: usize, zero: &[i32], sums: bool) -> Vec<(i32, i32)> {
+/// Per row of A into `t` (its `m` values): `(rowsum(a) - k za, za)`, or `(0, za)` without
+/// `sums`; split across the pool for large A.
+fn fill_row_terms(a: ASrc, m: usize, k: usize, zero: &[i32], sums: bool, t: &mut Vec<(i32, i32)>) {
     let za = |i: usize| zero[if zero.len() == 1 { 0 } else { i }];
+    t.clear();
     if !sums {
-        return (0..m).map(|i| (0, za(i))).collect();
+        t.extend((0..m).map(|i| (0, za(i))));
+        return;
     }
     let sum = |i: usize| match a {
         ASrc::Rows(d, ld) => byte_sum(&d[i * ld..i * ld + k]),
@@ -769,7 +783,7 @@ fn row_terms(a: ASrc, m: usize, k: usize, zero: &[i32], sums: bool) -> Vec<(i32,
             (0..g.taps).fold(0u32, |s, t| s.wrapping_add(byte_sum(g.run_of(i, t))))
         }
     };
-    let mut t = vec![(0, 0); m];
+    t.resize(m, (0, 0));
     let rows = (1usize << 16).div_ceil(k.max(1)).max(1);
     let fill = |c: usize, out: &mut [(i32, i32)]| {
         for (r, o) in out.iter_mut().enumerate() {
@@ -779,11 +793,10 @@ fn row_terms(a: ASrc, m: usize, k: usize, zero: &[i32], sums: bool) -> Vec<(i32,
         }
     };
     if m > rows && pool::threads() > 1 {
-        pool::parallel_chunks_mut(&mut t, rows, fill);
+        pool::parallel_chunks_mut(t, rows, fill);
     } else {
-        fill(0, &mut t);
+        fill(0, t);
     }
-    t
 }
 
 /// The sum of `v`'s bytes (wrapping past `u32`; exact for rows under 16 M bytes).
