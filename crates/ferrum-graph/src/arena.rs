@@ -137,12 +137,20 @@ impl Drop for Installed<'_> {
 
 /// An empty vector with room for `n`: from the running session's pool, else new.
 pub(crate) fn take<T: Pooled>(n: usize) -> Vec<T> {
+    let mut v = take_keeping(n);
+    v.clear();
+    v
+}
+
+/// A vector with room for `n` from the running session's pool, holding what it held when
+/// given back ([`ferrum_core::recycle::Pool::take_keeping`]), else a new empty one.
+fn take_keeping<T: Pooled>(n: usize) -> Vec<T> {
     CURRENT
         .try_with(|c| {
             c.try_borrow_mut()
                 .ok()?
                 .as_mut()
-                .map(|p| T::pool(p).take(n))
+                .map(|p| T::pool(p).take_keeping(n))
         })
         .ok()
         .flatten()
@@ -153,16 +161,7 @@ pub(crate) fn take<T: Pooled>(n: usize) -> Vec<T> {
 /// session's pool keeping what it held (only elements past its old length are set, to `v`),
 /// else `n` copies of `v` in new memory. Integer and float types only: any bits are a value.
 pub(crate) fn overwritten<T: Pooled + Copy>(n: usize, v: T) -> Vec<T> {
-    let mut out = CURRENT
-        .try_with(|c| {
-            c.try_borrow_mut()
-                .ok()?
-                .as_mut()
-                .map(|p| T::pool(p).take_keeping(n))
-        })
-        .ok()
-        .flatten()
-        .unwrap_or_else(|| Vec::with_capacity(n));
+    let mut out = take_keeping(n);
     out.truncate(n);
     out.resize(n, v);
     out

@@ -233,24 +233,12 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
     }
     // The filter's zero points: one value when they are all equal (symmetric weights give
     // zeros), else one per output channel.
-    let (wz_one, wz_each): ([i32; 1], Vec<i32>) = match cx.opt(5) {
-        None => ([0], Vec::new()),
+    let wz: Vec<i32> = match cx.opt(5) {
+        None => vec![0],
         Some(z) if z.dtype() == w.dtype() && (z.len() == 1 || z.len() == m) => {
-            let zs: Vec<i32> = match z.dtype() {
-                DType::U8 => zero_points(z.as_slice::<u8>()?, |v| v as i32),
-                _ => zero_points(z.as_slice::<i8>()?, |v| v as i32),
-            };
-            match zs.as_slice() {
-                [one] => ([*one], Vec::new()),
-                _ => ([0], zs),
-            }
+            super::quant::zero_points(z)?
         }
         Some(_) => return Ok(None),
-    };
-    let wz: &[i32] = if wz_each.is_empty() {
-        &wz_one
-    } else {
-        &wz_each
     };
     let bias: Option<&[i32]> = match cx.opt(8) {
         None => None,
@@ -285,7 +273,7 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
     let bias_f = bias.map(|b| {
         let mut f = ferrum_core::Buf::overwritten(m);
         for ((d, &v), &s) in f.iter_mut().zip(b).zip(scale.iter()) {
-            *d = (v as i64 as f64 * s as f64) as f32;
+            *d = (v as f64 * s as f64) as f32;
         }
         f
     });
@@ -402,7 +390,7 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
                         osp,
                         &[xz],
                         packed,
-                        wz,
+                        &wz,
                         q8,
                     ),
                     None => qgemm::qgemm(
@@ -414,7 +402,7 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
                             zero_padded: !direct,
                         },
                         packed,
-                        wz,
+                        &wz,
                         q8,
                     ),
                 }
@@ -434,14 +422,6 @@ fn qlinear_conv_layout(cx: &Ctx, nhwc_io: bool) -> Result<Option<Tensor>> {
     } else {
         Tensor::from_vec(shape, y)?
     }))
-}
-
-/// Zero points of a filter as i32: one value when all are equal, else one each.
-pub(crate) fn zero_points<T: Copy + PartialEq>(z: &[T], to: impl Fn(T) -> i32) -> Vec<i32> {
-    match z.first() {
-        Some(&f) if z.iter().all(|&v| v == f) => vec![to(f)],
-        _ => z.iter().map(|&v| to(v)).collect(),
-    }
 }
 
 thread_local! {

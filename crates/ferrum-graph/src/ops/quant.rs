@@ -74,15 +74,9 @@ fn int_product<'a>(cx: &Ctx<'a>, za: usize, zb: usize) -> Result<Option<IntProdu
     if !(a_zero.len() == 1 || (a_zero.len() == m && a.rank() == 2)) {
         return Ok(None);
     }
-    // One value when they are all equal (symmetric weights: zeros), without widening the
-    // tensor first.
     let b_zero: Vec<i32> = match cx.opt(zb) {
         None => vec![0],
-        Some(z) => match z.dtype() {
-            DType::U8 => crate::ops::conv::zero_points(z.as_slice::<u8>()?, |v| v as i32),
-            DType::I8 => crate::ops::conv::zero_points(z.as_slice::<i8>()?, |v| v as i32),
-            _ => z.to_i64_vec()?.iter().map(|&v| v as i32).collect(),
-        },
+        Some(z) => zero_points(z)?,
     };
     if !(b_zero.len() == 1 || b_zero.len() == n) {
         return Ok(None);
@@ -116,6 +110,22 @@ fn int_product<'a>(cx: &Ctx<'a>, za: usize, zb: usize) -> Result<Option<IntProdu
         b_zero,
         shape,
     }))
+}
+
+/// A weight's zero points as i32: one value when they are all equal (symmetric weights give
+/// zeros), else one each; 8-bit ones read in place rather than widened first.
+pub(crate) fn zero_points(z: &Tensor) -> Result<Vec<i32>> {
+    fn of<T: Copy + PartialEq>(z: &[T], to: impl Fn(T) -> i32) -> Vec<i32> {
+        match z.first() {
+            Some(&f) if z.iter().all(|&v| v == f) => vec![to(f)],
+            _ => z.iter().map(|&v| to(v)).collect(),
+        }
+    }
+    Ok(match z.dtype() {
+        DType::U8 => of(z.as_slice::<u8>()?, |v| v as i32),
+        DType::I8 => of(z.as_slice::<i8>()?, |v| v as i32),
+        _ => of(&z.to_i64_vec()?, |v| v as i32),
+    })
 }
 
 fn matmul_integer(cx: &Ctx) -> Result<Tensor> {

@@ -352,9 +352,10 @@ fn activation(model: &Model, n: &Node) -> Option<(&'static str, Vec<f32>)> {
 }
 
 /// Bias (MatMul), residual Add (Conv, and MatMul after its bias) and an activation fused into
-/// the float32 Conv, Gemm or MatMul producing their input: `FusedConv`, `FusedGemm`, `FusedMatMul`; an activation alone
-/// into a `MatMulIntegerToFloat` (which took its bias when it was fused). The fused node takes
-/// the place of the last node it absorbs (so a residual computed after the product is ready).
+/// the float32 Conv, Gemm or MatMul producing their input: `FusedConv`, `FusedGemm`,
+/// `FusedMatMul`; an activation alone into a `MatMulIntegerToFloat` (which took its bias when
+/// it was fused). The fused node takes the place of the last node it absorbs (so a residual
+/// computed after the product is ready).
 pub fn activations(model: &mut Model, log: &mut Vec<String>) -> usize {
     // Shapes only decide whether a residual is worth fusing (the fused kernel broadcasts as
     // Add would when they are wrong); a model whose attributes make the estimate fail gets none.
