@@ -21,36 +21,55 @@ impl<const MR: usize> Micro for Avx512<MR> {
     #[inline]
     unsafe fn tile(kc: usize, a: APanel, b: *const f32, rows: usize, cols: usize, out: &Out) {
         macro_rules! by_rows {
-            ($nv:literal, $ip:literal, $($r:literal)*) => {
+            ($nv:literal, $ip:literal, $half:literal, $($r:literal)*) => {
                 match rows {
                     // SAFETY: forwarded from the caller (panel sizes, tile extent, AVX-512F);
                     // `rows <= MR` is checked by the match arm's bound.
                     $($r if $r <= MR => unsafe {
-                        tile_avx512::<MR, $r, $nv, $ip>(kc, a, b, cols, out)
+                        tile_avx512::<MR, $r, $nv, $ip, $half>(kc, a, b, cols, out)
                     },)*
                     _ => unreachable!("gemm: {rows} rows in an AVX-512 tile of {MR}"),
                 }
             };
         }
-        match (cols <= 16, a.lda == 0) {
-            (true, true) => by_rows!(1, false, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
-            (false, true) => by_rows!(2, false, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
-            (true, false) => by_rows!(1, true, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
-            (false, false) => by_rows!(2, true, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
+        macro_rules! by_width {
+            ($ip:literal) => {
+                match cols {
+                    0..=8 => by_rows!(1, $ip, true, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
+                    9..=16 => by_rows!(1, $ip, false, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
+                    17..=24 => by_rows!(2, $ip, true, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
+                    _ => by_rows!(2, $ip, false, 1 2 3 4 5 6 7 8 9 10 11 12 13 14),
+                }
+            };
+        }
+        if a.lda == 0 {
+            by_width!(false)
+        } else {
+            by_width!(true)
         }
     }
 }
 
 /// The `R x 16*NV` tile of `a` (a panel of row stride `MR`, or with `IN_PLACE` A's rows
 /// `a.lda` apart: [`APanel`]) times `b`'s panel (row stride 32), written per `out` for its first
-/// `cols` columns.
+/// `cols` columns. With `HALF`, the tile's last vector holds at most 8 columns, and its
+/// products are 8-lane (256-bit) FMAs: on CPUs that split a 512-bit FMA into two 256-bit
+/// halves (AMD Zen 4) the dead half costs as much as a live one, so a 24-column edge (a
+/// MobileNetV2 projection to 24 channels, every tile of it) runs 18 FMA slots a step instead of
+/// 24. The upper lanes of such a vector are zero and never stored.
 ///
 /// # Safety
 /// `a` addresses `kc` steps of `R` rows (`kc * MR` floats packed), `b` holds `kc * 32`,
-/// `R <= MR`, `cols <= 16 * NV`, `out` addresses an `R x cols` tile (and its bias pointers `R`
-/// and `cols` values), and the CPU supports AVX-512F.
+/// `R <= MR`, `cols <= 16 * NV` (`cols <= 16 * NV - 8` with `HALF`), `out` addresses an
+/// `R x cols` tile (and its bias pointers `R` and `cols` values), and the CPU supports AVX-512F.
 #[target_feature(enable = "avx512f")]
-unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize, const IN_PLACE: bool>(
+unsafe fn tile_avx512<
+    const MR: usize,
+    const R: usize,
+    const NV: usize,
+    const IN_PLACE: bool,
+    const HALF: bool,
+>(
     kc: usize,
     a: APanel,
     b: *const f32,
@@ -74,8 +93,17 @@ unsafe fn tile_avx512<const MR: usize, const R: usize, const NV: usize, const IN
                 } else {
                     *a.ptr.add(p * MR + r)
                 });
-                for (acc, &x) in row.iter_mut().zip(&bv) {
-                    *acc = _mm512_fmadd_ps(av, x, *acc);
+                for (v, (acc, &x)) in row.iter_mut().zip(&bv).enumerate() {
+                    *acc = if HALF && v == NV - 1 {
+                        // The low 8 lanes only; the 256-bit operation zeroes the upper ones.
+                        _mm512_zextps256_ps512(_mm256_fmadd_ps(
+                            _mm512_castps512_ps256(av),
+                            _mm512_castps512_ps256(x),
+                            _mm512_castps512_ps256(*acc),
+                        ))
+                    } else {
+                        _mm512_fmadd_ps(av, x, *acc)
+                    };
                 }
             }
         }
