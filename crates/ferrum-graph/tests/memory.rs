@@ -318,9 +318,20 @@ fn output_bits(outs: &[(String, Value)]) -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// Runs `session` cold, then three times, then measures one more run at 1 and 2 threads:
-/// checks that the measured run allocates nothing of [`LARGE_BYTES`] or more but its outputs
-/// and gives the cold run's bits.
+/// Runs after which a session must have reached its steady state.
+const MAX_WARM_RUNS: usize = 30;
+
+/// Runs `session` cold, then three more times, then until a run allocates nothing of
+/// [`LARGE_BYTES`] or more but its outputs (at most [`MAX_WARM_RUNS`] runs), at 1 and 2 threads;
+/// checks that such a run comes, and that it gives the cold run's bits.
+///
+/// Why not a fixed number of runs: the kernel pool's threads keep scratch space of their own
+/// (GEMM packing blocks, Winograd transforms, padded depthwise planes), grown the first time a
+/// thread takes part in a kernel of that size, and which thread claims which task varies from
+/// run to run (a worker that arrives late finds the tasks taken), so with two threads a worker
+/// may first take part in some kernel in any early run: a fourth run allocated 2-5 such buffers
+/// in about one process out of six. That growth happens once per thread; a kernel that
+/// allocates on every run never gives a clean run and fails here.
 fn check_warm_runs(name: &str, session: &Session, feeds: &dyn Fn() -> Vec<(String, Value)>) {
     for threads in [1, 2] {
         ferrum_kernels::pool::set_threads(Some(threads));
@@ -328,26 +339,40 @@ fn check_warm_runs(name: &str, session: &Session, feeds: &dyn Fn() -> Vec<(Strin
         for _ in 0..3 {
             session.run(feeds()).unwrap();
         }
-        let input = feeds();
-        let before = [&ALLOCS, &BYTES, &LARGE].map(|c| c.load(Ordering::SeqCst));
-        let outs = session.run(input).unwrap();
-        let [allocs, bytes, large] = [&ALLOCS, &BYTES, &LARGE].map(|c| c.load(Ordering::SeqCst));
-        let (allocs, bytes, large) = (allocs - before[0], bytes - before[1], large - before[2]);
+        let mut last = (0, 0, 0);
+        let mut clean = None;
+        for run in 0..MAX_WARM_RUNS {
+            let input = feeds();
+            let before = [&ALLOCS, &BYTES, &LARGE].map(|c| c.load(Ordering::SeqCst));
+            let outs = session.run(input).unwrap();
+            let after = [&ALLOCS, &BYTES, &LARGE].map(|c| c.load(Ordering::SeqCst));
+            last = (
+                after[0] - before[0],
+                after[1] - before[1],
+                after[2] - before[2],
+            );
+            if last.2 <= outs.len() {
+                clean = Some((run, outs));
+                break;
+            }
+        }
+        let (allocs, bytes, large) = last;
+        let Some((run, outs)) = clean else {
+            panic!(
+                "{name}, {threads} thread(s): none of {MAX_WARM_RUNS} warm runs allocated only its \
+                 outputs (the last: {large} allocations of {LARGE_BYTES} bytes or more)"
+            );
+        };
         let out_bytes: usize = outs
             .iter()
             .map(|(_, v)| v.tensor().unwrap().len() * 4)
             .sum();
         let mem = session.memory();
         eprintln!(
-            "{name}, {threads} thread(s): a warm run made {allocs} allocations of {bytes} bytes, \
+            "{name}, {threads} thread(s): warm run {} made {allocs} allocations of {bytes} bytes, \
              {large} of them of {LARGE_BYTES} bytes or more ({} outputs, {out_bytes} bytes); \
              tensor memory: {mem:?}",
-            outs.len()
-        );
-        assert!(
-            large <= outs.len(),
-            "{name}, {threads} thread(s): {large} allocations of {LARGE_BYTES} bytes or more in \
-             a warm run, {} outputs",
+            run + 5,
             outs.len()
         );
         assert!(mem.allocated <= outs.len(), "{name}: {mem:?}");
