@@ -501,13 +501,15 @@ thread_local! {
 }
 
 /// `act` split into the part the GEMM's epilogue applies in registers, bit for bit as
-/// [`Act::apply1`] (Relu, Clip, LeakyRelu), and the part left to apply afterwards (the others).
+/// [`Act::apply1`] (Relu, Clip, LeakyRelu, Gelu), and the part left to apply afterwards (the
+/// others).
 pub(crate) fn split_act(a: Act) -> (GemmAct, Act) {
     let g = match a {
         Act::Identity => GemmAct::Identity,
         Act::Relu => GemmAct::Relu,
         Act::Clip(lo, hi) => GemmAct::Clip { lo, hi },
         Act::LeakyRelu(s) => GemmAct::LeakyRelu(s),
+        Act::Gelu => GemmAct::Gelu,
         _ => return (GemmAct::Identity, a),
     };
     (g, Act::Identity)
