@@ -5,8 +5,7 @@
 ///
 /// [`Act::apply`] is the definition. Identity, Relu, Clip, LeakyRelu and Gelu are computed in
 /// f32 (and vectorised in the AVX-512 and AVX2 kernels, bit for bit the same; Gelu by
-/// [`gelu_erf`]); the
-/// others in f64, rounded once.
+/// [`gelu_erf`]); the others in f64, rounded once.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Act {
     Identity,
