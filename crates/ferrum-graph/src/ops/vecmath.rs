@@ -62,10 +62,10 @@ macro_rules! multiversion {
     };
 }
 
-const MAGIC: f32 = 12582912.0; // 1.5 * 2^23: adding it rounds to an integer
+// Cody-Waite's ln 2 in two parts, the rounding constant and Cephes' polynomial: the kernels'
+// (their GELU's exponential uses them too).
+use ferrum_kernels::gemm::{EXP_P, LN2_HI, LN2_LO, ROUND_MAGIC as MAGIC};
 const LOG2E: f32 = std::f32::consts::LOG2_E;
-const LN2_HI: f32 = 0.693_359_4; // 0.693359375: few bits, so n * LN2_HI is exact
-const LN2_LO: f32 = -2.121_944_4e-4;
 /// Below this exp gives 0 (e^-87 is still a normal float32, 2^n stays a normal scale).
 const EXP_LO: f32 = -87.0;
 /// Above this exp gives +inf (e^88.72 overflows float32).
@@ -83,12 +83,10 @@ pub fn exp_lane(d: f32, err: f32) -> f32 {
     let n = z - MAGIC;
     let r = ((c - n * LN2_HI) + err) - n * LN2_LO;
     let r2 = r * r;
-    let p = 1.987_569_2e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 0.166_666_65;
-    let p = p * r + 0.5;
+    let mut p = EXP_P[0];
+    for &c in &EXP_P[1..] {
+        p = p * r + c;
+    }
     let y = p * r2 + r + 1.0;
     // z's low mantissa bits hold n + 2^22; the exponent field of 2^n is n + 127.
     let bits = (z.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);

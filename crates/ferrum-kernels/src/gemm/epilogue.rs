@@ -145,7 +145,7 @@ pub(crate) const GELU_Q: [f32; 12] = [
 /// Where [`gelu_erf`] stops evaluating: past it GELU is `x` (or 0 below), within 1.1e-7.
 pub(crate) const GELU_CUT: f32 = 5.5;
 /// Cephes' e^r on `|r| <= ln 2 / 2`: `1 + r + r^2 P(r)`, `P`'s highest power first.
-pub(crate) const EXP_P: [f32; 6] = [
+pub const EXP_P: [f32; 6] = [
     1.987_569_2e-4,
     1.398_199_9e-3,
     8.333_452e-3,
@@ -154,10 +154,10 @@ pub(crate) const EXP_P: [f32; 6] = [
     0.5,
 ];
 /// `1.5 * 2^23`: added to a float below 2^22 in magnitude, rounds it to an integer.
-pub(crate) const ROUND_MAGIC: f32 = 12_582_912.0;
+pub const ROUND_MAGIC: f32 = 12_582_912.0;
 /// ln 2 in two parts (Cody-Waite), the first with trailing zero bits so `n * LN2_HI` is exact.
-pub(crate) const LN2_HI: f32 = 0.693_359_4;
-pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
+pub const LN2_HI: f32 = 0.693_359_4;
+pub const LN2_LO: f32 = -2.121_944_4e-4;
 
 /// GELU, erf form, `x Phi(x)` (`Phi` the normal distribution), in float32 throughout:
 /// `E = erfc(|x| / sqrt 2) = e^(Q(|x|))` ([`GELU_Q`], then e^q by Cody-Waite reduction and
