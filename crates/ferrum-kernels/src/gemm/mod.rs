@@ -60,18 +60,25 @@ pub use patches::Patches;
 use crate::aligned::Aligned;
 use crate::pool;
 
-/// Inner-dimension block: a packed B panel (`kc x NR`) is reused from L1 across a row block.
-/// Fixed for the process by the hardware (not by a tier cap set later, so operands packed once
-/// keep their layout): 384 on CPUs without AVX-512, whose 6 x 16 AVX2 tile leaves room in a
-/// 32 KiB L1 for a 24 KiB B panel (one pass over C per 384 steps of K instead of 256; measured
-/// on an AVX2-only EPYC, one thread, six alternating runs: 1024^3 62-65 -> 66-72 GFLOP/s,
-/// 197 x 768 x 768 and 512 x 196 x 1024 0-25% faster), else 256 (the AVX-512 tile's 32-wide
-/// panel is 32 KiB at 256).
+/// Inner-dimension block: the steps of K a tile of C sums in registers before it is written (or
+/// added to C). Fixed for the process by the hardware (not by a tier cap set later, so operands
+/// packed once keep their layout): 384 on CPUs without AVX-512, whose 6 x 16 AVX2 tile leaves
+/// room in a 32 KiB L1 for a 24 KiB B panel (one pass over C per 384 steps of K instead of 256;
+/// measured on an AVX2-only EPYC, one thread, six alternating runs: 1024^3 62-65 -> 66-72
+/// GFLOP/s, 197 x 768 x 768 and 512 x 196 x 1024 0-25% faster), else 768. There the 32-wide
+/// B panel (96 KiB) is read from L2, not L1, which keeps up with the tile (128 bytes per 24
+/// FMAs), while each pass over C (read and written back, often from L3: BERT's and ViT's
+/// 3072-wide outputs are 1.5-2.4 MB) and each fresh pass over B's block is paid a third as
+/// often as at 256, and products of depth up to 768 (BERT's and ViT's) write C once. On the
+/// Zen 4 host (one thread, B packed ahead, fastest of 15, KC 256 -> 768): 192 x 3072 x 768
+/// 101 -> 110 GFLOP/s, 128 x 3072 x 768 98 -> 107, 197 x 768 x 3072 104 -> 108, 49 x 512 x
+/// 4608 90 -> 103, 64 x 3136 x 576 108 -> 113, 196 x 256 x 2304 111 -> 115, the rest within
+/// 2% (512 and 1024 were no better); two threads 197 x 3072 x 768 210 -> 224.
 pub fn kc() -> usize {
     static KC: OnceLock<usize> = OnceLock::new();
     *KC.get_or_init(|| {
         if crate::cpu::hardware().avx512f {
-            256
+            768
         } else {
             384
         }
