@@ -37,10 +37,13 @@ impl Session {
 
     /// [`Session::from_file`] with options.
     pub fn from_file_with(path: impl AsRef<Path>, opts: &SessionOptions) -> Result<Session> {
-        Ok(Session::prepare(
-            crate::onnx::load_model(path.as_ref())?,
-            opts,
-        )?)
+        let t = std::time::Instant::now();
+        let model = crate::onnx::load_model(path.as_ref())?;
+        tracing::debug!(
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            "model decoded and imported"
+        );
+        Ok(Session::prepare(model, opts)?)
     }
 
     /// Imports a model from memory (external data is refused), optimised at the default level.
@@ -84,8 +87,13 @@ impl Session {
             );
             precision = Precision::F32;
         }
+        let t = std::time::Instant::now();
         let report =
             optimize(&mut model, opts.opt_level, precision).map_err(PrepareError::Other)?;
+        tracing::debug!(
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            "graph passes and weight prepacking"
+        );
         match model.graph.resolve(&model.values) {
             Ok(()) => Ok(Session {
                 model,
