@@ -4,7 +4,8 @@
 //!
 //! `--bf16` also times each shape with one operand packed ahead, in f32 and in bf16 (the tile
 //! unit where the CPU has AMX-BF16, else AVX512-BF16's dot product): B packed (a MatMul's weight) and A packed (a Conv's
-//! filter, B rounded at each call).
+//! filter, B rounded at each call), and A packed with a convolution's epilogue (row bias,
+//! residual, Relu).
 //!
 //! Each figure is the median of `--reps` timed runs (default 9) after one warm-up run; by default
 //! only the best microkernel ([`isa`]) is measured, `--all-isas` measures every one this CPU runs.
@@ -203,6 +204,33 @@ fn packed(
             product(Lhs::Packed(&cold[(next - 1) % copies]), Rhs::Mat(bm))
         });
         report(p, "A packed, from memory", s);
+        // A packed with a convolution's epilogue (a bias per row, a residual of C's shape, Relu):
+        // ResNet's last 1x1 layer of a block, C and the residual each a fresh stream.
+        let bias: Vec<f32> = (0..m).map(|i| (i % 3) as f32 * 0.1).collect();
+        let z: Vec<f32> = (0..m * n).map(|i| (i % 11) as f32 * 0.1 - 0.5).collect();
+        let epi = Epilogue {
+            bias: Bias::Row(&bias),
+            act: Act::Relu,
+            residual: Some(&z),
+        };
+        let mut out = vec![0f32; m * n];
+        let s = time(reps, || {
+            gemm_ex_with(
+                isa,
+                t,
+                m,
+                n,
+                k,
+                1.0,
+                Lhs::Packed(&pa),
+                Rhs::Mat(bm),
+                0.0,
+                &mut out,
+                n,
+                &epi,
+            )
+        });
+        report(p, "A packed, bias + residual + Relu", s);
     }
 }
 
