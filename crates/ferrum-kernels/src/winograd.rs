@@ -36,8 +36,12 @@ const XI: usize = 16;
 
 /// Bytes of a group's transformed input or products (`16 x channels x tiles`) aimed for: the
 /// group's 16 products then each find their operands in L2, and the transformed filters are
-/// read once per group (fewer, larger groups read them less often).
-const GROUP_BYTES: usize = 512 << 10;
+/// read once per group (fewer, larger groups read them less often). 1 MiB rather than 512 KiB:
+/// at two threads, ResNet-50's 64 x 56 x 56 and 128 x 28 x 28 layers then run as 4 and 2 groups
+/// instead of 8 and 4 (`cargo bench --bench conv`, Zen 4, fastest of 9, three alternated
+/// rounds: 0.77-0.81 -> 0.68-0.69 and 0.73 -> 0.63 ms), one thread unchanged (1.34-1.35 and
+/// 1.21-1.22 ms either way); 2 MiB made the 56 x 56 layer slower again.
+const GROUP_BYTES: usize = 1 << 20;
 
 /// Fewest tiles a group holds for cache's sake (unless the image has fewer): a 14 x 14 layer's
 /// 49 tiles stay one group even with 256 channels (smaller groups leave the products' column
