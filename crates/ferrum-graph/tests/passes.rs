@@ -388,6 +388,151 @@ fn every_activation_fuses_into_conv_and_gemm() {
 
 /// BERT's feed-forward as PyTorch exports it: MatMul, bias Add, then the erf GELU in one of its
 /// three arrangements.
+/// A projection scaled after it, as exported decoders write `q_proj(x) * scaling`: MatMul by a
+/// constant matrix, an optional bias Add (either operand order), then a Mul (either side) or Div
+/// by a constant along the last axis. The scale goes into the weights (and bias) at level 1.
+#[test]
+fn a_constant_scale_after_a_matmul_folds_into_its_weights() {
+    let mut r = rng();
+    let (k, n) = (12, 10);
+    for form in 0..4 {
+        let mut inits = vec![init("w", &[k as i64, n as i64], randv(&mut r, k * n))];
+        let mut nodes = vec![node("MatMul", &["x", "w"], &["mm"], vec![])];
+        let mut want = vec!["MatMul"];
+        let scaled = if form == 0 {
+            "mm"
+        } else {
+            inits.push(init("b", &[n as i64], randv(&mut r, n)));
+            nodes.push(node("Add", &["b", "mm"], &["h"], vec![]));
+            want.push("Add");
+            "h"
+        };
+        match form {
+            // A scale per output column, the constant first.
+            0 | 1 => {
+                inits.push(init("c", &[1, n as i64], randv(&mut r, n)));
+                nodes.push(node("Mul", &["c", scaled], &["y"], vec![]));
+            }
+            // One value, after.
+            2 => {
+                inits.push(init("c", &[], vec![0.125]));
+                nodes.push(node("Mul", &[scaled, "c"], &["y"], vec![]));
+            }
+            // Divided by the square root of a head size.
+            _ => {
+                inits.push(init("c", &[1], vec![8f32.sqrt()]));
+                nodes.push(node("Div", &[scaled, "c"], &["y"], vec![]));
+            }
+        }
+        let mp = model(
+            nodes,
+            vec![f32_in("x", &[2, 5, k as i64])],
+            vec![f32_out("y")],
+            inits,
+            17,
+        );
+        let feeds = [("x", vec![2, 5, k], randv(&mut r, 10 * k))];
+        eprintln!("form {form}");
+        check(&mp, OptLevel::Basic, &feeds, &want, 1e-5);
+        // At level 2 the bias joins the product: one node.
+        let fused: &[&str] = if form == 0 {
+            &["MatMul"]
+        } else {
+            &["com.ferrum.FusedMatMul"]
+        };
+        check(&mp, OptLevel::Extended, &feeds, fused, 1e-5);
+    }
+}
+
+/// Where the scale cannot go into the weights, the graph keeps it: the weight read by a second
+/// product, the product read twice, a scale varying along another axis, a constant divided by
+/// the product, a zero divisor, a weight that is an input.
+#[test]
+fn a_scale_that_cannot_fold_into_the_weights_stays() {
+    let mut r = rng();
+    let (k, n, m) = (6, 4, 3);
+    let cases: Vec<(&str, Vec<NodeProto>, Vec<TensorProto>)> = vec![
+        (
+            "shared weight",
+            vec![
+                node("MatMul", &["x", "w"], &["mm"], vec![]),
+                node("Mul", &["mm", "c"], &["y0"], vec![]),
+                node("Relu", &["x"], &["rx"], vec![]),
+                node("MatMul", &["rx", "w"], &["mm2"], vec![]),
+                node("Add", &["y0", "mm2"], &["y"], vec![]),
+            ],
+            vec![init("c", &[], vec![0.5])],
+        ),
+        (
+            "product read twice",
+            vec![
+                node("MatMul", &["x", "w"], &["mm"], vec![]),
+                node("Mul", &["mm", "c"], &["y0"], vec![]),
+                node("Add", &["y0", "mm"], &["y"], vec![]),
+            ],
+            vec![init("c", &[], vec![0.5])],
+        ),
+        (
+            "scale along rows",
+            vec![
+                node("MatMul", &["x", "w"], &["mm"], vec![]),
+                node("Mul", &["mm", "c"], &["y"], vec![]),
+            ],
+            vec![init("c", &[m as i64, 1], randv(&mut r, m))],
+        ),
+        (
+            "constant over the product",
+            vec![
+                node("MatMul", &["x", "w"], &["mm"], vec![]),
+                node("Div", &["c", "mm"], &["y"], vec![]),
+            ],
+            vec![init("c", &[], vec![2.0])],
+        ),
+        (
+            "zero divisor",
+            vec![
+                node("MatMul", &["x", "w"], &["mm"], vec![]),
+                node("Div", &["mm", "c"], &["y"], vec![]),
+            ],
+            vec![init("c", &[n as i64], vec![1.0, 0.0, 2.0, 3.0])],
+        ),
+    ];
+    for (what, nodes, mut inits) in cases {
+        inits.push(init("w", &[k as i64, n as i64], randv(&mut r, k * n)));
+        let want: Vec<String> = nodes.iter().map(|nd| nd.op_type.clone()).collect();
+        let mp = model(
+            nodes,
+            vec![f32_in("x", &[m as i64, k as i64])],
+            vec![f32_out("y")],
+            inits,
+            17,
+        );
+        let s = session(&mp, OptLevel::Basic);
+        assert_eq!(ops(&s), want, "{what}");
+        let feeds = [("x", vec![m, k], randv(&mut r, m * k))];
+        let want: Vec<&str> = want.iter().map(String::as_str).collect();
+        check(&mp, OptLevel::Basic, &feeds, &want, 0.0);
+    }
+    // The weight a graph input (overridable), not a constant.
+    let mp = model(
+        vec![
+            node("MatMul", &["x", "w"], &["mm"], vec![]),
+            node("Mul", &["mm", "c"], &["y"], vec![]),
+        ],
+        vec![
+            f32_in("x", &[m as i64, k as i64]),
+            f32_in("w", &[k as i64, n as i64]),
+        ],
+        vec![f32_out("y")],
+        vec![
+            init("c", &[], vec![0.5]),
+            init("w", &[k as i64, n as i64], randv(&mut r, k * n)),
+        ],
+        17,
+    );
+    assert_eq!(ops(&session(&mp, OptLevel::Basic)), ["MatMul", "Mul"]);
+}
+
 #[test]
 fn matmul_bias_and_erf_gelu_fuse_as_in_bert() {
     let mut r = rng();

@@ -191,6 +191,151 @@ pub fn conv_add_bias(model: &mut Model, log: &mut Vec<String>) -> usize {
     dead.len()
 }
 
+/// Values of a float32 constant that varies along the last axis only (every other dim 1,
+/// rank at most 2, so broadcasting it against a product's output keeps that output's shape):
+/// one value, or `n`.
+fn last_axis_const(g: &Graph, v: ValueId, n: usize) -> Option<&[f32]> {
+    let t = constant(g, v).filter(|t| t.dtype() == DType::F32 && t.rank() <= 2)?;
+    let s = t.shape();
+    let last = s.last().copied().unwrap_or(1);
+    if s.iter().rev().skip(1).any(|&d| d != 1) || (last != 1 && last != n) {
+        return None;
+    }
+    t.as_slice::<f32>().ok()
+}
+
+/// A bias Add to rewrite: its node, the slot of its bias, the scaled bias.
+type NewBias = (usize, usize, Tensor);
+
+/// A MatMul by a float32 constant matrix `W` (`[K, N]`, read by it alone), optionally followed
+/// by an Add of a constant bias along the last axis, then a Mul or Div by a nonzero finite
+/// constant along the last axis (one value, `[N]` or `[1, N]`): the scale goes into `W` and the
+/// bias (computed in f64, rounded once), and the Mul or Div goes. The pattern of a projection
+/// scaled after it (`q_proj(x) * scaling` in many exported decoders, a linear layer then a
+/// constant factor).
+pub fn matmul_scale(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let uses = Uses::of(&model.graph);
+    // Nodes matched this round (so no two matches share one), and the scaling nodes that go.
+    let mut taken = HashSet::new();
+    let mut gone = HashSet::new();
+    // (MatMul, its new weight, the bias Add and its new bias, the output they now write).
+    let mut rewrites: Vec<(usize, Tensor, Option<NewBias>, ValueId)> = Vec::new();
+    for si in 0..model.graph.nodes.len() {
+        let g = &model.graph;
+        let sc = &g.nodes[si];
+        let div = is_op(sc, "Div");
+        if !(is_op(sc, "Mul") || div) || sc.opset < 7 || sc.inputs.len() != 2 {
+            continue;
+        }
+        let Some(y) = out(sc) else { continue };
+        let found = (0..if div { 1 } else { 2 }).find_map(|side| {
+            let (x, c) = (sc.inputs[side]?, sc.inputs[1 - side]?);
+            let pi = *uses.producer.get(&x)?;
+            if uses.sole_reader(x) != Some(si) || taken.contains(&pi) {
+                return None;
+            }
+            // The bias Add (either operand order), when there is one.
+            let p = &g.nodes[pi];
+            let (mi, bias) = if is_op(p, "Add") && p.opset >= 7 && p.inputs.len() == 2 {
+                let (mm_out, b, slot) = match p.inputs.as_slice() {
+                    [Some(a), Some(b)] if constant(g, *b).is_some() => (*a, *b, 1),
+                    [Some(a), Some(b)] if constant(g, *a).is_some() => (*b, *a, 0),
+                    _ => return None,
+                };
+                let mi = *uses.producer.get(&mm_out)?;
+                if uses.sole_reader(mm_out) != Some(pi) || taken.contains(&mi) {
+                    return None;
+                }
+                (mi, Some((pi, slot, b)))
+            } else {
+                (pi, None)
+            };
+            let mm = &g.nodes[mi];
+            if !is_op(mm, "MatMul") || mm.inputs.len() != 2 || mm.outputs.len() != 1 {
+                return None;
+            }
+            let wv = mm.inputs[1]?;
+            let w = constant(g, wv).filter(|w| w.dtype() == DType::F32 && w.rank() == 2)?;
+            if uses.sole_reader(wv) != Some(mi) {
+                return None;
+            }
+            let n = w.shape()[1];
+            let cv = last_axis_const(g, c, n)?;
+            if cv.iter().any(|&v| !v.is_finite() || v == 0.0) {
+                return None;
+            }
+            let f = |j: usize, x: f32| {
+                let c = cv[if cv.len() == 1 { 0 } else { j }] as f64;
+                (if div { x as f64 / c } else { x as f64 * c }) as f32
+            };
+            let nw: Vec<f32> = w
+                .as_slice::<f32>()
+                .ok()?
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| f(i % n, x))
+                .collect();
+            let nw = Tensor::from_vec(w.shape().to_vec(), nw).ok()?;
+            let bias = match bias {
+                None => None,
+                Some((ai, slot, b)) => {
+                    let bv = last_axis_const(g, b, n)?;
+                    // A single bias value scaled per column becomes a row of them.
+                    let nb: Vec<f32> = if bv.len() == 1 && cv.len() > 1 {
+                        (0..n).map(|j| f(j, bv[0])).collect()
+                    } else {
+                        bv.iter().enumerate().map(|(j, &x)| f(j, x)).collect()
+                    };
+                    let shape = if nb.len() == bv.len() {
+                        constant(g, b)?.shape().to_vec()
+                    } else {
+                        vec![n]
+                    };
+                    Some((ai, slot, Tensor::from_vec(shape, nb).ok()?))
+                }
+            };
+            Some((mi, nw, bias))
+        });
+        let Some((mi, nw, bias)) = found else {
+            continue;
+        };
+        log.push(format!(
+            "{}{} + {} -> MatMul ({} folded into the weights{})",
+            g.nodes[mi].name,
+            bias.as_ref().map_or(String::new(), |(ai, ..)| format!(
+                " + {}",
+                g.nodes[*ai].name
+            )),
+            sc.name,
+            if div { "divisor" } else { "scale" },
+            if bias.is_some() { " and bias" } else { "" }
+        ));
+        gone.insert(si);
+        taken.insert(mi);
+        if let Some((ai, ..)) = &bias {
+            taken.insert(*ai);
+        }
+        rewrites.push((mi, nw, bias, y));
+    }
+    let n = rewrites.len();
+    for (mi, nw, bias, y) in rewrites {
+        let name = model.graph.nodes[mi].name.clone();
+        let wid = add_initializer(model, &format!("{name}.weight"), nw);
+        model.graph.nodes[mi].inputs[1] = Some(wid);
+        match bias {
+            Some((ai, slot, nb)) => {
+                let bid = add_initializer(model, &format!("{name}.bias"), nb);
+                let a = &mut model.graph.nodes[ai];
+                a.inputs[slot] = Some(bid);
+                a.outputs[0] = Some(y);
+            }
+            None => model.graph.nodes[mi].outputs[0] = Some(y),
+        }
+    }
+    remove_nodes(&mut model.graph, &gone);
+    n
+}
+
 fn near(v: Option<f32>, target: f64) -> bool {
     v.is_some_and(|v| ((v as f64) - target).abs() <= 1e-4 * target.abs())
 }

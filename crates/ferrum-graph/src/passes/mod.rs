@@ -6,7 +6,7 @@
 //! | level | passes |
 //! |---|---|
 //! | 0 `Disabled` | none: the graph runs as imported |
-//! | 1 `Basic` | constant folding, Identity/Dropout elimination, common-subexpression elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights; then constant weights packed for the GEMM ([`PackedWeights`]; in bf16 for the tile unit with [`Precision::Bf16`]) |
+//! | 1 `Basic` | constant folding, Identity/Dropout elimination, common-subexpression elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights, a constant Mul or Div after a MatMul by a constant matrix (and its bias Add) folded into the weights and bias; then constant weights packed for the GEMM ([`PackedWeights`]; in bf16 for the tile unit with [`Precision::Bf16`]) |
 //! | 2 `Extended` | level 1, then LayerNormalization spelled out as ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul, Add (exports before opset 17) into one `LayerNormalization` (`norm`), the erf form of GELU into one node, multi-head attention (MatMul, scale, mask, Softmax, MatMul) into one `FusedAttention` node, a dynamically quantized MatMul's MatMulInteger + Cast + scale Mul (+ bias Add) into one MatMulIntegerToFloat, (before constant folding) a statically quantized model's QDQ groups into integer operators (Conv into QLinearConv, a residual Add into QLinearAdd, a Linear's Gemm into MatMulIntegerToFloat on the integer weights: `passes/qdq.rs`), and bias, residual Add and activation fused into the Conv, Gemm or MatMul (activation only: MatMulIntegerToFloat) that produces their input ([`crate::ops`]' `com.ferrum` ops) |
 //! | 3 `All` | level 2, then chains of depthwise and pointwise convolutions moved to channels-last (`NhwcConv` on `[N, H, W, C]` tensors, transposes at the region's edges; f32 sessions; a large 1x1 expansion and the depthwise convolution that reads it as one `NhwcExpandDepthwise`), and chains of 8-bit QLinearConvs and QLinearAdds likewise (`NhwcQLinearConv`; a dequantized max pool between them as `NhwcMaxPool` on the bytes); a GlobalAveragePool reading a channels-last tensor through a transpose (and a per-tensor DequantizeLinear) reads it in place (`NhwcGlobalAveragePool`) |
 //!
@@ -122,6 +122,12 @@ pub fn optimize(model: &mut Model, level: OptLevel, precision: Precision) -> Res
             fuse::conv_batchnorm,
         );
         run(&mut report, "conv+add folding", model, fuse::conv_add_bias);
+        run(
+            &mut report,
+            "matmul+scale folding",
+            model,
+            fuse::matmul_scale,
+        );
         run(&mut report, "dead-code elimination", model, fold::dead_code);
     }
     if level >= OptLevel::Extended {
