@@ -55,7 +55,8 @@ pub struct RunArgs {
     pub profile_nodes: usize,
     /// Graph optimisation level, as ONNX Runtime's: 0 runs the graph as imported; 1 folds
     /// constants, removes Identity/Dropout and dead nodes, and folds BatchNormalization (and
-    /// constant Add/Mul) into the preceding Conv; 2 also fuses GELU, biases, residual adds and
+    /// constant Add/Mul) into the preceding Conv, and a constant Mul/Div after a MatMul by a
+    /// constant matrix (and its bias Add) into that matrix; 2 also fuses GELU, biases, residual adds and
     /// activations into the Conv/Gemm/MatMul that produces them; 3 (the default) also runs
     /// chains of depthwise and dense convolutions (MobileNet's blocks) channels-last (f32; a
     /// large 1x1 expansion made row by row inside the depthwise convolution that reads it), and
