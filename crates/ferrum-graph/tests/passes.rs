@@ -531,6 +531,34 @@ fn a_scale_that_cannot_fold_into_the_weights_stays() {
         17,
     );
     assert_eq!(ops(&session(&mp, OptLevel::Basic)), ["MatMul", "Mul"]);
+    // A vector times the matrix ([K] -> [N]): a scale of shape [1, N] widens the output to
+    // [1, N], so it stays; one of shape [N] folds.
+    for (dims, folds) in [(vec![1, n as i64], false), (vec![n as i64], true)] {
+        let mp = model(
+            vec![
+                node("MatMul", &["x", "w"], &["mm"], vec![]),
+                node("Mul", &["mm", "c"], &["y"], vec![]),
+            ],
+            vec![f32_in("x", &[k as i64])],
+            vec![f32_out("y")],
+            vec![
+                init("c", &dims, randv(&mut r, n)),
+                init("w", &[k as i64, n as i64], randv(&mut r, k * n)),
+            ],
+            17,
+        );
+        let s = session(&mp, OptLevel::Basic);
+        let want: &[&str] = if folds {
+            &["MatMul"]
+        } else {
+            &["MatMul", "Mul"]
+        };
+        assert_eq!(ops(&s), want, "scale of shape {dims:?}");
+        let x = Tensor::from_vec(vec![k], randv(&mut r, k)).unwrap();
+        let out = s.run(vec![("x".to_string(), Value::Tensor(x))]).unwrap();
+        let shape: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+        assert_eq!(out[0].1.tensor().unwrap().shape(), &shape[..]);
+    }
 }
 
 #[test]

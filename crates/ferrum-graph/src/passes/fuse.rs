@@ -191,11 +191,11 @@ pub fn conv_add_bias(model: &mut Model, log: &mut Vec<String>) -> usize {
     dead.len()
 }
 
-/// Values of a float32 constant that varies along the last axis only (every other dim 1,
-/// rank at most 2, so broadcasting it against a product's output keeps that output's shape):
+/// Values of a float32 constant that varies along the last axis only (every other dim 1, rank at
+/// most `max_rank`, so broadcasting it against a product's output keeps that output's shape):
 /// one value, or `n`.
-fn last_axis_const(g: &Graph, v: ValueId, n: usize) -> Option<&[f32]> {
-    let t = constant(g, v).filter(|t| t.dtype() == DType::F32 && t.rank() <= 2)?;
+fn last_axis_const(g: &Graph, v: ValueId, n: usize, max_rank: usize) -> Option<&[f32]> {
+    let t = constant(g, v).filter(|t| t.dtype() == DType::F32 && t.rank() <= max_rank)?;
     let s = t.shape();
     let last = s.last().copied().unwrap_or(1);
     if s.iter().rev().skip(1).any(|&d| d != 1) || (last != 1 && last != n) {
@@ -215,6 +215,18 @@ type NewBias = (usize, usize, Tensor);
 /// constant factor).
 pub fn matmul_scale(model: &mut Model, log: &mut Vec<String>) -> usize {
     let uses = Uses::of(&model.graph);
+    // A product's output has rank 2 or more when its A does (else rank 1): known from the
+    // static shapes, or from the rank A is declared with.
+    let shapes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| static_shapes(model)))
+        .unwrap_or_default();
+    let rank = |v: ValueId| {
+        shapes.shapes.get(&v).map(Vec::len).or_else(|| {
+            match model.values.get(v.0 as usize).map(|i| &i.ty) {
+                Some(crate::ir::ValueType::Tensor { shape: Some(d), .. }) => Some(d.len()),
+                _ => None,
+            }
+        })
+    };
     // Nodes matched this round (so no two matches share one), and the scaling nodes that go.
     let mut taken = HashSet::new();
     let mut gone = HashSet::new();
@@ -260,7 +272,12 @@ pub fn matmul_scale(model: &mut Model, log: &mut Vec<String>) -> usize {
                 return None;
             }
             let n = w.shape()[1];
-            let cv = last_axis_const(g, c, n)?;
+            // Unknown: only constants of rank 0 or 1, which never widen the output.
+            let out_rank = match rank(mm.inputs[0]?) {
+                Some(r) if r >= 2 => 2,
+                _ => 1,
+            };
+            let cv = last_axis_const(g, c, n, out_rank)?;
             if cv.iter().any(|&v| !v.is_finite() || v == 0.0) {
                 return None;
             }
@@ -279,7 +296,7 @@ pub fn matmul_scale(model: &mut Model, log: &mut Vec<String>) -> usize {
             let bias = match bias {
                 None => None,
                 Some((ai, slot, b)) => {
-                    let bv = last_axis_const(g, b, n)?;
+                    let bv = last_axis_const(g, b, n, out_rank)?;
                     // A single bias value scaled per column becomes a row of them.
                     let nb: Vec<f32> = if bv.len() == 1 && cv.len() > 1 {
                         (0..n).map(|j| f(j, bv[0])).collect()
