@@ -209,7 +209,8 @@ type NewBias = (usize, usize, Tensor);
 
 /// A MatMul by a float32 constant matrix `W` (`[K, N]`, read by it alone), optionally followed
 /// by an Add of a constant bias along the last axis, then a Mul or Div by a nonzero finite
-/// constant along the last axis (one value, `[N]` or `[1, N]`): the scale goes into `W` and the
+/// constant along the last axis (one value, `[N]`, or `[1, N]` where A's rank is known to be 2 or
+/// more, so the output keeps its shape): the scale goes into `W` and the
 /// bias (computed in f64, rounded once), and the Mul or Div goes. The pattern of a projection
 /// scaled after it (`q_proj(x) * scaling` in many exported decoders, a linear layer then a
 /// constant factor).
