@@ -217,16 +217,21 @@ type NewBias = (usize, usize, Tensor);
 pub fn matmul_scale(model: &mut Model, log: &mut Vec<String>) -> usize {
     let uses = Uses::of(&model.graph);
     // A product's output has rank 2 or more when its A does (else rank 1): known from the
-    // static shapes, or from the rank A is declared with.
-    let shapes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| static_shapes(model)))
-        .unwrap_or_default();
+    // static shapes (propagated only once a match needs them), or from A's declared rank.
+    let shapes = std::cell::OnceCell::new();
     let rank = |v: ValueId| {
-        shapes.shapes.get(&v).map(Vec::len).or_else(|| {
-            match model.values.get(v.0 as usize).map(|i| &i.ty) {
-                Some(crate::ir::ValueType::Tensor { shape: Some(d), .. }) => Some(d.len()),
+        let shapes = shapes.get_or_init(|| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| static_shapes(model)))
+                .unwrap_or_default()
+        });
+        shapes
+            .shapes
+            .get(&v)
+            .map(Vec::len)
+            .or(match &model.value(v).ty {
+                crate::ir::ValueType::Tensor { shape: Some(d), .. } => Some(d.len()),
                 _ => None,
-            }
-        })
+            })
     };
     // Nodes matched this round (so no two matches share one), and the scaling nodes that go.
     let mut taken = HashSet::new();
