@@ -278,6 +278,45 @@ pub fn tier() -> Tier {
     features().tier()
 }
 
+/// Who designed the CPU: some choices that do not change results (software prefetch hints) pay
+/// on one vendor's cores and cost on the other's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Vendor {
+    Intel,
+    Amd,
+    Other,
+}
+
+/// The CPU's vendor by the CPUID vendor string (read once; [`Vendor::Other`] off x86).
+pub fn vendor() -> Vendor {
+    static V: OnceLock<Vendor> = OnceLock::new();
+    *V.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // CPUID leaf 0 is present on every x86_64 CPU: the vendor string in EBX, EDX, ECX.
+            let r = std::arch::x86_64::__cpuid(0);
+            let mut id = [0u8; 12];
+            id[..4].copy_from_slice(&r.ebx.to_le_bytes());
+            id[4..8].copy_from_slice(&r.edx.to_le_bytes());
+            id[8..].copy_from_slice(&r.ecx.to_le_bytes());
+            vendor_of(&id)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            Vendor::Other
+        }
+    })
+}
+
+/// The vendor a CPUID vendor string names.
+pub fn vendor_of(id: &[u8; 12]) -> Vendor {
+    match id {
+        b"GenuineIntel" => Vendor::Intel,
+        b"AuthenticAMD" | b"HygonGenuine" => Vendor::Amd,
+        _ => Vendor::Other,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -322,5 +361,23 @@ mod tests {
             assert!(full().capped(t).tier() <= t, "{t}");
         }
         assert_eq!(full().capped(Tier::Avx2).tier(), Tier::Avx2);
+    }
+
+    #[test]
+    fn vendor_strings_name_their_vendor() {
+        assert_eq!(vendor_of(b"GenuineIntel"), Vendor::Intel);
+        assert_eq!(vendor_of(b"AuthenticAMD"), Vendor::Amd);
+        assert_eq!(vendor_of(b"HygonGenuine"), Vendor::Amd);
+        assert_eq!(vendor_of(b"VIA VIA VIA "), Vendor::Other);
+        #[cfg(target_arch = "x86_64")]
+        {
+            let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+            if let Some(line) = cpuinfo.lines().find(|l| l.starts_with("vendor_id")) {
+                let name = line.split(':').nth(1).unwrap_or("").trim();
+                if let Ok(id) = <[u8; 12]>::try_from(name.as_bytes()) {
+                    assert_eq!(vendor(), vendor_of(&id), "{name}");
+                }
+            }
+        }
     }
 }
