@@ -1075,7 +1075,7 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     // panel, each then reused from cache by every row tile: while one panel's
                     // row tiles run, the next panel is fetched into L2, a share before each
                     // tile (the hardware prefetcher sees no misses to follow within a panel).
-                    let ahead = prefetches_panels();
+                    let ahead = prefetches_panels(nr);
                     for jr in (0..nc).step_by(nr) {
                         let next = (ahead && jr + nr < nc)
                             .then(|| &bp[(jr + nr) * kc..][..kc * nr.min(nc - jr - nr)]);
@@ -1105,21 +1105,24 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
     SCRATCH.with(|s| *s.borrow_mut() = (sa, sb));
 }
 
-/// True when a product streaming a B packed ahead asks for its next panel while the current
-/// one's row tiles run ([`prefetch_l2`]): on Intel cores, where it was measured to pay (a Xeon
-/// with AMX, one thread, B from memory: 128 x 3072 x 768 114-120 -> 125-146 GFLOP/s), not on
-/// AMD's, where the same hints cost more than the hardware prefetcher leaves to gain (Zen 4, one
-/// thread, B from memory, fastest of 15, two alternated rounds, with -> without: 128 x 768 x
-/// 768 104 -> 114, 128 x 3072 x 768 101 -> 109, 197 x 768 x 3072 102-108 -> 107-109, and a
-/// convolution's filter read as B for a short product, 512 x 49 x 2048, 89 -> 102-103; two
+/// True when a product streaming a B packed ahead in panels `nr` wide asks for its next panel
+/// while the current one's row tiles run ([`prefetch_l2`]). On Intel cores it was measured to
+/// pay (a Xeon with AMX, one thread, B from memory: 128 x 3072 x 768 114-120 -> 125-146
+/// GFLOP/s). On AMD's it pays for the AVX2 kernel's 16-wide panels only (Zen 4, one thread, B
+/// from memory, fastest of 15: 128 x 768 x 768 98 -> 101, 128 x 3072 x 768 97 -> 100 GFLOP/s),
+/// and costs the AVX-512 kernel's 32-wide ones more than the hardware prefetcher leaves to gain,
+/// even at most 16 lines before a tile (without -> with, two alternated rounds: 128 x 768 x 768
+/// 114 -> 104, 128 x 3072 x 768 109 -> 101, 197 x 768 x 3072 107-109 -> 102-108, a
+/// convolution's filter read as B for a short product, 512 x 49 x 2048, 102-103 -> 89; two
 /// threads 2-7% too). `FERRUM_GEMM_PREFETCH=0` or `1` overrides.
-fn prefetches_panels() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("FERRUM_GEMM_PREFETCH").as_deref() {
-        Ok("0") => false,
-        Ok("1") => true,
-        _ => crate::cpu::vendor() != crate::cpu::Vendor::Amd,
-    })
+fn prefetches_panels(nr: usize) -> bool {
+    static ON: OnceLock<Option<bool>> = OnceLock::new();
+    let forced = *ON.get_or_init(|| match std::env::var("FERRUM_GEMM_PREFETCH").as_deref() {
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        _ => None,
+    });
+    forced.unwrap_or(crate::cpu::vendor() != crate::cpu::Vendor::Amd || nr < 32)
 }
 
 /// Asks for the cache lines `l0..l1` (64 bytes each) of `v` to be brought into L2 (a hint:
