@@ -213,9 +213,14 @@ pub fn prepack(g: &mut Graph, precision: Precision, shapes: &Shapes) -> usize {
             }
             ("Conv", true, _) | ("FusedConv", _, true) if s.len() == 4 && direct => {
                 let (m, kk) = (s[0], s[1] * s[2] * s[3]);
-                // One group only (the filter is then the whole A).
+                // One group only (the filter is then the whole A). Where the output's size is
+                // known, in the layout its product reads (B's panels for a short product).
                 (int_attr("group", 1) == 1 && m > 0 && kk > 0).then(|| {
-                    let p = PackedA::with_precision(m, kk, Mat::row_major(data, kk), precision);
+                    let a = Mat::row_major(data, kk);
+                    let p = match out {
+                        Some(o) => PackedA::for_columns(m, kk, a, precision, o[2] * o[3]),
+                        None => PackedA::with_precision(m, kk, a, precision),
+                    };
                     (Role::ConvFilter, Packed::A(p))
                 })
             }

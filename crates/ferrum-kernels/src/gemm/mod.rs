@@ -245,6 +245,14 @@ impl Isa {
     }
 }
 
+/// True when an `m x n` product whose A is not read in place runs as `C^T = B^T A^T`: a short,
+/// wide-K product with many rows (late CNN layers: 7x7 outputs), whose NR-wide panels would be
+/// mostly padding (the operands swap roles, C is written through a column stride).
+fn swaps(isa: Isa, m: usize, n: usize) -> bool {
+    let util = |x: usize| x as f64 / isa.padded_cols(x) as f64;
+    n < 128 && m >= 2 * n && util(m) > util(n) + 0.1
+}
+
 /// The best microkernel this CPU runs (detected once), unless the environment steps down.
 pub fn isa() -> Isa {
     let f = crate::cpu::features();
@@ -777,6 +785,20 @@ impl PackedA {
         match precision {
             Precision::F32 => PackedA::new(m, k, a),
             Precision::Bf16 => PackedA(Repr::Bf16(bf16::Bf16Operand::rows(a, m, k))),
+        }
+    }
+
+    /// As [`PackedA::with_precision`], for products of `n` columns: an f32 A that such a product
+    /// reads as the B of `C^T = B^T A^T` (a convolution's filter over a 7x7 output) is packed in
+    /// B's panels from the start, so the product does not convert it on first use and the
+    /// operand is held in one layout, not two. Any other product still reads it (converting).
+    pub fn for_columns(m: usize, k: usize, a: Mat, precision: Precision, n: usize) -> PackedA {
+        let isa = isa();
+        match precision {
+            Precision::F32 if swaps(isa, m, n) => {
+                PackedA(Repr::F32(Box::new(Packed::new(a, m, k, isa.tile().1))))
+            }
+            _ => PackedA::with_precision(m, k, a, precision),
         }
     }
 
@@ -1593,11 +1615,7 @@ fn gemm_dst(
         z: epi.residual.map(|z| ZPtr(z.as_ptr())),
         has_epi: !epi.is_none(),
     };
-    // A short, wide-K product with many rows (late CNN layers: 7x7 outputs): the NR-wide panels
-    // would be mostly padding, so compute C^T = B^T A^T (the operands swap roles, C is written
-    // through a column stride).
-    let util = |x: usize| x as f64 / isa.padded_cols(x) as f64;
-    if !in_place && n < 128 && m >= 2 * n && util(m) > util(n) + 0.1 {
+    if !in_place && swaps(isa, m, n) {
         p = Prob {
             m: n,
             n: m,

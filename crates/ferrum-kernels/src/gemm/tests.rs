@@ -545,6 +545,49 @@ fn packed_operands_give_the_bits_of_plain_views() {
 }
 
 #[test]
+fn a_filter_packed_for_its_product_keeps_the_bits_in_one_layout() {
+    let mut rng = rng();
+    // Two products that run as C^T = B^T A^T on every kernel, and two that do not.
+    for &(m, n, k) in &[(250, 33, 90), (512, 49, 300), (40, 49, 70), (130, 200, 520)] {
+        let a = Operand::new(&mut rng, m, k);
+        let b = Operand::new(&mut rng, k, n);
+        let (av, bv) = (a.mat(), b.mat());
+        let run = |pa: &PackedA| {
+            let mut c = vec![f32::NAN; m * n];
+            gemm_ex(
+                m,
+                n,
+                k,
+                1.0,
+                Lhs::Packed(pa),
+                Rhs::Mat(bv),
+                0.0,
+                &mut c,
+                n,
+                &Epilogue::NONE,
+            );
+            c
+        };
+        let plain = PackedA::new(m, k, av);
+        let fitted = PackedA::for_columns(m, k, av, Precision::F32, n);
+        let (plain_bytes, fitted_bytes) = (plain.size_bytes(), fitted.size_bytes());
+        let (want, got) = (run(&plain), run(&fitted));
+        assert!(
+            want.iter()
+                .zip(&got)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "m{m} n{n} k{k}: the fitted layout changes the result"
+        );
+        let swapped = swaps(isa(), m, n);
+        assert_eq!(swapped, m >= 250, "m{m} n{n}: the shapes' premise");
+        // The plain operand gains B's panels on first use where the product swaps; the
+        // fitted one is already in them.
+        assert_eq!(plain.size_bytes() > plain_bytes, swapped, "m{m} n{n}");
+        assert_eq!(fitted.size_bytes(), fitted_bytes, "m{m} n{n}: held twice");
+    }
+}
+
+#[test]
 fn packed_types_are_send_and_sync_and_take_empty_shapes() {
     fn is<T: Send + Sync + 'static>() {}
     is::<PackedA>();
