@@ -96,13 +96,17 @@ pub enum Bias<'a> {
     Col(&'a [f32]),
 }
 
-/// What [`super::gemm_ex`] applies to each finished tile of C: `act((x + bias) + residual)`.
+/// What [`super::gemm_ex`] applies to C: `act((x + residual) + bias)`, where `x` is the product
+/// (plus C's old value where it accumulates).
 #[derive(Clone, Copy, Debug)]
 pub struct Epilogue<'a> {
     pub bias: Bias<'a>,
     pub act: Act,
-    /// A matrix of C's shape and row stride (`ldc`) added after the bias, before the activation:
-    /// a residual connection fused into the product that feeds it (f32 products only).
+    /// A matrix of C's shape and row stride (`ldc`): a residual connection fused into the
+    /// product that feeds it (f32 products only). It joins the sum where C's old value would
+    /// (with the first block of K, before the bias), so a product with this residual and one
+    /// accumulating (`beta` 1) into a C that holds it give the same bits: a caller that owns
+    /// the residual's memory can write the output there.
     pub residual: Option<&'a [f32]>,
 }
 

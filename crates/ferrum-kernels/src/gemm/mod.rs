@@ -375,14 +375,14 @@ unsafe fn write_tile_with(
                 v += *p;
             }
             if let Some(e) = &out.epi {
+                if !e.z.is_null() {
+                    v += *e.z.add(r * out.rsc + j * out.csc);
+                }
                 if !e.row.is_null() {
                     v += *e.row.add(r);
                 }
                 if !e.col.is_null() {
                     v += *e.col.add(j);
-                }
-                if !e.z.is_null() {
-                    v += *e.z.add(r * out.rsc + j * out.csc);
                 }
                 v = act(v);
             }
@@ -1068,14 +1068,23 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                             lda: x.rs,
                         },
                     };
-                    let epi = (last && p.has_epi).then(|| TileEpi {
-                        row: p.row_bias.map_or(std::ptr::null(), |v| v[i..].as_ptr()),
-                        col: p.col_bias.map_or(std::ptr::null(), |v| v[j..].as_ptr()),
+                    // The residual joins with the first block of K (where C's old value would),
+                    // the biases and the activation with the last.
+                    let z = p.z.filter(|_| pc == 0);
+                    let epi = ((last && p.has_epi) || z.is_some()).then(|| TileEpi {
+                        row: match p.row_bias {
+                            Some(v) if last => v[i..].as_ptr(),
+                            _ => std::ptr::null(),
+                        },
+                        col: match p.col_bias {
+                            Some(v) if last => v[j..].as_ptr(),
+                            _ => std::ptr::null(),
+                        },
                         // SAFETY: (i, j) lies inside the residual, which has C's extent.
-                        z: p.z.map_or(std::ptr::null(), |z| unsafe {
+                        z: z.map_or(std::ptr::null(), |z| unsafe {
                             z.0.add(i * p.rsc + j * p.csc)
                         }),
-                        act: p.act,
+                        act: if last { p.act } else { Act::Identity },
                     });
                     let out = Out {
                         // SAFETY: (i, j) lies inside the product's C (the caller's extent).
@@ -1534,14 +1543,14 @@ fn gemm_dst(
                 return x;
             }
             let mut v = x;
+            if let Some(z) = epi.residual {
+                v += z[i * ldc + j];
+            }
             if let Some(b) = row_bias {
                 v += b[i];
             }
             if let Some(b) = col_bias {
                 v += b[j];
-            }
-            if let Some(z) = epi.residual {
-                v += z[i * ldc + j];
             }
             epi.act.apply(v)
         };

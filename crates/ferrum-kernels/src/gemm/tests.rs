@@ -849,6 +849,89 @@ fn gemm_into_uninitialised_c_writes_every_element_as_beta_zero() {
     }
 }
 
+/// A product with a residual in its epilogue and the same product accumulated (`beta` 1) into a
+/// C that holds the residual give the same bits (what lets a caller that owns the residual's
+/// memory write the output there): every ISA, one and two threads, several K blocks (K past
+/// `kc()`, 768 or 384), edge
+/// tiles, the transposed (short) product, row and column biases, Relu and GELU, A packed ahead.
+#[test]
+fn a_residual_in_the_epilogue_gives_the_bits_of_accumulating_into_it() {
+    let mut rng = rng();
+    for &(m, n, k) in &[
+        (37, 300, 301),
+        (256, 196, 64),
+        (130, 200, 1700),
+        (512, 49, 1600),
+        (13, 5, 7),
+    ] {
+        let a = Operand::new(&mut rng, m, k);
+        let b = Operand::new(&mut rng, k, n);
+        let (av, bv) = (a.mat(), b.mat());
+        let pa = PackedA::new(m, k, av);
+        let row = random_vec(&mut rng, m);
+        let col = random_vec(&mut rng, n);
+        let z = random_vec(&mut rng, m * n);
+        for isa in available_isas() {
+            for threads in [1, 2] {
+                for (bias, act, lhs) in [
+                    (Bias::Row(&row), Act::Relu, Lhs::Packed(&pa)),
+                    (Bias::Col(&col), Act::Gelu, Lhs::Mat(av)),
+                    (Bias::None, Act::Identity, Lhs::Mat(av)),
+                ] {
+                    let mut want = vec![f32::NAN; m * n];
+                    let with_z = Epilogue {
+                        bias,
+                        act,
+                        residual: Some(&z),
+                    };
+                    gemm_ex_with(
+                        isa,
+                        threads,
+                        m,
+                        n,
+                        k,
+                        0.5,
+                        lhs,
+                        Rhs::Mat(bv),
+                        0.0,
+                        &mut want,
+                        n,
+                        &with_z,
+                    );
+                    let mut got = z.clone();
+                    let without = Epilogue {
+                        residual: None,
+                        ..with_z
+                    };
+                    gemm_ex_with(
+                        isa,
+                        threads,
+                        m,
+                        n,
+                        k,
+                        0.5,
+                        lhs,
+                        Rhs::Mat(bv),
+                        1.0,
+                        &mut got,
+                        n,
+                        &without,
+                    );
+                    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                        assert!(!w.is_nan(), "{isa:?} m{m} n{n} k{k}: element {i} is NaN");
+                        assert_eq!(
+                            w.to_bits(),
+                            g.to_bits(),
+                            "{isa:?} {threads} threads m{m} n{n} k{k} {act:?}: element {i}: \
+                             {g} accumulated vs {w} with the residual"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A random convolution geometry for [`Patches`]: channels, input, kernel, stride, dilation,
 /// leading padding and the output size it gives (padding the same on both sides).
 #[allow(clippy::type_complexity)]
