@@ -275,9 +275,10 @@ fn run_inner(a: RunArgs) -> Result<()> {
         println!("{}", timing_line(&ms));
         let mem = session.memory();
         println!(
-            "tensor memory: the last run reused {} freed buffers and allocated {}; {:.1} MiB kept \
-             for the next run",
+            "tensor memory: the last run reused {} freed buffers, wrote {} outputs into an input's \
+             memory and allocated {}; {:.1} MiB kept for the next run",
             mem.reused,
+            session.outputs_in_place(),
             mem.allocated,
             mem.held_bytes as f64 / (1u64 << 20) as f64
         );

@@ -38,6 +38,8 @@ pub struct Pools {
     u32: Pool<u32>,
     u64: Pool<u64>,
     bool: Pool<bool>,
+    /// Outputs written this run into the memory of an input they were the last to read.
+    in_place: usize,
 }
 
 /// The element types [`Pools`] keeps: each finds its pool.
@@ -59,8 +61,8 @@ pooled!(f32 => f32, f64 => f64, f16 => f16, bf16 => bf16, i8 => i8, i16 => i16, 
     i64 => i64, u8 => u8, u16 => u16, u32 => u32, u64 => u64, bool => bool);
 
 impl Pools {
-    /// Ends a run of every pool; the counts summed.
-    fn end_run(&mut self) -> PoolRun {
+    /// Ends a run of every pool; the counts summed, and the outputs written in place.
+    fn end_run(&mut self) -> (PoolRun, usize) {
         let runs = [
             self.f32.end_run(),
             self.f64.end_run(),
@@ -76,11 +78,12 @@ impl Pools {
             self.u64.end_run(),
             self.bool.end_run(),
         ];
-        runs.iter().fold(PoolRun::default(), |a, r| PoolRun {
+        let sum = runs.iter().fold(PoolRun::default(), |a, r| PoolRun {
             reused: a.reused + r.reused,
             allocated: a.allocated + r.allocated,
             held_bytes: a.held_bytes + r.held_bytes,
-        })
+        });
+        (sum, std::mem::take(&mut self.in_place))
     }
 }
 
@@ -92,7 +95,7 @@ thread_local! {
 #[derive(Debug, Default)]
 pub struct Arena {
     pools: Mutex<Option<Box<Pools>>>,
-    last: Mutex<PoolRun>,
+    last: Mutex<(PoolRun, usize)>,
 }
 
 impl Arena {
@@ -112,7 +115,13 @@ impl Arena {
 
     /// What the last finished run asked of the pools.
     pub fn last_run(&self) -> PoolRun {
-        *self.last.lock().unwrap_or_else(|e| e.into_inner())
+        self.last.lock().unwrap_or_else(|e| e.into_inner()).0
+    }
+
+    /// How many outputs the last finished run wrote into the memory of an input they were the
+    /// last to read (a fused convolution's residual), instead of taking a buffer.
+    pub fn last_in_place(&self) -> usize {
+        self.last.lock().unwrap_or_else(|e| e.into_inner()).1
     }
 }
 
@@ -181,6 +190,17 @@ fn give<T: Pooled + Elem>(store: Store<T>) {
         if let Ok(mut c) = c.try_borrow_mut() {
             if let Some(p) = c.as_mut() {
                 T::pool(p).give(v);
+            }
+        }
+    });
+}
+
+/// Counts an output written into an input's memory in the running session's run.
+pub(crate) fn note_in_place() {
+    let _ = CURRENT.try_with(|c| {
+        if let Ok(mut c) = c.try_borrow_mut() {
+            if let Some(p) = c.as_mut() {
+                p.in_place += 1;
             }
         }
     });

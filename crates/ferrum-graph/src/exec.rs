@@ -10,7 +10,7 @@ use crate::error::UnsupportedOp;
 use crate::ir::{Graph, Node, ValueId};
 use crate::ops;
 use crate::passes::PackedWeights;
-use crate::tensor::Value;
+use crate::tensor::{Tensor, Value};
 use crate::{Error, Result};
 
 /// The values visible while a graph runs: its own (computed values and fed inputs, then its
@@ -231,7 +231,10 @@ pub fn run_graph<'a>(
         let start = PROFILING.load(Ordering::Relaxed).then(Instant::now);
         let outs = match view_in_place(node, op, frees, &mut env)? {
             Some(v) => vec![v],
-            None => run_node(node, op.kernel, &env)?,
+            None => match handed_over(node, op, frees, &mut env) {
+                Some((reuse, t)) => run_node(node, Call::Into(reuse, t), &env)?,
+                None => run_node(node, Call::Plain(op.kernel), &env)?,
+            },
         };
         if let Some(t) = start {
             record(node, &env, &outs, t.elapsed().as_secs_f64());
@@ -326,6 +329,34 @@ fn view_in_place(
     })?)))
 }
 
+/// For an op that can write its output into an input's memory ([`ops::Reuse`]): that input's
+/// tensor, moved out of the values, when this node is its last reader, reads it through no
+/// other input, and the tensor owns its memory. `None` otherwise (the node runs as usual).
+fn handed_over(
+    node: &Node,
+    op: &ops::Resolved,
+    frees: &[ValueId],
+    env: &mut Env,
+) -> Option<(ops::Reuse, Tensor)> {
+    let reuse = op.reuse?;
+    let x = node.inputs.get(reuse.at).copied().flatten()?;
+    let once = node.inputs.iter().filter(|i| **i == Some(x)).count() == 1;
+    let owned = matches!(env.local.get(&x), Some(Value::Tensor(t)) if !t.data().is_shared());
+    if !(once && owned && frees.contains(&x)) {
+        return None;
+    }
+    match env.local.remove(&x) {
+        Some(Value::Tensor(t)) => Some((reuse, t)),
+        _ => unreachable!("checked above"),
+    }
+}
+
+/// How a node's kernel is called: on its inputs, or with one of them handed over by value.
+enum Call {
+    Plain(ops::Kernel),
+    Into(ops::Reuse, Tensor),
+}
+
 /// Runs one node on the given inputs, outside any graph (constant folding at load time). A
 /// kernel panic becomes an error.
 pub(crate) fn eval_node(node: &Node, ins: &[Option<&Value>]) -> Result<Vec<Value>> {
@@ -334,11 +365,17 @@ pub(crate) fn eval_node(node: &Node, ins: &[Option<&Value>]) -> Result<Vec<Value
         .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
 }
 
-fn run_node(node: &Node, kernel: ops::Kernel, env: &Env) -> Result<Vec<Value>> {
+fn run_node(node: &Node, call: Call, env: &Env) -> Result<Vec<Value>> {
+    let handed = match &call {
+        Call::Into(r, _) => Some(r.at),
+        Call::Plain(_) => None,
+    };
     let mut ins = Vec::with_capacity(node.inputs.len());
-    for i in &node.inputs {
+    for (at, i) in node.inputs.iter().enumerate() {
         match i {
             None => ins.push(None),
+            // Given to the kernel by value instead.
+            Some(_) if handed == Some(at) => ins.push(None),
             Some(id) => ins.push(Some(env.get(*id).ok_or_else(|| Error::Node {
                 node: node.name.clone(),
                 op: node.op.clone(),
@@ -358,9 +395,22 @@ fn run_node(node: &Node, kernel: ops::Kernel, env: &Env) -> Result<Vec<Value>> {
         ins: &ins,
         env,
     };
-    let outs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kernel(&cx)))
-        .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
-        .map_err(|e| wrap(e, node, dtype()))?;
+    let mut slot = None;
+    let outs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match call {
+        Call::Plain(kernel) => kernel(&cx),
+        Call::Into(r, t) => {
+            slot = Some(t);
+            let outs = (r.kernel)(&cx, &mut slot);
+            match slot.take() {
+                // Not written in: its memory goes back to the pool, as when a value is freed.
+                Some(t) => crate::arena::recycle(Value::Tensor(t)),
+                None => crate::arena::note_in_place(),
+            }
+            outs
+        }
+    }))
+    .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
+    .map_err(|e| wrap(e, node, dtype()))?;
     if outs.len()
         < node
             .outputs

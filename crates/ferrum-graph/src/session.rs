@@ -169,6 +169,12 @@ impl Session {
         self.arena.last_run()
     }
 
+    /// How many outputs the last finished run wrote into the memory of an input they were the
+    /// last to read (a fused convolution's residual) instead of a buffer of their own.
+    pub fn outputs_in_place(&self) -> usize {
+        self.arena.last_in_place()
+    }
+
     fn check_input(&self, pos: usize, v: &Value) -> Result<()> {
         let info = self.model.value(self.model.graph.inputs[pos]);
         if let (ValueType::Tensor { dtype, shape }, Value::Tensor(t)) = (&info.ty, v) {

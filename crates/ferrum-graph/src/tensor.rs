@@ -659,6 +659,27 @@ impl Data {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// True when the elements are read from memory the value does not own (a model file's
+    /// bytes, shared with the session): taking them means copying them.
+    pub fn is_shared(&self) -> bool {
+        match self {
+            Data::F32(v) => v.is_shared(),
+            Data::F64(v) => v.is_shared(),
+            Data::F16(v) => v.is_shared(),
+            Data::BF16(v) => v.is_shared(),
+            Data::I8(v) => v.is_shared(),
+            Data::I16(v) => v.is_shared(),
+            Data::I32(v) => v.is_shared(),
+            Data::I64(v) => v.is_shared(),
+            Data::U8(v) => v.is_shared(),
+            Data::U16(v) => v.is_shared(),
+            Data::U32(v) => v.is_shared(),
+            Data::U64(v) => v.is_shared(),
+            Data::Bool(v) => v.is_shared(),
+            Data::Str(_) | Data::Code(..) => false,
+        }
+    }
 }
 
 /// A tensor: element type, shape (row-major) and its elements.

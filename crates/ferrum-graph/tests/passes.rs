@@ -310,6 +310,92 @@ fn residual_add_and_relu_fuse_into_the_conv_as_in_resnet() {
     assert_eq!(ops(&s).iter().filter(|o| o.as_str() == "Conv").count(), 4);
 }
 
+/// A FusedConv that is the last to read its residual writes its output in the residual's
+/// memory (`Session::outputs_in_place`), with the bits it gives when the residual is read on
+/// afterwards (a graph output too, so not handed over): a 1x1 product of depth 800 (past one
+/// block of K), and a depthwise one, which reads the residual as usual. Outputs within 1e-5 of
+/// the unfused graph's.
+#[test]
+fn a_conv_last_to_read_its_residual_writes_into_it_with_the_same_bits() {
+    let mut r = rng();
+    let (c, m, deep) = (6usize, 8usize, 800usize);
+    let pointwise = |r: &mut Rng64, name: &str, x: &str, out: &str, (ci, co), group: usize| {
+        let w = init(
+            &format!("{name}.w"),
+            &[co as i64, (ci / group) as i64, 1, 1],
+            randv(r, co * ci / group),
+        );
+        let b = init(&format!("{name}.b"), &[co as i64], randv(r, co));
+        let attrs = vec![ferrum_graph::proto::build::attr_int("group", group as i64)];
+        let n = node("Conv", &[x, &w.name, &b.name], &[out], attrs);
+        (n, [w, b])
+    };
+    for depthwise in [false, true] {
+        let mut inits = Vec::new();
+        // a = Relu(conv(x)); h = conv1x1(a) to `deep` channels (or a depthwise conv); b =
+        // conv1x1(h) back to m; y = Relu(b + a).
+        let mut nodes = vec![
+            conv(&mut r, "c1", "x", "a0", (c, m), true, &mut inits),
+            node("Relu", &["a0"], &["a"], vec![]),
+        ];
+        let (n2, w2) = if depthwise {
+            pointwise(&mut r, "c2", "a", "h", (m, m), 1)
+        } else {
+            pointwise(&mut r, "c2", "a", "h", (m, deep), 1)
+        };
+        let (n3, w3) = if depthwise {
+            pointwise(&mut r, "c3", "h", "b", (m, m), m)
+        } else {
+            pointwise(&mut r, "c3", "h", "b", (deep, m), 1)
+        };
+        nodes.extend([n2, n3]);
+        inits.extend(w2.into_iter().chain(w3));
+        nodes.push(node("Add", &["b", "a"], &["s"], vec![]));
+        nodes.push(node("Relu", &["s"], &["y"], vec![]));
+        let x = ("x", vec![1, c, 6, 7], randv(&mut r, c * 42));
+        let mut runs = Vec::new();
+        for also_a in [false, true] {
+            let outs = if also_a {
+                vec![f32_out("y"), f32_out("a")]
+            } else {
+                vec![f32_out("y")]
+            };
+            let mp = model(
+                nodes.clone(),
+                vec![f32_in("x", &[1, c as i64, 6, 7])],
+                outs,
+                inits.clone(),
+                17,
+            );
+            let fc = "com.ferrum.FusedConv";
+            check(
+                &mp,
+                OptLevel::Extended,
+                std::slice::from_ref(&x),
+                &[fc, "Conv", fc],
+                1e-5,
+            );
+            let s = session(&mp, OptLevel::Extended);
+            let y = outputs(&s, std::slice::from_ref(&x)).remove(0);
+            runs.push((y, s.outputs_in_place()));
+        }
+        let (handed, kept) = (&runs[0], &runs[1]);
+        let written_in = usize::from(!depthwise);
+        assert_eq!(
+            handed.1, written_in,
+            "outputs written in place, depthwise {depthwise}"
+        );
+        assert_eq!(kept.1, 0, "the residual is an output too: not handed over");
+        assert_eq!(handed.0.len(), kept.0.len());
+        for (i, (u, v)) in handed.0.iter().zip(&kept.0).enumerate() {
+            assert!(
+                u.to_bits() == v.to_bits() && u.is_finite(),
+                "depthwise {depthwise}: element {i}: {u} written in the residual, {v} apart"
+            );
+        }
+    }
+}
+
 #[test]
 fn every_activation_fuses_into_conv_and_gemm() {
     let mut r = rng();

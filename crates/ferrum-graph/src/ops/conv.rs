@@ -7,7 +7,7 @@ use ferrum_kernels::aligned::Aligned;
 use ferrum_kernels::pool;
 use ferrum_kernels::qgemm::{self, Bytes, PackedI8};
 
-use crate::ops::fused::Epi;
+use crate::ops::fused::{Act, Epi};
 use crate::ops::nn::{f64_tensor, minus_zp};
 use crate::ops::shape::strides;
 use crate::ops::{fast, linear};
@@ -151,7 +151,7 @@ fn conv(cx: &Ctx, kind: ConvKind) -> Result<Tensor> {
             return Ok(t);
         }
     }
-    conv_epi(cx, kind, Epi::default())
+    conv_epi(cx, kind, Epi::default(), &mut None)
 }
 
 /// A one-value float32 input as f64 (`None` for another form).
@@ -446,10 +446,18 @@ fn copy_flipped(src: &[u8], flip: u8, dst: &mut [u8]) {
 
 /// `FusedConv`: Conv (float) followed by the residual and activation of `epi`.
 pub(crate) fn conv_fused(cx: &Ctx, epi: Epi) -> Result<Tensor> {
-    conv_epi(cx, ConvKind::Float, epi)
+    conv_epi(cx, ConvKind::Float, epi, &mut None)
 }
 
-fn conv_epi(cx: &Ctx, kind: ConvKind, epi: Epi) -> Result<Tensor> {
+/// `FusedConv` with its residual handed over in `z` (the node its last reader): the output is
+/// written in its memory (taken from `z`) where the kernel would start from a copy of it.
+pub(crate) fn conv_fused_into(cx: &Ctx, z: &mut Option<Tensor>, act: Act) -> Result<Tensor> {
+    conv_epi(cx, ConvKind::Float, Epi { z: None, act }, z)
+}
+
+/// A convolution of `kind` followed by `epi`; `spare`: the residual handed over (then `epi.z`
+/// is `None`), taken where the output is written in its memory.
+fn conv_epi(cx: &Ctx, kind: ConvKind, epi: Epi, spare: &mut Option<Tensor>) -> Result<Tensor> {
     let (x, w) = (
         cx.t(0)?,
         cx.t(if kind == ConvKind::QLinear { 3 } else { 1 })?,
@@ -492,10 +500,16 @@ fn conv_epi(cx: &Ctx, kind: ConvKind, epi: Epi) -> Result<Tensor> {
             cx.opt(2),
             &geom2,
             epi,
+            spare,
             cx.packed_a(1),
             cx.packed_winograd(1),
         );
     }
+    // The reference path reads a handed-over residual as it would read the input.
+    let epi = match spare.as_ref() {
+        Some(t) => Epi { z: Some(t), ..epi },
+        None => epi,
+    };
     let (xv, wv, bias) = match kind {
         // Weight zero points (and scales) are per output channel (dim 0).
         ConvKind::Integer => (

@@ -203,7 +203,7 @@ impl Epi<'_> {
     }
 }
 
-fn into_f32(t: Tensor) -> Result<Vec<f32>> {
+pub(crate) fn into_f32(t: Tensor) -> Result<Vec<f32>> {
     match t.into_data() {
         crate::tensor::Data::F32(s) => Ok(s.into_vec()),
         other => kbail!("expected float32, got {}", other.dtype()),
@@ -224,6 +224,22 @@ fn add_broadcast(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         .map(|(&i, &j)| av[i] + bv[j])
         .collect();
     Tensor::from_vec(out, v)
+}
+
+/// For the `com.ferrum` ops that can write their output into an input's memory: that input and
+/// the kernel that takes it.
+pub fn reuse(op: &str) -> Option<crate::ops::Reuse> {
+    match op {
+        // The residual, Z.
+        "FusedConv" => Some(crate::ops::Reuse {
+            at: 3,
+            kernel: |cx, z| {
+                let act = Act::from_node(cx)?;
+                one(crate::ops::conv::conv_fused_into(cx, z, act)?)
+            },
+        }),
+        _ => None,
+    }
 }
 
 /// The kernel of a `com.ferrum` op.

@@ -79,9 +79,9 @@ pub fn matmul_bias_act(
             let rows = a.len() / k.max(1);
             let mut shape = a.shape().to_vec();
             *shape.last_mut().expect("rank >= 2") = n;
-            // A residual of the output's own shape is added as each tile is written, after
-            // the bias (the unfused Adds' order); any other, or one beside a bf16 product
-            // (whose kernels take no residual), goes through `Epi::finish`.
+            // A residual of the output's own shape is added as each tile is written (with the
+            // product, before the bias: `Epilogue::residual`); any other, or one beside a bf16
+            // product (whose kernels take no residual), goes through `Epi::finish`.
             let bf16 = pb.is_some_and(|p| p.precision() == Precision::Bf16);
             let residual = epi.z_exact(&shape).filter(|_| !bf16);
             if epi.z.is_none() || residual.is_some() {
@@ -265,13 +265,16 @@ pub struct Conv2d {
 
 /// 2-D float32 Conv: grouped convolutions as one GEMM per image and group (`W_g` times the
 /// im2col matrix of the group's input channels, or the input itself for 1x1 / stride 1 / no
-/// padding), depthwise convolutions as a direct loop per channel.
+/// padding), depthwise convolutions as a direct loop per channel. `spare`: the residual handed
+/// over with its memory (then `epi.z` is `None`), taken where the output is written there.
+#[allow(clippy::too_many_arguments)]
 pub fn conv2d(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
     g: &Conv2d,
     epi: Epi,
+    spare: &mut Option<Tensor>,
     pw: Option<&PackedA>,
     wino: Option<&WinogradFilter>,
 ) -> Result<Tensor> {
@@ -285,11 +288,35 @@ pub fn conv2d(
     let osp = oh * ow;
     let isp = ih * iw;
     let shape = vec![n, m, oh, ow];
+    let depthwise_form = osp == 0 || (g.group == c && cg == 1 && m == c);
+    let wino = wino.filter(|f| {
+        g.k == [3, 3]
+            && g.s == [1, 1]
+            && g.d == [1, 1]
+            && g.group == 1
+            && f.cin() == c
+            && f.cout() == m
+            && winograd::worthwhile(c, m, oh, ow)
+    });
+    // A residual handed over with its memory (`spare`, this node its last reader): the
+    // products accumulate into it where they would start from a copy of it, which gives the
+    // bits of adding it in their epilogue (`Epilogue::residual`); elsewhere it is read as usual.
+    let gemm_into = |t: &Tensor| {
+        !depthwise_form && wino.is_none() && t.dtype() == DType::F32 && t.shape() == shape
+    };
+    let own = match spare.take_if(|t| gemm_into(t)) {
+        Some(t) => Some(super::fused::into_f32(t)?),
+        None => None,
+    };
+    let epi = match spare.as_ref() {
+        Some(t) => Epi { z: Some(t), ..epi },
+        None => epi,
+    };
     // The output starts as the residual when that has the output's shape (the products
     // accumulate into it); a residual of another shape is added by broadcasting at the end.
     let z = epi.z_exact(&shape);
     let rest_z = if z.is_some() { None } else { epi.z };
-    if osp == 0 || (g.group == c && cg == 1 && m == c) {
+    if depthwise_form {
         // Depthwise: each output starts as `0 + b` or `z + b` (bias, residual), then the taps,
         // then the activation (unless a broadcast residual must come first).
         let nhwc =
@@ -342,15 +369,7 @@ pub fn conv2d(
         None => split_act(epi.act),
         Some(_) => (GemmAct::Identity, epi.act),
     };
-    if let Some(f) = wino.filter(|f| {
-        g.k == [3, 3]
-            && g.s == [1, 1]
-            && g.d == [1, 1]
-            && g.group == 1
-            && f.cin() == c
-            && f.cout() == m
-            && winograd::worthwhile(c, m, oh, ow)
-    }) {
+    if let Some(f) = wino {
         let fin = winograd::Finish {
             bias: bv,
             residual: z,
@@ -389,8 +408,9 @@ pub fn conv2d(
         }
         v
     };
-    // A residual of the output's shape joins an f32 product's epilogue (after the bias, before
-    // the activation: Conv then Add's order); a bf16 product accumulates into a copy of it.
+    // A residual of the output's shape joins an f32 product's epilogue (with the product, before
+    // the bias and the activation); a bf16 product accumulates into a copy of it, which gives
+    // the same order.
     let z_in_epi = z.filter(|_| pw.is_none_or(|p| p.precision() == Precision::F32));
     // One product per image and group, each writing its own `mpg x osp` block of the output:
     // accumulated into the residual when the output starts as one, else written into fresh
@@ -448,8 +468,12 @@ pub fn conv2d(
             }
         }
     };
-    let out = match z {
-        Some(z) if z_in_epi.is_none() => {
+    let out = match (own, z) {
+        (Some(mut out), _) => {
+            products(OutBuf::Acc(&mut out));
+            out
+        }
+        (None, Some(z)) if z_in_epi.is_none() => {
             let mut out = z.to_vec();
             products(OutBuf::Acc(&mut out));
             out

@@ -159,6 +159,22 @@ pub type Kernel = fn(&Ctx) -> Result<Vec<Value>>;
 /// form is not such a view.
 pub type ViewDims = fn(&Ctx) -> Option<Result<Vec<usize>>>;
 
+/// A kernel that may write its output into the memory of one of its inputs ([`Reuse::at`]): it
+/// finds that input in the slot it is given (its place in [`Ctx::ins`] is empty), takes it
+/// when it writes there, and else reads it from the slot as it would from `ins`.
+pub type IntoKernel = fn(&Ctx, &mut Option<Tensor>) -> Result<Vec<Value>>;
+
+/// For an op whose output can take over an input's memory (a fused convolution's residual, of
+/// the output's shape, which it only adds): the executor runs [`Reuse::kernel`] with input
+/// [`Reuse::at`] moved in when the node is that value's last reader and the value owns its
+/// memory, instead of [`Resolved::kernel`] writing a fresh buffer. Same outputs, bit for bit:
+/// the kernel decides from the input's shape and type whether it writes there.
+#[derive(Clone, Copy)]
+pub struct Reuse {
+    pub at: usize,
+    pub kernel: IntoKernel,
+}
+
 /// What a node runs, resolved from its domain and op type.
 #[derive(Clone, Copy)]
 pub struct Resolved {
@@ -166,12 +182,15 @@ pub struct Resolved {
     /// Set for the view ops: the executor then moves input 0 into the output when the node is
     /// its last reader, instead of running the kernel's copy.
     pub view: Option<ViewDims>,
+    /// Set for the ops that can write their output into an input's memory.
+    pub reuse: Option<Reuse>,
 }
 
 impl std::fmt::Debug for Resolved {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Resolved")
             .field("view", &self.view.is_some())
+            .field("reuse", &self.reuse.map(|r| r.at))
             .finish_non_exhaustive()
     }
 }
@@ -200,6 +219,11 @@ pub fn resolve(node: &Node) -> Result<Resolved> {
         Some(kernel) => Ok(Resolved {
             kernel,
             view: if default { shape::view(&node.op) } else { None },
+            reuse: if node.domain == crate::passes::DOMAIN {
+                fused::reuse(&node.op)
+            } else {
+                None
+            },
         }),
         None => Err(Error::Unsupported(Box::new(crate::error::UnsupportedOp {
             node: node.name.clone(),
