@@ -109,30 +109,16 @@ unsafe fn tile_avx512<
             }
         }
     }
-    // The sums leave the registers through a copy into memory that nothing zeroes first. With
-    // the loop's own array handed on (by value to the out-of-line writers), the compiler kept
-    // that array in memory and zeroed it with a call to memset at every tile (1.5 KiB, about
-    // 7% of a 12 x 32 tile of depth 64).
-    let t = {
-        let mut t = std::mem::MaybeUninit::<[[__m512; NV]; R]>::uninit();
-        let at = t.as_mut_ptr().cast::<__m512>();
-        for (r, row) in acc.iter().enumerate() {
-            for (v, &x) in row.iter().enumerate() {
-                // SAFETY: r < R and v < NV index one of the array's R * NV vectors.
-                unsafe { at.add(r * NV + v).write(x) };
-            }
-        }
-        // SAFETY: every one of the R * NV vectors was written above.
-        unsafe { t.assume_init() }
-    };
+    // The out-of-line writers get a copy of the sums ([`spill`]); the inline paths read them in
+    // registers.
     if out.csc != 1 {
         if out.rsc == 1 {
             // SAFETY: forwarded from the caller.
-            return unsafe { write_transposed_avx512::<R, NV>(t, cols, out) };
+            return unsafe { write_transposed_avx512::<R, NV>(spill(&acc), cols, out) };
         }
         // Any other strides: through a row-major buffer.
         let mut buf = [0f32; 14 * 32];
-        for (r, row) in t.iter().enumerate() {
+        for (r, row) in acc.iter().enumerate() {
             for (v, &x) in row.iter().enumerate() {
                 // SAFETY: r < R <= 14 and v < NV <= 2 keep the store inside `buf`.
                 unsafe { _mm512_storeu_ps(buf.as_mut_ptr().add(r * 32 + 16 * v), x) };
@@ -144,7 +130,7 @@ unsafe fn tile_avx512<
     }
     if out.alpha == 1.0 && out.epi.is_none() && cols == 16 * NV {
         // The common tile: whole, overwritten or added to.
-        for (r, row) in t.iter().enumerate() {
+        for (r, row) in acc.iter().enumerate() {
             for (v, &x) in row.iter().enumerate() {
                 // SAFETY: r < R rows and 16 * NV == cols columns lie in the tile the caller
                 // vouched for.
@@ -167,18 +153,38 @@ unsafe fn tile_avx512<
             // layer's epilogue): written from the registers, the activation chosen once for
             // the tile. SAFETY (each call): forwarded from the caller.
             match e.act {
-                Act::Identity => return unsafe { write_epi_avx512::<R, NV, 0>(&t, cols, e, out) },
-                Act::Relu => return unsafe { write_epi_avx512::<R, NV, 1>(&t, cols, e, out) },
-                Act::Clip { .. } => {
-                    return unsafe { write_epi_avx512::<R, NV, 2>(&t, cols, e, out) }
+                Act::Identity => {
+                    return unsafe { write_epi_avx512::<R, NV, 0>(&acc, cols, e, out) }
                 }
-                Act::Gelu => return unsafe { write_epi_avx512::<R, NV, 3>(&t, cols, e, out) },
+                Act::Relu => return unsafe { write_epi_avx512::<R, NV, 1>(&acc, cols, e, out) },
+                Act::Clip { .. } => {
+                    return unsafe { write_epi_avx512::<R, NV, 2>(&acc, cols, e, out) }
+                }
+                Act::Gelu => return unsafe { write_epi_avx512::<R, NV, 3>(&acc, cols, e, out) },
                 _ => {}
             }
         }
     }
     // SAFETY: forwarded from the caller.
-    unsafe { write_avx512::<R, NV>(t, cols, out) };
+    unsafe { write_avx512::<R, NV>(spill(&acc), cols, out) };
+}
+
+/// A copy of a tile's sums for the out-of-line writers, made in memory that nothing zeroes first.
+/// Handing them the kernel's own array kept that array in memory for the whole tile, zeroed by a
+/// call to memset before every tile (1.5 KiB, about 4% of a 12 x 32 tile of depth 64) and read
+/// back from the stack by the inline writers too.
+#[inline(always)]
+fn spill<const R: usize, const NV: usize>(acc: &[[__m512; NV]; R]) -> [[__m512; NV]; R] {
+    let mut t = std::mem::MaybeUninit::<[[__m512; NV]; R]>::uninit();
+    let at = t.as_mut_ptr().cast::<__m512>();
+    for (r, row) in acc.iter().enumerate() {
+        for (v, &x) in row.iter().enumerate() {
+            // SAFETY: r < R and v < NV index one of the array's R * NV vectors.
+            unsafe { at.add(r * NV + v).write(x) };
+        }
+    }
+    // SAFETY: every one of the R * NV vectors was written above.
+    unsafe { t.assume_init() }
 }
 
 /// Writes a tile (`csc == 1`, `alpha == 1`, its first `cols` columns, a masked right edge as
@@ -219,27 +225,53 @@ unsafe fn write_epi_avx512<const R: usize, const NV: usize, const ACT: u8>(
             *c = unsafe { _mm512_maskz_loadu_ps(mask, e.col.add(16 * v)) };
         }
     }
-    for (r, row) in t.iter().enumerate() {
-        for (v, &x) in row.iter().enumerate() {
-            let mask = if v == NV - 1 { tail } else { 0xffff };
-            // SAFETY: r < R rows and the masked columns (< cols) lie in the tile the caller
-            // vouched for, as do the row bias and the residual (C's extent); masked-off lanes
-            // are neither read nor written.
-            unsafe {
-                let p = out.c.add(r * out.rsc + 16 * v);
-                let mut x = add_terms(x, mask, out, Some(e), col[v], r, v);
-                // `act_avx512`'s operations for the kinds named by ACT.
-                x = match ACT {
-                    1 => _mm512_max_ps(x, _mm512_setzero_ps()),
-                    2 => _mm512_min_ps(hi, _mm512_max_ps(lo, x)),
-                    3 => gelu_avx512(x),
-                    _ => x,
-                };
-                if mask == 0xffff {
-                    _mm512_storeu_ps(p, x);
-                } else {
-                    _mm512_mask_storeu_ps(p, mask, x);
-                }
+    // The rows one by one at constant indices (R <= 14), so that the tile stays in registers:
+    // a loop over them indexed the array, which kept it in memory.
+    macro_rules! each_row {
+        ($($r:literal)*) => {$(
+            if $r < R {
+                // SAFETY: forwarded from the caller (row $r < R of the tile).
+                unsafe { epi_row::<NV, ACT>(t[$r], $r, tail, &col, (lo, hi), e, out) };
+            }
+        )*};
+    }
+    each_row!(0 1 2 3 4 5 6 7 8 9 10 11 12 13);
+}
+
+/// Row `r` of [`write_epi_avx512`]'s tile: its terms added, the activation (`ACT`), stored.
+/// Always inlined, so it runs under its caller's AVX-512 feature.
+///
+/// # Safety
+/// As [`write_epi_avx512`], for row `r` of its tile.
+#[inline(always)]
+unsafe fn epi_row<const NV: usize, const ACT: u8>(
+    row: [__m512; NV],
+    r: usize,
+    tail: __mmask16,
+    col: &[__m512; NV],
+    (lo, hi): (__m512, __m512),
+    e: &TileEpi,
+    out: &Out,
+) {
+    for (v, &x) in row.iter().enumerate() {
+        let mask = if v == NV - 1 { tail } else { 0xffff };
+        // SAFETY: row r and the masked columns (< cols) lie in the tile the caller vouched for,
+        // as do the row bias and the residual (C's extent); masked-off lanes are neither read
+        // nor written.
+        unsafe {
+            let p = out.c.add(r * out.rsc + 16 * v);
+            let mut x = add_terms(x, mask, out, Some(e), col[v], r, v);
+            // `act_avx512`'s operations for the kinds named by ACT.
+            x = match ACT {
+                1 => _mm512_max_ps(x, _mm512_setzero_ps()),
+                2 => _mm512_min_ps(hi, _mm512_max_ps(lo, x)),
+                3 => gelu_avx512(x),
+                _ => x,
+            };
+            if mask == 0xffff {
+                _mm512_storeu_ps(p, x);
+            } else {
+                _mm512_mask_storeu_ps(p, mask, x);
             }
         }
     }
