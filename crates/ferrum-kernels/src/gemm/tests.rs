@@ -852,8 +852,8 @@ fn gemm_into_uninitialised_c_writes_every_element_as_beta_zero() {
 /// A product with a residual in its epilogue and the same product accumulated (`beta` 1) into a
 /// C that holds the residual give the same bits (what lets a caller that owns the residual's
 /// memory write the output there): every ISA, one and two threads, several K blocks (K past
-/// `kc()`, 768 or 384), edge
-/// tiles, the transposed (short) product, row and column biases, Relu and GELU, A packed ahead.
+/// `kc()`, 768 or 384), edge tiles, the transposed (short) product, row and column biases, Relu
+/// and GELU, A packed ahead.
 #[test]
 fn a_residual_in_the_epilogue_gives_the_bits_of_accumulating_into_it() {
     let mut rng = rng();
