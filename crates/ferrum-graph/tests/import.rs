@@ -497,3 +497,227 @@ fn mutated_models_never_panic() {
         assert!(!msg.contains("panicked"), "mutated model {b:02x?}: {msg}");
     }
 }
+
+fn i64_init(name: &str, v: &[i64]) -> TensorProto {
+    TensorProto {
+        name: name.into(),
+        dims: vec![v.len() as i64],
+        data_type: 7,
+        int64_data: v.to_vec(),
+        ..Default::default()
+    }
+}
+
+/// Static shape inference (each op's shape rule, kept beside its kernel) gives every value the
+/// shape the kernels then produce: a model of the common ops on fresh random dims, every value
+/// a graph output, its inferred shapes against a run's at level 0 (nothing rewritten). The
+/// shape arithmetic PyTorch exports (Shape, Gather, Unsqueeze, Concat into Reshape) is followed
+/// through its constant values.
+#[test]
+fn inferred_shapes_are_the_shapes_a_run_produces() {
+    use ferrum_graph::proto::build::{attr_int, attr_ints};
+    use rand::Rng;
+    let mut rng = rand::thread_rng();
+    for _ in 0..16 {
+        let (n, c, h, w, m) = (
+            rng.gen_range(1..3i64),
+            rng.gen_range(1..5i64),
+            rng.gen_range(5..12i64),
+            rng.gen_range(5..12i64),
+            rng.gen_range(1..6i64),
+        );
+        let (stride, pad, ceil) = (
+            rng.gen_range(1..3i64),
+            rng.gen_range(0..2i64),
+            rng.gen_range(0..2i64),
+        );
+        eprintln!("x [{n}, {c}, {h}, {w}], {m} filters, stride {stride}, pad {pad}, ceil {ceil}");
+        let filt = vec![0.5f32; (m * c * 9) as usize];
+        let inits = vec![
+            f32_tensor("wc", &[m, c, 3, 3], &filt),
+            i64_init("zero", &[0]),
+            i64_init("minus1", &[-1]),
+            i64_init("axes0", &[0]),
+            i64_init("starts", &[1]),
+            i64_init("ends", &[h - 1]),
+            i64_init("axes2", &[2]),
+        ];
+        let nodes = vec![
+            node(
+                "Conv",
+                &["x", "wc"],
+                &["conv"],
+                vec![
+                    attr_ints("strides", &[stride, stride]),
+                    attr_ints("pads", &[pad, pad, pad, pad]),
+                ],
+            ),
+            node(
+                "MaxPool",
+                &["conv"],
+                &["pool"],
+                vec![
+                    attr_ints("kernel_shape", &[2, 2]),
+                    attr_ints("strides", &[2, 2]),
+                    attr_int("ceil_mode", ceil),
+                ],
+            ),
+            node("Shape", &["pool"], &["shape"], vec![]),
+            node(
+                "Gather",
+                &["shape", "zero"],
+                &["batch"],
+                vec![attr_int("axis", 0)],
+            ),
+            node(
+                "Concat",
+                &["batch", "minus1"],
+                &["target"],
+                vec![attr_int("axis", 0)],
+            ),
+            node("Reshape", &["pool", "target"], &["flat"], vec![]),
+            node("Transpose", &["flat"], &["flat_t"], vec![]),
+            node("MatMul", &["flat", "flat_t"], &["gram"], vec![]),
+            node("Softmax", &["gram"], &["soft"], vec![attr_int("axis", -1)]),
+            node(
+                "Gemm",
+                &["flat", "flat"],
+                &["gemm"],
+                vec![attr_int("transB", 1)],
+            ),
+            node("Add", &["gemm", "soft"], &["sum"], vec![]),
+            node("Unsqueeze", &["sum", "axes0"], &["sum3"], vec![]),
+            node(
+                "Slice",
+                &["x", "starts", "ends", "axes2"],
+                &["sliced"],
+                vec![],
+            ),
+            node(
+                "Flatten",
+                &["sliced"],
+                &["sliced2"],
+                vec![attr_int("axis", 2)],
+            ),
+            node("GlobalAveragePool", &["conv"], &["gap"], vec![]),
+            node("Relu", &["gap"], &["relu"], vec![]),
+        ];
+        let names: Vec<String> = nodes.iter().map(|n| n.output[0].clone()).collect();
+        let outs = names.iter().map(|o| value(o, 0, &[])).collect();
+        let mut mp = model(
+            nodes,
+            vec![value("x", 1, &[Some(n), Some(c), Some(h), Some(w)])],
+            outs,
+            inits,
+            17,
+        );
+        for o in &mut mp.graph.as_mut().unwrap().output {
+            o.r#type = None;
+        }
+        let s = Session::from_bytes_with(
+            &encode(&mp),
+            &ferrum_graph::SessionOptions {
+                opt_level: ferrum_graph::OptLevel::Disabled,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let len = (n * c * h * w) as usize;
+        let x = Tensor::from_vec(
+            vec![n as usize, c as usize, h as usize, w as usize],
+            (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect(),
+        )
+        .unwrap();
+        let ran = s.run(vec![("x".into(), x.into())]).unwrap();
+        let m = s.model();
+        let shapes = ferrum_graph::infer::static_shapes(m);
+        for node in &m.graph.nodes {
+            let id = node.outputs[0].unwrap();
+            let name = &m.value(id).name;
+            let (_, v) = ran.iter().find(|(o, _)| o == name).unwrap();
+            let got = v.tensor().unwrap().shape();
+            assert_eq!(
+                shapes.get(Some(id)).map(Vec::as_slice),
+                Some(got),
+                "{} ({})",
+                name,
+                node.op
+            );
+            if node.op == "Conv" {
+                let flops = ferrum_graph::infer::node_flops(node, &shapes).unwrap();
+                let outs: usize = got.iter().product();
+                assert_eq!(flops, 2.0 * outs as f64 * (c * 9) as f64);
+            }
+        }
+    }
+}
+
+/// Shape rules meet malformed nodes (which the kernels refuse when run) with "unknown", never a
+/// panic: two -1s in a Reshape, a permutation out of range, a zero or negative stride, a
+/// Concat axis past the rank, a Gather index past the end.
+#[test]
+fn shape_rules_give_unknown_for_malformed_nodes() {
+    use ferrum_graph::proto::build::{attr_int, attr_ints};
+    let inits = vec![
+        f32_tensor("wc", &[2, 3, 3, 3], &[0.0; 54]),
+        i64_init("two_free", &[-1, -1]),
+        i64_init("far", &[9]),
+    ];
+    let nodes = vec![
+        node("Reshape", &["x", "two_free"], &["r"], vec![]),
+        node(
+            "Transpose",
+            &["x"],
+            &["t"],
+            vec![attr_ints("perm", &[0, 9, -3, 1])],
+        ),
+        node(
+            "Conv",
+            &["x", "wc"],
+            &["c0"],
+            vec![attr_ints("strides", &[0, -2])],
+        ),
+        node("Concat", &["x", "x"], &["cat"], vec![attr_int("axis", 7)]),
+        node("Shape", &["x"], &["shape"], vec![]),
+        node(
+            "Gather",
+            &["shape", "far"],
+            &["g"],
+            vec![attr_int("axis", 0)],
+        ),
+        node("Reshape", &["x", "g"], &["r2"], vec![]),
+        node(
+            "MaxPool",
+            &["x"],
+            &["p"],
+            vec![attr_ints("kernel_shape", &[0, -4])],
+        ),
+    ];
+    let outs = ["r", "t", "c0", "cat", "g", "r2", "p"]
+        .iter()
+        .map(|o| value(o, 0, &[]))
+        .collect();
+    let mut mp = model(
+        nodes,
+        vec![value("x", 1, &[Some(1), Some(3), Some(4), Some(4)])],
+        outs,
+        inits,
+        17,
+    );
+    for o in &mut mp.graph.as_mut().unwrap().output {
+        o.r#type = None;
+    }
+    let m = ferrum_graph::onnx::load_model_bytes(&encode(&mp), None).unwrap();
+    let shapes = ferrum_graph::infer::static_shapes(&m);
+    for n in &m.graph.nodes {
+        let known = shapes.get(n.outputs[0]);
+        match n.op.as_str() {
+            "Shape" => assert_eq!(known, Some(&vec![4])),
+            // A valid Gather of an index out of range: its dims, no values (r2 unknown).
+            "Gather" => assert_eq!(known, Some(&vec![1])),
+            // Strides of 0 and -2 are read as 1, as the kernel reads them.
+            "Conv" => assert_eq!(known, Some(&vec![1, 2, 2, 2])),
+            op => assert_eq!(known, None, "{op}"),
+        }
+    }
+}

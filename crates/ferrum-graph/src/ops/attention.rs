@@ -8,7 +8,7 @@ use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, bstrides, cast
 use crate::ops::nn::{matmul_f64, MatmulDims};
 use crate::ops::shape::{concat_t, strides as row_major, transpose_t};
 use crate::ops::vecmath;
-use crate::ops::Ctx;
+use crate::ops::{numel, Ctx, Inferred, Known, Rules};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
 
@@ -303,6 +303,51 @@ pub fn flex_attention(cx: &Ctx) -> Result<Vec<Value>> {
         &Tensor::from_vec(vec![b, hq, l, ev], out)?,
         v.dtype(),
     )?)])
+}
+
+/// The static rules of `com.ferrum` FusedAttention: `out_shape` when the pass recorded it, else
+/// `(Q K^T) V` with the batch dims broadcast, each operand read as its view (`{q,k,v}_shape`)
+/// where it has one; per output row, `sk (d + dv)` multiply-adds and the softmax.
+pub const FUSED_RULES: Rules = Rules::with(
+    |k| {
+        if let Some(o) = k.aints("out_shape") {
+            return Some(Inferred::dims(
+                o.iter()
+                    .map(|&d| usize::try_from(d).ok())
+                    .collect::<Option<_>>()?,
+            ));
+        }
+        let (q, kk, v) = (
+            operand(k, "q", 0)?,
+            operand(k, "k", 1)?,
+            operand(k, "v", 2)?,
+        );
+        if q.len() < 2 || kk.len() < 2 || v.len() < 2 {
+            return None;
+        }
+        let mut dims = broadcast_shape(&q[..q.len() - 2], &kk[..kk.len() - 2]).ok()?;
+        dims = broadcast_shape(&dims, &v[..v.len() - 2]).ok()?;
+        dims.push(q[q.len() - 2]);
+        dims.push(v[v.len() - 1]);
+        Some(Inferred::dims(dims))
+    },
+    |k, out| {
+        let (q, v) = (operand(k, "q", 0)?, operand(k, "v", 2)?);
+        let (d, sk, dv) = (
+            *q.last()? as f64,
+            v[v.len().checked_sub(2)?] as f64,
+            *out.last()? as f64,
+        );
+        Some(numel(out) / dv.max(1.0) * sk * (2.0 * (d + dv) + 5.0))
+    },
+);
+
+/// A FusedAttention operand's dims: its view's (`{name}_shape`), else input `i`'s.
+fn operand(k: &Known, name: &str, i: usize) -> Option<Vec<usize>> {
+    match k.aints(&format!("{name}_shape")) {
+        Some(v) => v.iter().map(|&d| usize::try_from(d).ok()).collect(),
+        None => k.dims(i).map(<[usize]>::to_vec),
+    }
 }
 
 /// `com.ferrum.FusedAttention` (made by the attention pass from PyTorch's exported chain):

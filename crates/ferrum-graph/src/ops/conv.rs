@@ -7,11 +7,12 @@ use ferrum_kernels::aligned::Aligned;
 use ferrum_kernels::pool;
 use ferrum_kernels::qgemm::{self, Bytes, PackedI8};
 
+use crate::ir::Node;
 use crate::ops::fused::{Act, Epi};
 use crate::ops::nn::{f64_tensor, minus_zp};
 use crate::ops::shape::strides;
+use crate::ops::{attr_ints, attr_str, numel, one, per_input, Inferred, Kernel, Known, Rules};
 use crate::ops::{fast, linear};
-use crate::ops::{one, Kernel};
 use crate::ops::{unsupported, Ctx};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
@@ -28,17 +29,19 @@ pub(crate) struct Geom {
 
 /// The node's strides, dilations, pads and `auto_pad` over input dims `ins` and kernel `k`.
 pub(crate) fn geom(cx: &Ctx, ins: &[usize], k: &[usize], ceil: bool) -> Result<Geom> {
+    geom_of(cx.node, ins, k, ceil)
+}
+
+/// [`geom`] from the node alone: the one rule for the kernels and for shape inference.
+pub(crate) fn geom_of(node: &Node, ins: &[usize], k: &[usize], ceil: bool) -> Result<Geom> {
     let nd = ins.len();
-    let s: Vec<usize> = cx
-        .aints("strides")
+    let s: Vec<usize> = attr_ints(node, "strides")
         .map(|v| v.iter().map(|&x| x.max(1) as usize).collect())
         .unwrap_or(vec![1; nd]);
-    let d: Vec<usize> = cx
-        .aints("dilations")
+    let d: Vec<usize> = attr_ints(node, "dilations")
         .map(|v| v.iter().map(|&x| x.max(1) as usize).collect())
         .unwrap_or(vec![1; nd]);
-    let mut pads: Vec<usize> = cx
-        .aints("pads")
+    let mut pads: Vec<usize> = attr_ints(node, "pads")
         .map(|v| v.iter().map(|&x| x.max(0) as usize).collect())
         .unwrap_or(vec![0; 2 * nd]);
     const LIMIT: usize = 1 << 24;
@@ -51,7 +54,7 @@ pub(crate) fn geom(cx: &Ctx, ins: &[usize], k: &[usize], ceil: bool) -> Result<G
     if s.len() != nd || d.len() != nd || pads.len() != 2 * nd || k.len() != nd || k.contains(&0) {
         kbail!("strides, dilations, pads or kernel_shape do not match {nd} spatial dims");
     }
-    let auto = cx.astr("auto_pad", "NOTSET");
+    let auto = attr_str(node, "auto_pad", "NOTSET");
     let mut outs = vec![0; nd];
     for i in 0..nd {
         let ek = (k[i] - 1) * d[i] + 1;
@@ -1260,6 +1263,70 @@ fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
         res.push(Value::Tensor(Tensor::from_vec(shape, arg)?));
     }
     Ok(res)
+}
+
+/// The static rules of Conv (also a fused convolution's), by the kernels' own geometry.
+pub const CONV_RULES: Rules = Rules::with(|k| window(k, Some(1)), |k, out| filter_flops(k, 1, out));
+
+/// The static rules of the convolutions and pools: the output's dims by the kernels' own
+/// geometry ([`geom_of`]); a multiply-add per filter tap and output (pools: an operation).
+pub fn rules(op: &str) -> Option<Rules> {
+    Some(match op {
+        "Conv" => CONV_RULES,
+        "QLinearConv" => Rules::with(|k| window(k, Some(3)), |k, out| filter_flops(k, 3, out)),
+        "MaxPool" | "AveragePool" => Rules::with(
+            |k| window(k, None),
+            |k, out| {
+                let taps = k
+                    .aints("kernel_shape")?
+                    .iter()
+                    .try_fold(1.0, |a, &v| (v > 0).then_some(a * v as f64))?;
+                Some(numel(out) * taps)
+            },
+        ),
+        "GlobalAveragePool" | "GlobalMaxPool" => Rules::with(
+            |k| {
+                let x = k.dims(0)?;
+                let mut o = x.get(..2)?.to_vec();
+                o.extend(std::iter::repeat_n(1, x.len() - 2));
+                Some(Inferred::dims(o))
+            },
+            per_input,
+        ),
+        _ => return None,
+    })
+}
+
+/// The shape rule of an `[N, C, spatial..]` window op: the filter's `[M, C/group, k..]` from
+/// input `filter` (a convolution) or `kernel_shape` (a pool).
+fn window(k: &Known, filter: Option<usize>) -> Option<Inferred> {
+    let x = k.dims(0)?;
+    let ins = x.get(2..)?;
+    let (m, taps): (usize, Vec<usize>) = match filter {
+        Some(f) => {
+            let w = k.dims(f)?;
+            (*w.first()?, w.get(2..)?.to_vec())
+        }
+        None => (
+            x[1],
+            k.aints("kernel_shape")?
+                .iter()
+                .map(|&v| usize::try_from(v).ok())
+                .collect::<Option<_>>()?,
+        ),
+    };
+    let ceil = filter.is_none() && k.ai("ceil_mode", 0) != 0;
+    let g = geom_of(k.node, ins, &taps, ceil).ok()?;
+    let mut out = vec![x[0], m];
+    out.extend_from_slice(&g.outs);
+    Some(Inferred::dims(out))
+}
+
+/// A convolution's FLOPs: a multiply-add per output and tap of one group's inputs (the filter
+/// `[M, C/group, k..]` at input `filter`).
+pub(crate) fn filter_flops(k: &Known, filter: usize, out: &[usize]) -> Option<f64> {
+    let w = k.dims(filter)?;
+    Some(2.0 * numel(out) * numel(w.get(1..)?))
 }
 
 /// Convolution and pooling ops; `None` when `cx`'s op is not one of them.

@@ -2,7 +2,7 @@
 
 use crate::ops::fast;
 use crate::ops::vecmath::{Bin as FastBin, Unary};
-use crate::ops::{one, unsupported, Ctx, Kernel};
+use crate::ops::{one, per_output, same_shape, unsupported, Ctx, Inferred, Kernel, Known, Rules};
 use crate::tensor::{numel, DType, Data, Elem, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
@@ -907,6 +907,54 @@ fn compare(cx: &Ctx, op: Cmp) -> Result<Vec<Value>> {
 fn logic(cx: &Ctx, f: fn(bool, bool) -> bool) -> Result<Vec<Value>> {
     let a = cx.t(0)?;
     one(logical(a, &legacy_b(cx, a, cx.t(1)?)?, f)?)
+}
+
+/// The static rules of an elementwise op: the inputs broadcast together (input 0's shape for
+/// the unary ops and casts); one operation per output element for the arithmetic ones.
+pub fn rules(op: &str) -> Option<Rules> {
+    let arithmetic = matches!(
+        op,
+        "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Mod" | "Max" | "Min" | "Sum" | "Mean" | "PRelu"
+    );
+    let broadcast = arithmetic
+        || matches!(
+            op,
+            "BitwiseAnd"
+                | "BitwiseOr"
+                | "BitwiseXor"
+                | "BitShift"
+                | "Equal"
+                | "Less"
+                | "Greater"
+                | "LessOrEqual"
+                | "GreaterOrEqual"
+                | "And"
+                | "Or"
+                | "Xor"
+                | "Where"
+        );
+    if broadcast {
+        return Some(if arithmetic {
+            Rules::with(broadcast_all, per_output)
+        } else {
+            Rules::shape(broadcast_all)
+        });
+    }
+    match op {
+        "Cast" | "CastLike" | "BitCast" | "Not" | "BitwiseNot" | "IsNaN" | "IsInf" | "Sign"
+        | "Abs" => Some(Rules::shape(same_shape)),
+        _ if unary(op).is_some() || op == "Clip" => Some(Rules::with(same_shape, per_output)),
+        _ => None,
+    }
+}
+
+/// The shape rule of the broadcasting ops: every input's shape broadcast together.
+fn broadcast_all(k: &Known) -> Option<Inferred> {
+    let mut acc = k.dims(0)?.to_vec();
+    for i in 1..k.n_in() {
+        acc = broadcast_shape(&acc, k.dims(i)?).ok()?;
+    }
+    Some(Inferred::dims(acc))
 }
 
 /// The kernel of an elementwise op (binary, variadic, unary, Where, Clip, casts).

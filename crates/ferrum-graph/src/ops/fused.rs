@@ -12,7 +12,9 @@ use ferrum_kernels::pool;
 
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape};
 use crate::ops::vecmath::{self, Unary};
-use crate::ops::{one, unsupported, Ctx, Kernel};
+use crate::ops::{
+    one, per_input, per_output, same_shape, unsupported, Ctx, Inferred, Kernel, Rules,
+};
 use crate::tensor::{DType, Tensor};
 use crate::{kbail, Result};
 
@@ -240,6 +242,38 @@ pub fn reuse(op: &str) -> Option<crate::ops::Reuse> {
         }),
         _ => None,
     }
+}
+
+/// The static rules of the `com.ferrum` ops: a fused op's are those of the op it extends.
+pub fn rules(op: &str) -> Option<Rules> {
+    use crate::ops::{conv, nhwc, nn};
+    Some(match op {
+        "FusedConv" => conv::CONV_RULES,
+        "FusedGemm" => nn::GEMM_RULES,
+        "FusedMatMul" => nn::MATMUL_RULES,
+        "FusedAttention" => crate::ops::attention::FUSED_RULES,
+        "NhwcConv" | "NhwcExpandDepthwise" | "NhwcQLinearConv" => {
+            Rules::with(nhwc::window_rule, nhwc::conv_flops)
+        }
+        "NhwcMaxPool" => Rules::shape(nhwc::window_rule),
+        "NhwcGlobalAveragePool" => Rules::with(
+            |k| {
+                let &[b, _, _, c] = k.dims(0)? else {
+                    return None;
+                };
+                Some(Inferred::dims(vec![b, c, 1, 1]))
+            },
+            per_input,
+        ),
+        // Y = X + Z rescaled: A (input 0) and B (input 3) broadcast.
+        "QLinearAdd" => Rules::shape(|k| {
+            Some(Inferred::dims(
+                broadcast_shape(k.dims(0)?, k.dims(3)?).ok()?,
+            ))
+        }),
+        "Gelu" => Rules::with(same_shape, per_output),
+        _ => return None,
+    })
 }
 
 /// The kernel of a `com.ferrum` op.

@@ -2,7 +2,7 @@
 
 use crate::ops::shape::{strides, take};
 use crate::ops::{axis, Ctx};
-use crate::ops::{one, Kernel};
+use crate::ops::{one, Inferred, Kernel, Rules};
 use crate::tensor::{DType, Data, Elem, Num, Tensor};
 use crate::{dispatch, kbail, Result};
 
@@ -239,6 +239,33 @@ fn scatter_nd(cx: &Ctx) -> Result<Tensor> {
     let (x, ind, upd) = (cx.t(0)?, cx.t(1)?, cx.t(2)?);
     let (offs, chunk, _) = nd_offsets(x, ind, 0)?;
     scatter(x, &offs, upd, chunk, &cx.astr("reduction", "none"))
+}
+
+/// The static rules of Gather: `data[.., idx, ..]` along `axis`; a small constant vector's
+/// picked values carried through (a shape's dims).
+pub fn rules(op: &str) -> Option<Rules> {
+    (op == "Gather").then_some(Rules::shape(|k| {
+        let (x, idx) = (k.dims(0)?, k.dims(1)?);
+        let a = k.ai("axis", 0);
+        let a = usize::try_from(if a < 0 { a + x.len() as i64 } else { a }).ok()?;
+        if a >= x.len() {
+            return None;
+        }
+        let ints = match (k.ints(0), k.ints(1), x.len()) {
+            (Some(data), Some(ix), 1) => ix
+                .iter()
+                .map(|&i| {
+                    let i = if i < 0 { i + data.len() as i64 } else { i };
+                    data.get(usize::try_from(i).ok()?).copied()
+                })
+                .collect(),
+            _ => None,
+        };
+        let mut dims = x[..a].to_vec();
+        dims.extend_from_slice(idx);
+        dims.extend_from_slice(&x[a + 1..]);
+        Some(Inferred { dims, ints })
+    }))
 }
 
 /// Gather and scatter ops; `None` when `cx`'s op is not one of them.

@@ -6,6 +6,10 @@
 //! are plain loops written once over generic element types ([`crate::tensor::Num`]); float math
 //! runs in f64 and rounds once to the output type. float32 fast paths (`fast`, `linear`,
 //! `conv`, `nhwc`, `attention`) sit beside them, in the same kernel.
+//!
+//! Each module also gives its ops' static rules ([`Rules`]: the output's shape from what is known
+//! of the inputs, and a FLOP estimate), resolved with the kernel; [`crate::infer`] walks a graph
+//! with them.
 
 mod attention;
 mod control;
@@ -114,17 +118,10 @@ impl<'a> Ctx<'a> {
         }
     }
     pub fn astr(&self, name: &str, default: &str) -> String {
-        match self.attr(name) {
-            Some(Attr::Str(v)) => String::from_utf8_lossy(v).into_owned(),
-            _ => default.to_string(),
-        }
+        attr_str(self.node, name, default)
     }
     pub fn aints(&self, name: &str) -> Option<Vec<i64>> {
-        match self.attr(name) {
-            Some(Attr::Ints(v)) => Some(v.clone()),
-            Some(Attr::Int(v)) => Some(vec![*v]),
-            _ => None,
-        }
+        attr_ints(self.node, name)
     }
     /// A FLOATS attribute, widened to f64.
     pub fn afloats_vec(&self, name: &str) -> Option<Vec<f64>> {
@@ -132,6 +129,23 @@ impl<'a> Ctx<'a> {
             Some(Attr::Floats(v)) => Some(v.iter().map(|&x| x as f64).collect()),
             _ => None,
         }
+    }
+}
+
+/// `node`'s STRING attribute `name` (lossy UTF-8), else `default`.
+pub fn attr_str(node: &Node, name: &str, default: &str) -> String {
+    match node.attrs.get(name) {
+        Some(Attr::Str(v)) => String::from_utf8_lossy(v).into_owned(),
+        _ => default.to_string(),
+    }
+}
+
+/// `node`'s INTS attribute `name` (an INT as one value).
+pub fn attr_ints(node: &Node, name: &str) -> Option<Vec<i64>> {
+    match node.attrs.get(name) {
+        Some(Attr::Ints(v)) => Some(v.clone()),
+        Some(Attr::Int(v)) => Some(vec![*v]),
+        _ => None,
     }
 }
 
@@ -175,10 +189,126 @@ pub struct Reuse {
     pub kernel: IntoKernel,
 }
 
+/// What static shape inference knows at a node ([`crate::infer::static_shapes`]): its
+/// attributes, its inputs' dims where known, and the values of its small constant integer
+/// inputs (the shape vectors that Reshape, Expand or Slice read).
+pub struct Known<'a> {
+    pub node: &'a Node,
+    pub dims: Vec<Option<&'a [usize]>>,
+    pub ints: Vec<Option<&'a [i64]>>,
+}
+
+impl<'a> Known<'a> {
+    /// Input `i`'s dims, when known.
+    pub fn dims(&self, i: usize) -> Option<&'a [usize]> {
+        self.dims.get(i).copied().flatten()
+    }
+    /// Input `i`'s values, when it is a known small integer vector.
+    pub fn ints(&self, i: usize) -> Option<&'a [i64]> {
+        self.ints.get(i).copied().flatten()
+    }
+    /// Whether input `i` is given (not omitted).
+    pub fn given(&self, i: usize) -> bool {
+        matches!(self.node.inputs.get(i), Some(Some(_)))
+    }
+    pub fn n_in(&self) -> usize {
+        self.node.inputs.len()
+    }
+    pub fn ai(&self, name: &str, default: i64) -> i64 {
+        match self.node.attrs.get(name) {
+            Some(Attr::Int(v)) => *v,
+            _ => default,
+        }
+    }
+    pub fn aints(&self, name: &str) -> Option<&'a [i64]> {
+        match self.node.attrs.get(name) {
+            Some(Attr::Ints(v)) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// A node's output 0 as static shape inference sees it: its dims and, when it is a small
+/// integer vector computed from constants (a shape), its values.
+pub struct Inferred {
+    pub dims: Vec<usize>,
+    pub ints: Option<Vec<i64>>,
+}
+
+impl Inferred {
+    pub fn dims(dims: Vec<usize>) -> Inferred {
+        Inferred { dims, ints: None }
+    }
+}
+
+/// An op's shape rule: output 0 from what is known of the inputs, `None` when that is not
+/// enough (or the node is malformed: the kernel reports it when it runs).
+pub type Infer = fn(&Known) -> Option<Inferred>;
+
+/// An op's cost rule: its floating-point operations (a multiply-add counts 2) from its inputs'
+/// known dims and output 0's dims.
+pub type Flops = fn(&Known, &[usize]) -> Option<f64>;
+
+/// An op's static rules, kept beside its kernel: the shape rule, and the cost rule where the op
+/// has one worth reporting.
+#[derive(Clone, Copy)]
+pub struct Rules {
+    pub shape: Infer,
+    pub flops: Option<Flops>,
+}
+
+impl Rules {
+    pub const fn shape(shape: Infer) -> Rules {
+        Rules { shape, flops: None }
+    }
+    pub const fn with(shape: Infer, flops: Flops) -> Rules {
+        Rules {
+            shape,
+            flops: Some(flops),
+        }
+    }
+}
+
+/// The shape rule of the ops whose output has input 0's shape.
+pub fn same_shape(k: &Known) -> Option<Inferred> {
+    Some(Inferred::dims(k.dims(0)?.to_vec()))
+}
+
+/// A small integer tensor's values (at most 64: a shape vector), for shape inference.
+pub fn small_ints(t: &Tensor) -> Option<Vec<i64>> {
+    if t.len() <= 64 && t.dtype().is_int() {
+        t.to_i64_vec().ok()
+    } else {
+        None
+    }
+}
+
+/// The elements of a shape, as a float (for cost estimates).
+pub fn numel(dims: &[usize]) -> f64 {
+    dims.iter().map(|&d| d as f64).product()
+}
+
+/// The cost rule of one operation per output element.
+pub fn per_output(_: &Known, out: &[usize]) -> Option<f64> {
+    Some(numel(out))
+}
+
+/// The cost rule of one operation per element of input 0.
+pub fn per_input(k: &Known, _: &[usize]) -> Option<f64> {
+    Some(numel(k.dims(0)?))
+}
+
+/// The cost rule of a normalization (about 5 operations per element of input 0).
+pub fn per_input_5(k: &Known, _: &[usize]) -> Option<f64> {
+    Some(5.0 * numel(k.dims(0)?))
+}
+
 /// What a node runs, resolved from its domain and op type.
 #[derive(Clone, Copy)]
 pub struct Resolved {
     pub kernel: Kernel,
+    /// Its static shape and cost rules, for the ops that have them.
+    pub rules: Option<Rules>,
     /// Set for the view ops: the executor then moves input 0 into the output when the node is
     /// its last reader, instead of running the kernel's copy.
     pub view: Option<ViewDims>,
@@ -215,9 +345,15 @@ pub fn resolve(node: &Node) -> Result<Resolved> {
         _ if default => default_domain(&node.op),
         _ => None,
     };
+    let rules = match node.domain.as_str() {
+        crate::passes::DOMAIN => fused::rules(&node.op),
+        _ if default => default_rules(&node.op, node.opset),
+        _ => None,
+    };
     match kernel {
         Some(kernel) => Ok(Resolved {
             kernel,
+            rules,
             view: if default { shape::view(&node.op) } else { None },
             reuse: if node.domain == crate::passes::DOMAIN {
                 fused::reuse(&node.op)
@@ -268,6 +404,17 @@ fn default_domain(op: &str) -> Option<Kernel> {
         }
     };
     Some(here)
+}
+
+/// The default domain's static rules for `op`, from the module that holds its kernel.
+fn default_rules(op: &str, opset: i64) -> Option<Rules> {
+    elementwise::rules(op)
+        .or_else(|| shape::rules(op, opset))
+        .or_else(|| gather::rules(op))
+        .or_else(|| conv::rules(op))
+        .or_else(|| quant::rules(op))
+        .or_else(|| reduce::rules(op))
+        .or_else(|| nn::rules(op))
 }
 
 /// Resolves and runs one node (constant folding at load, graphs not prepared ahead).

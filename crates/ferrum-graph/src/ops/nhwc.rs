@@ -20,7 +20,7 @@ use ferrum_kernels::pool;
 use ferrum_kernels::{depthwise, direct};
 
 use crate::ops::fused::{Act, Epi};
-use crate::ops::{fast, unsupported, Ctx};
+use crate::ops::{fast, numel, unsupported, Ctx, Inferred, Known};
 use crate::tensor::{DType, Tensor};
 use crate::{kbail, Result};
 
@@ -345,4 +345,66 @@ fn patches(x: &[f32], g: &Patches, col: &mut [f32]) {
             }
         }
     });
+}
+
+/// The shape rule of the channels-last window ops (`com.ferrum` NhwcConv, NhwcExpandDepthwise,
+/// NhwcQLinearConv, NhwcMaxPool): X `[N, H, W, C]` (an NhwcConv's `[N, C, H, W]` with
+/// `nchw_input`) to `[N, OH, OW, M]`, by the kernels' own geometry; the window and M from the
+/// filter (`[kh, kw, C/group, M]`, QLinearConv's `[M, C, kh, kw]`) or, for the pool,
+/// `kernel_shape` and C.
+pub fn window_rule(k: &Known) -> Option<Inferred> {
+    let x = k.dims(0)?;
+    if x.len() != 4 {
+        return None;
+    }
+    let op = k.node.op.as_str();
+    let hw = if op == "NhwcConv" && k.ai("nchw_input", 0) != 0 {
+        2
+    } else {
+        1
+    };
+    let (kh, kw, m) = match op {
+        "NhwcConv" => {
+            let w = k.dims(1)?;
+            (*w.first()?, *w.get(1)?, *w.get(3)?)
+        }
+        // The window is the depthwise filter's (input 3; the expansion's is 1x1).
+        "NhwcExpandDepthwise" => {
+            let w = k.dims(3)?;
+            (*w.first()?, *w.get(1)?, *w.get(3)?)
+        }
+        "NhwcQLinearConv" => {
+            let w = k.dims(3)?;
+            (*w.get(2)?, *w.get(3)?, *w.first()?)
+        }
+        _ => {
+            let ks = k.aints("kernel_shape")?;
+            let dim = |i: usize| usize::try_from(*ks.get(i)?).ok();
+            (dim(0)?, dim(1)?, x[3])
+        }
+    };
+    let g = crate::ops::conv::geom_of(k.node, &x[hw..hw + 2], &[kh, kw], false).ok()?;
+    Some(Inferred::dims(vec![x[0], g.outs[0], g.outs[1], m]))
+}
+
+/// The cost rule of the channels-last convolutions: a multiply-add per output and filter tap
+/// (NhwcConv's filter `[kh, kw, C/group, M]`; NhwcExpandDepthwise's 1x1 expansion `[1, 1, C,
+/// M]` over every input pixel, then its depthwise `[kh, kw, 1, M]`; NhwcQLinearConv's `[M, C,
+/// kh, kw]`, 8-bit multiply-adds counted as FLOPs).
+pub fn conv_flops(k: &Known, out: &[usize]) -> Option<f64> {
+    let taps = |d: &[usize]| numel(d);
+    match k.node.op.as_str() {
+        "NhwcConv" => Some(2.0 * numel(out) * taps(k.dims(1)?.get(..3)?)),
+        "NhwcQLinearConv" => Some(2.0 * numel(out) * taps(k.dims(3)?.get(1..)?)),
+        "NhwcExpandDepthwise" => {
+            let (x, w) = (k.dims(0)?, k.dims(3)?);
+            let pixels = numel(x.get(..3)?);
+            let window = (*w.first()? * *w.get(1)?) as f64;
+            Some(
+                2.0 * pixels * *k.dims(1)?.get(2)? as f64 * *w.get(3)? as f64
+                    + 2.0 * numel(out) * window,
+            )
+        }
+        _ => None,
+    }
 }

@@ -6,7 +6,7 @@ use crate::ops::fused::Act;
 use crate::ops::shape::strides;
 use crate::ops::{axis, unsupported, Ctx};
 use crate::ops::{fast, linear};
-use crate::ops::{one, Kernel};
+use crate::ops::{numel, one, per_input_5, same_shape, Inferred, Kernel, Rules};
 use crate::passes::Role;
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
@@ -662,6 +662,58 @@ fn nll_loss(cx: &Ctx, softmax: bool) -> Result<Vec<Value>> {
         )?));
     }
     Ok(res)
+}
+
+/// The static rules of MatMul (also a fused one's): numpy's matmul shapes, a multiply-add per
+/// output and inner element.
+pub const MATMUL_RULES: Rules = Rules::with(
+    |k| {
+        let (a, b) = (k.dims(0)?, k.dims(1)?);
+        if a.len() < 2 || b.len() < 2 {
+            return None;
+        }
+        let mut dims = broadcast_shape(&a[..a.len() - 2], &b[..b.len() - 2]).ok()?;
+        dims.push(a[a.len() - 2]);
+        dims.push(b[b.len() - 1]);
+        Some(Inferred::dims(dims))
+    },
+    |k, out| Some(2.0 * numel(out) * *k.dims(0)?.last()? as f64),
+);
+
+/// The static rules of Gemm (also a fused one's): `[M, N]` from A and B as transposed.
+pub const GEMM_RULES: Rules = Rules::with(
+    |k| {
+        let (&[a0, a1], &[b0, b1]) = (k.dims(0)?, k.dims(1)?) else {
+            return None;
+        };
+        let m = if k.ai("transA", 0) != 0 { a1 } else { a0 };
+        let n = if k.ai("transB", 0) != 0 { b0 } else { b1 };
+        Some(Inferred::dims(vec![m, n]))
+    },
+    |k, out| {
+        let a = k.dims(0)?;
+        let inner = if k.ai("transA", 0) != 0 {
+            a.first()?
+        } else {
+            a.get(1)?
+        };
+        Some(2.0 * numel(out) * *inner as f64)
+    },
+);
+
+/// The static rules of the products and normalizations.
+pub fn rules(op: &str) -> Option<Rules> {
+    Some(match op {
+        "MatMul" => MATMUL_RULES,
+        "Gemm" => GEMM_RULES,
+        "BatchNormalization"
+        | "LayerNormalization"
+        | "InstanceNormalization"
+        | "RMSNormalization"
+        | "GroupNormalization" => Rules::with(same_shape, per_input_5),
+        "LRN" | "LpNormalization" | "MeanVarianceNormalization" => Rules::shape(same_shape),
+        _ => return None,
+    })
 }
 
 /// Neural-network ops; `None` when `cx`'s op is not one of them.

@@ -20,7 +20,7 @@ use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, cast};
 use crate::ops::nn::{f64_tensor, matmul_f64, minus_zp};
 use crate::ops::shape::strides;
 use crate::ops::{axis, Ctx};
-use crate::ops::{one, Kernel};
+use crate::ops::{one, same_shape, Kernel, Rules};
 use crate::tensor::{DType, Tensor, Value};
 use crate::{kbail, Result};
 
@@ -473,6 +473,15 @@ fn qlinear_matmul(cx: &Ctx) -> Result<Tensor> {
         .map(|&e| ((e / ys).round_ties_even() + zz).clamp(lo, hi))
         .collect();
     f64_tensor(shape, out, yz.dtype())
+}
+
+/// The static rules of (de)quantization: input 0's shape.
+pub fn rules(op: &str) -> Option<Rules> {
+    matches!(
+        op,
+        "QuantizeLinear" | "DequantizeLinear" | "DynamicQuantizeLinear"
+    )
+    .then_some(Rules::shape(same_shape))
 }
 
 /// Quantization ops; `None` when `cx`'s op is not one of them.

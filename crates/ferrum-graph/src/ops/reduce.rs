@@ -2,7 +2,7 @@
 
 use crate::ops::shape::strides;
 use crate::ops::{axis, Ctx};
-use crate::ops::{one, Kernel};
+use crate::ops::{one, per_input_5, same_shape, Kernel, Rules};
 use crate::tensor::{DType, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
@@ -353,6 +353,12 @@ fn cum(cx: &Ctx, prod: bool) -> Result<Tensor> {
         Tensor::from_vec(x.shape().to_vec(), out)
     }
     dispatch!(x.dtype(), num_nobool, go, x, a, excl, rev, prod)
+}
+
+/// The static rules of the softmaxes (input 0's shape, about 5 operations an element).
+pub fn rules(op: &str) -> Option<Rules> {
+    matches!(op, "Softmax" | "LogSoftmax" | "Hardmax")
+        .then_some(Rules::with(same_shape, per_input_5))
 }
 
 /// Reductions and axis ops; `None` when `cx`'s op is not one of them.

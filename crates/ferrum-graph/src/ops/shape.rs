@@ -3,7 +3,10 @@
 
 use crate::ir::Attr;
 use crate::ops::elementwise::{broadcast_offsets, broadcast_shape, broadcast_walk};
-use crate::ops::{axis, one, unsupported, Ctx, Kernel, ViewDims};
+use crate::ops::{
+    axis, one, same_shape, small_ints, unsupported, Ctx, Infer, Inferred, Kernel, Known, Rules,
+    ViewDims,
+};
 use crate::tensor::{numel, DType, Data, Elem, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
@@ -809,6 +812,217 @@ fn reverse_sequence(cx: &Ctx) -> Result<Tensor> {
         })
         .collect();
     take(x, &offs, x.shape().to_vec())
+}
+
+/// The static rules of the shape ops: their output dims and, for the small integer vectors a
+/// graph computes its shapes with (Shape, Constant, Gather, Slice, Concat, Squeeze, Unsqueeze of
+/// constants), their values. Data movement costs no floating-point operations.
+pub fn rules(op: &str, opset: i64) -> Option<Rules> {
+    let shape: Infer = match op {
+        "Identity" | "Dropout" => same_shape,
+        "Constant" => |k| match k.node.attrs.get("value") {
+            Some(Attr::Tensor(t)) => Some(Inferred {
+                dims: t.shape().to_vec(),
+                ints: small_ints(t),
+            }),
+            _ => k.aints("value_ints").map(|v| Inferred {
+                dims: vec![v.len()],
+                ints: Some(v.to_vec()),
+            }),
+        },
+        "Shape" => |k| {
+            let x = k.dims(0)?;
+            let whole = k.ai("start", 0) == 0 && !k.node.attrs.contains_key("end");
+            Some(Inferred {
+                dims: vec![x.len()],
+                ints: whole.then(|| x.iter().map(|&d| d as i64).collect()),
+            })
+        },
+        "ConstantOfShape" => |k| {
+            Some(Inferred::dims(
+                k.ints(0)?.iter().map(|&d| d.max(0) as usize).collect(),
+            ))
+        },
+        "Flatten" => |k| {
+            let x = k.dims(0)?;
+            let a = k.ai("axis", 1);
+            let a = usize::try_from(if a < 0 { a + x.len() as i64 } else { a }).ok()?;
+            let all = x.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+            let outer = x[..a.min(x.len())]
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))?;
+            Some(Inferred::dims(vec![outer, all / outer.max(1)]))
+        },
+        "Transpose" => |k| {
+            let x = k.dims(0)?;
+            let perm: Vec<usize> = match k.aints("perm") {
+                Some(p) => p
+                    .iter()
+                    .map(|&v| usize::try_from(v).ok())
+                    .collect::<Option<_>>()?,
+                None => (0..x.len()).rev().collect(),
+            };
+            if perm.len() != x.len() {
+                return None;
+            }
+            Some(Inferred::dims(
+                perm.iter()
+                    .map(|&p| x.get(p).copied())
+                    .collect::<Option<_>>()?,
+            ))
+        },
+        "Reshape" => |k| {
+            let x = k.dims(0)?;
+            let spec = k.ints(1)?;
+            let allow_zero = k.ai("allowzero", 0) != 0;
+            let mut out: Vec<usize> = Vec::with_capacity(spec.len());
+            let mut infer = None;
+            for (i, &d) in spec.iter().enumerate() {
+                match d {
+                    -1 if infer.is_none() => {
+                        infer = Some(i);
+                        out.push(1);
+                    }
+                    0 if !allow_zero => out.push(*x.get(i)?),
+                    d => out.push(usize::try_from(d).ok()?),
+                }
+            }
+            let all = x.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+            let known = out.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+            if let Some(i) = infer {
+                out[i] = all / known.max(1);
+            }
+            Some(Inferred::dims(out))
+        },
+        "Expand" => |k| {
+            let to: Vec<usize> = k
+                .ints(1)?
+                .iter()
+                .map(|&d| usize::try_from(d).ok())
+                .collect::<Option<_>>()?;
+            Some(Inferred::dims(broadcast_shape(k.dims(0)?, &to).ok()?))
+        },
+        "Unsqueeze" | "Squeeze" => squeeze_rule,
+        "Slice" if opset >= 10 => slice_rule,
+        "Concat" => |k| {
+            let mut acc = k.dims(0)?.to_vec();
+            let a = k.ai("axis", if k.node.opset < 4 { 1 } else { 0 });
+            let a = usize::try_from(if a < 0 { a + acc.len() as i64 } else { a }).ok()?;
+            for i in 1..k.n_in() {
+                let d = k.dims(i)?;
+                if d.len() != acc.len() {
+                    return None;
+                }
+                *acc.get_mut(a)? = acc.get(a)?.checked_add(*d.get(a)?)?;
+            }
+            let joined: Option<Vec<i64>> = (0..k.n_in())
+                .map(|i| k.ints(i))
+                .collect::<Option<Vec<_>>>()
+                .map(|v| v.concat())
+                .filter(|j| j.len() <= 64);
+            Some(Inferred {
+                dims: acc,
+                ints: joined,
+            })
+        },
+        _ => return None,
+    };
+    Some(Rules::shape(shape))
+}
+
+/// The shape rule of Squeeze and Unsqueeze (axes as an attribute or a constant input); a
+/// constant vector's values carried through.
+fn squeeze_rule(k: &Known) -> Option<Inferred> {
+    let x = k.dims(0)?;
+    let axes: Option<Vec<i64>> = match k.aints("axes") {
+        Some(a) => Some(a.to_vec()),
+        None if k.given(1) => Some(k.ints(1)?.to_vec()),
+        None => None,
+    };
+    let dims = if k.node.op == "Unsqueeze" {
+        let axes = axes?;
+        let r = (x.len() + axes.len()) as i64;
+        let mut at: Vec<usize> = axes
+            .iter()
+            .map(|&a| if a < 0 { a + r } else { a })
+            .map(|a| usize::try_from(a).ok().filter(|&a| a < r as usize))
+            .collect::<Option<_>>()?;
+        at.sort_unstable();
+        let mut out = x.to_vec();
+        for a in at {
+            if a > out.len() {
+                return None;
+            }
+            out.insert(a, 1);
+        }
+        out
+    } else {
+        let r = x.len() as i64;
+        let drop: Vec<usize> = match axes {
+            Some(axes) => axes
+                .iter()
+                .map(|&a| usize::try_from(if a < 0 { a + r } else { a }).ok())
+                .collect::<Option<_>>()?,
+            None => (0..x.len()).filter(|&i| x[i] == 1).collect(),
+        };
+        if drop.iter().any(|&a| x.get(a) != Some(&1)) {
+            return None;
+        }
+        (0..x.len())
+            .filter(|i| !drop.contains(i))
+            .map(|i| x[i])
+            .collect()
+    };
+    Some(Inferred {
+        dims,
+        ints: k.ints(0).map(<[i64]>::to_vec),
+    })
+}
+
+/// The shape rule of Slice (opset 10 on: constant starts and ends, optional axes, steps of 1);
+/// a constant vector's slice carried through.
+fn slice_rule(k: &Known) -> Option<Inferred> {
+    let x = k.dims(0)?;
+    let (starts, ends) = (k.ints(1)?, k.ints(2)?);
+    let axes: Vec<i64> = if k.given(3) {
+        k.ints(3)?.to_vec()
+    } else {
+        (0..starts.len() as i64).collect()
+    };
+    let steps: Vec<i64> = if k.given(4) {
+        k.ints(4)?.to_vec()
+    } else {
+        vec![1; starts.len()]
+    };
+    if starts.len() != ends.len() || axes.len() != starts.len() || steps.len() != starts.len() {
+        return None;
+    }
+    let mut out = x.to_vec();
+    let mut ranges = vec![None; x.len()];
+    for i in 0..starts.len() {
+        let a = if axes[i] < 0 {
+            axes[i] + x.len() as i64
+        } else {
+            axes[i]
+        };
+        let a = usize::try_from(a).ok().filter(|&a| a < x.len())?;
+        if steps[i] != 1 {
+            return None;
+        }
+        let dim = i64::try_from(x[a]).ok()?;
+        let clamp = |v: i64| (if v < 0 { v.saturating_add(dim) } else { v }).clamp(0, dim);
+        let (b, e) = (clamp(starts[i]), clamp(ends[i]));
+        out[a] = (e - b).max(0) as usize;
+        ranges[a] = Some((b as usize, e.max(b) as usize));
+    }
+    let ints = match (k.ints(0), x.len()) {
+        (Some(c), 1) => {
+            let (b, e) = ranges[0].unwrap_or((0, c.len()));
+            c.get(b..e).map(<[i64]>::to_vec)
+        }
+        _ => None,
+    };
+    Some(Inferred { dims: out, ints })
 }
 
 /// Shape and data-movement ops; `None` when `cx`'s op is not one of them.
