@@ -232,8 +232,8 @@ pub fn run_graph<'a>(
         let outs = match view_in_place(node, op, frees, &mut env)? {
             Some(v) => vec![v],
             None => match handed_over(node, op, frees, &mut env) {
-                Some((reuse, t)) => run_node(node, Call::Into(reuse, t), &env)?,
-                None => run_node(node, Call::Plain(op.kernel), &env)?,
+                Some((reuse, t)) => run_node(node, op, Call::Into(reuse, t), &env)?,
+                None => run_node(node, op, Call::Plain(op.kernel), &env)?,
             },
         };
         if let Some(t) = start {
@@ -310,6 +310,7 @@ fn view_in_place(
                 node,
                 ins: &ins,
                 env,
+                parsed: op.parsed.as_deref(),
             })
         }));
         match dims {
@@ -365,7 +366,7 @@ pub(crate) fn eval_node(node: &Node, ins: &[Option<&Value>]) -> Result<Vec<Value
         .unwrap_or_else(|_| Err(Error::Kernel("internal error: the kernel panicked".into())))
 }
 
-fn run_node(node: &Node, call: Call, env: &Env) -> Result<Vec<Value>> {
+fn run_node(node: &Node, op: &ops::Resolved, call: Call, env: &Env) -> Result<Vec<Value>> {
     let handed = match &call {
         Call::Into(r, _) => Some(r.at),
         Call::Plain(_) => None,
@@ -394,6 +395,7 @@ fn run_node(node: &Node, call: Call, env: &Env) -> Result<Vec<Value>> {
         node,
         ins: &ins,
         env,
+        parsed: op.parsed.as_deref(),
     };
     let mut slot = None;
     let outs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match call {
@@ -435,7 +437,7 @@ fn run_node(node: &Node, call: Call, env: &Env) -> Result<Vec<Value>> {
 }
 
 /// Attaches the node (and the input dtype) to a kernel's error.
-fn wrap(e: Error, node: &Node, dtype: Option<String>) -> Error {
+pub(crate) fn wrap(e: Error, node: &Node, dtype: Option<String>) -> Error {
     let unsupported = |detail: String, dtype: Option<String>| {
         Error::Unsupported(Box::new(UnsupportedOp {
             node: node.name.clone(),

@@ -721,3 +721,37 @@ fn shape_rules_give_unknown_for_malformed_nodes() {
         }
     }
 }
+
+/// A convolution's window attributes are read once, when its op is resolved: an `auto_pad` the
+/// kernels do not know refuses the session at load, naming the node, op, opset and type.
+#[test]
+fn window_attributes_are_parsed_at_load() {
+    let mut n = node(
+        "Conv",
+        &["x", "w"],
+        &["y"],
+        vec![AttributeProto {
+            name: "auto_pad".into(),
+            s: b"SIDEWAYS".to_vec(),
+            r#type: 3,
+            ..Default::default()
+        }],
+    );
+    n.name = "slanted".into();
+    let mp = model(
+        vec![n],
+        vec![value("x", 1, &[Some(1), Some(1), Some(4), Some(4)])],
+        vec![value("y", 1, &[])],
+        vec![f32_tensor("w", &[1, 1, 3, 3], &[1.0; 9])],
+        17,
+    );
+    let err = match Session::from_bytes(&encode(&mp)) {
+        Ok(_) => panic!("a Conv with auto_pad SIDEWAYS loaded"),
+        Err(e) => e,
+    };
+    assert!(err.is_unsupported(), "{err}");
+    let msg = err.to_string();
+    for part in ["slanted", "Conv", "opset 17", "FLOAT", "auto_pad 'SIDEWAYS'"] {
+        assert!(msg.contains(part), "{msg} lacks {part}");
+    }
+}

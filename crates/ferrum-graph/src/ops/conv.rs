@@ -27,82 +27,133 @@ pub(crate) struct Geom {
     pub outs: Vec<usize>,
 }
 
-/// The node's strides, dilations, pads and `auto_pad` over input dims `ins` and kernel `k`.
+/// How a window op's pads are chosen (`auto_pad`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum AutoPad {
+    /// `pads` as given (`NOTSET`, or empty).
+    Explicit,
+    Valid,
+    SameUpper,
+    SameLower,
+}
+
+/// A window op's strides, dilations, pads and `auto_pad`, read once from its node (when its op
+/// is resolved, [`crate::ops::Parsed`]); the dims they cover come with each run's shapes.
+#[derive(Clone, Debug)]
+pub struct Window {
+    s: Option<Vec<usize>>,
+    d: Option<Vec<usize>>,
+    pads: Option<Vec<usize>>,
+    auto: AutoPad,
+}
+
+/// The largest kernel, stride, dilation or pad the window ops take.
+const LIMIT: usize = 1 << 24;
+
+impl Window {
+    /// The node's window attributes; an error for values beyond [`LIMIT`] or an `auto_pad` the
+    /// kernels do not know.
+    pub fn of(node: &Node) -> Result<Window> {
+        let read = |name: &str, min: i64| -> Result<Option<Vec<usize>>> {
+            let Some(v) = attr_ints(node, name) else {
+                return Ok(None);
+            };
+            let v: Vec<usize> = v.iter().map(|&x| x.max(min) as usize).collect();
+            if v.iter().any(|&x| x > LIMIT) {
+                kbail!("kernel, stride, dilation or pad beyond {LIMIT}");
+            }
+            Ok(Some(v))
+        };
+        let auto = match attr_str(node, "auto_pad", "NOTSET").as_str() {
+            "NOTSET" | "" => AutoPad::Explicit,
+            "VALID" => AutoPad::Valid,
+            "SAME_UPPER" => AutoPad::SameUpper,
+            "SAME_LOWER" => AutoPad::SameLower,
+            a => return Err(unsupported(format!("auto_pad '{a}'"))),
+        };
+        Ok(Window {
+            s: read("strides", 1)?,
+            d: read("dilations", 1)?,
+            pads: read("pads", 0)?,
+            auto,
+        })
+    }
+
+    /// The geometry over input dims `ins` and kernel `k` (`ceil`: a pool's `ceil_mode`).
+    pub(crate) fn geom(&self, ins: &[usize], k: &[usize], ceil: bool) -> Result<Geom> {
+        let nd = ins.len();
+        let s = self.s.clone().unwrap_or(vec![1; nd]);
+        let d = self.d.clone().unwrap_or(vec![1; nd]);
+        let mut pads = self.pads.clone().unwrap_or(vec![0; 2 * nd]);
+        if k.iter().any(|&x| x > LIMIT) {
+            kbail!("kernel, stride, dilation or pad beyond {LIMIT}");
+        }
+        if s.len() != nd || d.len() != nd || pads.len() != 2 * nd || k.len() != nd || k.contains(&0)
+        {
+            kbail!("strides, dilations, pads or kernel_shape do not match {nd} spatial dims");
+        }
+        let mut outs = vec![0; nd];
+        for i in 0..nd {
+            let ek = (k[i] - 1) * d[i] + 1;
+            match self.auto {
+                AutoPad::SameUpper | AutoPad::SameLower => {
+                    let o = ins[i].div_ceil(s[i]);
+                    let total = ((o - 1) * s[i] + ek).saturating_sub(ins[i]);
+                    let small = total / 2;
+                    let (b, e) = if self.auto == AutoPad::SameUpper {
+                        (small, total - small)
+                    } else {
+                        (total - small, small)
+                    };
+                    pads[i] = b;
+                    pads[i + nd] = e;
+                    outs[i] = o;
+                }
+                AutoPad::Valid | AutoPad::Explicit => {
+                    if self.auto == AutoPad::Valid {
+                        pads[i] = 0;
+                        pads[i + nd] = 0;
+                    }
+                    let span = ins[i] + pads[i] + pads[i + nd];
+                    if span < ek {
+                        kbail!("kernel larger than the padded input");
+                    }
+                    let num = span - ek;
+                    let mut o = if ceil {
+                        num.div_ceil(s[i]) + 1
+                    } else {
+                        num / s[i] + 1
+                    };
+                    if ceil && (o - 1) * s[i] >= ins[i] + pads[i] {
+                        o -= 1;
+                    }
+                    outs[i] = o;
+                }
+            }
+        }
+        Ok(Geom {
+            ins: ins.to_vec(),
+            k: k.to_vec(),
+            s,
+            d,
+            pad_begin: pads[..nd].to_vec(),
+            outs,
+        })
+    }
+}
+
+/// The node's strides, dilations, pads and `auto_pad` over input dims `ins` and kernel `k`
+/// (as parsed when the node was resolved, else read now).
 pub(crate) fn geom(cx: &Ctx, ins: &[usize], k: &[usize], ceil: bool) -> Result<Geom> {
-    geom_of(cx.node, ins, k, ceil)
+    match cx.parsed.and_then(|p| p.window.as_ref()) {
+        Some(w) => w.geom(ins, k, ceil),
+        None => Window::of(cx.node)?.geom(ins, k, ceil),
+    }
 }
 
 /// [`geom`] from the node alone: the one rule for the kernels and for shape inference.
 pub(crate) fn geom_of(node: &Node, ins: &[usize], k: &[usize], ceil: bool) -> Result<Geom> {
-    let nd = ins.len();
-    let s: Vec<usize> = attr_ints(node, "strides")
-        .map(|v| v.iter().map(|&x| x.max(1) as usize).collect())
-        .unwrap_or(vec![1; nd]);
-    let d: Vec<usize> = attr_ints(node, "dilations")
-        .map(|v| v.iter().map(|&x| x.max(1) as usize).collect())
-        .unwrap_or(vec![1; nd]);
-    let mut pads: Vec<usize> = attr_ints(node, "pads")
-        .map(|v| v.iter().map(|&x| x.max(0) as usize).collect())
-        .unwrap_or(vec![0; 2 * nd]);
-    const LIMIT: usize = 1 << 24;
-    if [&s, &d, &pads, &k.to_vec()]
-        .iter()
-        .any(|v| v.iter().any(|&x| x > LIMIT))
-    {
-        kbail!("kernel, stride, dilation or pad beyond {LIMIT}");
-    }
-    if s.len() != nd || d.len() != nd || pads.len() != 2 * nd || k.len() != nd || k.contains(&0) {
-        kbail!("strides, dilations, pads or kernel_shape do not match {nd} spatial dims");
-    }
-    let auto = attr_str(node, "auto_pad", "NOTSET");
-    let mut outs = vec![0; nd];
-    for i in 0..nd {
-        let ek = (k[i] - 1) * d[i] + 1;
-        match auto.as_str() {
-            "SAME_UPPER" | "SAME_LOWER" => {
-                let o = ins[i].div_ceil(s[i]);
-                let total = ((o - 1) * s[i] + ek).saturating_sub(ins[i]);
-                let small = total / 2;
-                let (b, e) = if auto == "SAME_UPPER" {
-                    (small, total - small)
-                } else {
-                    (total - small, small)
-                };
-                pads[i] = b;
-                pads[i + nd] = e;
-                outs[i] = o;
-            }
-            "VALID" | "NOTSET" | "" => {
-                if auto == "VALID" {
-                    pads[i] = 0;
-                    pads[i + nd] = 0;
-                }
-                let span = ins[i] + pads[i] + pads[i + nd];
-                if span < ek {
-                    kbail!("kernel larger than the padded input");
-                }
-                let num = span - ek;
-                let mut o = if ceil {
-                    num.div_ceil(s[i]) + 1
-                } else {
-                    num / s[i] + 1
-                };
-                if ceil && (o - 1) * s[i] >= ins[i] + pads[i] {
-                    o -= 1;
-                }
-                outs[i] = o;
-            }
-            a => return Err(unsupported(format!("auto_pad '{a}'"))),
-        }
-    }
-    Ok(Geom {
-        ins: ins.to_vec(),
-        k: k.to_vec(),
-        s,
-        d,
-        pad_begin: pads[..nd].to_vec(),
-        outs,
-    })
+    Window::of(node)?.geom(ins, k, ceil)
 }
 
 /// Every index of a shape, row-major.

@@ -41,33 +41,53 @@ pub enum Act {
 impl Act {
     /// The activation named by a fused node's `activation` / `activation_params` attributes.
     pub fn from_node(cx: &Ctx) -> Result<Act> {
-        Act::from_attrs(cx, "activation")
+        match cx.parsed.and_then(|p| p.act) {
+            Some(a) => Ok(a),
+            None => Act::of(cx.node, "activation"),
+        }
     }
 
-    /// The activation named by a node's attributes `name` and `{name}_params`.
+    /// The activation named by a node's attributes `name` and `{name}_params` (as parsed when
+    /// the node was resolved, else read now).
     pub fn from_attrs(cx: &Ctx, name: &str) -> Result<Act> {
-        let p = cx
-            .afloats_vec(&format!("{name}_params"))
-            .unwrap_or_default();
+        let parsed = cx.parsed.and_then(|p| match name {
+            "activation" => p.act,
+            "expand_activation" => p.expand_act,
+            _ => None,
+        });
+        match parsed {
+            Some(a) => Ok(a),
+            None => Act::of(cx.node, name),
+        }
+    }
+
+    /// The activation named by `node`'s attributes `name` and `{name}_params`.
+    pub fn of(node: &crate::ir::Node, name: &str) -> Result<Act> {
+        let p: Vec<f32> = match node.attrs.get(&format!("{name}_params")) {
+            Some(crate::ir::Attr::Floats(v)) => v.clone(),
+            _ => Vec::new(),
+        };
         let p = |i: usize| -> Result<f32> {
             match p.get(i) {
-                Some(v) => Ok(*v as f32),
+                Some(v) => Ok(*v),
                 None => kbail!("{name}_params has no value #{i}"),
             }
         };
-        Ok(match cx.astr(name, "Identity").as_str() {
-            "Identity" => Act::Identity,
-            "Relu" => Act::Relu,
-            "Clip" => Act::Clip(p(0)?, p(1)?),
-            "LeakyRelu" => Act::LeakyRelu(p(0)?),
-            "Sigmoid" => Act::Sigmoid,
-            "HardSigmoid" => Act::HardSigmoid(p(0)?, p(1)?),
-            "HardSwish" => Act::HardSwish,
-            "Tanh" => Act::Tanh,
-            "Gelu" => Act::Gelu,
-            "GeluTanh" => Act::GeluTanh,
-            other => return Err(unsupported(format!("activation '{other}'"))),
-        })
+        Ok(
+            match crate::ops::attr_str(node, name, "Identity").as_str() {
+                "Identity" => Act::Identity,
+                "Relu" => Act::Relu,
+                "Clip" => Act::Clip(p(0)?, p(1)?),
+                "LeakyRelu" => Act::LeakyRelu(p(0)?),
+                "Sigmoid" => Act::Sigmoid,
+                "HardSigmoid" => Act::HardSigmoid(p(0)?, p(1)?),
+                "HardSwish" => Act::HardSwish,
+                "Tanh" => Act::Tanh,
+                "Gelu" => Act::Gelu,
+                "GeluTanh" => Act::GeluTanh,
+                other => return Err(unsupported(format!("activation '{other}'"))),
+            },
+        )
     }
 
     /// The activation of one value.

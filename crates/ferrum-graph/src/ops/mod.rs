@@ -38,17 +38,21 @@ mod vecmath;
 pub use elementwise::broadcast_shape;
 pub use shape::strides;
 
+use std::sync::Arc;
+
 use crate::exec::Env;
 use crate::ir::{Attr, Node};
 use crate::tensor::{Tensor, Value};
 use crate::{kbail, Error, Result};
 use ferrum_kernels::gemm::{PackedA, PackedB};
 
-/// What a kernel sees: its node (attributes), its inputs and the enclosing values (subgraphs).
+/// What a kernel sees: its node (attributes, and those parsed when it was resolved), its inputs
+/// and the enclosing values (subgraphs).
 pub struct Ctx<'a> {
     pub node: &'a Node,
     pub ins: &'a [Option<&'a Value>],
     pub env: &'a Env<'a>,
+    pub parsed: Option<&'a Parsed>,
 }
 
 impl<'a> Ctx<'a> {
@@ -303,10 +307,61 @@ pub fn per_input_5(k: &Known, _: &[usize]) -> Option<f64> {
     Some(5.0 * numel(k.dims(0)?))
 }
 
+/// A node's attributes read once, when its op is resolved, for the kernels met at every layer
+/// of a network (convolutions, pools, fused products): the window geometry and the fused
+/// activations. A kernel finds them in [`Ctx::parsed`] (and reads its node itself where they
+/// are absent: a node resolved during a run, as in constant folding).
+#[derive(Clone, Debug, Default)]
+pub struct Parsed {
+    pub window: Option<conv::Window>,
+    pub act: Option<fused::Act>,
+    /// NhwcExpandDepthwise's expansion activation.
+    pub expand_act: Option<fused::Act>,
+}
+
+/// The attributes of `node` worth parsing ahead ([`Parsed`]); `None` for other ops. An error
+/// for values the kernel would refuse (an unknown activation or `auto_pad`, absurd sizes).
+fn parse(node: &Node) -> Result<Option<Arc<Parsed>>> {
+    let ferrum = node.domain == crate::passes::DOMAIN;
+    let standard = node.domain.is_empty() || node.domain == "ai.onnx";
+    let op = node.op.as_str();
+    let window = match op {
+        "Conv" | "QLinearConv" | "MaxPool" | "AveragePool" => standard,
+        "FusedConv" | "NhwcConv" | "NhwcExpandDepthwise" | "NhwcQLinearConv" | "NhwcMaxPool" => {
+            ferrum
+        }
+        _ => false,
+    };
+    let act = ferrum
+        && matches!(
+            op,
+            "FusedConv"
+                | "NhwcConv"
+                | "NhwcExpandDepthwise"
+                | "FusedGemm"
+                | "FusedMatMul"
+                | "MatMulIntegerToFloat"
+        );
+    if !window && !act {
+        return Ok(None);
+    }
+    Ok(Some(Arc::new(Parsed {
+        window: window.then(|| conv::Window::of(node)).transpose()?,
+        act: act
+            .then(|| fused::Act::of(node, "activation"))
+            .transpose()?,
+        expand_act: (ferrum && op == "NhwcExpandDepthwise")
+            .then(|| fused::Act::of(node, "expand_activation"))
+            .transpose()?,
+    })))
+}
+
 /// What a node runs, resolved from its domain and op type.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct Resolved {
     pub kernel: Kernel,
+    /// Its attributes parsed once, for the ops that have them parsed ahead.
+    pub parsed: Option<Arc<Parsed>>,
     /// Its static shape and cost rules, for the ops that have them.
     pub rules: Option<Rules>,
     /// Set for the view ops: the executor then moves input 0 into the output when the node is
@@ -353,6 +408,7 @@ pub fn resolve(node: &Node) -> Result<Resolved> {
     match kernel {
         Some(kernel) => Ok(Resolved {
             kernel,
+            parsed: parse(node).map_err(|e| crate::exec::wrap(e, node, None))?,
             rules,
             view: if default { shape::view(&node.op) } else { None },
             reuse: if node.domain == crate::passes::DOMAIN {
@@ -419,5 +475,11 @@ fn default_rules(op: &str, opset: i64) -> Option<Rules> {
 
 /// Resolves and runs one node (constant folding at load, graphs not prepared ahead).
 pub fn run(node: &Node, ins: &[Option<&Value>], env: &Env) -> Result<Vec<Value>> {
-    (resolve(node)?.kernel)(&Ctx { node, ins, env })
+    let r = resolve(node)?;
+    (r.kernel)(&Ctx {
+        node,
+        ins,
+        env,
+        parsed: r.parsed.as_deref(),
+    })
 }
