@@ -232,7 +232,7 @@ pub fn run_graph<'a>(
         let outs = match view_in_place(node, op, frees, &mut env)? {
             Some(v) => vec![v],
             None => match handed_over(node, op, frees, &mut env) {
-                Some((reuse, t)) => run_node(node, op, Call::Into(reuse, t), &env)?,
+                Some((reuse, at, t)) => run_node(node, op, Call::Into(reuse, at, t), &env)?,
                 None => run_node(node, op, Call::Plain(op.kernel), &env)?,
             },
         };
@@ -338,16 +338,26 @@ fn handed_over(
     op: &ops::Resolved,
     frees: &[ValueId],
     env: &mut Env,
-) -> Option<(ops::Reuse, Tensor)> {
+) -> Option<(ops::Reuse, usize, Tensor)> {
     let reuse = op.reuse?;
-    let x = node.inputs.get(reuse.at).copied().flatten()?;
-    let once = node.inputs.iter().filter(|i| **i == Some(x)).count() == 1;
-    let owned = matches!(env.local.get(&x), Some(Value::Tensor(t)) if !t.data().is_shared());
-    if !(once && owned && frees.contains(&x)) {
-        return None;
-    }
+    // Of the inputs that may be handed over, the largest (a broadcast operand cannot hold the
+    // output).
+    let (at, x, _) = reuse
+        .at
+        .iter()
+        .filter_map(|&at| {
+            let x = node.inputs.get(at).copied().flatten()?;
+            let once = node.inputs.iter().filter(|i| **i == Some(x)).count() == 1;
+            match env.local.get(&x) {
+                Some(Value::Tensor(t)) if once && !t.data().is_shared() && frees.contains(&x) => {
+                    Some((at, x, t.len()))
+                }
+                _ => None,
+            }
+        })
+        .max_by_key(|&(at, _, len)| (len, std::cmp::Reverse(at)))?;
     match env.local.remove(&x) {
-        Some(Value::Tensor(t)) => Some((reuse, t)),
+        Some(Value::Tensor(t)) => Some((reuse, at, t)),
         _ => unreachable!("checked above"),
     }
 }
@@ -355,7 +365,7 @@ fn handed_over(
 /// How a node's kernel is called: on its inputs, or with one of them handed over by value.
 enum Call {
     Plain(ops::Kernel),
-    Into(ops::Reuse, Tensor),
+    Into(ops::Reuse, usize, Tensor),
 }
 
 /// Runs one node on the given inputs, outside any graph (constant folding at load time). A
@@ -368,7 +378,7 @@ pub(crate) fn eval_node(node: &Node, ins: &[Option<&Value>]) -> Result<Vec<Value
 
 fn run_node(node: &Node, op: &ops::Resolved, call: Call, env: &Env) -> Result<Vec<Value>> {
     let handed = match &call {
-        Call::Into(r, _) => Some(r.at),
+        Call::Into(_, at, _) => Some(*at),
         Call::Plain(_) => None,
     };
     let mut ins = Vec::with_capacity(node.inputs.len());
@@ -400,9 +410,9 @@ fn run_node(node: &Node, op: &ops::Resolved, call: Call, env: &Env) -> Result<Ve
     let mut slot = None;
     let outs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match call {
         Call::Plain(kernel) => kernel(&cx),
-        Call::Into(r, t) => {
+        Call::Into(r, at, t) => {
             slot = Some(t);
-            let outs = (r.kernel)(&cx, &mut slot);
+            let outs = (r.kernel)(&cx, at, &mut slot);
             match slot.take() {
                 // Not written in: its memory goes back to the pool, as when a value is freed.
                 Some(t) => crate::arena::recycle(Value::Tensor(t)),

@@ -751,7 +751,13 @@ fn window_attributes_are_parsed_at_load() {
     };
     assert!(err.is_unsupported(), "{err}");
     let msg = err.to_string();
-    for part in ["slanted", "Conv", "opset 17", "FLOAT", "auto_pad 'SIDEWAYS'"] {
+    for part in [
+        "slanted",
+        "Conv",
+        "opset 17",
+        "FLOAT",
+        "auto_pad 'SIDEWAYS'",
+    ] {
         assert!(msg.contains(part), "{msg} lacks {part}");
     }
 }

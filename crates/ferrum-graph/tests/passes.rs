@@ -396,6 +396,112 @@ fn a_conv_last_to_read_its_residual_writes_into_it_with_the_same_bits() {
     }
 }
 
+/// Elementwise ops write into the memory of an operand they are the last to read (of the
+/// output's shape; a broadcast operand is read as usual), with the bits of writing a buffer of
+/// their own: the same chain with every intermediate also a graph output (so none is handed
+/// over) gives the same bits, on fresh random shapes (odd widths; some large enough to split
+/// over the threads). Checked also against f64 arithmetic (Erf within 1e-6).
+#[test]
+fn elementwise_ops_write_into_an_operand_they_read_last_with_the_same_bits() {
+    let mut r = rng();
+    for case in 0..4 {
+        let (c, h, w) = if case == 3 {
+            (3usize, 300usize, 701usize)
+        } else {
+            (r.gen_range(1..5), r.gen_range(1..9), r.gen_range(1..150))
+        };
+        let n = c * h * w;
+        let pos = |r: &mut Rng64, k: usize| -> Vec<f32> {
+            (0..k).map(|_| r.gen_range(0.5f32..1.5)).collect()
+        };
+        let (bv, dv) = (pos(&mut r, c), pos(&mut r, w));
+        let inits = vec![
+            init("b", &[1, c as i64, 1, 1], bv.clone()),
+            init("d", &[w as i64], dv.clone()),
+        ];
+        // t1 = Relu(x + y); t2 = b t1; t3 = sqrt(t2); t4 = t3 / d; t5 = b - t4; t6 = erf(t5);
+        // out = t6 + x.
+        let chain = [
+            ("Add", vec!["x", "y"], "t0"),
+            ("Relu", vec!["t0"], "t1"),
+            ("Mul", vec!["b", "t1"], "t2"),
+            ("Sqrt", vec!["t2"], "t3"),
+            ("Div", vec!["t3", "d"], "t4"),
+            ("Sub", vec!["b", "t4"], "t5"),
+            ("Erf", vec!["t5"], "t6"),
+            ("Add", vec!["t6", "x"], "out"),
+        ];
+        let nodes: Vec<NodeProto> = chain
+            .iter()
+            .map(|(op, ins, out)| node(op, ins, &[out], vec![]))
+            .collect();
+        let dims = [1, c as i64, h as i64, w as i64];
+        let xs = (randv(&mut r, n), randv(&mut r, n));
+        let feeds = [
+            ("x", vec![1, c, h, w], xs.0.clone()),
+            ("y", vec![1, c, h, w], xs.1.clone()),
+        ];
+        let mut runs = Vec::new();
+        for all in [false, true] {
+            let outs = chain
+                .iter()
+                .filter(|(_, _, o)| all || *o == "out")
+                .map(|(_, _, o)| f32_out(o))
+                .collect();
+            let mp = model(
+                nodes.clone(),
+                vec![f32_in("x", &dims), f32_in("y", &dims)],
+                outs,
+                inits.clone(),
+                17,
+            );
+            let s = session(&mp, OptLevel::Disabled);
+            let y = outputs(&s, &feeds).pop().unwrap();
+            runs.push((y, s.outputs_in_place()));
+        }
+        let ((handed, k_handed), (kept, k_kept)) = (&runs[0], &runs[1]);
+        // Every node writes in place; with the intermediates kept as outputs, only the two whose
+        // operand is a graph input it reads last (x + y into y, t6 + x into x).
+        assert_eq!(
+            (*k_handed, *k_kept),
+            (8, 2),
+            "[1, {c}, {h}, {w}]: outputs written in place"
+        );
+        for (i, (u, v)) in handed.iter().zip(kept).enumerate() {
+            assert!(
+                u.to_bits() == v.to_bits() && u.is_finite(),
+                "[1, {c}, {h}, {w}] element {i}: {u} written in place, {v} apart"
+            );
+            let (ci, wi) = ((i / (h * w)) % c, i % w);
+            let (x, y, b, d) = (xs.0[i] as f64, xs.1[i] as f64, bv[ci] as f64, dv[wi] as f64);
+            let t5 = b - (b * (x + y).max(0.0)).sqrt() / d;
+            let want = erf64(t5) + x;
+            assert!(
+                (u - want as f32).abs() <= 1e-6,
+                "element {i}: {u}, f64 {want}"
+            );
+        }
+    }
+}
+
+/// erf in f64 (Abramowitz-Stegun 7.1.26 is too coarse: a series / continued fraction).
+fn erf64(x: f64) -> f64 {
+    // The Taylor series converges fast for |x| <= 3; beyond, erf is 1 to f32 precision.
+    if x.abs() > 3.0 {
+        return x.signum();
+    }
+    let (mut term, mut sum, x2) = (x, x, x * x);
+    for k in 1..200 {
+        term *= -x2 / k as f64;
+        let add = term / (2 * k + 1) as f64;
+        sum += add;
+        if add.abs() < 1e-17 {
+            break;
+        }
+    }
+    sum * 2.0 / std::f64::consts::PI.sqrt()
+}
+
 #[test]
 fn every_activation_fuses_into_conv_and_gemm() {
     let mut r = rng();

@@ -2,7 +2,10 @@
 
 use crate::ops::fast;
 use crate::ops::vecmath::{Bin as FastBin, Unary};
-use crate::ops::{one, per_output, same_shape, unsupported, Ctx, Inferred, Kernel, Known, Rules};
+use crate::ops::{
+    one, per_output, same_shape, unsupported, with_slot, Ctx, Inferred, IntoKernel, Kernel, Known,
+    Reuse, Rules,
+};
 use crate::tensor::{numel, DType, Data, Elem, Num, Tensor, Value};
 use crate::{dispatch, kbail, Result};
 
@@ -907,6 +910,51 @@ fn compare(cx: &Ctx, op: Cmp) -> Result<Vec<Value>> {
 fn logic(cx: &Ctx, f: fn(bool, bool) -> bool) -> Result<Vec<Value>> {
     let a = cx.t(0)?;
     one(logical(a, &legacy_b(cx, a, cx.t(1)?)?, f)?)
+}
+
+/// The elementwise ops that can write their output into an operand's memory, on their float32
+/// fast paths: Add, Sub, Mul and Div into either operand of the output's shape; Relu, Sqrt and
+/// Erf into their input. Elsewhere the kernel runs as usual.
+pub fn reuse(op: &str) -> Option<Reuse> {
+    let (at, kernel): (&'static [usize], IntoKernel) = match op {
+        "Add" => (&[0, 1], |cx, at, slot| bin_into(cx, at, slot, FastBin::Add)),
+        "Sub" => (&[0, 1], |cx, at, slot| bin_into(cx, at, slot, FastBin::Sub)),
+        "Mul" => (&[0, 1], |cx, at, slot| bin_into(cx, at, slot, FastBin::Mul)),
+        "Div" => (&[0, 1], |cx, at, slot| bin_into(cx, at, slot, FastBin::Div)),
+        "Relu" => (&[0], |cx, at, slot| unary_into(cx, at, slot, Unary::Relu)),
+        "Sqrt" => (&[0], |cx, at, slot| unary_into(cx, at, slot, Unary::Sqrt)),
+        "Erf" => (&[0], |cx, at, slot| unary_into(cx, at, slot, Unary::Erf)),
+        _ => return None,
+    };
+    Some(Reuse { at, kernel })
+}
+
+/// The node's own kernel, with the handed-over operand read from `slot`.
+fn as_usual(cx: &Ctx, at: usize, slot: &mut Option<Tensor>) -> Result<Vec<Value>> {
+    let k = kernel(&cx.node.op).ok_or_else(|| unsupported(format!("op {}", cx.node.op)))?;
+    with_slot(cx, at, slot, k)
+}
+
+/// A binary op written into operand `at` ([`fast::arith_into`]), else as usual.
+fn bin_into(cx: &Ctx, at: usize, slot: &mut Option<Tensor>, op: FastBin) -> Result<Vec<Value>> {
+    if let Some(t) = slot.take() {
+        match fast::arith_into(cx, at, t, op)? {
+            Ok(out) => return one(out),
+            Err(t) => *slot = Some(t),
+        }
+    }
+    as_usual(cx, at, slot)
+}
+
+/// A unary op written into its input ([`fast::unary_into`]), else as usual.
+fn unary_into(cx: &Ctx, at: usize, slot: &mut Option<Tensor>, op: Unary) -> Result<Vec<Value>> {
+    if let Some(t) = slot.take() {
+        match fast::unary_into(t, op)? {
+            Ok(out) => return one(out),
+            Err(t) => *slot = Some(t),
+        }
+    }
+    as_usual(cx, at, slot)
 }
 
 /// The static rules of an elementwise op: the inputs broadcast together (input 0's shape for

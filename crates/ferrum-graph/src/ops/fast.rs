@@ -115,18 +115,98 @@ pub(crate) fn filled<T: Elem>(n: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])
     v
 }
 
+/// `f(offset, stretch, out)` over `v` in stretches of 64 elements, each stretch copied aside
+/// first and written back by `f` (which writes every element of `out`, as the vector kernels
+/// here do): an op over a vector's own memory with kernels that read one slice and write
+/// another. Stretches of 64 keep each element where a whole-slice call would put it (vector
+/// body or tail), so the bits are those of that call.
+fn in_place(v: &mut [f32], f: impl Fn(usize, &[f32], &mut [MaybeUninit<f32>])) {
+    let mut buf = [0f32; 64];
+    for (c, stretch) in v.chunks_mut(64).enumerate() {
+        let m = stretch.len();
+        buf[..m].copy_from_slice(stretch);
+        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and `f` only writes initialised values
+        // (every element), so the stretch holds valid floats afterwards (and, should `f` stop
+        // early, the old ones where it did not write).
+        let out = unsafe { &mut *(stretch as *mut [f32] as *mut [MaybeUninit<f32>]) };
+        f(c * 64, &buf[..m], out);
+    }
+}
+
+/// [`arith`] into `mine`, operand `at` (0: A, 1: B) handed over with its memory, when it has
+/// the output's shape (float32, opset 7 on); the same bits as [`arith`] (each element one IEEE
+/// operation, in the same vector code). `Err(mine)` where that does not apply.
+pub fn arith_into(
+    cx: &Ctx,
+    at: usize,
+    mine: Tensor,
+    op: Bin,
+) -> Result<std::result::Result<Tensor, Tensor>> {
+    let Some(other) = cx.opt(1 - at) else {
+        return Ok(Err(mine));
+    };
+    if !all_f32(&[&mine, other])
+        || cx.opset() < 7
+        || broadcast_shape(mine.shape(), other.shape()).ok().as_deref() != Some(mine.shape())
+    {
+        return Ok(Err(mine));
+    }
+    let shape = mine.shape().to_vec();
+    let ov = other.as_slice::<f32>()?;
+    let mut v = crate::ops::fused::into_f32(mine)?;
+    let r = shape.len();
+    let (cs, st) = coalesce(
+        &shape,
+        [strides_from(&shape, r), strides_from(other.shape(), r)],
+    );
+    let lo = st[1][cs.len() - 1];
+    for_rows(&cs, &st, &mut v, |[_, oo], row| {
+        in_place(row, |off, mv, out| {
+            let theirs = if lo == 1 {
+                Operand::Row(&ov[oo + off..oo + off + mv.len()])
+            } else {
+                Operand::Scalar(ov[oo])
+            };
+            if at == 0 {
+                vecmath::bin_row(op, Operand::Row(mv), theirs, out)
+            } else {
+                vecmath::bin_row(op, theirs, Operand::Row(mv), out)
+            }
+        })
+    });
+    Ok(Ok(Tensor::from_vec(shape, v)?))
+}
+
+/// [`unary`] into its input's memory, handed over (float32); the same bits. `Err(x)` for other
+/// types.
+pub fn unary_into(x: Tensor, op: Unary) -> Result<std::result::Result<Tensor, Tensor>> {
+    if x.dtype() != DType::F32 {
+        return Ok(Err(x));
+    }
+    let shape = x.shape().to_vec();
+    let mut v = crate::ops::fused::into_f32(x)?;
+    par_rows(&mut v, 1, unary_min(op), |_, o| {
+        in_place(o, |_, x, out| vecmath::unary_slice(op, x, out))
+    });
+    Ok(Ok(Tensor::from_vec(shape, v)?))
+}
+
 /// `op` over every element, in parts over the pool's threads for large tensors.
 fn map_f32(x: &[f32], op: Unary) -> Vec<f32> {
-    let min = if op == Unary::Erf {
-        PAR_MIN
-    } else {
-        PAR_MIN_CHEAP
-    };
     filled(x.len(), |out| {
-        par_rows(out, 1, min, |i, o| {
+        par_rows(out, 1, unary_min(op), |i, o| {
             vecmath::unary_slice(op, &x[i..i + o.len()], o)
         })
     })
+}
+
+/// The smallest part worth a pool task for `op`.
+fn unary_min(op: Unary) -> usize {
+    if op == Unary::Erf {
+        PAR_MIN
+    } else {
+        PAR_MIN_CHEAP
+    }
 }
 
 /// IsNaN of a float32 tensor.

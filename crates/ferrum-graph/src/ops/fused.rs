@@ -254,8 +254,8 @@ pub fn reuse(op: &str) -> Option<crate::ops::Reuse> {
     match op {
         // The residual, Z.
         "FusedConv" => Some(crate::ops::Reuse {
-            at: 3,
-            kernel: |cx, z| {
+            at: &[3],
+            kernel: |cx, _, z| {
                 let act = Act::from_node(cx)?;
                 one(crate::ops::conv::conv_fused_into(cx, z, act)?)
             },

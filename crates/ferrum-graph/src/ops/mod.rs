@@ -177,20 +177,51 @@ pub type Kernel = fn(&Ctx) -> Result<Vec<Value>>;
 /// form is not such a view.
 pub type ViewDims = fn(&Ctx) -> Option<Result<Vec<usize>>>;
 
-/// A kernel that may write its output into the memory of one of its inputs ([`Reuse::at`]): it
-/// finds that input in the slot it is given (its place in [`Ctx::ins`] is empty), takes it
-/// when it writes there, and else reads it from the slot as it would from `ins`.
-pub type IntoKernel = fn(&Ctx, &mut Option<Tensor>) -> Result<Vec<Value>>;
+/// A kernel that may write its output into the memory of one of its inputs (`at`, one of
+/// [`Reuse::at`]): it finds that input in the slot it is given (its place in [`Ctx::ins`] is
+/// empty), takes it when it writes there, and else reads it from the slot as it would from
+/// `ins` ([`with_slot`]).
+pub type IntoKernel = fn(&Ctx, usize, &mut Option<Tensor>) -> Result<Vec<Value>>;
 
-/// For an op whose output can take over an input's memory (a fused convolution's residual, of
-/// the output's shape, which it only adds): the executor runs [`Reuse::kernel`] with input
-/// [`Reuse::at`] moved in when the node is that value's last reader and the value owns its
-/// memory, instead of [`Resolved::kernel`] writing a fresh buffer. Same outputs, bit for bit:
-/// the kernel decides from the input's shape and type whether it writes there.
+/// For an op whose output can take over an input's memory (a fused convolution's residual, an
+/// elementwise op's operand of the output's shape): the executor runs [`Reuse::kernel`] with one
+/// of the inputs [`Reuse::at`] moved in when the node is that value's last reader and the value
+/// owns its memory (the largest such), instead of [`Resolved::kernel`] writing a fresh buffer.
+/// Same outputs, bit for bit: the kernel decides from the input's shape and type whether it
+/// writes there.
 #[derive(Clone, Copy)]
 pub struct Reuse {
-    pub at: usize,
+    pub at: &'static [usize],
     pub kernel: IntoKernel,
+}
+
+/// Runs `kernel` with the tensor in `slot` back at input `at`, for an [`IntoKernel`] that does
+/// not write into it; the tensor stays in the slot.
+pub(crate) fn with_slot(
+    cx: &Ctx,
+    at: usize,
+    slot: &mut Option<Tensor>,
+    kernel: Kernel,
+) -> Result<Vec<Value>> {
+    let Some(t) = slot.take() else {
+        return kernel(cx);
+    };
+    let v = Value::Tensor(t);
+    let mut ins = cx.ins.to_vec();
+    if ins.len() <= at {
+        ins.resize(at + 1, None);
+    }
+    ins[at] = Some(&v);
+    let outs = kernel(&Ctx {
+        node: cx.node,
+        ins: &ins,
+        env: cx.env,
+        parsed: cx.parsed,
+    });
+    if let Value::Tensor(t) = v {
+        *slot = Some(t);
+    }
+    outs
 }
 
 /// What static shape inference knows at a node ([`crate::infer::static_shapes`]): its
@@ -411,10 +442,10 @@ pub fn resolve(node: &Node) -> Result<Resolved> {
             parsed: parse(node).map_err(|e| crate::exec::wrap(e, node, None))?,
             rules,
             view: if default { shape::view(&node.op) } else { None },
-            reuse: if node.domain == crate::passes::DOMAIN {
-                fused::reuse(&node.op)
-            } else {
-                None
+            reuse: match node.domain.as_str() {
+                crate::passes::DOMAIN => fused::reuse(&node.op),
+                _ if default => elementwise::reuse(&node.op),
+                _ => None,
             },
         }),
         None => Err(Error::Unsupported(Box::new(crate::error::UnsupportedOp {
