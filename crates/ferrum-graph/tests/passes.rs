@@ -2638,6 +2638,13 @@ fn depthwise_separable_chains_run_channels_last_as_in_mobilenet() {
         usize::from(!planes)
     );
     assert!(log.iter().any(|l| l.contains(&line)), "{log:?}");
+    // Block 1's projection, the last to read the stem's output (its residual), writes into
+    // it (the GEMM accumulating into the residual gives the bits of adding it in the epilogue:
+    // `gemm::tests::a_residual_in_the_epilogue_gives_the_bits_of_accumulating_into_it`, with
+    // these operand forms); the outputs are those checked against level 0 above.
+    let y = outputs(&s, &feeds).remove(0);
+    assert_eq!(s.outputs_in_place(), 1);
+    assert!(y.iter().all(|v| v.is_finite()));
     // Level 2 keeps NCHW.
     assert!(!ops(&session(&mp, OptLevel::Extended))
         .iter()

@@ -260,6 +260,11 @@ pub fn reuse(op: &str) -> Option<crate::ops::Reuse> {
                 one(crate::ops::conv::conv_fused_into(cx, z, act)?)
             },
         }),
+        // The residual, input 3, when a GEMM form computes the output.
+        "NhwcConv" => Some(crate::ops::Reuse {
+            at: &[3],
+            kernel: |cx, _, z| one(crate::ops::nhwc::conv_into(cx, Act::from_node(cx)?, z)?),
+        }),
         _ => None,
     }
 }

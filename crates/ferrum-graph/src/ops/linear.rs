@@ -514,7 +514,7 @@ fn implicit_min_bytes(g: &Conv2d) -> usize {
 
 /// Where [`conv2d`]'s products go: into an output that starts as the residual, or into fresh
 /// memory that they fill.
-enum OutBuf<'a> {
+pub(crate) enum OutBuf<'a> {
     Acc(&'a mut [f32]),
     Fresh(&'a mut [std::mem::MaybeUninit<f32>]),
 }

@@ -15,7 +15,9 @@
 //! AVX-512 or AVX2, directly ([`ferrum_kernels::direct`]). Grouped convolutions that are not depthwise are refused (the
 //! pass makes none).
 
-use ferrum_kernels::gemm::{gemm_ex_uninit, Bias, Epilogue, Lhs, Mat, Rhs};
+use ferrum_kernels::gemm::{gemm_ex, gemm_ex_uninit, Bias, Epilogue, Lhs, Mat, Rhs};
+
+use crate::ops::linear::OutBuf;
 use ferrum_kernels::pool;
 use ferrum_kernels::{depthwise, direct};
 
@@ -28,6 +30,13 @@ use crate::{kbail, Result};
 /// H, W]` (the graph's image, not turned channels-last first): read where it lies by the
 /// direct kernel, else turned channels-last here.
 pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
+    conv_into(cx, act, &mut None)
+}
+
+/// [`conv`] with the residual (input 3) handed over in `spare` (this node its last reader):
+/// the products of the GEMM forms accumulate into its memory, the bits of adding it in their
+/// epilogue; the direct and depthwise kernels read it as usual.
+pub fn conv_into(cx: &Ctx, act: Act, spare: &mut Option<Tensor>) -> Result<Tensor> {
     let (x, w) = (cx.t(0)?, cx.t(1)?);
     let planes = cx.ai("nchw_input", 0) != 0;
     if x.dtype() != DType::F32 || w.dtype() != DType::F32 || x.rank() != 4 || w.rank() != 4 {
@@ -78,14 +87,23 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
         ),
         None => None,
     };
-    let epi = Epi { z: cx.opt(3), act };
+    let (xv, wv) = (x.as_slice::<f32>()?, w.as_slice::<f32>()?);
+    let depthwise = group == c && cg == 1 && m == c;
+    let pointwise = group == 1 && kh == 1 && kw == 1 && s == [1, 1] && [oh, ow] == [ih, iw];
+    // The GEMM forms take a residual of the output's shape handed over as their output.
+    let by_gemm = !depthwise && group == 1 && (pointwise || !direct::worthwhile(c));
+    let own = match spare.take_if(|t| by_gemm && t.dtype() == DType::F32 && t.shape() == shape) {
+        Some(t) => Some(crate::ops::fused::into_f32(t)?),
+        None => None,
+    };
+    let epi = Epi {
+        z: spare.as_ref().or_else(|| cx.opt(3)),
+        act,
+    };
     let z = epi.z_exact(&shape);
     if epi.z.is_some() && z.is_none() {
         kbail!("NhwcConv: the residual must be float32 of shape {shape:?}");
     }
-    let (xv, wv) = (x.as_slice::<f32>()?, w.as_slice::<f32>()?);
-    let depthwise = group == c && cg == 1 && m == c;
-    let pointwise = group == 1 && kh == 1 && kw == 1 && s == [1, 1] && [oh, ow] == [ih, iw];
     let rows = n * oh * ow;
     if rows == 0 || m == 0 {
         return Tensor::from_vec(shape, vec![0f32; rows * m]);
@@ -143,21 +161,16 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
         residual: z,
     };
     let kk = kh * kw * c;
-    let out = if pointwise {
-        fast::filled(rows * m, |o| {
-            gemm_ex_uninit(
-                rows,
-                m,
-                c,
-                1.0,
-                Lhs::Mat(Mat::row_major(xv, c)),
-                rhs,
-                o,
-                m,
-                &e,
-            )
-        })
-    } else {
+    // One product into `o` (fresh, or the residual's memory, accumulated into).
+    let product = |rows: usize, lhs: Lhs, o: OutBuf, e: &Epilogue| match o {
+        OutBuf::Acc(o) => gemm_ex(rows, m, kk, 1.0, lhs, rhs, 1.0, o, m, e),
+        OutBuf::Fresh(o) => gemm_ex_uninit(rows, m, kk, 1.0, lhs, rhs, o, m, e),
+    };
+    let products = |out: OutBuf| {
+        if pointwise {
+            product(rows, Lhs::Mat(Mat::row_major(xv, c)), out, &e);
+            return;
+        }
         // Per image: its patches as rows (`[oh * ow, kh * kw * c]`, in the filter's (ky, kx,
         // c) order), times the filter.
         let (osp, isz) = (oh * ow, ih * iw * c);
@@ -174,19 +187,34 @@ pub fn conv(cx: &Ctx, act: Act) -> Result<Tensor> {
             pad,
             ow,
         };
-        let out = fast::filled(rows * m, |o| {
-            for (b, ob) in o.chunks_mut(osp * m).enumerate() {
-                patches(&xv[b * isz..][..isz], &geo, &mut col[..osp * kk]);
-                let e = Epilogue {
-                    residual: z.map(|z| &z[b * osp * m..][..osp * m]),
-                    ..e
-                };
-                let lhs = Lhs::Mat(Mat::row_major(&col, kk));
-                gemm_ex_uninit(osp, m, kk, 1.0, lhs, rhs, ob, m, &e);
+        let mut image = |b: usize, ob: OutBuf| {
+            patches(&xv[b * isz..][..isz], &geo, &mut col[..osp * kk]);
+            let e = Epilogue {
+                residual: z.map(|z| &z[b * osp * m..][..osp * m]),
+                ..e
+            };
+            product(osp, Lhs::Mat(Mat::row_major(&col, kk)), ob, &e);
+        };
+        match out {
+            OutBuf::Acc(o) => {
+                for (b, ob) in o.chunks_mut(osp * m).enumerate() {
+                    image(b, OutBuf::Acc(ob));
+                }
             }
-        });
+            OutBuf::Fresh(o) => {
+                for (b, ob) in o.chunks_mut(osp * m).enumerate() {
+                    image(b, OutBuf::Fresh(ob));
+                }
+            }
+        }
         COL.with(|v| *v.borrow_mut() = col);
-        out
+    };
+    let out = match own {
+        Some(mut out) => {
+            products(OutBuf::Acc(&mut out));
+            out
+        }
+        None => fast::filled(rows * m, |o| products(OutBuf::Fresh(o))),
     };
     rest.finish(Tensor::from_vec(shape, out)?)
 }

@@ -867,16 +867,18 @@ fn a_residual_in_the_epilogue_gives_the_bits_of_accumulating_into_it() {
         let a = Operand::new(&mut rng, m, k);
         let b = Operand::new(&mut rng, k, n);
         let (av, bv) = (a.mat(), b.mat());
-        let pa = PackedA::new(m, k, av);
+        let (pa, pb) = (PackedA::new(m, k, av), PackedB::new(k, n, bv));
         let row = random_vec(&mut rng, m);
         let col = random_vec(&mut rng, n);
         let z = random_vec(&mut rng, m * n);
         for isa in available_isas() {
             for threads in [1, 2] {
-                for (bias, act, lhs) in [
-                    (Bias::Row(&row), Act::Relu, Lhs::Packed(&pa)),
-                    (Bias::Col(&col), Act::Gelu, Lhs::Mat(av)),
-                    (Bias::None, Act::Identity, Lhs::Mat(av)),
+                for (bias, act, lhs, rhs) in [
+                    (Bias::Row(&row), Act::Relu, Lhs::Packed(&pa), Rhs::Mat(bv)),
+                    (Bias::Col(&col), Act::Gelu, Lhs::Mat(av), Rhs::Mat(bv)),
+                    (Bias::None, Act::Identity, Lhs::Mat(av), Rhs::Mat(bv)),
+                    // A channels-last convolution's: activations by prepacked filters.
+                    (Bias::Col(&col), Act::Relu, Lhs::Mat(av), Rhs::Packed(&pb)),
                 ] {
                     let mut want = vec![f32::NAN; m * n];
                     let with_z = Epilogue {
@@ -885,18 +887,7 @@ fn a_residual_in_the_epilogue_gives_the_bits_of_accumulating_into_it() {
                         residual: Some(&z),
                     };
                     gemm_ex_with(
-                        isa,
-                        threads,
-                        m,
-                        n,
-                        k,
-                        0.5,
-                        lhs,
-                        Rhs::Mat(bv),
-                        0.0,
-                        &mut want,
-                        n,
-                        &with_z,
+                        isa, threads, m, n, k, 0.5, lhs, rhs, 0.0, &mut want, n, &with_z,
                     );
                     let mut got = z.clone();
                     let without = Epilogue {
@@ -904,18 +895,7 @@ fn a_residual_in_the_epilogue_gives_the_bits_of_accumulating_into_it() {
                         ..with_z
                     };
                     gemm_ex_with(
-                        isa,
-                        threads,
-                        m,
-                        n,
-                        k,
-                        0.5,
-                        lhs,
-                        Rhs::Mat(bv),
-                        1.0,
-                        &mut got,
-                        n,
-                        &without,
+                        isa, threads, m, n, k, 0.5, lhs, rhs, 1.0, &mut got, n, &without,
                     );
                     for (i, (w, g)) in want.iter().zip(&got).enumerate() {
                         assert!(!w.is_nan(), "{isa:?} m{m} n{n} k{k}: element {i} is NaN");
