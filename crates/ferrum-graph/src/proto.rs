@@ -374,6 +374,17 @@ pub mod build {
         }
     }
 
+    /// An INT64 vector (a shape, axes, indices).
+    pub fn i64_vector(name: &str, v: &[i64]) -> TensorProto {
+        TensorProto {
+            name: name.into(),
+            dims: vec![v.len() as i64],
+            data_type: 7,
+            int64_data: v.to_vec(),
+            ..Default::default()
+        }
+    }
+
     /// A model of one graph importing the default domain at `opset`.
     pub fn model(
         nodes: Vec<NodeProto>,

@@ -2,7 +2,7 @@
 //! that must give an error, never a panic.
 
 use ferrum_graph::onnx::{load_model, load_model_bytes, tensor_from_proto};
-use ferrum_graph::proto::build::{f32_tensor, model, node, value};
+use ferrum_graph::proto::build::{f32_tensor, i64_vector, model, node, value};
 use ferrum_graph::proto::{decode, encode, AttributeProto, StringStringEntryProto, TensorProto};
 use ferrum_graph::{Error, Session, Tensor};
 
@@ -498,16 +498,6 @@ fn mutated_models_never_panic() {
     }
 }
 
-fn i64_init(name: &str, v: &[i64]) -> TensorProto {
-    TensorProto {
-        name: name.into(),
-        dims: vec![v.len() as i64],
-        data_type: 7,
-        int64_data: v.to_vec(),
-        ..Default::default()
-    }
-}
-
 /// Static shape inference (each op's shape rule, kept beside its kernel) gives every value the
 /// shape the kernels then produce: a model of the common ops on fresh random dims, every value
 /// a graph output, its inferred shapes against a run's at level 0 (nothing rewritten). The
@@ -535,12 +525,12 @@ fn inferred_shapes_are_the_shapes_a_run_produces() {
         let filt = vec![0.5f32; (m * c * 9) as usize];
         let inits = vec![
             f32_tensor("wc", &[m, c, 3, 3], &filt),
-            i64_init("zero", &[0]),
-            i64_init("minus1", &[-1]),
-            i64_init("axes0", &[0]),
-            i64_init("starts", &[1]),
-            i64_init("ends", &[h - 1]),
-            i64_init("axes2", &[2]),
+            i64_vector("zero", &[0]),
+            i64_vector("minus1", &[-1]),
+            i64_vector("axes0", &[0]),
+            i64_vector("starts", &[1]),
+            i64_vector("ends", &[h - 1]),
+            i64_vector("axes2", &[2]),
         ];
         let nodes = vec![
             node(
@@ -660,8 +650,8 @@ fn shape_rules_give_unknown_for_malformed_nodes() {
     use ferrum_graph::proto::build::{attr_int, attr_ints};
     let inits = vec![
         f32_tensor("wc", &[2, 3, 3, 3], &[0.0; 54]),
-        i64_init("two_free", &[-1, -1]),
-        i64_init("far", &[9]),
+        i64_vector("two_free", &[-1, -1]),
+        i64_vector("far", &[9]),
     ];
     let nodes = vec![
         node("Reshape", &["x", "two_free"], &["r"], vec![]),

@@ -16,7 +16,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ferrum_graph::proto::build::{attr_int, attr_ints, f32_tensor, model, node, value};
+use ferrum_graph::proto::build::{attr_int, attr_ints, f32_tensor, i64_vector, model, node, value};
 use ferrum_graph::proto::{encode, AttributeProto, ModelProto, TensorProto};
 use ferrum_graph::{Session, Tensor, Value};
 
@@ -87,16 +87,6 @@ fn weight(name: &str, dims: &[i64], scale: f32) -> TensorProto {
         .map(|x| x * scale)
         .collect();
     f32_tensor(name, dims, &v)
-}
-
-fn i64_tensor(name: &str, v: &[i64]) -> TensorProto {
-    TensorProto {
-        name: name.into(),
-        dims: vec![v.len() as i64],
-        data_type: 7,
-        int64_data: v.to_vec(),
-        ..Default::default()
-    }
 }
 
 fn attr_f(name: &str, f: f32) -> AttributeProto {
@@ -256,8 +246,8 @@ fn encoder() -> (ModelProto, Vec<(&'static str, Vec<usize>)>) {
         ),
     ]);
     let mut inits = vec![
-        i64_tensor("heads", &[1, s, h, hd]),
-        i64_tensor("merged", &[1, s, d]),
+        i64_vector("heads", &[1, s, h, hd]),
+        i64_vector("merged", &[1, s, d]),
         f32_tensor("root", &[], &[(hd as f32).sqrt()]),
         weight("wo", &[d, d], 0.1),
         weight("bo", &[d], 0.1),
