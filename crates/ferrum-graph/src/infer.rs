@@ -73,7 +73,7 @@ pub fn static_shapes(m: &Model) -> Shapes {
         }
     }
     for n in &g.nodes {
-        let Some(rules) = crate::ops::resolve(n).ok().and_then(|r| r.rules) else {
+        let Some(rules) = crate::ops::rules(n) else {
             continue;
         };
         let out = (rules.shape)(&s.known(n));
@@ -90,7 +90,7 @@ pub fn static_shapes(m: &Model) -> Shapes {
 /// Estimated floating-point operations of one node (multiply-add = 2), when its op has a cost
 /// rule and the shapes it needs are known.
 pub fn node_flops(n: &Node, s: &Shapes) -> Option<f64> {
-    let flops = crate::ops::resolve(n).ok()?.rules?.flops?;
+    let flops = crate::ops::rules(n)?.flops?;
     let out = s.get(n.outputs.first().copied().flatten())?;
     flops(&s.known(n), out)
 }

@@ -109,10 +109,7 @@ impl<'a> Ctx<'a> {
         self.node.attrs.get(name)
     }
     pub fn ai(&self, name: &str, default: i64) -> i64 {
-        match self.attr(name) {
-            Some(Attr::Int(v)) => *v,
-            _ => default,
-        }
+        attr_int(self.node, name, default)
     }
     pub fn af(&self, name: &str, default: f32) -> f32 {
         match self.attr(name) {
@@ -133,6 +130,14 @@ impl<'a> Ctx<'a> {
             Some(Attr::Floats(v)) => Some(v.iter().map(|&x| x as f64).collect()),
             _ => None,
         }
+    }
+}
+
+/// `node`'s INT attribute `name`, else `default`.
+pub fn attr_int(node: &Node, name: &str, default: i64) -> i64 {
+    match node.attrs.get(name) {
+        Some(Attr::Int(v)) => *v,
+        _ => default,
     }
 }
 
@@ -250,10 +255,7 @@ impl<'a> Known<'a> {
         self.node.inputs.len()
     }
     pub fn ai(&self, name: &str, default: i64) -> i64 {
-        match self.node.attrs.get(name) {
-            Some(Attr::Int(v)) => *v,
-            _ => default,
-        }
+        attr_int(self.node, name, default)
     }
     pub fn aints(&self, name: &str) -> Option<&'a [i64]> {
         match self.node.attrs.get(name) {
@@ -431,16 +433,11 @@ pub fn resolve(node: &Node) -> Result<Resolved> {
         _ if default => default_domain(&node.op),
         _ => None,
     };
-    let rules = match node.domain.as_str() {
-        crate::passes::DOMAIN => fused::rules(&node.op),
-        _ if default => default_rules(&node.op, node.opset),
-        _ => None,
-    };
     match kernel {
         Some(kernel) => Ok(Resolved {
             kernel,
             parsed: parse(node).map_err(|e| crate::exec::wrap(e, node, None))?,
-            rules,
+            rules: rules(node),
             view: if default { shape::view(&node.op) } else { None },
             reuse: match node.domain.as_str() {
                 crate::passes::DOMAIN => fused::reuse(&node.op),
@@ -491,6 +488,16 @@ fn default_domain(op: &str) -> Option<Kernel> {
         }
     };
     Some(here)
+}
+
+/// `node`'s static rules (shape and cost), from the module that holds its op's kernel; `None`
+/// for ops without them. Looked up alone (no kernel, no attributes parsed) by shape inference.
+pub fn rules(node: &Node) -> Option<Rules> {
+    match node.domain.as_str() {
+        crate::passes::DOMAIN => fused::rules(&node.op),
+        "" | "ai.onnx" => default_rules(&node.op, node.opset),
+        _ => None,
+    }
 }
 
 /// The default domain's static rules for `op`, from the module that holds its kernel.
