@@ -316,7 +316,7 @@ fn swiglu_simd_equals_portable_bit_for_bit() {
 
 #[test]
 #[cfg(target_arch = "x86_64")]
-fn packed_gemv_equals_vec_dot_bit_for_bit() {
+fn packed_gemv_equals_its_order_reference_bit_for_bit() {
     use ferrum_kernels::matmul::avx512;
     if !avx512::available() {
         eprintln!("skipped: this CPU has no AVX-512 VNNI");
@@ -349,15 +349,20 @@ fn packed_gemv_equals_vec_dot_bit_for_bit() {
             let rb = dtype.row_bytes(cols).unwrap();
             for (r, a) in y.iter().enumerate() {
                 let wr = &data[r * rb..(r + 1) * rb];
-                // Q4_K: the order of llama.cpp's repacked GEMV, which one token gets.
+                // Q4_K: the order of llama.cpp's repacked GEMV, which one token gets; Q4_1,
+                // Q5_0, Q8_0 with `FERRUM_DOT_ORDER=blocks`: the block order.
                 let b = if dtype == DType::Q4_K {
                     ferrum_kernels::quant::vec_dot_q4k_repacked(wr, &act, cols)
+                } else if ferrum_kernels::quant::has_blocks_order(dtype)
+                    && ferrum_kernels::matmul::block_order()
+                {
+                    ferrum_kernels::quant::vec_dot_blocks(dtype, wr, &act, cols)
                 } else {
                     vec_dot(dtype, wr, &act, cols)
                 };
                 assert!(
                     a.is_finite() && a.to_bits() == b.to_bits(),
-                    "seed {seed}: {dtype} {rows}x{cols} row {r}: packed {a} vs vec_dot {b}"
+                    "seed {seed}: {dtype} {rows}x{cols} row {r}: packed {a} vs reference {b}"
                 );
             }
         }
@@ -416,11 +421,13 @@ const PACKED_TYPES: [DType; 6] = [
 
 /// Every plan of [`PackedMatrix::matmul`] (packed GEMV for decode rows, row kernels over unpacked
 /// groups for prompts, both in one call) gives the bits of the row-major path, which follows
-/// llama.cpp's per-sequence orders: batches of one-token sequences, prompts, and mixes.
+/// llama.cpp's per-sequence orders: batches of one-token sequences, prompts, and mixes. With
+/// `FERRUM_DOT_ORDER=blocks`, Q4_1, Q5_0 and Q8_0 give every token the block order instead,
+/// checked against `vec_dot_blocks` one output at a time.
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn packed_matrix_equals_row_major_bit_for_bit() {
-    use ferrum_kernels::matmul::{avx512, matmul_segments, Layout, PackedMatrix};
+    use ferrum_kernels::matmul::{avx512, matmul_segments, Layout, Order, PackedMatrix};
     if !avx512::available() {
         eprintln!("skipped: this CPU has no AVX-512 VNNI");
         return;
@@ -467,13 +474,33 @@ fn packed_matrix_equals_row_major_bit_for_bit() {
             let t: usize = segs.iter().sum();
             let x: Vec<f32> = (0..t * cols).map(|_| rng.gen_range(-3.0..3.0)).collect();
             let mut want = vec![f32::NAN; t * rows];
-            matmul_segments(&w, &x, &mut want, segs);
+            let blocks = ferrum_kernels::quant::has_blocks_order(dtype)
+                && ferrum_kernels::matmul::block_order();
+            if blocks {
+                assert!(m.orders(segs).iter().all(|&o| o == Order::Blocks));
+                let at = vec_dot_type(dtype);
+                let mut act = vec![0u8; at.row_bytes(cols).unwrap()];
+                let rb = dtype.row_bytes(cols).unwrap();
+                for tok in 0..t {
+                    quantize_row(at, &x[tok * cols..(tok + 1) * cols], &mut act);
+                    for r in 0..rows {
+                        want[tok * rows + r] = ferrum_kernels::quant::vec_dot_blocks(
+                            dtype,
+                            &data[r * rb..(r + 1) * rb],
+                            &act,
+                            cols,
+                        );
+                    }
+                }
+            } else {
+                matmul_segments(&w, &x, &mut want, segs);
+            }
             let mut got = vec![f32::NAN; t * rows];
             m.matmul(&x, &mut got, segs);
             for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     a.is_finite() && a.to_bits() == b.to_bits(),
-                    "seed {seed}: {dtype} segs {segs:?} token {} row {}: packed {a} vs row-major {b}",
+                    "seed {seed}: {dtype} segs {segs:?} token {} row {}: packed {a} vs reference {b} (blocks {blocks})",
                     i / rows,
                     i % rows
                 );
@@ -580,6 +607,9 @@ fn k_quant_prompt_kernels_follow_llama_cpp_orders_bit_for_bit() {
                             ferrum_kernels::quant::vec_dot_tiled_order(dtype, wr, &act, cols)
                         }
                         Order::Vec => vec_dot(dtype, wr, &act, cols),
+                        Order::Blocks => {
+                            ferrum_kernels::quant::vec_dot_blocks(dtype, wr, &act, cols)
+                        }
                     };
                     let got = y[tok * rows + r];
                     assert!(

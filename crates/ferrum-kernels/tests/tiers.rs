@@ -4,9 +4,12 @@
 //! seed is in every failure; rerun with `QUANT_SEED=<seed>`).
 //!
 //! * Matmul: for each (tier, weight type, call shape) the product equals, bit for bit, the plain
-//!   reference of llama.cpp's x86 float orders: per token the order `Order::of` names for its
-//!   sequence, computed one output at a time by the portable kernels (`vec_dot_lanes` and the
-//!   exact scalar twins of the repacked/tiled orders) on `quantize_row_ref`'s activations. Both
+//!   reference of its float order: per token the order `Order::of` names for its sequence
+//!   (llama.cpp's x86 orders), except that with `FERRUM_DOT_ORDER=blocks` a Q4_1, Q5_0 or Q8_0
+//!   matrix in the 16-row layout read by the AVX-512 tier gives every token the block order of
+//!   its packed kernel (tests/block_order.rs covers that order by itself); computed one
+//!   output at a time by the portable kernels (`vec_dot_lanes`, `vec_dot_blocks` and the exact
+//!   scalar twins of the repacked/tiled orders) on `quantize_row_ref`'s activations. Both
 //!   a matrix stored for the tier (`PackedMatrix::new` under the cap) and one packed for the top
 //!   tier, read by the tier's kernels, are checked. Each output is also within
 //!   2^-6 · Σ|w·x| + 1e-5 of the f64 reference (`matmul_ref`), so the order reference itself is
@@ -104,8 +107,9 @@ fn random_quant_row(dtype: DType, row: &mut [u8], rng: &mut StdRng) {
     }
 }
 
-/// The reference product: token by token in the order llama.cpp gives its sequence, one output
-/// at a time with the portable exact-order kernels.
+/// The reference product: token by token in the order llama.cpp gives its sequence (with
+/// `blocks`, the block order for every token), one output at a time with the portable
+/// exact-order kernels.
 fn reference(
     dtype: DType,
     rows: usize,
@@ -113,6 +117,7 @@ fn reference(
     w: &[u8],
     x: &[f32],
     segs: &[usize],
+    blocks: bool,
 ) -> Vec<f32> {
     let at = quant::vec_dot_type(dtype);
     let ab = at.row_bytes(cols).unwrap();
@@ -125,12 +130,18 @@ fn reference(
             quant::quantize_row_ref(at, tok_rows.next().unwrap(), &mut act);
             for r in 0..rows {
                 let wr = &w[r * rb..(r + 1) * rb];
-                y.push(match Order::of(dtype, rows, n, tok) {
+                let order = if blocks {
+                    Order::Blocks
+                } else {
+                    Order::of(dtype, rows, n, tok)
+                };
+                y.push(match order {
                     Order::Vec => quant::vec_dot_lanes(dtype, wr, &act, cols),
                     Order::Q4kGemv => quant::vec_dot_q4k_repacked_ref(wr, &act, cols),
                     Order::Q4kGemm => quant::vec_dot_q4k_gemm_order_ref(wr, &act, cols),
                     Order::Q6kTiled => quant::vec_dot_q6k_tiled_order_ref(wr, &act, cols),
                     Order::Tiled => quant::vec_dot_tiled_order(dtype, wr, &act, cols),
+                    Order::Blocks => quant::vec_dot_blocks(dtype, wr, &act, cols),
                 });
             }
         }
@@ -173,7 +184,6 @@ fn every_tier_matches_the_reference_on_every_type_and_shape() {
             for segs in shapes {
                 let t: usize = segs.iter().sum();
                 let x: Vec<f32> = (0..t * cols).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
-                let want = reference(dtype, rows, cols, &w, &x, segs);
                 let mut exact = vec![0f32; t * rows];
                 matmul_ref(
                     &WeightRef {
@@ -189,6 +199,11 @@ fn every_tier_matches_the_reference_on_every_type_and_shape() {
                     ("stored for the tier", &own),
                     ("packed for the top", &top_matrix),
                 ] {
+                    let blocks = tier == Tier::Avx512Vnni
+                        && m.layout().name() == "x16"
+                        && quant::has_blocks_order(dtype)
+                        && ferrum_kernels::matmul::block_order();
+                    let want = reference(dtype, rows, cols, &w, &x, segs, blocks);
                     let mut got = vec![f32::NAN; t * rows];
                     m.matmul(&x, &mut got, segs);
                     for (i, (a, b)) in got.iter().zip(&want).enumerate() {

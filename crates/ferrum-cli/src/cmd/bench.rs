@@ -56,6 +56,11 @@ pub struct Args {
     /// Storage type of the KV cache (f16, f32, q8_0, q4_0; llama-bench's -ctk/-ctv).
     #[arg(long, value_name = "TYPE", default_value = "f16", value_parser = crate::common::parse_kv_type)]
     pub kv_cache_type: ferrum_core::DType,
+    /// Summation order of the quantized matrix products, as for `generate`: `llama` (default,
+    /// llama.cpp's bits) or `blocks` (faster on AVX-512 VNNI for Q4_1, Q5_0, Q8_0; see
+    /// `ferrum generate --help`).
+    #[arg(long, value_name = "ORDER", value_parser = ["llama", "blocks"])]
+    pub dot_order: Option<String>,
     /// Measure this machine's ceilings (FMA GFLOP/s, memory and cache bandwidth) instead, print
     /// them, and cache them for `ferrum profile`.
     #[arg(long)]
@@ -82,6 +87,7 @@ pub fn run(a: Args) -> Result<()> {
         threads: None,
         dequantize: false,
         kv_cache_type: a.kv_cache_type,
+        dot_order: a.dot_order.clone(),
     };
     let llm = margs.load()?;
     if !a.batch.is_empty() {

@@ -10,7 +10,10 @@
 //! `acc[lane] = fma(d_w·d_a, lane, acc[lane])`; then the 8 lanes are reduced as `hsum_float_8`,
 //! and for Q4_1 the separately accumulated Σ m_w·s_a is added. A 512-bit register holds the 8
 //! lanes of two rows, which changes no float operation, so the tile results equal `vec_dot`'s bit
-//! for bit (tests/matmul_tiles.rs checks it on random data).
+//! for bit (tests/matmul_tiles.rs checks it on random data). The exception is opt-in: with
+//! [`super::block_order`] on, the packed Q4_1/Q5_0/Q8_0 kernels (`gemv_group_*_blocks`) sum each
+//! block's products as one exact integer and do one conversion and one FMA per block, the order
+//! of [`crate::quant::vec_dot_blocks`] (tests/block_order.rs).
 //!
 //! Activations are first laid out per token and block ([`Prepared`]) so that a single 64-byte
 //! load serves a row pair:
@@ -46,6 +49,9 @@ pub struct Prepared {
     pub quants: Vec<u8>,
     /// Q8_0 only: per token and block, 16 i32 start values (the correction for unsigned weights).
     pub corr: Vec<i32>,
+    /// Q8_0 only: per token and block, `-128·Σ a` over the whole block (the packed kernels'
+    /// start value).
+    pub block_corr: Vec<i32>,
     /// Per token and block: `[d, s, d, s]` (Q8_1) or `[d]` (Q8_0).
     pub scales: Vec<f32>,
 }
@@ -56,6 +62,7 @@ impl Prepared {
             nb: 0,
             quants: Vec::new(),
             corr: Vec::new(),
+            block_corr: Vec::new(),
             scales: Vec::new(),
         }
     }
@@ -81,6 +88,7 @@ impl Prepared {
             DType::Q4_1 => {
                 overwritten(&mut self.scales, t * nb * 4);
                 self.corr.clear();
+                self.block_corr.clear();
                 if simd {
                     // SAFETY: `available()`: the CPU has AVX-512 (F, VL, VNNI) and F16C; the
                     // buffers were sized above for t * nb blocks (quants: none without them).
@@ -104,6 +112,7 @@ impl Prepared {
             _ => {
                 overwritten(&mut self.scales, t * nb);
                 overwritten(&mut self.corr, t * nb * 16);
+                overwritten(&mut self.block_corr, t * nb);
                 if simd {
                     // SAFETY: as for Q8_1 above.
                     unsafe {
@@ -112,6 +121,7 @@ impl Prepared {
                             &mut self.quants,
                             &mut self.scales,
                             &mut self.corr,
+                            &mut self.block_corr,
                         )
                     };
                     return;
@@ -128,6 +138,7 @@ impl Prepared {
                         c[j] = -128 * s;
                         c[j + 8] = -128 * s;
                     }
+                    self.block_corr[i] = c[..8].iter().sum();
                 }
             }
         }
@@ -160,12 +171,23 @@ unsafe fn fill_q8_1(act: &[u8], quants: &mut [u8], scales: &mut [f32]) {
 }
 
 /// [`Prepared::fill`] of Q8_0 rows (34-byte blocks: d, 32 quants) with AVX-512: per block the
-/// quants twice, d (F16C, exact), and the 16 start values `-128·Σ` of each 4 quants (twice),
-/// the sums by `dpbusd` against ones (exact).
+/// quants twice, d (F16C, exact), the 16 start values `-128·Σ` of each 4 quants (twice), the
+/// sums by `dpbusd` against ones (exact), and `-128·Σ` of all 32.
 #[target_feature(enable = "avx512f,avx512vl,avx512vnni,f16c")]
-unsafe fn fill_q8_0(act: &[u8], quants: &mut [u8], scales: &mut [f32], corr: &mut [i32]) {
+unsafe fn fill_q8_0(
+    act: &[u8],
+    quants: &mut [u8],
+    scales: &mut [f32],
+    corr: &mut [i32],
+    block_corr: &mut [i32],
+) {
     let n = act.len() / 34;
-    assert!(quants.len() >= 64 * n && scales.len() >= n && corr.len() >= 16 * n);
+    assert!(
+        quants.len() >= 64 * n
+            && scales.len() >= n
+            && corr.len() >= 16 * n
+            && block_corr.len() >= n
+    );
     let ones = _mm256_set1_epi8(1);
     for i in 0..n {
         // SAFETY: block i's 34 bytes lie in `act`, its outputs in theirs (asserted above).
@@ -184,6 +206,7 @@ unsafe fn fill_q8_0(act: &[u8], quants: &mut [u8], scales: &mut [f32], corr: &mu
                 corr.as_mut_ptr().add(16 * i) as *mut _,
                 _mm512_broadcast_i64x4(c),
             );
+            *block_corr.get_unchecked_mut(i) = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(c));
         }
     }
 }
@@ -798,7 +821,14 @@ pub fn gemv_x16_parts(dtype: DType, parts: &mut [X16Part], cols: usize, x: &[f32
             let (packed, rows, out) = outs[i];
             (packed, rows, out, gg - first[i])
         };
-        let pairs = matches!(dtype, DType::Q4_1 | DType::Q5_0 | DType::Q8_0);
+        // Q4_1, Q5_0, Q8_0: several tokens per pass over a group, 2 in llama.cpp's order (8
+        // accumulators a token), 4 in the block order (one).
+        let blocks = super::block_order();
+        let per_pass = match (crate::quant::has_blocks_order(dtype), blocks) {
+            (false, _) => 1,
+            (true, false) => 2,
+            (true, true) => 4,
+        };
         crate::pool::parallel_for(n_groups.div_ceil(groups_per_task), |task| {
             let g0 = task * groups_per_task;
             let groups = g0..(g0 + groups_per_task).min(n_groups);
@@ -821,11 +851,7 @@ pub fn gemv_x16_parts(dtype: DType, parts: &mut [X16Part], cols: usize, x: &[f32
                     // weights are asked into L2 a part per pass, so its first pass does not
                     // wait on memory (the hardware prefetcher alone leaves every call's
                     // stream short of data: `cargo bench --bench matmul`, "in turn" rows).
-                    let n_pass = if pairs {
-                        (te - tb).div_ceil(2)
-                    } else {
-                        te - tb
-                    };
+                    let n_pass = (te - tb).div_ceil(per_pass);
                     let next = (n_pass > 1 && gg + 1 < groups.end).then(|| {
                         let (packed, _, _, g) = group_at(gg + 1);
                         &packed[g * group_bytes..(g + 1) * group_bytes]
@@ -839,22 +865,24 @@ pub fn gemv_x16_parts(dtype: DType, parts: &mut [X16Part], cols: usize, x: &[f32
                         pass += 1;
                     };
                     let mut tok = tb;
-                    if pairs {
-                        // Two tokens per pass over the group: its weights loaded once for both.
-                        while tok + 2 <= te {
+                    if per_pass > 1 {
+                        // Several tokens per pass over the group: its weights loaded and
+                        // unpacked once for all of them.
+                        while tok < te {
                             prefetch_next();
+                            let n = (te - tok).min(per_pass);
                             // SAFETY: `available()` was checked; `w` holds nb cells of
-                            // `dtype`, `p` t tokens of nb prepared blocks.
-                            let v = unsafe {
-                                match dtype {
-                                    DType::Q8_0 => gemv_group_q8_0::<2>(w, p, tok),
-                                    DType::Q5_0 => gemv_group_q5_0::<2>(w, p, tok),
-                                    _ => gemv_group_q4_1::<2>(w, p, act, tok),
+                            // `dtype`, `p` t tokens of nb prepared blocks (Q4_1: `act`, t
+                            // Q8_1 rows), and tok + n <= t.
+                            unsafe {
+                                match n {
+                                    4 => group_pass::<4>(dtype, blocks, w, p, act, tok, &store),
+                                    3 => group_pass::<3>(dtype, blocks, w, p, act, tok, &store),
+                                    2 => group_pass::<2>(dtype, blocks, w, p, act, tok, &store),
+                                    _ => group_pass::<1>(dtype, blocks, w, p, act, tok, &store),
                                 }
-                            };
-                            store(tok, &v[0]);
-                            store(tok + 1, &v[1]);
-                            tok += 2;
+                            }
+                            tok += n;
                         }
                     }
                     for tok in tok..te {
@@ -865,13 +893,10 @@ pub fn gemv_x16_parts(dtype: DType, parts: &mut [X16Part], cols: usize, x: &[f32
                         // nb Q8_K blocks).
                         let v = unsafe {
                             match dtype {
-                                DType::Q8_0 => gemv_group_q8_0::<1>(w, p, tok)[0],
-                                DType::Q5_0 => gemv_group_q5_0::<1>(w, p, tok)[0],
                                 DType::Q4_K => gemv_group_q4_k(w, a, nb),
                                 DType::Q6_K => gemv_group_q6_k(w, a, nb),
                                 DType::IQ4_XS if tiled => gemv_group_iq4xs::<true>(w, a, nb),
-                                DType::IQ4_XS => gemv_group_iq4xs::<false>(w, a, nb),
-                                _ => gemv_group_q4_1::<1>(w, p, act, tok)[0],
+                                _ => gemv_group_iq4xs::<false>(w, a, nb),
                             }
                         };
                         store(tok, &v);
@@ -880,6 +905,38 @@ pub fn gemv_x16_parts(dtype: DType, parts: &mut [X16Part], cols: usize, x: &[f32
             }
         });
     })
+}
+
+/// `N` tokens from `tok` over one group of Q4_1, Q5_0 or Q8_0 rows, in the block order if
+/// `blocks` (else llama.cpp's), each token's 16 outputs handed to `store`.
+///
+/// # Safety
+/// As the group kernels: AVX-512 VNNI available, `w` one group's cells, `p` (and for Q4_1 `act`)
+/// prepared for at least `tok + N` tokens.
+#[inline(always)]
+unsafe fn group_pass<const N: usize>(
+    dtype: DType,
+    blocks: bool,
+    w: &[u8],
+    p: &Prepared,
+    act: &[u8],
+    tok: usize,
+    store: &impl Fn(usize, &[f32; GROUP]),
+) {
+    // SAFETY: forwarded from the caller.
+    let v = unsafe {
+        match (dtype, blocks) {
+            (DType::Q8_0, true) => gemv_group_q8_0_blocks::<N>(w, p, tok),
+            (DType::Q5_0, true) => gemv_group_q5_0_blocks::<N>(w, p, tok),
+            (_, true) => gemv_group_q4_1_blocks::<N>(w, p, act, tok),
+            (DType::Q8_0, false) => gemv_group_q8_0_lanes::<N>(w, p, tok),
+            (DType::Q5_0, false) => gemv_group_q5_0_lanes::<N>(w, p, tok),
+            (_, false) => gemv_group_q4_1_lanes::<N>(w, p, act, tok),
+        }
+    };
+    for (c, o) in v.iter().enumerate() {
+        store(tok + c, o);
+    }
 }
 
 /// Asks the CPU to bring the cache lines that start in `bytes` into L2 (a hint: no effect on
@@ -1159,7 +1216,11 @@ unsafe fn gemv_group_iq4xs<const TILED: bool>(w: &[u8], act: &[u8], nb: usize) -
 /// `acc[k] = fma(d_w·d_a, f32(lane), acc[k])` (lane r = row r) and `hsum_float_8`. The weights
 /// are loaded once for the N tokens; each token's outputs are the one-token kernel's bits.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q8_0<const N: usize>(w: &[u8], p: &Prepared, tok: usize) -> [[f32; GROUP]; N] {
+unsafe fn gemv_group_q8_0_lanes<const N: usize>(
+    w: &[u8],
+    p: &Prepared,
+    tok: usize,
+) -> [[f32; GROUP]; N] {
     let nb = p.nb;
     let cell_len = GROUP * 34;
     let t0 = tok * nb;
@@ -1214,7 +1275,11 @@ unsafe fn gemv_group_q8_0<const N: usize>(w: &[u8], p: &Prepared, tok: usize) ->
 /// `-16·Σ a` over the lane's 4 activations as the start value, which gives `vec_dot`'s exact
 /// Σ (q − 16)·a; then `acc[j] = fma(d_w·d_a, f32(lane), acc[j])` and `hsum_float_8`. Same bits.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q5_0<const N: usize>(w: &[u8], p: &Prepared, tok: usize) -> [[f32; GROUP]; N] {
+unsafe fn gemv_group_q5_0_lanes<const N: usize>(
+    w: &[u8],
+    p: &Prepared,
+    tok: usize,
+) -> [[f32; GROUP]; N] {
     let nb = p.nb;
     let cell_len = GROUP * 22;
     let t0 = tok * nb;
@@ -1278,7 +1343,7 @@ unsafe fn gemv_group_q5_0<const N: usize>(w: &[u8], p: &Prepared, tok: usize) ->
 /// unpacked once for the N tokens. The quants are read in place from the Q8_1 rows `act`
 /// (40-byte blocks, quants at bytes 4..36), the scales from `p` ([`Prepared::fill`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_group_q4_1<const N: usize>(
+unsafe fn gemv_group_q4_1_lanes<const N: usize>(
     w: &[u8],
     p: &Prepared,
     act: &[u8],
@@ -1329,6 +1394,199 @@ unsafe fn gemv_group_q4_1<const N: usize>(
         let h = hsum8_lanes(&acc[c]);
         // SAFETY: `out[c]` holds 16 f32.
         unsafe { _mm512_storeu_ps(out[c].as_mut_ptr(), _mm512_add_ps(h, summs[c])) };
+    }
+    out
+}
+
+/// One group of Q8_0 rows x Q8_0 activations of `N` consecutive tokens from `tok`, over the
+/// interleaved cells of [`pack_x16`], in the block order ([`crate::quant::vec_dot_blocks`]):
+/// line k of a block holds elements 4k..4k+4 of all 16 rows (row r in i32 lane r), taken by VNNI
+/// as unsigned `q + 128`; the 8 lines' products are summed in the same i32 lanes from the start
+/// value `-128·Σ a` of the block ([`Prepared::block_corr`]), which gives the exact Σ q·a; then
+/// one `acc = fma(d_w·d_a, f32(Σ), acc)` per block. The weights are loaded once for the N tokens.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemv_group_q8_0_blocks<const N: usize>(
+    w: &[u8],
+    p: &Prepared,
+    tok: usize,
+) -> [[f32; GROUP]; N] {
+    let nb = p.nb;
+    let cell_len = GROUP * 34;
+    let t0 = tok * nb;
+    let tn = (tok + N) * nb;
+    assert!(
+        w.len() >= nb * cell_len
+            && p.quants.len() >= tn * 64
+            && p.block_corr.len() >= tn
+            && p.scales.len() >= tn
+    );
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for b in 0..nb {
+        // SAFETY: cell b and the N tokens' activation blocks b are in bounds (asserted above).
+        unsafe {
+            let cell = w.as_ptr().add(b * cell_len);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i));
+            let wz: [__m512i; 8] = core::array::from_fn(|k| {
+                _mm512_xor_si512(
+                    _mm512_loadu_si512(cell.add(2 * GROUP + 64 * k) as *const _),
+                    flip,
+                )
+            });
+            for c in 0..N {
+                let at = t0 + c * nb + b;
+                // Prepared Q8_0 layout: elements 0..32 at bytes 0..32.
+                let a = p.quants.as_ptr().add(at * 64);
+                let av =
+                    |k: usize| _mm512_set1_epi32((a.add(4 * k) as *const i32).read_unaligned());
+                // Two chains of 4 (latency), added at the end: integer sums, exact.
+                let mut s0 = _mm512_dpbusd_epi32(
+                    _mm512_set1_epi32(*p.block_corr.get_unchecked(at)),
+                    wz[0],
+                    av(0),
+                );
+                let mut s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[1], av(1));
+                for k in (2..8).step_by(2) {
+                    s0 = _mm512_dpbusd_epi32(s0, wz[k], av(k));
+                    s1 = _mm512_dpbusd_epi32(s1, wz[k + 1], av(k + 1));
+                }
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(at)));
+                acc[c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[c]);
+            }
+        }
+    }
+    let mut out = [[0f32; GROUP]; N];
+    for c in 0..N {
+        // SAFETY: `out[c]` holds 16 f32.
+        unsafe { _mm512_storeu_ps(out[c].as_mut_ptr(), acc[c]) };
+    }
+    out
+}
+
+/// One group of Q5_0 rows x Q8_0 activations of `N` consecutive tokens from `tok`, over the
+/// interleaved cells of [`pack_x16`], in the block order: each nibble half of a line plus its
+/// fifth-bit mask holds 4 consecutive elements of all 16 rows, unsigned (0..31); the block's
+/// products are summed in i32 lanes (row r in lane r) from the start value `-16·Σ a` of the
+/// block, which gives the exact Σ (q − 16)·a; then one `acc = fma(d_w·d_a, f32(Σ), acc)` per
+/// block. The weights are loaded and unpacked once for the N tokens.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemv_group_q5_0_blocks<const N: usize>(
+    w: &[u8],
+    p: &Prepared,
+    tok: usize,
+) -> [[f32; GROUP]; N] {
+    let nb = p.nb;
+    let cell_len = GROUP * 22;
+    let t0 = tok * nb;
+    let tn = (tok + N) * nb;
+    assert!(
+        w.len() >= nb * cell_len
+            && p.quants.len() >= tn * 64
+            && p.block_corr.len() >= tn
+            && p.scales.len() >= tn
+    );
+    let m4 = _mm512_set1_epi8(0x0f);
+    let sixteen = _mm512_set1_epi8(16);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for b in 0..nb {
+        // SAFETY: cell b and the N tokens' activation blocks b are in bounds (asserted above).
+        unsafe {
+            let cell = w.as_ptr().add(b * cell_len);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i));
+            let mask = |j: usize| (cell.add(32 + 8 * j) as *const u64).read_unaligned();
+            let x: [__m512i; 4] =
+                core::array::from_fn(|k| _mm512_loadu_si512(cell.add(96 + 64 * k) as *const _));
+            // lo[k]: elements 4k..4k+4; hi[k]: elements 16+4k..16+4k+4.
+            let lo: [__m512i; 4] = core::array::from_fn(|k| {
+                let v = _mm512_and_si512(x[k], m4);
+                _mm512_mask_add_epi8(v, mask(k), v, sixteen)
+            });
+            let hi: [__m512i; 4] = core::array::from_fn(|k| {
+                let v = _mm512_and_si512(_mm512_srli_epi16::<4>(x[k]), m4);
+                _mm512_mask_add_epi8(v, mask(4 + k), v, sixteen)
+            });
+            for c in 0..N {
+                let at = t0 + c * nb + b;
+                // Prepared Q8_0 layout: elements 0..32 at bytes 0..32; -16·Σ a is the block's
+                // -128·Σ a shifted (exact: a multiple of 128).
+                let a = p.quants.as_ptr().add(at * 64);
+                let av = |e: usize| _mm512_set1_epi32((a.add(e) as *const i32).read_unaligned());
+                let start = _mm512_set1_epi32(*p.block_corr.get_unchecked(at) >> 3);
+                let mut s0 = _mm512_dpbusd_epi32(start, lo[0], av(0));
+                let mut s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], av(16));
+                for k in 1..4 {
+                    s0 = _mm512_dpbusd_epi32(s0, lo[k], av(4 * k));
+                    s1 = _mm512_dpbusd_epi32(s1, hi[k], av(16 + 4 * k));
+                }
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*p.scales.get_unchecked(at)));
+                acc[c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[c]);
+            }
+        }
+    }
+    let mut out = [[0f32; GROUP]; N];
+    for c in 0..N {
+        // SAFETY: `out[c]` holds 16 f32.
+        unsafe { _mm512_storeu_ps(out[c].as_mut_ptr(), acc[c]) };
+    }
+    out
+}
+
+/// One group of Q4_1 rows x Q8_1 activations of `N` consecutive tokens from `tok`, over the
+/// interleaved cells of [`pack_x16`], in the block order: each nibble half of a line holds 4
+/// consecutive elements of all 16 rows; the block's products are summed in i32 lanes (row r in
+/// lane r), exact; then one `acc = fma(d_w·d_a, f32(Σ), acc)` and `sm = fma(m_w, s_a, sm)` per
+/// block, and `acc + sm` at the end. The weights are loaded and unpacked once for the N tokens.
+/// The quants are read in place from the Q8_1 rows `act` (40-byte blocks, quants at bytes
+/// 4..36), the scales from `p` ([`Prepared::fill`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemv_group_q4_1_blocks<const N: usize>(
+    w: &[u8],
+    p: &Prepared,
+    act: &[u8],
+    tok: usize,
+) -> [[f32; GROUP]; N] {
+    let nb = p.nb;
+    let cell_len = GROUP * 20;
+    let t0 = tok * nb;
+    let tn = (tok + N) * nb;
+    assert!(w.len() >= nb * cell_len && act.len() >= tn * 40 && p.scales.len() >= tn * 4);
+    let m4 = _mm512_set1_epi8(0x0f);
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut sm = [_mm512_setzero_ps(); N];
+    for b in 0..nb {
+        // SAFETY: cell b and the N tokens' activation blocks b are in bounds (asserted above).
+        unsafe {
+            let cell = w.as_ptr().add(b * cell_len);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(cell as *const __m256i));
+            let mw = _mm512_cvtph_ps(_mm256_loadu_si256(cell.add(32) as *const __m256i));
+            let x: [__m512i; 4] =
+                core::array::from_fn(|k| _mm512_loadu_si512(cell.add(64 + 64 * k) as *const _));
+            // lo[k]: elements 4k..4k+4; hi[k]: elements 16+4k..16+4k+4.
+            let lo: [__m512i; 4] = core::array::from_fn(|k| _mm512_and_si512(x[k], m4));
+            let hi: [__m512i; 4] =
+                core::array::from_fn(|k| _mm512_and_si512(_mm512_srli_epi16::<4>(x[k]), m4));
+            for c in 0..N {
+                let at = t0 + c * nb + b;
+                // Elements e..e + 4 of the Q8_1 block (its quants at bytes 4..36).
+                let q = act.as_ptr().add(at * 40 + 4);
+                let av = |e: usize| _mm512_set1_epi32((q.add(e) as *const i32).read_unaligned());
+                let mut s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], av(0));
+                let mut s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], av(16));
+                for k in 1..4 {
+                    s0 = _mm512_dpbusd_epi32(s0, lo[k], av(4 * k));
+                    s1 = _mm512_dpbusd_epi32(s1, hi[k], av(16 + 4 * k));
+                }
+                let sc = p.scales.as_ptr().add(4 * at);
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*sc));
+                acc[c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[c]);
+                sm[c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sc.add(1)), sm[c]);
+            }
+        }
+    }
+    let mut out = [[0f32; GROUP]; N];
+    for c in 0..N {
+        // SAFETY: `out[c]` holds 16 f32.
+        unsafe { _mm512_storeu_ps(out[c].as_mut_ptr(), _mm512_add_ps(acc[c], sm[c])) };
     }
     out
 }

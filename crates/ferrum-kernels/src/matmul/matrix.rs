@@ -4,11 +4,15 @@
 //! A model holds each weight once. On a tier with a packed layout for the weight's type (AVX-512
 //! VNNI: Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, IQ4_XS in groups of 16 rows, [`Layout::X16`]) the matrix is stored
 //! only in that layout, and every product reads it:
-//! - tokens whose llama.cpp float order is the one-token kernel's (every token of a decode step,
-//!   whatever the batch) go through the packed GEMV, which reads each 16-row group once for all
-//!   of them ([`avx512::gemv_x16`]);
-//! - prompt tokens go through the row kernels (tiles, K-quant tiles), which get each task's 16
-//!   rows unpacked from the group, exactly, into per-thread scratch;
+//! - Q4_1, Q5_0 and Q8_0: every token, prompt or decode, goes through the packed kernel
+//!   ([`avx512::gemv_x16`], several tokens per pass over a group), in llama.cpp's order, or
+//!   with [`super::block_order`] on in the block order ([`Order::Blocks`]: each block's
+//!   products summed as one exact integer before one float FMA, a third of the vector work of
+//!   llama.cpp's 8 lanes per block);
+//! - the K-quants: tokens whose llama.cpp float order is the one-token kernel's (every token of
+//!   a decode step, whatever the batch) go through the packed GEMV, which reads each 16-row group
+//!   once for all of them; prompt tokens go through the row kernels (K-quant tiles), which get
+//!   each task's 16 rows unpacked from the group, exactly, into per-thread scratch;
 //! - an embedding lookup unpacks one row.
 //!
 //! On the AVX2 tiers the "_0/_1" types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are stored in groups of 4
@@ -16,8 +20,9 @@
 //! decode alike (a decode step reads one contiguous stream); other kernels get rows unpacked.
 //!
 //! Types and tiers without a packed layout keep the file's row-major bytes (a window of the memory
-//! map: nothing is copied). Every path computes each output in the order llama.cpp would use for
-//! its sequence alone, so results do not depend on the layout, the batch, or the path.
+//! map: nothing is copied). Every path computes each output in the order
+//! [`PackedMatrix::orders`] names for its sequence alone (llama.cpp's, or the block order of the
+//! packed "_0/_1" kernels), so results never depend on the batch or on what shares a call.
 
 use ferrum_core::{Buf, Bytes, DType, Error, Result};
 
@@ -294,7 +299,7 @@ impl PackedMatrix {
         if t == 0 {
             return;
         }
-        let orders = orders_of(self.dtype, self.rows, segs);
+        let orders = self.orders(segs);
         match self.layout {
             #[cfg(target_arch = "x86_64")]
             Layout::X16 if avx512::available() => self.matmul_x16(x, y, &orders),
@@ -302,6 +307,24 @@ impl PackedMatrix {
             // (`cpu::set_tier_cap`): the row kernels, on rows unpacked from the groups.
             _ => matmul_rows(&src, x, y, &orders),
         }
+    }
+
+    /// The float order of each token's outputs in a product over rows stacked from sequences of
+    /// `segs[i]` rows: [`Order::Blocks`] for every token where [`super::block_order`] is on
+    /// and the matrix is in the 16-row layout and of a type whose packed kernel has it (Q4_1,
+    /// Q5_0, Q8_0) on a CPU that runs that kernel, else the order llama.cpp gives the token in
+    /// its sequence ([`Order::of`]).
+    /// It depends on the sequence alone, never on what shares the call.
+    pub fn orders(&self, segs: &[usize]) -> smallvec::SmallVec<[Order; 16]> {
+        #[cfg(target_arch = "x86_64")]
+        if self.layout == Layout::X16
+            && avx512::available()
+            && quant::has_blocks_order(self.dtype)
+            && super::block_order()
+        {
+            return smallvec::smallvec![Order::Blocks; segs.iter().sum()];
+        }
+        orders_of(self.dtype, self.rows, segs)
     }
 
     /// Products of several matrices with the same input: `ys[i] = x mats[i]ᵀ`, each the bits
@@ -321,7 +344,7 @@ impl PackedMatrix {
                     m.layout == Layout::X16
                         && m.dtype == m0.dtype
                         && m.cols == m0.cols
-                        && gemv_only(m.dtype, &orders_of(m.dtype, m.rows, segs), t)
+                        && gemv_only(m.dtype, &m.orders(segs), t)
                 });
             if fused {
                 let mut parts: smallvec::SmallVec<[avx512::X16Part; 4]> = mats
@@ -444,20 +467,24 @@ fn gemv_only(dtype: DType, orders: &[Order], t: usize) -> bool {
         && (t <= GEMV_MAX_TOKENS || !row_kernels_take(dtype, g) || gemv_takes_prompts(dtype))
 }
 
-/// The float order of the packed one-token kernel for `dtype`.
+/// The float order of the packed one-token kernel for `dtype` (Q4_1, Q5_0, Q8_0 with
+/// [`super::block_order`] on: the block order, which the packed kernel then gives every token,
+/// prompts included).
 #[cfg(target_arch = "x86_64")]
 fn gemv_order(dtype: DType) -> Order {
     if dtype == DType::Q4_K {
         Order::Q4kGemv
+    } else if quant::has_blocks_order(dtype) && super::block_order() {
+        Order::Blocks
     } else {
         Order::Vec
     }
 }
 
-/// Whether the packed GEMV, two tokens per pass over a group (weights unpacked once for both),
-/// outruns the prompt tiles at any token count: Q4_1, Q5_0 and Q8_0, whose prompt order is
+/// Whether the packed GEMV, several tokens per pass over a group (weights unpacked once for
+/// all), outruns the prompt tiles at any token count: Q4_1, Q5_0 and Q8_0, whose prompt order is
 /// `vec_dot`'s too (`cargo bench -p ferrum-kernels --bench matmul`: 1536x576 x 512 tokens, 1
-/// thread, Q4_1 ~150 vs ~80 GFLOP/s).
+/// thread, Q4_1 ~190 vs ~100 GFLOP/s).
 #[cfg(target_arch = "x86_64")]
 fn gemv_takes_prompts(dtype: DType) -> bool {
     matches!(dtype, DType::Q4_1 | DType::Q5_0 | DType::Q8_0)
@@ -468,7 +495,7 @@ fn gemv_takes_prompts(dtype: DType) -> bool {
 #[cfg(target_arch = "x86_64")]
 fn row_kernels_take(dtype: DType, order: Order) -> bool {
     match dtype {
-        DType::Q4_1 | DType::Q5_0 | DType::Q8_0 => true,
+        DType::Q4_1 | DType::Q5_0 | DType::Q8_0 => order == Order::Vec,
         DType::Q4_K => matches!(order, Order::Q4kGemm | Order::Q4kGemv),
         DType::Q6_K => order == Order::Q6kTiled,
         _ => false,

@@ -172,6 +172,38 @@ pub enum Order {
     /// The tiled matmul of the other types it takes ([`quant::uses_tiled_order`]: Q3_K, IQ4_XS,
     /// IQ1_S..IQ3_S), every row of a call with at least [`TILED_MIN_ROWS`] rows.
     Tiled,
+    /// Not llama.cpp's: ferrum's packed AVX-512 kernels for Q4_1, Q5_0 and Q8_0 with
+    /// [`block_order`] on, every token of every call ([`quant::vec_dot_blocks`]: one exact
+    /// integer sum per block, then one conversion and one FMA). [`Order::of`] never names it; a
+    /// matrix stored for those kernels does then ([`PackedMatrix::orders`]).
+    Blocks,
+}
+
+/// [`block_order`]: 0 not yet decided, 1 off, 2 on.
+static BLOCK_ORDER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether the packed AVX-512 kernels of Q4_1, Q5_0 and Q8_0 give every token the block order
+/// ([`Order::Blocks`]) instead of llama.cpp's. Off unless the environment sets
+/// `FERRUM_DOT_ORDER=blocks` or [`set_block_order`] turned it on. The block order does a third
+/// of the vector work per block, but its results differ from llama.cpp's by float rounding, and
+/// through the next layer's activation quantization (a value crossing a rounding boundary) those
+/// differences grow: llama.cpp's outputs are then matched within sampling noise, not bit for bit.
+pub fn block_order() -> bool {
+    use std::sync::atomic::Ordering;
+    match BLOCK_ORDER.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("FERRUM_DOT_ORDER").is_ok_and(|v| v == "blocks");
+            BLOCK_ORDER.store(1 + on as u8, Ordering::Relaxed);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// Turns the block order on or off for the whole process (see [`block_order`]). Set it before
+/// running a model: a sequence's results are the same alone or batched only while it stays put.
+pub fn set_block_order(on: bool) {
+    BLOCK_ORDER.store(1 + on as u8, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// llama.cpp sends non-repacked K-quant matmuls of this many rows or more to its tiled kernel.
@@ -269,7 +301,11 @@ fn matmul_rows(w: &Src, x: &[f32], y: &mut [f32], orders: &[Order]) {
             quant::quantize_row(act_type, xr, ar);
         }
         #[cfg(target_arch = "x86_64")]
-        if avx512::available() && avx512::supports(w.dtype) && (t > 1 || w.dtype == DType::Q4_1) {
+        if avx512::available()
+            && avx512::supports(w.dtype)
+            && (t > 1 || w.dtype == DType::Q4_1)
+            && orders.iter().all(|&o| o == Order::Vec)
+        {
             // (One token of Q8_0 or Q5_0 streams faster through the row-at-a-time kernel below,
             // with the same bits: see benches/matmul.rs.)
             sc.prepared.fill(w.dtype, &sc.act, ab, t, true);
@@ -458,6 +494,7 @@ fn matmul_dots(w: &Src, act: &[u8], ab: usize, orders: &[Order], y: &mut [f32]) 
         Order::Q4kGemm => quant::vec_dot_q4k_gemm_order(wr, ar, cols),
         Order::Q6kTiled => quant::vec_dot_q6k_tiled_order(wr, ar, cols),
         Order::Tiled => quant::vec_dot_tiled_order(w.dtype, wr, ar, cols),
+        Order::Blocks => quant::vec_dot_blocks(w.dtype, wr, ar, cols),
     };
     #[cfg(target_arch = "x86_64")]
     if t == 1 && w.dtype == DType::Q6_K && orders[0] == Order::Vec && avx512::available() {

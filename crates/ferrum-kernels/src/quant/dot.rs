@@ -155,6 +155,34 @@ fn dot_x_q8_0(weight: DType, w: &[u8], a: &[u8]) -> f32 {
     sumf
 }
 
+/// Q4_1 x Q8_1, Q5_0 / Q8_0 x Q8_0 in the block order of ferrum's packed AVX-512 kernels (see
+/// [`super::vec_dot_blocks`]): per block the exact integer Σ q·y, then
+/// `acc = fma(d_w·d_y, f32(Σ), acc)`; Q4_1 also `sm = fma(m_w, s_y, sm)` and the result
+/// `acc + sm`.
+pub(crate) fn dot_blocks(weight: DType, w: &[u8], a: &[u8]) -> f32 {
+    let mut q = [0i8; QK];
+    let (mut acc, mut sm) = (0f32, 0f32);
+    let ab = if weight == DType::Q4_1 { 40 } else { 34 };
+    for (bx, by) in w.chunks_exact(weight.block_bytes()).zip(a.chunks_exact(ab)) {
+        unpack_small(weight, bx, &mut q);
+        let qs = if weight == DType::Q4_1 {
+            Q8_1_QS
+        } else {
+            Q8_0_QS
+        };
+        let s = isum(&q, &by[qs..]) as f32;
+        acc = (rd_f16(bx, 0) * rd_f16(by, 0)).mul_add(s, acc);
+        if weight == DType::Q4_1 {
+            sm = rd_f16(bx, 2).mul_add(rd_f16(by, 2), sm);
+        }
+    }
+    if weight == DType::Q4_1 {
+        acc + sm
+    } else {
+        acc
+    }
+}
+
 /// Q4_1/Q5_1 x Q8_1: Σ (d_w d_x) Σqq + m_w s_x.
 fn dot_x_q8_1(weight: DType, w: &[u8], a: &[u8]) -> f32 {
     let mut q = [0i8; QK];

@@ -220,6 +220,29 @@ pub fn vec_dot_lanes(weight: DType, w_row: &[u8], act: &[u8], n: usize) -> f32 {
     }
 }
 
+/// Whether `weight` has ferrum's block order ([`vec_dot_blocks`]): Q4_1, Q5_0 and Q8_0.
+pub fn has_blocks_order(weight: DType) -> bool {
+    matches!(weight, DType::Q4_1 | DType::Q5_0 | DType::Q8_0)
+}
+
+/// One weight row x one activation row in the block order of ferrum's packed AVX-512 kernels
+/// (`matmul::Order::Blocks`), which sum each 32-element block's products as one exact integer
+/// before any float operation: per block `acc = fma(d_w·d_x, f32(Σ q·x), acc)`, and for Q4_1
+/// `sm = fma(m_w, s_x, sm)` beside it, the result `acc + sm`. llama.cpp's order ([`vec_dot`])
+/// converts and adds 8 partial sums per block instead; the two differ by float rounding only
+/// (the integer sums are the same). Plain scalar code, the reference of those kernels.
+///
+/// # Panics
+/// If `weight` is not one of [`has_blocks_order`]'s types, or a length does not match `n`.
+pub fn vec_dot_blocks(weight: DType, w_row: &[u8], act: &[u8], n: usize) -> f32 {
+    check_dot(weight, w_row, act, n);
+    assert!(
+        has_blocks_order(weight),
+        "vec_dot_blocks: {weight} has no block order"
+    );
+    dot::dot_blocks(weight, w_row, act)
+}
+
 /// Whether llama.cpp's x86 build would repack this weight matrix (`ggml_repack_get_optimal_repack_type`:
 /// Q4_K with a row count divisible by 8, as on an AVX2 CPU) and so run it through
 /// `ggml_gemv_q4_K_8x8_q8_K` / `ggml_gemm_q4_K_8x8_q8_K`, whose float orders
