@@ -2,14 +2,16 @@
 """Differences and latency of `ferrum run` beside ONNX Runtime on the exported models
 (scripts/onnx_models.sh calls this inside its venv).
 
-Usage: onnx_models.py FERRUM CACHE MODELS [--repeat N] [--threads 1,2] [--precision f32|bf16]
+Usage: onnx_models.py FERRUM CACHE MODELS [--repeat N] [--rounds R] [--threads 1,2]
+                      [--precision f32|bf16]
 
 For each model in CACHE/<name>/ (make_onnx_models.py's layout): ferrum's outputs on
 test_data_set_0, compared with ONNX Runtime's (CPU, ORT_ENABLE_ALL) and with PyTorch's (the stored
 output_J.pb): max |diff|, max |diff| / max |reference|, and the worst |diff| / (atol + rtol |ref|)
 (the comparison passes when that is <= 1); then the median latency over N runs after one warm-up
 at each thread count: ferrum from `ferrum run --repeat N --threads T` (model loading and file I/O
-excluded), ONNX Runtime from session.run with intra_op_num_threads = T. Prints a markdown table.
+excluded), ONNX Runtime from session.run with intra_op_num_threads = T; with --rounds R the two
+alternate R times and each figure is the median of its R medians. Prints a markdown table.
 With --precision bf16, ferrum runs its opt-in bf16 products (`ferrum run --precision bf16`) and a
 note per model gives their distance from PyTorch's float outputs (max |diff|, RMS relative, and
 for a classifier's logits whether the top class agrees) beside ONNX Runtime's float one.
@@ -66,17 +68,14 @@ def ort_session(model, threads):
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def ort_time(model, feeds, threads, repeat):
-    t = time.perf_counter()
-    sess = ort_session(model, threads)
-    created = (time.perf_counter() - t) * 1e3
+def ort_time(sess, feeds, repeat):
     sess.run(None, feeds)
     ts = []
     for _ in range(repeat):
         t = time.perf_counter()
         sess.run(None, feeds)
         ts.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(ts)), created
+    return float(np.median(ts))
 
 
 def main():
@@ -85,6 +84,10 @@ def main():
     ap.add_argument("cache")
     ap.add_argument("models")
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate ferrum and ONNX Runtime this many times per thread count "
+                         "(--repeat runs each) and report the median of the rounds' medians, so "
+                         "load that comes and goes on a shared host weighs on both")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--precision", default="f32", choices=["f32", "bf16"])
     a = ap.parse_args()
@@ -118,9 +121,17 @@ def main():
         times = {}
         created = {}
         for t in threads:
-            times[("ferrum", t)], created["ferrum"] = ferrum_time(
-                a.ferrum, model, ds, t, a.repeat, a.precision)
-            times[("ort", t)], created["ort"] = ort_time(model, feeds, t, a.repeat)
+            start = time.perf_counter()
+            sess = ort_session(model, t)
+            created["ort"] = (time.perf_counter() - start) * 1e3
+            fr, orr = [], []
+            for _ in range(max(1, a.rounds)):
+                ft, created["ferrum"] = ferrum_time(a.ferrum, model, ds, t, a.repeat, a.precision)
+                fr.append(ft)
+                orr.append(ort_time(sess, feeds, a.repeat))
+            times[("ferrum", t)] = float(np.median(fr))
+            times[("ort", t)] = float(np.median(orr))
+            del sess
         gflops = info.get(name, info.get(tol.get("quantized_from"), {})).get("gflops", float("nan"))
         def rms(got):
             return max(float(np.sqrt(((g.astype(np.float64) - r) ** 2).mean() /
@@ -161,7 +172,8 @@ def main():
         print(f"\n{n}")
     print(f"\nferrum precision {a.precision}; onnxruntime {ort.__version__}, onnx {onnx.__version__}; "
           f"medians of {a.repeat} runs "
-          "after one warm-up; rel = max |diff| / max |reference|; session = creating the session "
+          + (f"(median of {a.rounds} alternated rounds) " if a.rounds > 1 else "")
+          + "after one warm-up; rel = max |diff| / max |reference|; session = creating the session "
           "(load, import, graph passes; the last thread count's).")
 
 

@@ -11,6 +11,8 @@
 #       and bert_base_int8 / resnet50_int8 / mobilenet_v2_int8: quantized by onnxruntime.quantization,
 #       BERT dynamically, the CNNs statically in QDQ form, see scripts/quantize_onnx_models.py)
 #   ONNX_MODELS_REPEAT=10    timed runs per measurement (after one warm-up run)
+#   ONNX_MODELS_ROUNDS=3     ferrum and ONNX Runtime alternate this many times per thread count;
+#       each figure is the median of the rounds' medians (load on a shared host weighs on both)
 #   ONNX_MODELS_THREADS=1,2  thread counts for the latency table
 #   ONNX_MODELS_PRECISION=f32   bf16: ferrum's opt-in bf16 products (`ferrum run --precision bf16`,
 #       AMX-BF16 CPUs), their distance from PyTorch's outputs reported beside ORT's
@@ -63,5 +65,5 @@ for line in open(sys.argv[1]):
 PYEOF
 echo "== differences and latency"
 "$PY" scripts/onnx_models.py "$BIN" "$CACHE" "$MODELS" \
-    --repeat "${ONNX_MODELS_REPEAT:-10}" --threads "${ONNX_MODELS_THREADS:-1,2}" \
-    --precision "${ONNX_MODELS_PRECISION:-f32}"
+    --repeat "${ONNX_MODELS_REPEAT:-10}" --rounds "${ONNX_MODELS_ROUNDS:-3}" \
+    --threads "${ONNX_MODELS_THREADS:-1,2}" --precision "${ONNX_MODELS_PRECISION:-f32}"
