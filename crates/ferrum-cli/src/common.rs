@@ -40,8 +40,8 @@ pub struct ModelArgs {
     /// Summation order of the quantized matrix products. `llama` (the default): llama.cpp's x86
     /// order, so outputs match llama.cpp's bit for bit. `blocks`: on CPUs with AVX-512 VNNI,
     /// Q4_1, Q5_0 and Q8_0 weights sum each 32-element block as one integer before a single
-    /// float multiply-add, a third of the vector work (SmolLM2, 2 threads: prompts ~1.15-1.4x
-    /// and one-stream decode ~1.14x faster); results then differ from llama.cpp's by float
+    /// float multiply-add, about half the vector work (SmolLM2, 2 threads: prompts ~1.4x and
+    /// 8-sequence batched decode ~1.15x faster; one-stream decode, memory-bound, unchanged); results then differ from llama.cpp's by float
     /// rounding, which the next layer's activation quantization can grow to a few hundredths in
     /// token probabilities. Same as the environment's `FERRUM_DOT_ORDER=blocks`.
     #[arg(long, value_name = "ORDER", value_parser = ["llama", "blocks"])]

@@ -7,7 +7,7 @@
 //! - Q4_1, Q5_0 and Q8_0: every token, prompt or decode, goes through the packed kernel
 //!   ([`avx512::gemv_x16`], several tokens per pass over a group), in llama.cpp's order, or
 //!   with [`super::block_order`] on in the block order ([`Order::Blocks`]: each block's
-//!   products summed as one exact integer before one float FMA, a third of the vector work of
+//!   products summed as one exact integer before one float FMA, about half the vector work of
 //!   llama.cpp's 8 lanes per block);
 //! - the K-quants: tokens whose llama.cpp float order is the one-token kernel's (every token of
 //!   a decode step, whatever the batch) go through the packed GEMV, which reads each 16-row group

@@ -184,8 +184,8 @@ static BLOCK_ORDER: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::n
 
 /// Whether the packed AVX-512 kernels of Q4_1, Q5_0 and Q8_0 give every token the block order
 /// ([`Order::Blocks`]) instead of llama.cpp's. Off unless the environment sets
-/// `FERRUM_DOT_ORDER=blocks` or [`set_block_order`] turned it on. The block order does a third
-/// of the vector work per block, but its results differ from llama.cpp's by float rounding, and
+/// `FERRUM_DOT_ORDER=blocks` or [`set_block_order`] turned it on. The block order does about half
+/// the vector work per block, but its results differ from llama.cpp's by float rounding, and
 /// through the next layer's activation quantization (a value crossing a rounding boundary) those
 /// differences grow: llama.cpp's outputs are then matched within sampling noise, not bit for bit.
 pub fn block_order() -> bool {
