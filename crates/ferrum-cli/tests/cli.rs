@@ -1021,6 +1021,7 @@ fn bench_prints_llama_bench_rows_and_json() {
                 "{r}"
             );
             assert_eq!(r["repetitions"], 2, "{r}");
+            assert_eq!(r["dot_order"], "llama", "{r}");
             assert!(r["model"].as_str().is_some_and(|s| !s.is_empty()), "{r}");
             (
                 r["test"].as_str().unwrap().to_string(),
@@ -1053,6 +1054,39 @@ fn bench_prints_llama_bench_rows_and_json() {
         let out = ferrum(&["bench", "-m", &m, bad[0], bad[1]], QUICK);
         assert_clean_error(&out, &[]);
     }
+
+    // The block order, asked for by flag, is named in the rows; an unknown order is refused.
+    let out = ferrum(
+        &[
+            "bench",
+            "-m",
+            &m,
+            "-p",
+            "8",
+            "-n",
+            "2",
+            "-r",
+            "1",
+            "-t",
+            "1",
+            "--json",
+            "--dot-order",
+            "blocks",
+        ],
+        MODEL_RUN,
+    );
+    assert!(out.status.success(), "{}", out.describe());
+    let rows: Json = serde_json::from_str(&out.stdout).expect("bench --json prints JSON");
+    for r in rows.as_array().expect("a JSON array") {
+        assert_eq!(r["dot_order"], "blocks", "{r}");
+        assert!(
+            r["tokens_per_second"].as_f64().is_some_and(|v| v > 0.0),
+            "{r}"
+        );
+    }
+    let out = ferrum(&["bench", "-m", &m, "--dot-order", "fast"], QUICK);
+    assert_eq!(out.status.code(), Some(2), "{}", out.describe());
+    assert!(out.stderr.contains("--dot-order"), "{}", out.describe());
 }
 
 #[test]

@@ -90,6 +90,12 @@ pub fn run(a: Args) -> Result<()> {
         dot_order: a.dot_order.clone(),
     };
     let llm = margs.load()?;
+    if ferrum_kernels::matmul::block_order() && !a.json {
+        println!(
+            "quantized products in the block order (--dot-order blocks): figures are not of \
+             llama.cpp's float order\n"
+        );
+    }
     if !a.batch.is_empty() {
         return batched(&a, &llm, &threads);
     }
@@ -184,6 +190,7 @@ pub fn run(a: Args) -> Result<()> {
                 rows.push(json!({
                     "bandwidth_bound_tokens_per_second": tg_bound,
                     "model": llm.name,
+                    "dot_order": dot_order_name(),
                     "model_bytes": size,
                     "model_params": params,
                     "test": name,
@@ -324,6 +331,7 @@ fn batched(a: &Args, llm: &Llm, threads: &[usize]) -> Result<()> {
                     if a.json {
                         rows.push(json!({
                             "model": llm.name,
+                            "dot_order": dot_order_name(),
                             "pp": pp,
                             "tg": tg,
                             "batch": b,
@@ -352,6 +360,15 @@ fn batched(a: &Args, llm: &Llm, threads: &[usize]) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     }
     Ok(())
+}
+
+/// The summation order of the quantized products (`--dot-order`), for the JSON rows.
+fn dot_order_name() -> &'static str {
+    if ferrum_kernels::matmul::block_order() {
+        "blocks"
+    } else {
+        "llama"
+    }
 }
 
 /// The kernel set in use, for the table's backend column.
