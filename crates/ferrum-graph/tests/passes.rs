@@ -537,6 +537,21 @@ fn every_activation_fuses_into_conv_and_gemm() {
         (vec![node("HardSwish", &["a"], &["y"], vec![])], vec![]),
         (vec![node("Tanh", &["a"], &["y"], vec![])], vec![]),
         (vec![node("Relu", &["a"], &["y"], vec![])], vec![]),
+        // SiLU as PyTorch exports it, both operand orders of the Mul.
+        (
+            vec![
+                node("Sigmoid", &["a"], &["s"], vec![]),
+                node("Mul", &["a", "s"], &["y"], vec![]),
+            ],
+            vec![],
+        ),
+        (
+            vec![
+                node("Sigmoid", &["a"], &["s"], vec![]),
+                node("Mul", &["s", "a"], &["y"], vec![]),
+            ],
+            vec![],
+        ),
     ];
     for (act, extra) in acts {
         let op = act[0].op_type.clone();
@@ -576,6 +591,69 @@ fn every_activation_fuses_into_conv_and_gemm() {
         eprintln!("Gemm + {op}");
         check(&mp, OptLevel::All, &feeds, &["com.ferrum.FusedGemm"], 1e-5);
     }
+}
+
+/// SiLU, `Mul(x, Sigmoid(x))`, becomes one `Silu` where no product computes x (here an Add of
+/// two inputs), with the same values within rounding; a Sigmoid read by another node too, or a
+/// Mul of the Sigmoid by something else than its input, is left alone.
+#[test]
+fn silu_becomes_one_node_and_only_on_its_pattern() {
+    let mut r = rng();
+    let dims = [2i64, 3, 7, 5];
+    let n = 2 * 3 * 7 * 5;
+    let feeds = [
+        (
+            "x",
+            vec![2, 3, 7, 5],
+            randv(&mut r, n).iter().map(|v| v * 30.0).collect(),
+        ),
+        ("z", vec![2, 3, 7, 5], randv(&mut r, n)),
+    ];
+    let ins = || vec![f32_in("x", &dims), f32_in("z", &dims)];
+    let mp = model(
+        vec![
+            node("Add", &["x", "z"], &["a"], vec![]),
+            node("Sigmoid", &["a"], &["s"], vec![]),
+            node("Mul", &["s", "a"], &["y"], vec![]),
+        ],
+        ins(),
+        vec![f32_out("y")],
+        vec![],
+        17,
+    );
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &["Add", "com.ferrum.Silu"],
+        1e-6,
+    );
+    // The Sigmoid's output is also a graph output: both stay.
+    let mp = model(
+        vec![
+            node("Add", &["x", "z"], &["a"], vec![]),
+            node("Sigmoid", &["a"], &["s"], vec![]),
+            node("Mul", &["a", "s"], &["y"], vec![]),
+        ],
+        ins(),
+        vec![f32_out("y"), f32_out("s")],
+        vec![],
+        17,
+    );
+    check(&mp, OptLevel::All, &feeds, &["Add", "Sigmoid", "Mul"], 1e-6);
+    // Sigmoid(a) * z is a gate, not SiLU.
+    let mp = model(
+        vec![
+            node("Add", &["x", "z"], &["a"], vec![]),
+            node("Sigmoid", &["a"], &["s"], vec![]),
+            node("Mul", &["s", "z"], &["y"], vec![]),
+        ],
+        ins(),
+        vec![f32_out("y")],
+        vec![],
+        17,
+    );
+    check(&mp, OptLevel::All, &feeds, &["Add", "Sigmoid", "Mul"], 1e-6);
 }
 
 /// BERT's feed-forward as PyTorch exports it: MatMul, bias Add, then the erf GELU in one of its

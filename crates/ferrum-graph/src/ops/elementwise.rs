@@ -532,16 +532,7 @@ fn unary(op: &str) -> Option<Kernel> {
         "Acosh" => |cx| float_map(cx, &f64::acosh),
         "Atanh" => |cx| float_map(cx, &f64::atanh),
         "Tanh" => |cx| float_map(cx, &f64::tanh),
-        "Sigmoid" => |cx| {
-            float_map(cx, &|x| {
-                if x >= 0.0 {
-                    1.0 / (1.0 + (-x).exp())
-                } else {
-                    let e = x.exp();
-                    e / (1.0 + e)
-                }
-            })
-        },
+        "Sigmoid" => |cx| fast_or(cx, Unary::Sigmoid, sigmoid_f64),
         "Erf" => |cx| fast_or(cx, Unary::Erf, |cx| float_map(cx, &erf)),
         "Floor" => |cx| float_map(cx, &f64::floor),
         "Ceil" => |cx| float_map(cx, &f64::ceil),
@@ -553,7 +544,11 @@ fn unary(op: &str) -> Option<Kernel> {
                 x * (if x > 30.0 { x } else { x.exp().ln_1p() }).tanh()
             })
         },
-        "HardSwish" => |cx| float_map(cx, &|x| x * (x / 6.0 + 0.5).clamp(0.0, 1.0)),
+        "HardSwish" => |cx| {
+            fast_or(cx, Unary::HardSwish, |cx| {
+                float_map(cx, &|x| x * (x / 6.0 + 0.5).clamp(0.0, 1.0))
+            })
+        },
         _ => return unary_attr(op),
     };
     Some(k)
@@ -562,6 +557,29 @@ fn unary(op: &str) -> Option<Kernel> {
 /// Attribute `alpha` (default `d`) in f64.
 fn alpha(cx: &Ctx, d: f32) -> f64 {
     cx.af("alpha", d) as f64
+}
+
+/// The logistic function in f64 (other float types than float32).
+fn sigmoid_f64(cx: &Ctx) -> Result<Vec<Value>> {
+    float_map(cx, &|x| {
+        if x >= 0.0 {
+            1.0 / (1.0 + (-x).exp())
+        } else {
+            let e = x.exp();
+            e / (1.0 + e)
+        }
+    })
+}
+
+/// HardSigmoid's float32 lane op, from the node's `alpha` and `beta`.
+fn hard_sigmoid(cx: &Ctx) -> Unary {
+    Unary::HardSigmoid(cx.af("alpha", 0.2), cx.af("beta", 0.5))
+}
+
+/// HardSigmoid in f64 (other float types than float32).
+fn hard_sigmoid_f64(cx: &Ctx) -> Result<Vec<Value>> {
+    let (a, b) = (alpha(cx, 0.2), cx.af("beta", 0.5) as f64);
+    float_map(cx, &|v| (a * v + b).clamp(0.0, 1.0))
 }
 
 /// The kernel of a unary op with attributes, or on other types than floats.
@@ -612,10 +630,7 @@ fn unary_attr(op: &str) -> Option<Kernel> {
             let a = alpha(cx, 1.0);
             float_map(cx, &|v| if v > a { v } else { 0.0 })
         },
-        "HardSigmoid" => |cx| {
-            let (a, b) = (alpha(cx, 0.2), cx.af("beta", 0.5) as f64);
-            float_map(cx, &|v| (a * v + b).clamp(0.0, 1.0))
-        },
+        "HardSigmoid" => |cx| fast_or(cx, hard_sigmoid(cx), hard_sigmoid_f64),
         "Shrink" => |cx| {
             let (b, l) = (cx.af("bias", 0.0) as f64, cx.af("lambd", 0.5) as f64);
             one(map_num(cx.t(0)?, &|v| {
@@ -913,8 +928,8 @@ fn logic(cx: &Ctx, f: fn(bool, bool) -> bool) -> Result<Vec<Value>> {
 }
 
 /// The elementwise ops that can write their output into an operand's memory, on their float32
-/// fast paths: Add, Sub, Mul and Div into either operand of the output's shape; Relu, Sqrt and
-/// Erf into their input. Elsewhere the kernel runs as usual.
+/// fast paths: Add, Sub, Mul and Div into either operand of the output's shape; Relu, Sqrt,
+/// Erf, Sigmoid, HardSigmoid and HardSwish into their input. Elsewhere the kernel runs as usual.
 pub fn reuse(op: &str) -> Option<Reuse> {
     let (at, kernel): (&'static [usize], IntoKernel) = match op {
         "Add" => (&[0, 1], |cx, at, slot| bin_into(cx, at, slot, FastBin::Add)),
@@ -924,6 +939,15 @@ pub fn reuse(op: &str) -> Option<Reuse> {
         "Relu" => (&[0], |cx, at, slot| unary_into(cx, at, slot, Unary::Relu)),
         "Sqrt" => (&[0], |cx, at, slot| unary_into(cx, at, slot, Unary::Sqrt)),
         "Erf" => (&[0], |cx, at, slot| unary_into(cx, at, slot, Unary::Erf)),
+        "Sigmoid" => (&[0], |cx, at, slot| {
+            unary_into(cx, at, slot, Unary::Sigmoid)
+        }),
+        "HardSwish" => (&[0], |cx, at, slot| {
+            unary_into(cx, at, slot, Unary::HardSwish)
+        }),
+        "HardSigmoid" => (&[0], |cx, at, slot| {
+            unary_into(cx, at, slot, hard_sigmoid(cx))
+        }),
         _ => return None,
     };
     Some(Reuse { at, kernel })

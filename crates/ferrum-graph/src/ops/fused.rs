@@ -28,6 +28,8 @@ pub enum Act {
     Clip(f32, f32),
     LeakyRelu(f32),
     Sigmoid,
+    /// `x * sigmoid(x)` (SiLU, swish).
+    Silu,
     /// `clamp(alpha * x + beta, 0, 1)`.
     HardSigmoid(f32, f32),
     HardSwish,
@@ -80,6 +82,7 @@ impl Act {
                 "Clip" => Act::Clip(p(0)?, p(1)?),
                 "LeakyRelu" => Act::LeakyRelu(p(0)?),
                 "Sigmoid" => Act::Sigmoid,
+                "Silu" => Act::Silu,
                 "HardSigmoid" => Act::HardSigmoid(p(0)?, p(1)?),
                 "HardSwish" => Act::HardSwish,
                 "Tanh" => Act::Tanh,
@@ -117,20 +120,10 @@ impl Act {
                     a * x
                 }
             }
-            Act::Sigmoid => {
-                let x = x as f64;
-                (if x >= 0.0 {
-                    1.0 / (1.0 + (-x).exp())
-                } else {
-                    let e = x.exp();
-                    e / (1.0 + e)
-                }) as f32
-            }
-            Act::HardSigmoid(a, b) => (a as f64 * x as f64 + b as f64).clamp(0.0, 1.0) as f32,
-            Act::HardSwish => {
-                let x = x as f64;
-                (x * (x / 6.0 + 0.5).clamp(0.0, 1.0)) as f32
-            }
+            Act::Sigmoid => vecmath::unary_lane(Unary::Sigmoid, x),
+            Act::Silu => vecmath::unary_lane(Unary::Silu, x),
+            Act::HardSigmoid(a, b) => vecmath::unary_lane(Unary::HardSigmoid(a, b), x),
+            Act::HardSwish => vecmath::unary_lane(Unary::HardSwish, x),
             Act::Tanh => (x as f64).tanh() as f32,
             Act::Gelu => {
                 let mut v = [x];
@@ -152,6 +145,10 @@ impl Act {
             Act::Clip(lo, hi) => Some(Unary::Clip(lo, hi)),
             Act::LeakyRelu(a) => Some(Unary::LeakyRelu(a)),
             Act::Gelu => Some(Unary::Gelu),
+            Act::Sigmoid => Some(Unary::Sigmoid),
+            Act::Silu => Some(Unary::Silu),
+            Act::HardSigmoid(a, b) => Some(Unary::HardSigmoid(a, b)),
+            Act::HardSwish => Some(Unary::HardSwish),
             _ => None,
         }
     }
@@ -265,6 +262,19 @@ pub fn reuse(op: &str) -> Option<crate::ops::Reuse> {
             at: &[3],
             kernel: |cx, _, z| one(crate::ops::nhwc::conv_into(cx, Act::from_node(cx)?, z)?),
         }),
+        // The input, on the float32 path.
+        "Silu" => Some(crate::ops::Reuse {
+            at: &[0],
+            kernel: |cx, at, slot| {
+                if let Some(t) = slot.take() {
+                    match crate::ops::fast::unary_into(t, Unary::Silu)? {
+                        Ok(out) => return one(out),
+                        Err(t) => *slot = Some(t),
+                    }
+                }
+                crate::ops::with_slot(cx, at, slot, kernel("Silu").expect("the Silu kernel"))
+            },
+        }),
         _ => None,
     }
 }
@@ -296,7 +306,7 @@ pub fn rules(op: &str) -> Option<Rules> {
                 broadcast_shape(k.dims(0)?, k.dims(3)?).ok()?,
             ))
         }),
-        "Gelu" => Rules::with(same_shape, per_output),
+        "Gelu" | "Silu" => Rules::with(same_shape, per_output),
         _ => return None,
     })
 }
@@ -363,6 +373,13 @@ pub fn kernel(op: &str) -> Option<Kernel> {
             let mut v = x.as_slice::<f32>()?.to_vec();
             Act::Gelu.apply(&mut v);
             one(Tensor::from_vec(x.shape().to_vec(), v)?)
+        },
+        "Silu" => |cx| match crate::ops::fast::unary(cx, Unary::Silu)? {
+            Some(t) => one(t),
+            None => Err(unsupported(format!(
+                "com.ferrum Silu on {} (float32 only)",
+                cx.t(0)?.dtype()
+            ))),
         },
         _ => return None,
     };

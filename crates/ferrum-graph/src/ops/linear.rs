@@ -344,9 +344,21 @@ pub fn conv2d(
             }
             out
         } else {
-            // The plane kernel starts each plane itself and applies the activation as it
-            // stores, while the plane is in registers.
-            let act = match (rest_z, after.lane_op()) {
+            // The plane kernel starts each plane itself and applies a cheap activation as it
+            // stores, while the plane is in registers; one with an exponential (Sigmoid, SiLU,
+            // GELU) runs after, vectorized over the whole output (inside the kernel's blocks it
+            // would be computed one lane at a time).
+            let cheap = |op: &vecmath::Unary| {
+                matches!(
+                    op,
+                    vecmath::Unary::Relu
+                        | vecmath::Unary::Clip(..)
+                        | vecmath::Unary::LeakyRelu(_)
+                        | vecmath::Unary::HardSigmoid(..)
+                        | vecmath::Unary::HardSwish
+                )
+            };
+            let act = match (rest_z, after.lane_op().filter(cheap)) {
                 (None, Some(op)) => {
                     after = Act::Identity;
                     Some(op)

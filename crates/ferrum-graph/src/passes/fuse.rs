@@ -472,11 +472,55 @@ pub fn gelu(model: &mut Model, log: &mut Vec<String>) -> usize {
     count
 }
 
+/// SiLU as exported, `Mul(x, Sigmoid(x))` (either operand order), where only the Mul reads
+/// the Sigmoid's output, becomes one `Silu` (which [`activations`] then fuses into a
+/// convolution or product that computes `x`).
+pub fn silu(model: &mut Model, log: &mut Vec<String>) -> usize {
+    let g = &model.graph;
+    let uses = Uses::of(g);
+    let mut dead = HashSet::new();
+    let mut rewrites: Vec<(usize, ValueId)> = Vec::new();
+    for (si, sig) in g.nodes.iter().enumerate() {
+        if !is_op(sig, "Sigmoid") {
+            continue;
+        }
+        let (Some(x), Some(s)) = (sig.inputs.first().copied().flatten(), out(sig)) else {
+            continue;
+        };
+        let Some(mi) = uses.sole_reader(s) else {
+            continue;
+        };
+        let m = &g.nodes[mi];
+        let pair = matches!(m.inputs.as_slice(), [Some(a), Some(b)]
+            if (*a == x && *b == s) || (*a == s && *b == x));
+        if !is_op(m, "Mul") || !pair || m.outputs.len() != 1 || dead.contains(&mi) {
+            continue;
+        }
+        log.push(format!("{} + {} -> Silu", sig.name, m.name));
+        dead.insert(si);
+        rewrites.push((mi, x));
+    }
+    let count = rewrites.len();
+    for (i, x) in rewrites {
+        let n = &mut model.graph.nodes[i];
+        n.op = "Silu".into();
+        n.domain = DOMAIN.into();
+        n.inputs = vec![Some(x)];
+        n.attrs.clear();
+        n.name = format!("{}/silu", n.name);
+    }
+    remove_nodes(&mut model.graph, &dead);
+    count
+}
+
 /// An activation node's name and parameters, in the form the fused ops take.
 fn activation(model: &Model, n: &Node) -> Option<(&'static str, Vec<f32>)> {
     let g = &model.graph;
     if n.domain == DOMAIN && n.op == "Gelu" {
         return Some(("Gelu", vec![]));
+    }
+    if n.domain == DOMAIN && n.op == "Silu" {
+        return Some(("Silu", vec![]));
     }
     if !(n.domain.is_empty() || n.domain == "ai.onnx") || n.inputs.is_empty() {
         return None;

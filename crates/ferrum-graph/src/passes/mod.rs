@@ -133,6 +133,7 @@ pub fn optimize(model: &mut Model, level: OptLevel, precision: Precision) -> Res
     if level >= OptLevel::Extended {
         run(&mut report, "layernorm fusion", model, norm::layer_norm);
         run(&mut report, "gelu fusion", model, fuse::gelu);
+        run(&mut report, "silu fusion", model, fuse::silu);
         run(&mut report, "attention fusion", model, attention::attention);
         run(
             &mut report,
