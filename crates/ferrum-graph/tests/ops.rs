@@ -471,3 +471,164 @@ fn transposes_that_keep_memory_order_are_views_and_others_move_elements() {
         assert_eq!(t(2).as_slice::<f32>().unwrap(), &want[..]);
     }
 }
+
+/// Slice (the run-copying path for step-1 inner dims and the element gather for the rest) and
+/// ReduceSum / ReduceMean / ReduceMax over random axes, against plain index arithmetic in the
+/// test, on fresh random shapes and values each run (the seed is in every failure).
+#[test]
+fn slice_and_reduce_match_plain_index_arithmetic() {
+    use ferrum_graph::proto::build::i64_vector;
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+    for case in 0..200 {
+        let rank = r.gen_range(1..=4);
+        let shape: Vec<usize> = (0..rank).map(|_| r.gen_range(1..=24)).collect();
+        let n: usize = shape.iter().product();
+        let x: Vec<f32> = (0..n).map(|_| r.gen_range(-4.0f32..4.0)).collect();
+        let st: Vec<usize> = (0..rank).map(|d| shape[d + 1..].iter().product()).collect();
+        // Slice: every axis, mostly step 1 (the run path), sometimes other steps.
+        let (mut starts, mut ends, mut steps, mut axes) = (vec![], vec![], vec![], vec![]);
+        for (d, &len) in shape.iter().enumerate() {
+            if r.gen_bool(0.3) {
+                continue;
+            }
+            let step: i64 = if r.gen_bool(0.8) {
+                1
+            } else {
+                *[-2i64, -1, 2, 3].iter().nth(r.gen_range(0..4)).unwrap()
+            };
+            let l = len as i64;
+            starts.push(r.gen_range(-l - 2..=l + 2));
+            ends.push(r.gen_range(-l - 2..=l + 2));
+            steps.push(step);
+            axes.push(if r.gen_bool(0.5) {
+                d as i64
+            } else {
+                d as i64 - rank as i64
+            });
+        }
+        let picks: Vec<Vec<usize>> = (0..rank)
+            .map(|d| {
+                match axes
+                    .iter()
+                    .position(|&a| (a + rank as i64) as usize % rank == d)
+                {
+                    None => (0..shape[d]).collect(),
+                    Some(k) => {
+                        let (l, step) = (shape[d] as i64, steps[k]);
+                        let fix = |v: i64| if v < 0 { v + l } else { v };
+                        let (s, e) = (fix(starts[k]), fix(ends[k]));
+                        let mut v = vec![];
+                        if step > 0 {
+                            let mut i = s.clamp(0, l);
+                            while i < e.clamp(0, l) {
+                                v.push(i as usize);
+                                i += step;
+                            }
+                        } else {
+                            let mut i = s.clamp(0, l - 1);
+                            while i > e.clamp(-1, l - 1) {
+                                v.push(i as usize);
+                                i += step;
+                            }
+                        }
+                        v
+                    }
+                }
+            })
+            .collect();
+        let out_shape: Vec<usize> = picks.iter().map(|p| p.len()).collect();
+        let mut want = vec![];
+        let total: usize = out_shape.iter().product();
+        for o in 0..total {
+            let mut rem = o;
+            let mut at = 0;
+            for d in (0..rank).rev() {
+                at += picks[d][rem % out_shape[d]] * st[d];
+                rem /= out_shape[d];
+            }
+            want.push(x[at]);
+        }
+        let got = run1(
+            "Slice",
+            vec![],
+            &[("x", shape.clone(), x.clone())],
+            vec![
+                i64_vector("starts", &starts),
+                i64_vector("ends", &ends),
+                i64_vector("axes", &axes),
+                i64_vector("steps", &steps),
+            ],
+            13,
+        );
+        assert_eq!(
+            got.shape(),
+            &out_shape[..],
+            "seed {seed} case {case}: {shape:?}"
+        );
+        let g = got.as_slice::<f32>().unwrap();
+        assert!(
+            g.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "seed {seed} case {case}: slice of {shape:?} starts {starts:?} ends {ends:?} axes \
+             {axes:?} steps {steps:?}"
+        );
+
+        // Reductions over a random non-empty set of axes, kept dims.
+        let red: Vec<usize> = (0..rank).filter(|_| r.gen_bool(0.5)).collect();
+        let red = if red.is_empty() {
+            vec![r.gen_range(0..rank)]
+        } else {
+            red
+        };
+        let kept: Vec<usize> = (0..rank)
+            .map(|d| if red.contains(&d) { 1 } else { shape[d] })
+            .collect();
+        let m: usize = kept.iter().product();
+        let (mut sum, mut max) = (vec![0f64; m], vec![f32::NEG_INFINITY; m]);
+        for (i, &v) in x.iter().enumerate() {
+            let mut o = 0;
+            let mut mul = 1;
+            for d in (0..rank).rev() {
+                let c = if red.contains(&d) {
+                    0
+                } else {
+                    i / st[d] % shape[d]
+                };
+                o += c * mul;
+                mul *= kept[d];
+            }
+            sum[o] += v as f64;
+            max[o] = max[o].max(v);
+        }
+        let count = (n / m) as f64;
+        let axes_t = i64_vector("axes", &red.iter().map(|&a| a as i64).collect::<Vec<_>>());
+        for (op, want) in [
+            (
+                "ReduceSum",
+                sum.iter().map(|&s| s as f32).collect::<Vec<_>>(),
+            ),
+            (
+                "ReduceMean",
+                sum.iter().map(|&s| (s / count) as f32).collect(),
+            ),
+            ("ReduceMax", max.clone()),
+        ] {
+            let got = run1(
+                op,
+                vec![],
+                &[("x", shape.clone(), x.clone())],
+                vec![axes_t.clone()],
+                18,
+            );
+            assert_eq!(got.shape(), &kept[..], "seed {seed} case {case}: {op}");
+            let g = got.as_slice::<f32>().unwrap();
+            for (a, b) in g.iter().zip(&want) {
+                assert!(
+                    a.is_finite() && (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+                    "seed {seed} case {case}: {op} over {red:?} of {shape:?}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}

@@ -28,17 +28,28 @@ fn reduce_map(shape: &[usize], axes: &[usize]) -> (Vec<usize>, Vec<usize>) {
         .enumerate()
         .map(|(d, &s)| if axes.contains(&d) { 1 } else { s })
         .collect();
-    let ist = strides(shape);
     let ost = strides(&out);
     let n: usize = shape.iter().product();
-    let map = (0..n)
-        .map(|i| {
-            (0..shape.len())
-                .filter(|d| !axes.contains(d))
-                .map(|d| (i / ist[d]) % shape[d] * ost[d])
-                .sum()
-        })
+    // The output offset moves by `step[d]` along a kept dim and stays along a reduced one:
+    // walked with a multi-index odometer (no division per element).
+    let step: Vec<usize> = (0..shape.len())
+        .map(|d| if axes.contains(&d) { 0 } else { ost[d] })
         .collect();
+    let mut map = Vec::with_capacity(n);
+    let mut idx = vec![0usize; shape.len()];
+    let mut off = 0usize;
+    for _ in 0..n {
+        map.push(off);
+        for d in (0..shape.len()).rev() {
+            idx[d] += 1;
+            off += step[d];
+            if idx[d] < shape[d] {
+                break;
+            }
+            off -= step[d] * shape[d];
+            idx[d] = 0;
+        }
+    }
     (map, out)
 }
 

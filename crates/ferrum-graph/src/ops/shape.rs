@@ -411,7 +411,74 @@ fn slice(cx: &Ctx) -> Result<Tensor> {
     if numel(&shape) == Some(0) {
         return Tensor::zeros(x.dtype(), shape);
     }
+    if let Some(t) = slice_runs(x, &shape, &ost, &st, base) {
+        return t;
+    }
     take(x, &strided_offsets(&shape, &ost, base), shape)
+}
+
+/// A slice whose innermost dims are read in runs of consecutive elements (step 1 on them, and
+/// every dim inside a cut one taken whole: a channel split, a crop of rows), copied a run at a
+/// time; `None` when the runs would be shorter than 16 elements (or the type is a coded one),
+/// for the element-by-element gather. `ost`: the input's stride for each output dim (times its
+/// step), `st`: the input's strides, `base`: the first element's offset.
+fn slice_runs(
+    x: &Tensor,
+    shape: &[usize],
+    ost: &[isize],
+    st: &[isize],
+    base: isize,
+) -> Option<Result<Tensor>> {
+    if matches!(x.data(), crate::tensor::Data::Code(..)) {
+        return None;
+    }
+    // The run: the innermost dims with step 1, through the first one not taken whole.
+    let (mut run, mut k) = (1usize, shape.len());
+    while k > 0 {
+        let d = k - 1;
+        if ost[d] != st[d] {
+            break;
+        }
+        run *= shape[d];
+        k -= 1;
+        if shape[d] != x.shape()[d] {
+            break;
+        }
+    }
+    if run < 16 {
+        return None;
+    }
+    fn go<T: Elem>(
+        x: &Tensor,
+        shape: &[usize],
+        ost: &[isize],
+        k: usize,
+        run: usize,
+        base: isize,
+    ) -> Result<Tensor> {
+        let v = x.as_slice::<T>()?;
+        let outer: usize = shape[..k].iter().product();
+        let mut o = T::room(outer * run);
+        let mut idx = vec![0usize; k];
+        let mut off = base;
+        for _ in 0..outer {
+            // In range: `slice` clamped every start and extent to the input.
+            let at = usize::try_from(off).expect("a slice offset inside the input");
+            o.extend_from_slice(&v[at..at + run]);
+            for d in (0..k).rev() {
+                idx[d] += 1;
+                off += ost[d];
+                if idx[d] < shape[d] {
+                    break;
+                }
+                off -= ost[d] * shape[d] as isize;
+                idx[d] = 0;
+            }
+        }
+        Tensor::from_vec(shape.to_vec(), o)
+    }
+    let copy = || -> Result<Tensor> { dispatch!(x.dtype(), all, go, x, shape, ost, k, run, base) };
+    Some(copy())
 }
 
 fn expand(cx: &Ctx) -> Result<Tensor> {
