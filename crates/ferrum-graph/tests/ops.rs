@@ -496,7 +496,7 @@ fn slice_and_reduce_match_plain_index_arithmetic() {
             let step: i64 = if r.gen_bool(0.8) {
                 1
             } else {
-                *[-2i64, -1, 2, 3].iter().nth(r.gen_range(0..4)).unwrap()
+                [-2i64, -1, 2, 3][r.gen_range(0..4)]
             };
             let l = len as i64;
             starts.push(r.gen_range(-l - 2..=l + 2));
