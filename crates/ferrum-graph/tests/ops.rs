@@ -632,3 +632,109 @@ fn slice_and_reduce_match_plain_index_arithmetic() {
         }
     }
 }
+
+/// Inference BatchNormalization and 2-D AveragePool on float32 (their fast paths) against
+/// plain f64 formulas in the test, on fresh random shapes, parameters, pads, strides and
+/// `count_include_pad` each run (the seed is in every failure).
+#[test]
+fn batch_norm_and_average_pool_match_f64_formulas() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+    for case in 0..60 {
+        let (n, c, h, w) = (
+            r.gen_range(1..=2),
+            r.gen_range(1..=6),
+            r.gen_range(1..=13),
+            r.gen_range(1..=13),
+        );
+        let len = n * c * h * w;
+        let x: Vec<f32> = (0..len).map(|_| r.gen_range(-5.0f32..5.0)).collect();
+        let p = |r: &mut rand::rngs::StdRng, lo: f32, hi: f32| -> Vec<f32> {
+            (0..c).map(|_| r.gen_range(lo..hi)).collect()
+        };
+        let (scale, bias, mean, var) = (
+            p(&mut r, -2.0, 2.0),
+            p(&mut r, -2.0, 2.0),
+            p(&mut r, -1.0, 1.0),
+            p(&mut r, 0.01, 3.0),
+        );
+        let eps = 1e-5f32;
+        let got = run1(
+            "BatchNormalization",
+            vec![],
+            &[("x", vec![n, c, h, w], x.clone())],
+            vec![
+                f32_tensor("s", &[c as i64], &scale),
+                f32_tensor("b", &[c as i64], &bias),
+                f32_tensor("m", &[c as i64], &mean),
+                f32_tensor("v", &[c as i64], &var),
+            ],
+            15,
+        );
+        let g = got.as_slice::<f32>().unwrap();
+        for (i, (&a, &xv)) in g.iter().zip(&x).enumerate() {
+            let ch = i / (h * w) % c;
+            let inv = 1.0 / (var[ch] as f64 + eps as f64).sqrt();
+            let want = (xv as f64 - mean[ch] as f64) * inv * scale[ch] as f64 + bias[ch] as f64;
+            // Two f32 roundings of terms up to |x - mean| |a| and |b|.
+            let mag = (xv as f64 - mean[ch] as f64).abs() * inv * (scale[ch] as f64).abs()
+                + (bias[ch] as f64).abs();
+            assert!(
+                a.is_finite() && (a as f64 - want).abs() <= 3e-7 * mag + 1e-30,
+                "seed {seed} case {case}: BatchNormalization element {i}: {a} vs {want}"
+            );
+        }
+
+        let (kh, kw) = (r.gen_range(1..=h.min(4)), r.gen_range(1..=w.min(4)));
+        let (sh, sw) = (r.gen_range(1..=3), r.gen_range(1..=3));
+        let pads: Vec<usize> = vec![
+            r.gen_range(0..kh),
+            r.gen_range(0..kw),
+            r.gen_range(0..kh),
+            r.gen_range(0..kw),
+        ];
+        let include = r.gen_bool(0.5);
+        let got = run1(
+            "AveragePool",
+            vec![
+                attr_ints("kernel_shape", &[kh as i64, kw as i64]),
+                attr_ints("strides", &[sh as i64, sw as i64]),
+                attr_ints("pads", &pads.iter().map(|&v| v as i64).collect::<Vec<_>>()),
+                attr_int("count_include_pad", include as i64),
+            ],
+            &[("x", vec![n, c, h, w], x.clone())],
+            vec![],
+            11,
+        );
+        let oh = (h + pads[0] + pads[2] - kh) / sh + 1;
+        let ow = (w + pads[1] + pads[3] - kw) / sw + 1;
+        assert_eq!(got.shape(), &[n, c, oh, ow], "seed {seed} case {case}");
+        let g = got.as_slice::<f32>().unwrap();
+        for pl in 0..n * c {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let (mut sum, mut inside) = (0f64, 0usize);
+                    for ky in 0..kh {
+                        for kx in 0..kw {
+                            let y = (oy * sh + ky) as isize - pads[0] as isize;
+                            let xx = (ox * sw + kx) as isize - pads[1] as isize;
+                            if y >= 0 && y < h as isize && xx >= 0 && xx < w as isize {
+                                sum += x[pl * h * w + y as usize * w + xx as usize] as f64;
+                                inside += 1;
+                            }
+                        }
+                    }
+                    let count = if include { kh * kw } else { inside.max(1) };
+                    let want = (sum / count as f64) as f32;
+                    let a = g[(pl * oh + oy) * ow + ox];
+                    assert!(
+                        a.to_bits() == want.to_bits(),
+                        "seed {seed} case {case}: AveragePool k {kh}x{kw} s {sh}x{sw} pads \
+                         {pads:?} include {include}, plane {pl} ({oy}, {ox}): {a} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}

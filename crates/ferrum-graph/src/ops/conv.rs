@@ -1181,6 +1181,65 @@ enum Pool {
     Lp(f64),
 }
 
+/// AveragePool over the two spatial dims of `planes` float32 planes: per output the taps inside
+/// the input summed in f64 in row-major tap order and divided by their count (or, with
+/// `include_pad`, by the taps inside the padded extent), rounded once, as the general path
+/// computes it; planes spread over the pool's threads.
+fn avg_pool2d_f32(
+    x: &[f32],
+    planes: usize,
+    g: &Geom,
+    pads_end: &[usize],
+    include_pad: bool,
+) -> Vec<f32> {
+    let (ih, iw) = (g.ins[0], g.ins[1]);
+    let (oh, ow) = (g.outs[0], g.outs[1]);
+    let (isp, osp) = (ih * iw, oh * ow);
+    // Along one dim: the input positions output `o` reads, and how many taps lie in the
+    // padded extent.
+    let span = |o: usize, dd: usize| -> (Vec<usize>, usize) {
+        let (mut inside, mut padded) = (Vec::new(), 0);
+        for k in 0..g.k[dd] {
+            let pos = (o * g.s[dd] + k * g.d[dd]) as isize - g.pad_begin[dd] as isize;
+            if pos >= -(g.pad_begin[dd] as isize) && pos < (g.ins[dd] + pads_end[dd]) as isize {
+                padded += 1;
+            }
+            if pos >= 0 && pos < g.ins[dd] as isize {
+                inside.push(pos as usize);
+            }
+        }
+        (inside, padded)
+    };
+    let rows: Vec<(Vec<usize>, usize)> = (0..oh).map(|o| span(o, 0)).collect();
+    let cols: Vec<(Vec<usize>, usize)> = (0..ow).map(|o| span(o, 1)).collect();
+    let mut out = vec![0f32; planes * osp];
+    if osp == 0 {
+        return out;
+    }
+    fast::par_rows(&mut out, osp, 1 << 14, |first, o| {
+        for (r, plane) in o.chunks_mut(osp).enumerate() {
+            let xp = &x[(first + r) * isp..][..isp];
+            for (oy, (ys, ypad)) in rows.iter().enumerate() {
+                for (ox, (xs, xpad)) in cols.iter().enumerate() {
+                    let mut sum = 0f64;
+                    for &y in ys {
+                        for &xx in xs {
+                            sum += xp[y * iw + xx] as f64;
+                        }
+                    }
+                    let count = if include_pad {
+                        ypad * xpad
+                    } else {
+                        ys.len() * xs.len()
+                    };
+                    plane[oy * ow + ox] = (sum / count.max(1) as f64) as f32;
+                }
+            }
+        }
+    });
+    out
+}
+
 fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
     let x = cx.t(0)?;
     if x.rank() < 3 {
@@ -1234,6 +1293,12 @@ fn pool(cx: &Ctx, kind: Pool, global: bool) -> Result<Vec<Value>> {
     }
     if kind == Pool::Avg && global && x.dtype() == DType::F32 && !ins.contains(&0) {
         let v = fast::global_avg_pool_f32(x.as_slice::<f32>()?, ins.iter().product());
+        let mut shape = vec![n, c];
+        shape.extend_from_slice(&g.outs);
+        return Ok(vec![Value::Tensor(Tensor::from_vec(shape, v)?)]);
+    }
+    if kind == Pool::Avg && nd == 2 && x.dtype() == DType::F32 && cx.node.outputs.len() < 2 {
+        let v = avg_pool2d_f32(x.as_slice::<f32>()?, n * c, &g, &pads_end, include_pad);
         let mut shape = vec![n, c];
         shape.extend_from_slice(&g.outs);
         return Ok(vec![Value::Tensor(Tensor::from_vec(shape, v)?)]);

@@ -208,6 +208,30 @@ fn unary_min(op: Unary) -> usize {
     }
 }
 
+/// Inference BatchNormalization of a float32 tensor `[N, C, ...]` (`inner` elements a channel
+/// plane): `y = (x - mean) * a + b` per channel, with `a = scale / sqrt(var + eps)` and `b`
+/// the bias, as the caller computed them; planes spread over the pool's threads.
+pub fn batch_norm_f32(
+    x: &[f32],
+    c: usize,
+    inner: usize,
+    mean: &[f32],
+    a: &[f32],
+    b: &[f32],
+) -> Vec<f32> {
+    assert!(c > 0 && inner > 0 && x.len() % (c * inner) == 0);
+    assert!(mean.len() == c && a.len() == c && b.len() == c);
+    filled(x.len(), |out| {
+        par_rows(out, inner, PAR_MIN_CHEAP, |first, o| {
+            for (r, plane) in o.chunks_mut(inner).enumerate() {
+                let p = first + r;
+                let ch = p % c;
+                vecmath::affine_slice(&x[p * inner..][..inner], mean[ch], a[ch], b[ch], plane);
+            }
+        })
+    })
+}
+
 /// IsNaN of a float32 tensor.
 pub fn isnan_f32(x: &Tensor) -> Result<Tensor> {
     let xv = x.as_slice::<f32>()?;

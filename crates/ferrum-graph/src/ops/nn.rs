@@ -222,6 +222,24 @@ fn batch_norm(cx: &Ctx) -> Result<Vec<Value>> {
     );
     let c = if x.rank() > 1 { x.shape()[1] } else { 1 };
     let inner: usize = x.shape().get(2..).map_or(1, |s| s.iter().product());
+    // Inference on float32: one multiply and one add per element, the per-channel factor
+    // `scale / sqrt(var + eps)` computed in f64 and rounded once.
+    let params_f32 = (1..5).all(|i| {
+        cx.opt(i)
+            .is_some_and(|t| t.dtype() == DType::F32 && t.len() == c)
+    });
+    if !training && x.dtype() == DType::F32 && params_f32 && c > 0 && inner > 0 && !x.is_empty() {
+        let a: Vec<f32> = (0..c)
+            .map(|k| (scale[k] / (var[k] + eps).sqrt()) as f32)
+            .collect();
+        let m: Vec<f32> = mean.iter().map(|&v| v as f32).collect();
+        let bb: Vec<f32> = b.iter().map(|&v| v as f32).collect();
+        let y = crate::ops::fast::batch_norm_f32(x.as_slice::<f32>()?, c, inner, &m, &a, &bb);
+        return Ok(vec![Value::Tensor(Tensor::from_vec(
+            x.shape().to_vec(),
+            y,
+        )?)]);
+    }
     let v = x.to_f64_vec()?;
     let mut running = None;
     if training {

@@ -866,6 +866,17 @@ multiversion! {
 }
 
 multiversion! {
+    /// `out[i] = (x[i] - m) * a + b` (a multiply, then an add), every element of `out` written
+    /// (`x` as long as `out`): an inference BatchNormalization's channel.
+    pub fn affine_slice(x: &[f32], m: f32, a: f32, b: f32, out: &mut [MaybeUninit<f32>]) {
+        assert_eq!(x.len(), out.len());
+        for (o, &v) in out.iter_mut().zip(x) {
+            o.write((v - m) * a + b);
+        }
+    }
+}
+
+multiversion! {
     /// `out[i] = x[i].is_nan()`, every element of `out` written (`x` as long as `out`).
     pub fn isnan_slice(x: &[f32], out: &mut [MaybeUninit<bool>]) {
         assert_eq!(x.len(), out.len());
