@@ -219,7 +219,7 @@ pub fn batch_norm_f32(
     a: &[f32],
     b: &[f32],
 ) -> Vec<f32> {
-    assert!(c > 0 && inner > 0 && x.len() % (c * inner) == 0);
+    assert!(c > 0 && inner > 0 && x.len().is_multiple_of(c * inner));
     assert!(mean.len() == c && a.len() == c && b.len() == c);
     filled(x.len(), |out| {
         par_rows(out, inner, PAR_MIN_CHEAP, |first, o| {
