@@ -459,16 +459,28 @@ pub fn gelu(model: &mut Model, log: &mut Vec<String>) -> usize {
         }
         rewrites.push((last, x));
     }
+    into_unary(model, rewrites, &dead, "Gelu")
+}
+
+/// Turns each node `i` of `rewrites` into the one-input `com.ferrum` op `op` of `x` (the last
+/// node of a matched pattern, which keeps its output), removes the pattern's other nodes
+/// (`dead`), and returns the number of rewrites.
+fn into_unary(
+    model: &mut Model,
+    rewrites: Vec<(usize, ValueId)>,
+    dead: &HashSet<usize>,
+    op: &str,
+) -> usize {
     let count = rewrites.len();
     for (i, x) in rewrites {
         let n = &mut model.graph.nodes[i];
-        n.op = "Gelu".into();
+        n.op = op.into();
         n.domain = DOMAIN.into();
         n.inputs = vec![Some(x)];
         n.attrs.clear();
-        n.name = format!("{}/gelu", n.name);
+        n.name = format!("{}/{}", n.name, op.to_ascii_lowercase());
     }
-    remove_nodes(&mut model.graph, &dead);
+    remove_nodes(&mut model.graph, dead);
     count
 }
 
@@ -500,17 +512,7 @@ pub fn silu(model: &mut Model, log: &mut Vec<String>) -> usize {
         dead.insert(si);
         rewrites.push((mi, x));
     }
-    let count = rewrites.len();
-    for (i, x) in rewrites {
-        let n = &mut model.graph.nodes[i];
-        n.op = "Silu".into();
-        n.domain = DOMAIN.into();
-        n.inputs = vec![Some(x)];
-        n.attrs.clear();
-        n.name = format!("{}/silu", n.name);
-    }
-    remove_nodes(&mut model.graph, &dead);
-    count
+    into_unary(model, rewrites, &dead, "Silu")
 }
 
 /// An activation node's name and parameters, in the form the fused ops take.
