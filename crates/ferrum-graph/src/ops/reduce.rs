@@ -1,6 +1,6 @@
 //! Reductions and ops along one axis: Reduce*, ArgMax/ArgMin, Softmax family, TopK, CumSum.
 
-use crate::ops::shape::strides;
+use crate::ops::shape::{strided_offsets, strides};
 use crate::ops::{axis, Ctx};
 use crate::ops::{one, per_input_5, same_shape, Kernel, Rules};
 use crate::tensor::{DType, Num, Tensor, Value};
@@ -29,28 +29,18 @@ fn reduce_map(shape: &[usize], axes: &[usize]) -> (Vec<usize>, Vec<usize>) {
         .map(|(d, &s)| if axes.contains(&d) { 1 } else { s })
         .collect();
     let ost = strides(&out);
-    let n: usize = shape.iter().product();
-    // The output offset moves by `step[d]` along a kept dim and stays along a reduced one:
-    // walked with a multi-index odometer (no division per element).
-    let step: Vec<usize> = (0..shape.len())
-        .map(|d| if axes.contains(&d) { 0 } else { ost[d] })
-        .collect();
-    let mut map = Vec::with_capacity(n);
-    let mut idx = vec![0usize; shape.len()];
-    let mut off = 0usize;
-    for _ in 0..n {
-        map.push(off);
-        for d in (0..shape.len()).rev() {
-            idx[d] += 1;
-            off += step[d];
-            if idx[d] < shape[d] {
-                break;
+    // The output offset moves by the output's stride along a kept dim and stays along a
+    // reduced one (no division per element).
+    let step: Vec<isize> = (0..shape.len())
+        .map(|d| {
+            if axes.contains(&d) {
+                0
+            } else {
+                ost[d] as isize
             }
-            off -= step[d] * shape[d];
-            idx[d] = 0;
-        }
-    }
-    (map, out)
+        })
+        .collect();
+    (strided_offsets(shape, &step, 0), out)
 }
 
 fn reduce_t<T: Num>(x: &Tensor, axes: &[usize], op: Red) -> Result<(Vec<usize>, Vec<T>)> {

@@ -457,23 +457,11 @@ fn slice_runs(
         base: isize,
     ) -> Result<Tensor> {
         let v = x.as_slice::<T>()?;
-        let outer: usize = shape[..k].iter().product();
-        let mut o = T::room(outer * run);
-        let mut idx = vec![0usize; k];
-        let mut off = base;
-        for _ in 0..outer {
-            // In range: `slice` clamped every start and extent to the input.
-            let at = usize::try_from(off).expect("a slice offset inside the input");
+        // Each run's first element (in range: `slice` clamped every start and extent).
+        let starts = strided_offsets(&shape[..k], &ost[..k], base);
+        let mut o = T::room(starts.len() * run);
+        for at in starts {
             o.extend_from_slice(&v[at..at + run]);
-            for d in (0..k).rev() {
-                idx[d] += 1;
-                off += ost[d];
-                if idx[d] < shape[d] {
-                    break;
-                }
-                off -= ost[d] * shape[d] as isize;
-                idx[d] = 0;
-            }
         }
         Tensor::from_vec(shape.to_vec(), o)
     }
