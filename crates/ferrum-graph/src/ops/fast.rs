@@ -202,9 +202,10 @@ fn map_f32(x: &[f32], op: Unary) -> Vec<f32> {
 
 /// The smallest part worth a pool task for `op`.
 fn unary_min(op: Unary) -> usize {
-    match op {
-        Unary::Erf | Unary::Gelu | Unary::Sigmoid | Unary::Silu => PAR_MIN,
-        _ => PAR_MIN_CHEAP,
+    if op.is_costly() {
+        PAR_MIN
+    } else {
+        PAR_MIN_CHEAP
     }
 }
 

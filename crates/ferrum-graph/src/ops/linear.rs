@@ -348,17 +348,7 @@ pub fn conv2d(
             // stores, while the plane is in registers; one with an exponential (Sigmoid, SiLU,
             // GELU) runs after, vectorized over the whole output (inside the kernel's blocks it
             // would be computed one lane at a time).
-            let cheap = |op: &vecmath::Unary| {
-                matches!(
-                    op,
-                    vecmath::Unary::Relu
-                        | vecmath::Unary::Clip(..)
-                        | vecmath::Unary::LeakyRelu(_)
-                        | vecmath::Unary::HardSigmoid(..)
-                        | vecmath::Unary::HardSwish
-                )
-            };
-            let act = match (rest_z, after.lane_op().filter(cheap)) {
+            let act = match (rest_z, after.lane_op().filter(|op| !op.is_costly())) {
                 (None, Some(op)) => {
                     after = Act::Identity;
                     Some(op)

@@ -469,6 +469,18 @@ pub enum Unary {
     HardSwish,
 }
 
+impl Unary {
+    /// Whether the op costs a polynomial or an exponential an element (Erf, GELU, Sigmoid,
+    /// SiLU), not a compare or a multiply-add: worth a pool task sooner, and better run over a
+    /// whole output than lane by lane inside another kernel's blocks.
+    pub fn is_costly(self) -> bool {
+        matches!(
+            self,
+            Unary::Erf | Unary::Gelu | Unary::Sigmoid | Unary::Silu
+        )
+    }
+}
+
 /// The logistic function in float32: `e = e^-|x|` by [`exp_lane`], then `1 / (1 + e)` for
 /// `x >= 0` and `e * (1 / (1 + e))` below, so neither side overflows or loses its small values.
 /// Within 4 ulp of the exact value (e within 2 ulp, one rounding for the sum, one for the
