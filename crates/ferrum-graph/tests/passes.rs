@@ -2730,6 +2730,85 @@ fn depthwise_separable_chains_run_channels_last_as_in_mobilenet() {
 }
 
 #[test]
+fn squeeze_and_excitation_blocks_stay_channels_last_as_in_efficientnet() {
+    // Two blocks with squeeze-and-excitation gates, batch 2 (a gate per image): the pool reads
+    // the depthwise output channels-last, the gate (Sigmoid, then HardSigmoid, each fused into
+    // its 1x1 convolution on `[2, C, 1, 1]`) multiplies it in place, the gate on either side
+    // of the Mul; block 2 also takes a constant per-channel scale `[1, C, 1, 1]`. The head
+    // pools the output, which is also a graph output. No transposes but the two outputs'
+    // (block 2's scaled tensor is one too).
+    let mut r = rng();
+    let mut inits = Vec::new();
+    let mut nodes = Vec::new();
+    let mut conv = |name: &str, io: (&str, &str), shape, geo, nodes: &mut Vec<NodeProto>| {
+        nodes.push(mobile_conv(&mut r, name, io, shape, geo, &mut inits));
+    };
+    conv("st", ("x", "x0"), (3, 8, 3, 1), (2, 1, 1), &mut nodes);
+    conv("e1", ("x0", "e1"), (8, 96, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("Relu", &["e1"], &["e1r"], vec![]));
+    conv("d1", ("e1r", "d1"), (96, 96, 3, 96), (1, 1, 1), &mut nodes);
+    nodes.push(node("Relu", &["d1"], &["d1r"], vec![]));
+    nodes.push(node("GlobalAveragePool", &["d1r"], &["g1"], vec![]));
+    conv("f1", ("g1", "f1"), (96, 8, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("Relu", &["f1"], &["f1r"], vec![]));
+    conv("h1", ("f1r", "h1"), (8, 96, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("Sigmoid", &["h1"], &["s1"], vec![]));
+    nodes.push(node("Mul", &["d1r", "s1"], &["m1"], vec![]));
+    conv("p1", ("m1", "p1"), (96, 8, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("Add", &["p1", "x0"], &["b1"], vec![]));
+    conv("e2", ("b1", "e2"), (8, 96, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("Relu", &["e2"], &["e2r"], vec![]));
+    conv("d2", ("e2r", "d2"), (96, 96, 3, 96), (2, 1, 1), &mut nodes);
+    nodes.push(node("Relu", &["d2"], &["d2r"], vec![]));
+    nodes.push(node("GlobalAveragePool", &["d2r"], &["g2"], vec![]));
+    conv("f2", ("g2", "f2"), (96, 8, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("Relu", &["f2"], &["f2r"], vec![]));
+    conv("h2", ("f2r", "h2"), (8, 96, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("HardSigmoid", &["h2"], &["s2"], vec![]));
+    nodes.push(node("Mul", &["s2", "d2r"], &["m2"], vec![]));
+    nodes.push(node("Mul", &["m2", "k"], &["m3"], vec![]));
+    conv("p2", ("m3", "y"), (96, 16, 1, 1), (1, 0, 1), &mut nodes);
+    nodes.push(node("GlobalAveragePool", &["y"], &["gy"], vec![]));
+    inits.push(init("k", &[1, 96, 1, 1], randv(&mut r, 96)));
+    let mp = model(
+        nodes,
+        vec![f32_in("x", &[2, 3, 41, 38])],
+        vec![f32_out("y"), f32_out("gy"), f32_out("m3")],
+        inits,
+        17,
+    );
+    let feeds = [("x", vec![2, 3, 41, 38], randv(&mut r, 2 * 3 * 41 * 38))];
+    let (nhwc, fused, pool) = (
+        "com.ferrum.NhwcConv",
+        "com.ferrum.FusedConv",
+        "com.ferrum.NhwcGlobalAveragePool",
+    );
+    let mut want = vec![nhwc, nhwc, nhwc, pool, fused, fused, "Reshape", "Mul", nhwc];
+    want.extend([
+        nhwc,
+        nhwc,
+        pool,
+        fused,
+        fused,
+        "Reshape",
+        "Mul",
+        "Mul",
+        "Transpose",
+        nhwc,
+    ]);
+    want.extend(["Transpose", pool]);
+    if !ferrum_kernels::direct::worthwhile(3) {
+        want.insert(0, "Transpose");
+    }
+    check(&mp, OptLevel::All, &feeds, &want, 1e-5);
+    let s = session(&mp, OptLevel::All);
+    let log = &s.optimization_report().fused;
+    let line = "7 convolutions, {} transposes in, 2 out, 6 pools and gates";
+    let line = line.replace("{}", if want[0] == "Transpose" { "1" } else { "0" });
+    assert!(log.iter().any(|l| l.ends_with(&line)), "{log:?}");
+}
+
+#[test]
 fn large_expansions_are_made_inside_their_depthwise_convolution() {
     // Three inverted residual blocks, channels-last: the first two expand 8 -> 72 channels of
     // 64 x 64 (1.2 MB, more than an L2 cache keeps: fused into NhwcExpandDepthwise, stride 1

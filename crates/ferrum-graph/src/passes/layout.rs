@@ -10,8 +10,13 @@
 //! M]`: a GEMM's B for a dense one, tap-major rows for a depthwise one), with a `Transpose`
 //! where a value enters the region (except an image read straight by the direct kernel of a
 //! convolution over a few channels, which takes its planes as they are) and one where a value
-//! leaves it (read outside, or a graph output). A region is changed only when it holds a depthwise convolution and its boundary transposes move at most a quarter of
-//! the elements its depthwise convolutions read, so networks without depthwise convolutions
+//! leaves it (read outside, or a graph output). Squeeze-and-excitation blocks (EfficientNet,
+//! MobileNetV3) stay inside: a GlobalAveragePool of a region value reads it channels-last
+//! (`com.ferrum.NhwcGlobalAveragePool`, whose `[N, C, 1, 1]` output is the same memory in
+//! either layout, so the gate's 1x1 convolutions stay as they are), and the `Mul` by the gate
+//! `[N, C, 1, 1]` becomes a `Mul` of the NHWC tensor by the gate reshaped to `[N, 1, 1, C]`.
+//! A region is changed only when it holds a depthwise convolution and its boundary transposes
+//! move at most a quarter of the elements its depthwise convolutions read, so networks without depthwise convolutions
 //! (ResNet) are left alone. Needs static shapes. `FERRUM_NO_NHWC=1` turns the pass off. Then a
 //! 1x1 expansion too large for the cache and the depthwise convolution that alone reads it
 //! become one node that never holds the expanded tensor ([`expand_depthwise`]).
@@ -23,10 +28,25 @@ use crate::infer::static_shapes;
 use crate::ir::{Attr, Dim, Model, Node, ValueId, ValueInfo, ValueType};
 use crate::tensor::{DType, Tensor};
 
-/// A convolution the channels-last kernels take.
+/// What a region member is.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// A convolution the channels-last kernels take.
+    Conv { depthwise: bool },
+    /// A squeeze-and-excitation gate: `Mul(x, s)` with `s` of shape `[N or 1, C, 1, 1]` (input
+    /// `s_slot` of the node), a per-channel scale that broadcasts over `[N, H, W, C]` once
+    /// reshaped to `[N or 1, 1, 1, C]`.
+    Scale { s: ValueId, s_slot: usize },
+    /// A GlobalAveragePool: reads the channels-last tensor in place; its output `[N, C, 1, 1]`
+    /// is NCHW as before (one pixel: the same memory either way) and is not a region value.
+    Pool,
+}
+
+/// A member of a channels-last region: a convolution, or an op that reads or makes
+/// channels-last tensors between convolutions (squeeze-and-excitation's pool and gate).
 struct Cand {
     node: usize,
-    depthwise: bool,
+    kind: Kind,
     x: ValueId,
     z: Option<ValueId>,
     y: ValueId,
@@ -44,7 +64,64 @@ fn ints(n: &Node, name: &str) -> Option<Vec<i64>> {
     }
 }
 
+/// A GlobalAveragePool of a 4-D tensor, or a `Mul` of a 4-D tensor by a per-channel scale
+/// `[N or 1, C, 1, 1]` (squeeze-and-excitation blocks: EfficientNet, MobileNetV3). Either joins
+/// a region only through its data input; whether that is float32 follows from the convolution
+/// making it (the region's members take float32 only).
+fn se_member(shapes: &crate::infer::Shapes, i: usize, n: &Node) -> Option<Cand> {
+    let y = *n.outputs.first()?;
+    let y = y?;
+    let out = shapes.get(Some(y)).filter(|s| s.len() == 4)?.clone();
+    if n.outputs.len() != 1 || out.contains(&0) {
+        return None;
+    }
+    if is_op(n, "GlobalAveragePool") && n.inputs.len() == 1 {
+        let x = n.inputs[0]?;
+        let xs = shapes.get(Some(x)).filter(|s| s.len() == 4)?;
+        if xs.contains(&0) || out != [xs[0], xs[1], 1, 1] {
+            return None;
+        }
+        return Some(Cand {
+            node: i,
+            kind: Kind::Pool,
+            x,
+            z: None,
+            y,
+            out,
+            in_elems: xs.iter().product(),
+        });
+    }
+    if !is_op(n, "Mul") || n.inputs.len() != 2 {
+        return None;
+    }
+    let [a, b] = [n.inputs[0]?, n.inputs[1]?];
+    let gate = |s: ValueId| {
+        shapes.get(Some(s)).is_some_and(|ss| {
+            ss.len() == 4 && (ss[0] == 1 || ss[0] == out[0]) && ss[1] == out[1] && ss[2..] == [1, 1]
+        })
+    };
+    let (x, s, s_slot) = if shapes.get(Some(a)) == Some(&out) && gate(b) {
+        (a, b, 1)
+    } else if shapes.get(Some(b)) == Some(&out) && gate(a) {
+        (b, a, 0)
+    } else {
+        return None;
+    };
+    Some(Cand {
+        node: i,
+        kind: Kind::Scale { s, s_slot },
+        x,
+        z: None,
+        y,
+        in_elems: out.iter().product(),
+        out,
+    })
+}
+
 fn candidate(model: &Model, shapes: &crate::infer::Shapes, i: usize, n: &Node) -> Option<Cand> {
+    if is_op(n, "Mul") || is_op(n, "GlobalAveragePool") {
+        return se_member(shapes, i, n);
+    }
     let g = &model.graph;
     let fused = n.domain == DOMAIN && n.op == "FusedConv";
     if !(is_op(n, "Conv") || fused) || n.outputs.len() != 1 {
@@ -107,7 +184,7 @@ fn candidate(model: &Model, shapes: &crate::infer::Shapes, i: usize, n: &Node) -
     }
     Some(Cand {
         node: i,
-        depthwise,
+        kind: Kind::Conv { depthwise },
         x,
         z,
         y,
@@ -250,8 +327,8 @@ pub(crate) fn oihw_to_hwio(w: &Tensor) -> Option<Tensor> {
     Tensor::from_vec(vec![kh, kw, cg, m], out).ok()
 }
 
-/// The pass: see the module's documentation. Returns the number of convolutions moved to
-/// channels-last.
+/// The pass: see the module's documentation. Returns the number of nodes (convolutions, pools
+/// and gates) moved to channels-last.
 pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
     if std::env::var("FERRUM_NO_NHWC").is_ok_and(|v| v != "0") {
         return 0;
@@ -277,8 +354,13 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
     let uses = Uses::of(g);
     let by_node: HashMap<usize, usize> =
         cands.iter().enumerate().map(|(k, c)| (c.node, k)).collect();
-    let by_output: HashMap<ValueId, usize> =
-        cands.iter().enumerate().map(|(k, c)| (c.y, k)).collect();
+    // Values a member makes channels-last (a pool's output stays NCHW).
+    let by_output: HashMap<ValueId, usize> = cands
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.kind != Kind::Pool)
+        .map(|(k, c)| (c.y, k))
+        .collect();
     // Regions: candidates joined through a value one produces and another reads as its data
     // input or residual.
     let mut parent: Vec<usize> = (0..cands.len()).collect();
@@ -297,7 +379,7 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
     let mut entries: HashSet<(usize, ValueId)> = HashSet::new();
     for (k, c) in cands.iter().enumerate() {
         let r = roots[k];
-        if c.depthwise {
+        if c.kind == (Kind::Conv { depthwise: true }) {
             *dw_elems.entry(r).or_default() += c.in_elems;
         }
         for v in std::iter::once(c.x).chain(c.z) {
@@ -307,9 +389,10 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
                     shapes.get(Some(v)).map_or(0, |s| s.iter().product());
             }
         }
-        let outside = leaves(&uses, &cands, c, |ri| {
-            by_node.get(&ri).copied().filter(|&q| roots[q] == r)
-        });
+        let outside = c.kind != Kind::Pool
+            && leaves(&uses, &cands, c, |ri| {
+                by_node.get(&ri).copied().filter(|&q| roots[q] == r)
+            });
         if outside {
             *boundary.entry(r).or_default() += c.out.iter().product::<usize>();
         }
@@ -335,6 +418,7 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
     let mut nhwc_of: HashMap<ValueId, ValueId> = HashMap::new();
     let mut hwio_of: HashMap<ValueId, ValueId> = HashMap::new();
     let mut moved = 0;
+    let mut others = 0;
     let mut entered = 0;
     let mut left = 0;
     for (i, n) in nodes.into_iter().enumerate() {
@@ -343,10 +427,81 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
             continue;
         };
         let c = &cands[k];
+        if let Kind::Pool | Kind::Scale { .. } = c.kind {
+            let x = Edge {
+                shapes: &shapes,
+                out_nodes: &mut out_nodes,
+                nhwc_of: &mut nhwc_of,
+                entered: &mut entered,
+            }
+            .twin(model, c.x, Some(DType::F32));
+            let Kind::Scale { s, s_slot } = c.kind else {
+                log.push(format!("{} -> NhwcGlobalAveragePool", n.name));
+                out_nodes.push(Node {
+                    op: "NhwcGlobalAveragePool".into(),
+                    domain: DOMAIN.into(),
+                    opset: 1,
+                    inputs: vec![Some(x)],
+                    attrs: Default::default(),
+                    ..n
+                });
+                others += 1;
+                continue;
+            };
+            // The gate `[N or 1, C, 1, 1]` read as `[N or 1, 1, 1, C]`: the same elements.
+            let ss = shapes.get(Some(s)).expect("a static shape");
+            let to = vec![ss[0], 1, 1, ss[1]];
+            let hint = format!("{}#nhwc", model.value(s).name);
+            let gate = match constant(&model.graph, s) {
+                Some(t) => {
+                    let t = t.clone().reshape(to).expect("the same element count");
+                    super::add_initializer(model, &hint, t)
+                }
+                None => {
+                    let dims: Vec<i64> = to.iter().map(|&d| d as i64).collect();
+                    let dims = Tensor::from_vec(vec![4], dims).expect("four dims");
+                    let dims = super::add_initializer(model, &format!("{hint}#shape"), dims);
+                    let g = new_typed_value(model, hint.clone(), &to, value_dtype(model, s));
+                    out_nodes.push(Node {
+                        name: hint,
+                        op: "Reshape".into(),
+                        domain: String::new(),
+                        opset: 14,
+                        inputs: vec![Some(s), Some(dims)],
+                        outputs: vec![Some(g)],
+                        attrs: Default::default(),
+                        implicit_inputs: vec![],
+                    });
+                    g
+                }
+            };
+            let yname = format!("{}#nhwc", model.value(c.y).name);
+            let y = new_value(model, yname, &permuted(&c.out, TO_NHWC));
+            nhwc_of.insert(c.y, y);
+            let mut inputs = vec![Some(x); 2];
+            inputs[s_slot] = Some(gate);
+            log.push(format!(
+                "{} -> Mul on channels-last (per-channel gate)",
+                n.name
+            ));
+            let name = n.name.clone();
+            out_nodes.push(Node {
+                inputs,
+                outputs: vec![Some(y)],
+                ..n
+            });
+            others += 1;
+            if leaves(&uses, &cands, c, member) {
+                out_nodes.push(transpose_node(format!("{name}#nchw"), y, c.y, TO_NCHW));
+                left += 1;
+            }
+            continue;
+        }
+        let depthwise = c.kind == (Kind::Conv { depthwise: true });
         // An image entering the region straight into a convolution of a few input channels
         // that the direct kernel runs is read where it lies, as planes, not turned first.
         let planes =
-            !c.depthwise && !nhwc_of.contains_key(&c.x) && reads_planes(model, &shapes, &n, c.x);
+            !depthwise && !nhwc_of.contains_key(&c.x) && reads_planes(model, &shapes, &n, c.x);
         let mut twin = |model: &mut Model, out_nodes: &mut Vec<Node>, v: ValueId| -> ValueId {
             let mut edge = Edge {
                 shapes: &shapes,
@@ -401,7 +556,7 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
         log.push(format!(
             "{} -> NhwcConv ({})",
             n.name,
-            if c.depthwise { "depthwise" } else { "dense" }
+            if depthwise { "depthwise" } else { "dense" }
         ));
         out_nodes.push(Node {
             name: n.name.clone(),
@@ -423,10 +578,11 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
     model.graph.nodes = out_nodes;
     if moved > 0 {
         log.push(format!(
-            "channels-last: {moved} convolutions, {entered} transposes in, {left} out"
+            "channels-last: {moved} convolutions, {entered} transposes in, {left} out, \
+             {others} pools and gates"
         ));
     }
-    moved
+    moved + others
 }
 
 /// Expanded tensors at least this large (bytes) are not kept: beside the block's input and
