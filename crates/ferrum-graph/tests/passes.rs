@@ -2812,7 +2812,8 @@ fn squeeze_and_excitation_blocks_stay_channels_last_as_in_efficientnet() {
 fn large_expansions_are_made_inside_their_depthwise_convolution() {
     // Three inverted residual blocks, channels-last: the first two expand 8 -> 72 channels of
     // 64 x 64 (1.2 MB, more than an L2 cache keeps: fused into NhwcExpandDepthwise, stride 1
-    // with ReLU6 and a residual, then stride 2 with Relu); the third expands to 32 x 32 x 32
+    // with ReLU6 and a residual, then stride 2 with SiLU after the expansion and Relu after the
+    // depthwise convolution); the third expands to 32 x 32 x 32
     // (131 kB) and keeps its two nodes.
     let mut r = rng();
     let mut inits = Vec::new();
@@ -2829,7 +2830,8 @@ fn large_expansions_are_made_inside_their_depthwise_convolution() {
     conv("p1", ("d1c", "p1"), (72, 8, 1, 1), (1, 0, 1), &mut nodes);
     nodes.push(node("Add", &["p1", "x"], &["b1"], vec![]));
     conv("e2", ("b1", "e2"), (8, 72, 1, 1), (1, 0, 1), &mut nodes);
-    nodes.push(node("Relu", &["e2"], &["e2r"], vec![]));
+    nodes.push(node("Sigmoid", &["e2"], &["e2s"], vec![]));
+    nodes.push(node("Mul", &["e2", "e2s"], &["e2r"], vec![]));
     conv("d2", ("e2r", "d2"), (72, 72, 3, 72), (2, 1, 1), &mut nodes);
     nodes.push(node("Relu", &["d2"], &["d2r"], vec![]));
     conv("p2", ("d2r", "b2"), (72, 16, 1, 1), (1, 0, 1), &mut nodes);

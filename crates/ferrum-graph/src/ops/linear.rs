@@ -527,8 +527,8 @@ thread_local! {
 }
 
 /// `act` split into the part the GEMM's epilogue applies in registers, bit for bit as
-/// [`Act::apply1`] (Relu, Clip, LeakyRelu, Gelu), and the part left to apply afterwards (the
-/// others).
+/// [`Act::apply1`] (Relu, Clip, LeakyRelu, Gelu, Sigmoid, SiLU, HardSigmoid, HardSwish: the
+/// same float32 functions), and the part left to apply afterwards (Tanh, GeluTanh).
 pub(crate) fn split_act(a: Act) -> (GemmAct, Act) {
     let g = match a {
         Act::Identity => GemmAct::Identity,
@@ -536,6 +536,10 @@ pub(crate) fn split_act(a: Act) -> (GemmAct, Act) {
         Act::Clip(lo, hi) => GemmAct::Clip { lo, hi },
         Act::LeakyRelu(s) => GemmAct::LeakyRelu(s),
         Act::Gelu => GemmAct::Gelu,
+        Act::Sigmoid => GemmAct::Sigmoid,
+        Act::Silu => GemmAct::Silu,
+        Act::HardSigmoid(alpha, beta) => GemmAct::HardSigmoid { alpha, beta },
+        Act::HardSwish => GemmAct::HardSwish,
         _ => return (GemmAct::Identity, a),
     };
     (g, Act::Identity)

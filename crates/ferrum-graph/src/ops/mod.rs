@@ -38,6 +38,12 @@ mod vecmath;
 pub use elementwise::broadcast_shape;
 pub use shape::strides;
 
+/// Whether the activation a fused node names by its attribute `name` (absent: identity) is one
+/// the kernels apply in registers as they store (all but Tanh and GeluTanh).
+pub(crate) fn act_in_registers(node: &Node, name: &str) -> bool {
+    fused::Act::of(node, name).is_ok_and(|a| linear::split_act(a).1 == fused::Act::Identity)
+}
+
 use std::sync::Arc;
 
 use crate::exec::Env;

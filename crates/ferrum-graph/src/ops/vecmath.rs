@@ -6,6 +6,7 @@
 //! The transcendental lanes ([`exp_lane`], [`erf_lane`]) are polynomial approximations; their
 //! accuracy is stated on each and checked by the tests at the end against the f64 reference.
 
+use ferrum_kernels::gemm::clamp01;
 use std::mem::MaybeUninit;
 
 /// Lanes of the manual reductions (a multiple of every vector width used).
@@ -62,42 +63,14 @@ macro_rules! multiversion {
     };
 }
 
-// Cody-Waite's ln 2 in two parts, the rounding constant and Cephes' polynomial: the kernels'
-// (their GELU's exponential uses them too).
-use ferrum_kernels::gemm::{EXP_P, LN2_HI, LN2_LO, ROUND_MAGIC as MAGIC};
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-/// Below this exp gives 0 (e^-87 is still a normal float32, 2^n stays a normal scale).
-const EXP_LO: f32 = -87.0;
-/// Above this exp gives +inf (e^88.72 overflows float32).
-const EXP_HI: f32 = 88.7;
-
 /// e^(d + err) for a float32 `d` and a small correction `err` (the rounding error of the
-/// subtraction that produced `d`, or 0): Cody-Waite reduction by ln 2, Cephes' degree-7
-/// polynomial, scaling by 2^n through the exponent bits. Within 2 ulp of the true value for
-/// `d` in [-87, 88.7]; 0 below, +inf above, NaN for NaN.
+/// subtraction that produced `d`, or 0): the kernels' [`ferrum_kernels::gemm::exp_f32`] (Cody-Waite
+/// reduction by ln 2, Cephes' degree-7 polynomial, 2^n through the exponent bits), so an
+/// activation applied here and one fused into a product's epilogue give the same bits. Within
+/// 2 ulp of the true value for `d` in [-87, 88.7]; 0 below, +inf above, NaN for NaN.
 #[inline(always)]
 pub fn exp_lane(d: f32, err: f32) -> f32 {
-    let c = if d < EXP_LO { EXP_LO } else { d };
-    let c = if c > EXP_HI { EXP_HI } else { c };
-    let z = c * LOG2E + MAGIC;
-    let n = z - MAGIC;
-    let r = ((c - n * LN2_HI) + err) - n * LN2_LO;
-    let r2 = r * r;
-    let mut p = EXP_P[0];
-    for &c in &EXP_P[1..] {
-        p = p * r + c;
-    }
-    let y = p * r2 + r + 1.0;
-    // z's low mantissa bits hold n + 2^22; the exponent field of 2^n is n + 127.
-    let bits = (z.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
-    let scale = f32::from_bits((bits.wrapping_add(127) << 23) as u32);
-    let e = y * scale;
-    let e = if d < EXP_LO { 0.0 } else { e };
-    if d > EXP_HI {
-        f32::INFINITY
-    } else {
-        e
-    }
+    ferrum_kernels::gemm::exp_f32(d, err)
 }
 
 /// e^(x - m), the subtraction's rounding error carried into the reduction (TwoSum), so the
@@ -481,30 +454,12 @@ impl Unary {
     }
 }
 
-/// The logistic function in float32: `e = e^-|x|` by [`exp_lane`], then `1 / (1 + e)` for
-/// `x >= 0` and `e * (1 / (1 + e))` below, so neither side overflows or loses its small values.
-/// Within 4 ulp of the exact value (e within 2 ulp, one rounding for the sum, one for the
-/// quotient and one for the product); 0 for `x` below about -87, NaN for NaN.
+/// The logistic function in float32 (the kernels' [`ferrum_kernels::gemm::sigmoid_f32`]):
+/// `e = e^-|x|` by [`exp_lane`], then `1 / (1 + e)` for `x >= 0` and `e * (1 / (1 + e))` below.
+/// Within 4 ulp of the exact value; 0 for `x` below about -87, NaN for NaN.
 #[inline(always)]
 pub fn sigmoid_lane(x: f32) -> f32 {
-    let e = exp_lane(-x.abs(), 0.0);
-    let s = 1.0 / (1.0 + e);
-    if x >= 0.0 {
-        s
-    } else {
-        e * s
-    }
-}
-
-/// `clamp(v, 0, 1)` with NaN kept (a comparison with NaN is false both ways).
-#[inline(always)]
-fn clamp01(v: f32) -> f32 {
-    let y = if v < 0.0 { 0.0 } else { v };
-    if y > 1.0 {
-        1.0
-    } else {
-        y
-    }
+    ferrum_kernels::gemm::sigmoid_f32(x)
 }
 
 /// One value of a [`Unary`] op.

@@ -592,7 +592,8 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
 const EXPAND_MIN_BYTES: usize = 1 << 19;
 
 /// Inverted residual blocks (level 3, after [`channels_last`]): a 1x1 `NhwcConv` (stride 1,
-/// no padding, no residual, a vector activation) whose output only a depthwise `NhwcConv`
+/// no padding, no residual, an activation the kernels apply in registers: any but Tanh and
+/// GeluTanh) whose output only a depthwise `NhwcConv`
 /// reads, where that output takes at least [`EXPAND_MIN_BYTES`], becomes one
 /// `NhwcExpandDepthwise` node that makes the expanded rows as the depthwise convolution needs
 /// them ([`crate::ops::nhwc::expand_depthwise`]). Returns the number of pairs fused.
@@ -608,11 +609,7 @@ pub fn expand_depthwise(model: &mut Model, log: &mut Vec<String>) -> usize {
     };
     let zeros = |n: &Node, name: &str| ints(n, name).is_none_or(|v| v.iter().all(|&x| x == 0));
     let ones = |n: &Node, name: &str| ints(n, name).is_none_or(|v| v.iter().all(|&x| x == 1));
-    let vector_act = |n: &Node| match n.attrs.get("activation") {
-        None => true,
-        Some(Attr::Str(a)) => [&b"Identity"[..], b"Relu", b"Clip", b"LeakyRelu"].contains(&&a[..]),
-        _ => false,
-    };
+    let vector_act = |n: &Node| crate::ops::act_in_registers(n, "activation");
     // (expansion, depthwise) node pairs.
     let mut pairs: Vec<(usize, usize)> = Vec::new();
     for (j, n) in g.nodes.iter().enumerate() {

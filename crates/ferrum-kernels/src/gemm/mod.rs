@@ -54,7 +54,10 @@ use std::sync::{Mutex, OnceLock};
 
 pub use bf16::supported as bf16_supported;
 pub use bf16::unit as bf16_unit;
-pub use epilogue::{gelu_erf, Act, Bias, Epilogue, EXP_P, LN2_HI, LN2_LO, ROUND_MAGIC};
+pub use epilogue::{
+    clamp01, exp_f32, gelu_erf, sigmoid_f32, Act, Bias, Epilogue, EXP_P, LN2_HI, LN2_LO,
+    ROUND_MAGIC,
+};
 pub use patches::Patches;
 
 use crate::aligned::Aligned;

@@ -392,8 +392,8 @@ fn gemm_ex_transposed_and_threaded_shapes() {
 #[test]
 fn vector_activations_give_the_bits_of_act_apply() {
     // The kernels' activations (vectorised or not, C stored directly or transposed) against the
-    // scalar definition, on biases full of NaN, infinities, signed zeros and values at the clip
-    // bounds.
+    // scalar definition, on biases full of NaN, infinities, signed zeros, values at the clip
+    // bounds and at the exponential's.
     let mut rng = rng();
     let specials = [
         f32::NAN,
@@ -405,6 +405,14 @@ fn vector_activations_give_the_bits_of_act_apply() {
         0.5,
         1e30,
         -1e30,
+        // The exponential's clamps and overflow (-87, 88.7), HardSwish's knees, a subnormal.
+        -87.5,
+        -86.9,
+        88.5,
+        89.0,
+        -3.0,
+        3.0,
+        1e-40,
     ];
     // (29, 77): direct; (150, 20): computed transposed.
     for (m, n, k) in [(29, 77, 40), (150, 20, 40)] {

@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use super::epilogue::{EXP_P, GELU_CUT, GELU_Q, LN2_HI, LN2_LO, ROUND_MAGIC};
+use super::epilogue::{EXP_HI, EXP_LO, EXP_P, GELU_CUT, GELU_Q, LN2_HI, LN2_LO, ROUND_MAGIC};
 use super::{write_tile, APanel, Act, Micro, Out, TileEpi};
 
 /// The AVX-512 kernel: panels of `MR` rows and 32 columns.
@@ -161,6 +161,9 @@ unsafe fn tile_avx512<
                     return unsafe { write_epi_avx512::<R, NV, 2>(&acc, cols, e, out) }
                 }
                 Act::Gelu => return unsafe { write_epi_avx512::<R, NV, 3>(&acc, cols, e, out) },
+                Act::Sigmoid | Act::Silu | Act::HardSigmoid { .. } | Act::HardSwish => {
+                    return unsafe { write_epi_avx512::<R, NV, 4>(&acc, cols, e, out) }
+                }
                 _ => {}
             }
         }
@@ -191,7 +194,7 @@ fn spill<const R: usize, const NV: usize>(acc: &[[__m512; NV]; R]) -> [[__m512; 
 /// [`write_avx512`]'s) with its epilogue: [`write_avx512`]'s operations in its order (C's old
 /// value where it accumulates, residual, row bias, column bias, activation), so the same bits,
 /// with the activation fixed at compile time (`ACT`: 0 identity, 1 [`Act::Relu`], 2
-/// [`Act::Clip`], 3 [`Act::Gelu`]) and the column bias loaded once for the tile. MobileNetV2's 1x1 layers spent
+/// [`Act::Clip`], 3 [`Act::Gelu`], 4 the logistic family through [`act_avx512`]) and the column bias loaded once for the tile. MobileNetV2's 1x1 layers spent
 /// 9% of the network's time in the out-of-line general writer (the tile's 24 vectors stored and
 /// reloaded, a branch per vector); through this one the expansion-and-depthwise layers run 3-5%
 /// faster (`cargo bench --bench conv`).
@@ -266,6 +269,7 @@ unsafe fn epi_row<const NV: usize, const ACT: u8>(
                 1 => _mm512_max_ps(x, _mm512_setzero_ps()),
                 2 => _mm512_min_ps(hi, _mm512_max_ps(lo, x)),
                 3 => gelu_avx512(x),
+                4 => act_avx512(e.act, x),
                 _ => x,
             };
             if mask == 0xffff {
@@ -460,10 +464,94 @@ pub(crate) fn act_avx512(act: Act, x: __m512) -> __m512 {
             let ge = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_setzero_ps());
             _mm512_mask_blend_ps(ge, _mm512_mul_ps(x, _mm512_set1_ps(s)), x)
         }
-        // SAFETY: AVX-512F is enabled for this function.
+        // SAFETY (each): AVX-512F is enabled for this function.
         Act::Gelu => unsafe { gelu_avx512(x) },
+        Act::Sigmoid => unsafe { sigmoid_avx512(x) },
+        Act::Silu => _mm512_mul_ps(x, unsafe { sigmoid_avx512(x) }),
+        Act::HardSigmoid { alpha, beta } => {
+            let t = _mm512_add_ps(
+                _mm512_mul_ps(_mm512_set1_ps(alpha), x),
+                _mm512_set1_ps(beta),
+            );
+            unsafe { clamp01_avx512(t) }
+        }
+        Act::HardSwish => {
+            let t = _mm512_add_ps(
+                _mm512_mul_ps(x, _mm512_set1_ps(1.0 / 6.0)),
+                _mm512_set1_ps(0.5),
+            );
+            _mm512_mul_ps(x, unsafe { clamp01_avx512(t) })
+        }
         _ => x,
     }
+}
+
+/// [`super::clamp01`] on 16 lanes: `max(0, t)` is `t < 0 ? 0 : t` and `min(1, y)` is `y > 1 ? 1
+/// : y` (each returns its second operand for NaN), so NaN stays.
+///
+/// # Safety
+/// The CPU supports AVX-512F.
+#[inline(always)]
+unsafe fn clamp01_avx512(t: __m512) -> __m512 {
+    // SAFETY: register-only AVX-512F operations; the caller vouches for the feature.
+    unsafe { _mm512_min_ps(_mm512_set1_ps(1.0), _mm512_max_ps(_mm512_setzero_ps(), t)) }
+}
+
+/// [`super::exp_f32`] on 16 lanes, operation for operation (no multiply-add fused; `2^n` from
+/// its exponent bits as the scalar's), so the same bits.
+///
+/// # Safety
+/// The CPU supports AVX-512F.
+#[inline(always)]
+unsafe fn exp_avx512(d: __m512, err: __m512) -> __m512 {
+    // SAFETY: register-only AVX-512F operations; the caller vouches for the feature.
+    unsafe {
+        let s = _mm512_set1_ps;
+        // `max(LO, d)` is `d < LO ? LO : d` and `min(HI, c)` is `c > HI ? HI : c` (NaN passes).
+        let c = _mm512_min_ps(s(EXP_HI), _mm512_max_ps(s(EXP_LO), d));
+        let z = _mm512_add_ps(
+            _mm512_mul_ps(c, s(std::f32::consts::LOG2_E)),
+            s(ROUND_MAGIC),
+        );
+        let n = _mm512_sub_ps(z, s(ROUND_MAGIC));
+        let r = _mm512_add_ps(_mm512_sub_ps(c, _mm512_mul_ps(n, s(LN2_HI))), err);
+        let r = _mm512_sub_ps(r, _mm512_mul_ps(n, s(LN2_LO)));
+        let r2 = _mm512_mul_ps(r, r);
+        let mut p = s(EXP_P[0]);
+        for &k in &EXP_P[1..] {
+            p = _mm512_add_ps(_mm512_mul_ps(p, r), s(k));
+        }
+        let y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, r2), r), s(1.0));
+        let nb = _mm512_sub_epi32(
+            _mm512_castps_si512(z),
+            _mm512_set1_epi32(ROUND_MAGIC.to_bits() as i32),
+        );
+        let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(nb, _mm512_set1_epi32(127)));
+        let e = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(d, s(EXP_LO));
+        let e = _mm512_mask_blend_ps(under, e, _mm512_setzero_ps());
+        let over = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(d, s(EXP_HI));
+        _mm512_mask_blend_ps(over, e, s(f32::INFINITY))
+    }
+}
+
+/// [`super::sigmoid_f32`] on 16 lanes, operation for operation, so the same bits: `e^-|x|`,
+/// `1 / (1 + e)`, times `e` where `x` is not `>= 0` (NaN included).
+///
+/// # Safety
+/// The CPU supports AVX-512F.
+#[inline(always)]
+unsafe fn sigmoid_avx512(x: __m512) -> __m512 {
+    let neg_abs = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(x),
+        _mm512_set1_epi32(i32::MIN),
+    ));
+    // SAFETY: the caller vouches for AVX-512F.
+    let e = unsafe { exp_avx512(neg_abs, _mm512_setzero_ps()) };
+    let one = _mm512_set1_ps(1.0);
+    let q = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    let ge = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_setzero_ps());
+    _mm512_mask_blend_ps(ge, _mm512_mul_ps(e, q), q)
 }
 
 /// [`super::gelu_erf`] on 16 lanes, operation for operation (each multiply-add fused, `2^n` by
@@ -696,10 +784,87 @@ pub(crate) fn act_avx2(act: Act, x: __m256) -> __m256 {
             let ge = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_setzero_ps());
             _mm256_blendv_ps(_mm256_mul_ps(x, _mm256_set1_ps(s)), x, ge)
         }
-        // SAFETY: AVX2 and FMA are enabled for this function.
+        // SAFETY (each): AVX2 and FMA are enabled for this function.
         Act::Gelu => unsafe { gelu_avx2(x) },
+        Act::Sigmoid => unsafe { sigmoid_avx2(x) },
+        Act::Silu => _mm256_mul_ps(x, unsafe { sigmoid_avx2(x) }),
+        Act::HardSigmoid { alpha, beta } => {
+            let t = _mm256_add_ps(
+                _mm256_mul_ps(_mm256_set1_ps(alpha), x),
+                _mm256_set1_ps(beta),
+            );
+            unsafe { clamp01_avx2(t) }
+        }
+        Act::HardSwish => {
+            let t = _mm256_add_ps(
+                _mm256_mul_ps(x, _mm256_set1_ps(1.0 / 6.0)),
+                _mm256_set1_ps(0.5),
+            );
+            _mm256_mul_ps(x, unsafe { clamp01_avx2(t) })
+        }
         _ => x,
     }
+}
+
+/// [`clamp01_avx512`] in 8 lanes.
+///
+/// # Safety
+/// The CPU supports AVX.
+#[inline(always)]
+unsafe fn clamp01_avx2(t: __m256) -> __m256 {
+    // SAFETY: register-only AVX operations; the caller vouches for the feature.
+    unsafe { _mm256_min_ps(_mm256_set1_ps(1.0), _mm256_max_ps(_mm256_setzero_ps(), t)) }
+}
+
+/// [`exp_avx512`] in 8 lanes: the same operations, so the same bits as [`super::exp_f32`].
+///
+/// # Safety
+/// The CPU supports AVX2.
+#[inline(always)]
+unsafe fn exp_avx2(d: __m256, err: __m256) -> __m256 {
+    // SAFETY: register-only AVX2 operations; the caller vouches for the feature.
+    unsafe {
+        let s = _mm256_set1_ps;
+        let c = _mm256_min_ps(s(EXP_HI), _mm256_max_ps(s(EXP_LO), d));
+        let z = _mm256_add_ps(
+            _mm256_mul_ps(c, s(std::f32::consts::LOG2_E)),
+            s(ROUND_MAGIC),
+        );
+        let n = _mm256_sub_ps(z, s(ROUND_MAGIC));
+        let r = _mm256_add_ps(_mm256_sub_ps(c, _mm256_mul_ps(n, s(LN2_HI))), err);
+        let r = _mm256_sub_ps(r, _mm256_mul_ps(n, s(LN2_LO)));
+        let r2 = _mm256_mul_ps(r, r);
+        let mut p = s(EXP_P[0]);
+        for &k in &EXP_P[1..] {
+            p = _mm256_add_ps(_mm256_mul_ps(p, r), s(k));
+        }
+        let y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, r2), r), s(1.0));
+        let nb = _mm256_sub_epi32(
+            _mm256_castps_si256(z),
+            _mm256_set1_epi32(ROUND_MAGIC.to_bits() as i32),
+        );
+        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(nb, _mm256_set1_epi32(127)));
+        let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+        let under = _mm256_cmp_ps::<_CMP_LT_OQ>(d, s(EXP_LO));
+        let e = _mm256_blendv_ps(e, _mm256_setzero_ps(), under);
+        let over = _mm256_cmp_ps::<_CMP_GT_OQ>(d, s(EXP_HI));
+        _mm256_blendv_ps(e, s(f32::INFINITY), over)
+    }
+}
+
+/// [`sigmoid_avx512`] in 8 lanes, so the same bits as [`super::sigmoid_f32`].
+///
+/// # Safety
+/// The CPU supports AVX2.
+#[inline(always)]
+unsafe fn sigmoid_avx2(x: __m256) -> __m256 {
+    let neg_abs = _mm256_or_ps(x, _mm256_set1_ps(-0.0));
+    // SAFETY: the caller vouches for AVX2.
+    let e = unsafe { exp_avx2(neg_abs, _mm256_setzero_ps()) };
+    let one = _mm256_set1_ps(1.0);
+    let q = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    let ge = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_setzero_ps());
+    _mm256_blendv_ps(_mm256_mul_ps(e, q), q, ge)
 }
 
 /// [`gelu_avx512`] in 8 lanes (AVX2 + FMA): the same operations, `2^n` from its exponent bits
