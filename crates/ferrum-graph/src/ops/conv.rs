@@ -1212,27 +1212,60 @@ fn avg_pool2d_f32(
     };
     let rows: Vec<(Vec<usize>, usize)> = (0..oh).map(|o| span(o, 0)).collect();
     let cols: Vec<(Vec<usize>, usize)> = (0..ow).map(|o| span(o, 1)).collect();
+    // Per kernel column kx: the outputs whose tap lies inside the input row (a run `lo..hi`, as
+    // the position grows with the output), and the position of output 0's tap (may be
+    // negative).
+    let (sw, dw, pw) = (g.s[1] as isize, g.d[1] as isize, g.pad_begin[1] as isize);
+    let runs: Vec<(usize, usize, isize)> = (0..g.k[1])
+        .map(|kx| {
+            let at = |ox: usize| ox as isize * sw + kx as isize * dw - pw;
+            let lo = (0..ow).find(|&ox| at(ox) >= 0).unwrap_or(ow);
+            let hi = (lo..ow).find(|&ox| at(ox) >= iw as isize).unwrap_or(ow);
+            (lo, hi, at(0))
+        })
+        .collect();
+    let div: Vec<f64> = (0..osp)
+        .map(|i| {
+            let ((ys, ypad), (xs, xpad)) = (&rows[i / ow], &cols[i % ow]);
+            let count = if include_pad {
+                ypad * xpad
+            } else {
+                ys.len() * xs.len()
+            };
+            count.max(1) as f64
+        })
+        .collect();
     let mut out = vec![0f32; planes * osp];
     if osp == 0 {
         return out;
     }
+    let sw = g.s[1];
     fast::par_rows(&mut out, osp, 1 << 14, |first, o| {
+        // One output row's f64 sums: each output adds its taps in row-major order (tap row,
+        // then tap column), those outside the input skipped, as the general path; a sum starts
+        // at +0 and so never is -0, which keeps the bits whether a skipped tap is added as 0 or
+        // not.
+        let mut acc = vec![0f64; ow];
         for (r, plane) in o.chunks_mut(osp).enumerate() {
             let xp = &x[(first + r) * isp..][..isp];
-            for (oy, (ys, ypad)) in rows.iter().enumerate() {
-                for (ox, (xs, xpad)) in cols.iter().enumerate() {
-                    let mut sum = 0f64;
-                    for &y in ys {
-                        for &xx in xs {
-                            sum += xp[y * iw + xx] as f64;
+            for (oy, (ys, _)) in rows.iter().enumerate() {
+                acc.fill(0.0);
+                for &y in ys {
+                    let row = &xp[y * iw..][..iw];
+                    for &(lo, hi, at0) in &runs {
+                        if lo == hi {
+                            continue;
+                        }
+                        let start = (at0 + (lo * sw) as isize) as usize;
+                        let taps = row[start..].iter().step_by(sw);
+                        for (a, &v) in acc[lo..hi].iter_mut().zip(taps) {
+                            *a += v as f64;
                         }
                     }
-                    let count = if include_pad {
-                        ypad * xpad
-                    } else {
-                        ys.len() * xs.len()
-                    };
-                    plane[oy * ow + ox] = (sum / count.max(1) as f64) as f32;
+                }
+                let orow = &mut plane[oy * ow..][..ow];
+                for ((o, &a), &d) in orow.iter_mut().zip(&acc).zip(&div[oy * ow..]) {
+                    *o = (a / d) as f32;
                 }
             }
         }
