@@ -1108,6 +1108,77 @@ fn split_phases(src: &[f32], s: usize, phases: &mut [f32]) {
     }
 }
 
+/// `acc[i] += x[i * s] as f64` for each `i < acc.len()` (`x` long enough): one tap of a row
+/// of average-pool windows, stride `s`; 1 and 2 (the common strides) as loops of their own so
+/// that each vectorises (widening converts; for 2, a deinterleave).
+#[inline(always)]
+fn add_strided_f64(acc: &mut [f64], x: &[f32], s: usize) {
+    let n = acc.len();
+    match s {
+        1 => {
+            for (a, &v) in acc.iter_mut().zip(&x[..n]) {
+                *a += v as f64;
+            }
+        }
+        2 => {
+            let x = &x[..2 * n - 1];
+            for i in 0..n {
+                acc[i] += x[2 * i] as f64;
+            }
+        }
+        _ => {
+            for (a, &v) in acc.iter_mut().zip(x.iter().step_by(s)) {
+                *a += v as f64;
+            }
+        }
+    }
+}
+
+/// How [`avg_pool_plane`] walks a plane: per output row the input rows its windows cover (in
+/// the input); per kernel column the run of outputs `lo..hi` whose tap lies in the input row
+/// and the column of output 0's tap (may be negative); the horizontal stride; per output the
+/// divisor, or its reciprocal where `recip` (every divisor a power of two).
+pub struct AvgPoolWalk<'a> {
+    pub rows: &'a [Vec<usize>],
+    pub runs: &'a [(usize, usize, isize)],
+    pub stride: usize,
+    pub div: &'a [f64],
+    pub recip: bool,
+}
+
+multiversion! {
+    /// One plane of a 2-D float32 AveragePool (`xp`: rows of `iw`; `out`: rows of
+    /// `acc.len()`): each output's taps inside the input summed in f64 in row-major tap order
+    /// (tap row, then tap column; a sum starts at +0 and so is never -0, so skipping a tap and
+    /// adding 0 agree), then divided (or multiplied by the exact reciprocal) and rounded once.
+    pub fn avg_pool_plane(xp: &[f32], iw: usize, out: &mut [f32], walk: &AvgPoolWalk, acc: &mut [f64]) {
+        let ow = acc.len();
+        for (oy, ys) in walk.rows.iter().enumerate() {
+            acc.fill(0.0);
+            for &y in ys {
+                let row = &xp[y * iw..][..iw];
+                for &(lo, hi, at0) in walk.runs {
+                    if lo < hi {
+                        let start = (at0 + (lo * walk.stride) as isize) as usize;
+                        add_strided_f64(&mut acc[lo..hi], &row[start..], walk.stride);
+                    }
+                }
+            }
+            let orow = &mut out[oy * ow..][..ow];
+            let d = &walk.div[oy * ow..][..ow];
+            if walk.recip {
+                for ((o, &a), &m) in orow.iter_mut().zip(&*acc).zip(d) {
+                    *o = (a * m) as f32;
+                }
+            } else {
+                for ((o, &a), &q) in orow.iter_mut().zip(&*acc).zip(d) {
+                    *o = (a / q) as f32;
+                }
+            }
+        }
+    }
+}
+
 multiversion! {
     /// Sum of a slice, in f64 lanes.
     pub fn sum_slice_f64(x: &[f32]) -> f64 {
