@@ -574,22 +574,12 @@ mod x86 {
             }
             ox += GROUP;
         }
-        // The pixels left (the borders and the interior's last few), GROUP at a time with each
-        // tap's column checked per pixel: independent sums for the multiply-adds to overlap,
-        // and each weight vector loaded once for them (a 5x5 filter over a 7 x 7 image, as in
-        // EfficientNet's last stages, has no interior run at all).
-        let rest = |from: usize, to: usize| {
-            let mut ox = from;
-            while ox < to {
-                let np = GROUP.min(to - ox);
-                for cb in (0..c).step_by(16) {
-                    block(ox, np, cb, mask(cb), false);
-                }
-                ox += np;
+        for ox in (0..lo).chain(ox..ow) {
+            let inside = ox >= lo && ox < hi;
+            for cb in (0..c).step_by(16) {
+                block(ox, 1, cb, mask(cb), inside);
             }
-        };
-        rest(0, lo);
-        rest(ox, ow);
+        }
     }
 
     /// Pixels computed together by [`wide3`].
