@@ -58,7 +58,8 @@ pub struct RunArgs {
     /// constant Add/Mul) into the preceding Conv, and a constant Mul/Div after a MatMul by a
     /// constant matrix (and its bias Add) into that matrix; 2 also fuses GELU, biases, residual adds and
     /// activations into the Conv/Gemm/MatMul that produces them; 3 (the default) also runs
-    /// chains of depthwise and dense convolutions (MobileNet's blocks) channels-last (f32; a
+    /// chains of depthwise and dense convolutions (MobileNet's and EfficientNet's blocks, their
+    /// squeeze-and-excitation pools and gates included) channels-last (f32; a
     /// large 1x1 expansion made row by row inside the depthwise convolution that reads it), and
     /// chains of 8-bit QLinearConvs and QLinearAdds (a statically quantized ResNet's blocks),
     /// and pools a channels-last tensor without turning it back to NCHW first.
