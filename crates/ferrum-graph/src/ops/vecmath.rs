@@ -1011,12 +1011,19 @@ multiversion! {
         // Columns of the padded row that any window reaches.
         let wp = ((ow - 1) * sw + (kw.max(1) - 1) * dw + 1).max(pw + iw);
         let nph = wp.div_ceil(sw);
-        // The scratch (padded row, phases, row maxima) in a recycled buffer of this thread, set
-        // to -inf as fresh scratch would be.
-        let mut buf = ferrum_core::Buf::with_capacity(2 * nph * sw + ih * ow);
-        buf.resize(2 * nph * sw + ih * ow, f32::NEG_INFINITY);
-        let (padded, rest) = buf.split_at_mut(nph * sw);
-        let (phases, h) = rest.split_at_mut(nph * sw);
+        // The whole plane padded (rows of `nph * sw`), its phases (each `ih * nph`), the rows'
+        // maxima (rows of `nph`), each pass one long loop over the plane rather than a short
+        // one a row; `extra` values of -inf past the padded plane and the phases for the
+        // largest tap offset, read by the last row's columns past `ow` (never used).
+        let n = ih * nph;
+        let extra = (kw.max(1) - 1) * dw + 1;
+        let plen = n * sw + extra;
+        let qlen = if sw == 1 { 0 } else { n * sw + extra };
+        // The scratch in a recycled buffer of this thread, set to -inf as fresh scratch would be.
+        let mut buf = ferrum_core::Buf::with_capacity(plen + qlen + n);
+        buf.resize(plen + qlen + n, f32::NEG_INFINITY);
+        let (padded, rest) = buf.split_at_mut(plen);
+        let (phases, h) = rest.split_at_mut(qlen);
         for (plane, oplane) in x.chunks_exact(ih * iw).zip(out.chunks_exact_mut(oh * ow)) {
             // A plane without NaN takes one `maxps` per combination instead of a compare,
             // a NaN test and a blend (ResNet-50's 64 x 112 x 112 max pool, one thread:
@@ -1032,7 +1039,7 @@ multiversion! {
 }
 
 /// One plane of [`maxpool_planes`] with the combination `comb` (see [`max_terms`]); scratch:
-/// the padded row, its phases, the rows' maxima.
+/// the padded plane, its phases, the rows' maxima (rows of `nph`).
 #[inline(always)]
 fn pool_plane(
     plane: &[f32],
@@ -1044,27 +1051,30 @@ fn pool_plane(
 ) {
     let ([ih, iw], [kh, kw], [sh, sw], [dh, dw], [ph, pw], [_, ow]) =
         (g.input, g.k, g.s, g.d, g.pad, g.out);
-    for (src, hrow) in plane.chunks_exact(iw).zip(h.chunks_exact_mut(ow)) {
-        padded[pw..pw + iw].copy_from_slice(src);
-        let ph_src: &[f32] = if sw == 1 {
-            padded
-        } else {
-            split_phases(padded, sw, phases);
-            phases
-        };
-        // pool_max(-inf, v) is v, bit for bit: the row's max starts at its first term.
-        max_terms(
-            hrow,
-            kw,
-            false,
-            |kx| {
-                let t = kx * dw;
-                let at = (t % sw) * nph + t / sw;
-                &ph_src[at..at + ow]
-            },
-            comb,
-        );
+    let (wrow, n) = (nph * sw, ih * nph);
+    for (r, src) in plane.chunks_exact(iw).enumerate() {
+        padded[r * wrow + pw..][..iw].copy_from_slice(src);
     }
+    // Phase p of the whole plane: column j * sw + p of every padded row, rows of nph.
+    let (ph_src, block): (&[f32], usize) = if sw == 1 {
+        (padded, 0)
+    } else {
+        split_phases(&padded[..n * sw], sw, phases);
+        (phases, n)
+    };
+    // Each row's max over the kernel's columns, for every row at once (row r, column j at
+    // r * nph + j; the columns past ow mix two rows and are not read). pool_max(-inf, v) is
+    // v, bit for bit: a max starts at its first term.
+    max_terms(
+        &mut h[..n],
+        kw,
+        false,
+        |kx| {
+            let t = kx * dw;
+            &ph_src[(t % sw) * block + t / sw..][..n]
+        },
+        comb,
+    );
     let h = &**h;
     for (oy, orow) in oplane.chunks_exact_mut(ow).enumerate() {
         // The kernel's rows inside the input: a run of consecutive ky.
@@ -1077,7 +1087,7 @@ fn pool_plane(
                     orow,
                     k1 - k0 + 1,
                     false,
-                    |j| &h[iy(k0 + j) as usize * ow..][..ow],
+                    |j| &h[iy(k0 + j) as usize * nph..][..ow],
                     comb,
                 );
             }
