@@ -63,15 +63,10 @@ macro_rules! multiversion {
     };
 }
 
-/// e^(d + err) for a float32 `d` and a small correction `err` (the rounding error of the
-/// subtraction that produced `d`, or 0): the kernels' [`ferrum_kernels::gemm::exp_f32`] (Cody-Waite
-/// reduction by ln 2, Cephes' degree-7 polynomial, 2^n through the exponent bits), so an
-/// activation applied here and one fused into a product's epilogue give the same bits. Within
-/// 2 ulp of the true value for `d` in [-87, 88.7]; 0 below, +inf above, NaN for NaN.
-#[inline(always)]
-pub fn exp_lane(d: f32, err: f32) -> f32 {
-    ferrum_kernels::gemm::exp_f32(d, err)
-}
+// e^(d + err) (`exp_lane`) and the logistic function (`sigmoid_lane`) in float32 are the
+// kernels' (`gemm::exp_f32`, `gemm::sigmoid_f32`: within 2 and 4 ulp), so an activation applied
+// here and one fused into a product's epilogue give the same bits.
+pub use ferrum_kernels::gemm::{exp_f32 as exp_lane, sigmoid_f32 as sigmoid_lane};
 
 /// e^(x - m), the subtraction's rounding error carried into the reduction (TwoSum), so the
 /// result is within 2 ulp of e^(x - m) however large |x - m| is.
@@ -452,14 +447,6 @@ impl Unary {
             Unary::Erf | Unary::Gelu | Unary::Sigmoid | Unary::Silu
         )
     }
-}
-
-/// The logistic function in float32 (the kernels' [`ferrum_kernels::gemm::sigmoid_f32`]):
-/// `e = e^-|x|` by [`exp_lane`], then `1 / (1 + e)` for `x >= 0` and `e * (1 / (1 + e))` below.
-/// Within 4 ulp of the exact value; 0 for `x` below about -87, NaN for NaN.
-#[inline(always)]
-pub fn sigmoid_lane(x: f32) -> f32 {
-    ferrum_kernels::gemm::sigmoid_f32(x)
 }
 
 /// One value of a [`Unary`] op.

@@ -16,10 +16,11 @@
 //! either layout, so the gate's 1x1 convolutions stay as they are), and the `Mul` by the gate
 //! `[N, C, 1, 1]` becomes a `Mul` of the NHWC tensor by the gate reshaped to `[N, 1, 1, C]`.
 //! A region is changed only when it holds a depthwise convolution and its boundary transposes
-//! move at most a quarter of the elements its depthwise convolutions read, so networks without depthwise convolutions
-//! (ResNet) are left alone. Needs static shapes. `FERRUM_NO_NHWC=1` turns the pass off. Then a
-//! 1x1 expansion too large for the cache and the depthwise convolution that alone reads it
-//! become one node that never holds the expanded tensor ([`expand_depthwise`]).
+//! move at most a quarter of the elements its depthwise convolutions read, so networks without
+//! depthwise convolutions (ResNet) are left alone. Needs static shapes. `FERRUM_NO_NHWC=1`
+//! turns the pass off. Then a 1x1 expansion too large for the cache and the depthwise
+//! convolution that alone reads it become one node that never holds the expanded tensor
+//! ([`expand_depthwise`]).
 
 use std::collections::{HashMap, HashSet};
 
@@ -69,8 +70,7 @@ fn ints(n: &Node, name: &str) -> Option<Vec<i64>> {
 /// a region only through its data input; whether that is float32 follows from the convolution
 /// making it (the region's members take float32 only).
 fn se_member(shapes: &crate::infer::Shapes, i: usize, n: &Node) -> Option<Cand> {
-    let y = *n.outputs.first()?;
-    let y = y?;
+    let y = n.outputs.first().copied().flatten()?;
     let out = shapes.get(Some(y)).filter(|s| s.len() == 4)?.clone();
     if n.outputs.len() != 1 || out.contains(&0) {
         return None;
@@ -327,6 +327,38 @@ pub(crate) fn oihw_to_hwio(w: &Tensor) -> Option<Tensor> {
     Tensor::from_vec(vec![kh, kw, cg, m], out).ok()
 }
 
+/// The squeeze-and-excitation gate `s` (`[N or 1, C, 1, 1]`) as `[N or 1, 1, 1, C]`, the same
+/// elements: a reshaped initializer for a constant, else a `Reshape` appended to `out_nodes`.
+fn nhwc_gate(
+    model: &mut Model,
+    shapes: &crate::infer::Shapes,
+    out_nodes: &mut Vec<Node>,
+    s: ValueId,
+) -> ValueId {
+    let ss = shapes.get(Some(s)).expect("a static shape");
+    let to = vec![ss[0], 1, 1, ss[1]];
+    let hint = format!("{}#nhwc", model.value(s).name);
+    if let Some(t) = constant(&model.graph, s) {
+        let t = t.clone().reshape(to).expect("the same element count");
+        return super::add_initializer(model, &hint, t);
+    }
+    let dims: Vec<i64> = to.iter().map(|&d| d as i64).collect();
+    let dims = Tensor::from_vec(vec![4], dims).expect("four dims");
+    let dims = super::add_initializer(model, &format!("{hint}#shape"), dims);
+    let g = new_typed_value(model, hint.clone(), &to, value_dtype(model, s));
+    out_nodes.push(Node {
+        name: hint,
+        op: "Reshape".into(),
+        domain: String::new(),
+        opset: 14,
+        inputs: vec![Some(s), Some(dims)],
+        outputs: vec![Some(g)],
+        attrs: Default::default(),
+        implicit_inputs: vec![],
+    });
+    g
+}
+
 /// The pass: see the module's documentation. Returns the number of nodes (convolutions, pools
 /// and gates) moved to channels-last.
 pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
@@ -427,81 +459,11 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
             continue;
         };
         let c = &cands[k];
-        if let Kind::Pool | Kind::Scale { .. } = c.kind {
-            let x = Edge {
-                shapes: &shapes,
-                out_nodes: &mut out_nodes,
-                nhwc_of: &mut nhwc_of,
-                entered: &mut entered,
-            }
-            .twin(model, c.x, Some(DType::F32));
-            let Kind::Scale { s, s_slot } = c.kind else {
-                log.push(format!("{} -> NhwcGlobalAveragePool", n.name));
-                out_nodes.push(Node {
-                    op: "NhwcGlobalAveragePool".into(),
-                    domain: DOMAIN.into(),
-                    opset: 1,
-                    inputs: vec![Some(x)],
-                    attrs: Default::default(),
-                    ..n
-                });
-                others += 1;
-                continue;
-            };
-            // The gate `[N or 1, C, 1, 1]` read as `[N or 1, 1, 1, C]`: the same elements.
-            let ss = shapes.get(Some(s)).expect("a static shape");
-            let to = vec![ss[0], 1, 1, ss[1]];
-            let hint = format!("{}#nhwc", model.value(s).name);
-            let gate = match constant(&model.graph, s) {
-                Some(t) => {
-                    let t = t.clone().reshape(to).expect("the same element count");
-                    super::add_initializer(model, &hint, t)
-                }
-                None => {
-                    let dims: Vec<i64> = to.iter().map(|&d| d as i64).collect();
-                    let dims = Tensor::from_vec(vec![4], dims).expect("four dims");
-                    let dims = super::add_initializer(model, &format!("{hint}#shape"), dims);
-                    let g = new_typed_value(model, hint.clone(), &to, value_dtype(model, s));
-                    out_nodes.push(Node {
-                        name: hint,
-                        op: "Reshape".into(),
-                        domain: String::new(),
-                        opset: 14,
-                        inputs: vec![Some(s), Some(dims)],
-                        outputs: vec![Some(g)],
-                        attrs: Default::default(),
-                        implicit_inputs: vec![],
-                    });
-                    g
-                }
-            };
-            let yname = format!("{}#nhwc", model.value(c.y).name);
-            let y = new_value(model, yname, &permuted(&c.out, TO_NHWC));
-            nhwc_of.insert(c.y, y);
-            let mut inputs = vec![Some(x); 2];
-            inputs[s_slot] = Some(gate);
-            log.push(format!(
-                "{} -> Mul on channels-last (per-channel gate)",
-                n.name
-            ));
-            let name = n.name.clone();
-            out_nodes.push(Node {
-                inputs,
-                outputs: vec![Some(y)],
-                ..n
-            });
-            others += 1;
-            if leaves(&uses, &cands, c, member) {
-                out_nodes.push(transpose_node(format!("{name}#nchw"), y, c.y, TO_NCHW));
-                left += 1;
-            }
-            continue;
-        }
-        let depthwise = c.kind == (Kind::Conv { depthwise: true });
         // An image entering the region straight into a convolution of a few input channels
         // that the direct kernel runs is read where it lies, as planes, not turned first.
-        let planes =
-            !depthwise && !nhwc_of.contains_key(&c.x) && reads_planes(model, &shapes, &n, c.x);
+        let planes = c.kind == (Kind::Conv { depthwise: false })
+            && !nhwc_of.contains_key(&c.x)
+            && reads_planes(model, &shapes, &n, c.x);
         let mut twin = |model: &mut Model, out_nodes: &mut Vec<Node>, v: ValueId| -> ValueId {
             let mut edge = Edge {
                 shapes: &shapes,
@@ -516,62 +478,93 @@ pub fn channels_last(model: &mut Model, log: &mut Vec<String>) -> usize {
         } else {
             twin(model, &mut out_nodes, c.x)
         };
-        let z = c.z.map(|z| twin(model, &mut out_nodes, z));
-        let w = n.inputs[1].expect("a filter");
-        let hwio = match hwio_of.get(&w) {
-            Some(&h) => h,
-            None => {
-                let t = oihw_to_hwio(constant(&model.graph, w).expect("a constant filter"))
-                    .expect("a float32 filter");
-                let name = format!("{}#hwio", model.value(w).name);
-                let h = super::add_initializer(model, &name, t);
-                hwio_of.insert(w, h);
-                h
+        let mut node = match c.kind {
+            Kind::Pool => {
+                // Its output stays as it was: no twin, nothing to turn back.
+                log.push(format!("{} -> NhwcGlobalAveragePool", n.name));
+                out_nodes.push(Node {
+                    op: "NhwcGlobalAveragePool".into(),
+                    domain: DOMAIN.into(),
+                    opset: 1,
+                    inputs: vec![Some(x)],
+                    attrs: Default::default(),
+                    ..n
+                });
+                others += 1;
+                continue;
+            }
+            Kind::Scale { s, s_slot } => {
+                let mut inputs = vec![Some(x); 2];
+                inputs[s_slot] = Some(nhwc_gate(model, &shapes, &mut out_nodes, s));
+                log.push(format!(
+                    "{} -> Mul on channels-last (per-channel gate)",
+                    n.name
+                ));
+                others += 1;
+                Node { inputs, ..n }
+            }
+            Kind::Conv { depthwise } => {
+                let z = c.z.map(|z| twin(model, &mut out_nodes, z));
+                let w = n.inputs[1].expect("a filter");
+                let hwio = match hwio_of.get(&w) {
+                    Some(&h) => h,
+                    None => {
+                        let t = oihw_to_hwio(constant(&model.graph, w).expect("a constant filter"))
+                            .expect("a float32 filter");
+                        let name = format!("{}#hwio", model.value(w).name);
+                        let h = super::add_initializer(model, &name, t);
+                        hwio_of.insert(w, h);
+                        h
+                    }
+                };
+                let mut attrs = std::collections::BTreeMap::new();
+                for key in [
+                    "group",
+                    "strides",
+                    "pads",
+                    "dilations",
+                    "activation",
+                    "activation_params",
+                ] {
+                    if let Some(a) = n.attrs.get(key) {
+                        attrs.insert(key.to_string(), a.clone());
+                    }
+                }
+                if planes {
+                    attrs.insert("nchw_input".into(), Attr::Int(1));
+                }
+                let bias = n.inputs.get(2).copied().flatten();
+                let mut inputs = vec![Some(x), Some(hwio), bias];
+                if let Some(z) = z {
+                    inputs.push(Some(z));
+                }
+                log.push(format!(
+                    "{} -> NhwcConv ({})",
+                    n.name,
+                    if depthwise { "depthwise" } else { "dense" }
+                ));
+                moved += 1;
+                Node {
+                    name: n.name.clone(),
+                    op: "NhwcConv".into(),
+                    domain: DOMAIN.into(),
+                    opset: 1,
+                    inputs,
+                    outputs: vec![],
+                    attrs,
+                    implicit_inputs: vec![],
+                }
             }
         };
+        // The output's channels-last twin, turned back where it is read outside the region.
         let yname = format!("{}#nhwc", model.value(c.y).name);
         let y = new_value(model, yname, &permuted(&c.out, TO_NHWC));
         nhwc_of.insert(c.y, y);
-        let mut attrs = std::collections::BTreeMap::new();
-        for key in [
-            "group",
-            "strides",
-            "pads",
-            "dilations",
-            "activation",
-            "activation_params",
-        ] {
-            if let Some(a) = n.attrs.get(key) {
-                attrs.insert(key.to_string(), a.clone());
-            }
-        }
-        if planes {
-            attrs.insert("nchw_input".into(), Attr::Int(1));
-        }
-        let bias = n.inputs.get(2).copied().flatten();
-        let mut inputs = vec![Some(x), Some(hwio), bias];
-        if let Some(z) = z {
-            inputs.push(Some(z));
-        }
-        log.push(format!(
-            "{} -> NhwcConv ({})",
-            n.name,
-            if depthwise { "depthwise" } else { "dense" }
-        ));
-        out_nodes.push(Node {
-            name: n.name.clone(),
-            op: "NhwcConv".into(),
-            domain: DOMAIN.into(),
-            opset: 1,
-            inputs,
-            outputs: vec![Some(y)],
-            attrs,
-            implicit_inputs: vec![],
-        });
-        moved += 1;
-        let read_outside = leaves(&uses, &cands, c, member);
-        if read_outside {
-            out_nodes.push(transpose_node(format!("{}#nchw", n.name), y, c.y, TO_NCHW));
+        node.outputs = vec![Some(y)];
+        let back = format!("{}#nchw", node.name);
+        out_nodes.push(node);
+        if leaves(&uses, &cands, c, member) {
+            out_nodes.push(transpose_node(back, y, c.y, TO_NCHW));
             left += 1;
         }
     }
