@@ -35,6 +35,7 @@ pub mod proto;
 mod session;
 pub mod small;
 pub mod tensor;
+pub mod types;
 
 pub use error::{Error, Result};
 pub use ir::{Graph, Model, Node, ValueId};

@@ -87,6 +87,14 @@ impl Session {
             );
             precision = Precision::F32;
         }
+        if let Err(e) = crate::types::check(&model) {
+            return Err(match e {
+                e @ Error::Unsupported(_) => {
+                    PrepareError::Unsupported(Box::new((model, Report::default(), e)))
+                }
+                e => PrepareError::Other(e),
+            });
+        }
         let t = std::time::Instant::now();
         let report =
             optimize(&mut model, opts.opt_level, precision).map_err(PrepareError::Other)?;

@@ -309,6 +309,131 @@ fn unsupported_ops_fail_at_load_naming_node_op_opset_and_dtype() {
     }
 }
 
+#[test]
+fn element_types_are_checked_at_load_naming_node_op_opset_and_dtype() {
+    let to = |t: i64| AttributeProto {
+        name: "to".into(),
+        i: t,
+        r#type: 2,
+        ..Default::default()
+    };
+    let refused = |nodes: Vec<ferrum_graph::proto::NodeProto>, x_type: i32| {
+        let mp = model(
+            nodes,
+            vec![value("x", x_type, &[Some(1), Some(1), Some(3), Some(3)])],
+            vec![value("y", 1, &[])],
+            vec![],
+            17,
+        );
+        match Session::from_bytes(&encode(&mp)) {
+            Ok(_) => panic!("a model with a node fed a type its op does not take loaded"),
+            Err(e) => e,
+        }
+    };
+    let named = |mut n: ferrum_graph::proto::NodeProto, name: &str| {
+        n.name = name.into();
+        n
+    };
+    // Sin on a declared int64 input: refused at load, naming node, op, opset, type and what
+    // the op takes.
+    let err = refused(vec![named(node("Sin", &["x"], &["y"], vec![]), "sine")], 7);
+    assert!(err.is_unsupported(), "{err}");
+    let msg = err.to_string();
+    for part in ["sine", "Sin", "opset 17", "INT64", "FLOAT, FLOAT16, DOUBLE"] {
+        assert!(msg.contains(part), "{msg} lacks {part}");
+    }
+    // The type flows: Cast's `to`, Shape's int64, then the op that cannot take it.
+    let err = refused(
+        vec![
+            node("Cast", &["x"], &["i"], vec![to(6)]),
+            named(node("Conv", &["i", "i"], &["y"], vec![]), "conv"),
+        ],
+        1,
+    );
+    assert!(err.is_unsupported(), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("conv") && msg.contains("INT32"), "{msg}");
+    let err = refused(
+        vec![
+            node("Shape", &["x"], &["s"], vec![]),
+            named(node("Exp", &["s"], &["y"], vec![]), "exp"),
+        ],
+        1,
+    );
+    assert!(err.to_string().contains("exp") && err.to_string().contains("INT64"));
+    // Inputs sharing a type parameter must agree.
+    let err = refused(
+        vec![
+            node("Cast", &["x"], &["i"], vec![to(7)]),
+            named(node("Add", &["x", "i"], &["y"], vec![]), "sum"),
+        ],
+        1,
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("sum") && msg.contains("FLOAT and INT64"),
+        "{msg}"
+    );
+    // A branch's node reading an outer value of the wrong type refuses the model too.
+    let mp = model(
+        vec![node(
+            "If",
+            &["c"],
+            &["y"],
+            vec![
+                AttributeProto {
+                    name: "then_branch".into(),
+                    r#type: 5,
+                    g: Some(Box::new(ferrum_graph::proto::GraphProto {
+                        node: vec![named(node("Sqrt", &["x"], &["t"], vec![]), "root")],
+                        output: vec![value("t", 7, &[Some(1)])],
+                        ..Default::default()
+                    })),
+                    ..Default::default()
+                },
+                AttributeProto {
+                    name: "else_branch".into(),
+                    r#type: 5,
+                    g: Some(Box::new(ferrum_graph::proto::GraphProto {
+                        node: vec![node("Neg", &["x"], &["e"], vec![])],
+                        output: vec![value("e", 7, &[Some(1)])],
+                        ..Default::default()
+                    })),
+                    ..Default::default()
+                },
+            ],
+        )],
+        vec![value("c", 9, &[]), value("x", 7, &[Some(1)])],
+        vec![value("y", 7, &[Some(1)])],
+        vec![],
+        17,
+    );
+    let err = match Session::from_bytes(&encode(&mp)) {
+        Ok(_) => panic!("a branch's Sqrt on int64 loaded"),
+        Err(e) => e,
+    };
+    assert!(err.to_string().contains("root"), "{err}");
+    // Types the op takes load and run: int64 through Cast, Add and Neg.
+    let mp = model(
+        vec![
+            node("Cast", &["x"], &["i"], vec![to(7)]),
+            node("Add", &["i", "i"], &["s"], vec![]),
+            node("Neg", &["s"], &["y"], vec![]),
+        ],
+        vec![value("x", 1, &[Some(2)])],
+        vec![value("y", 7, &[Some(2)])],
+        vec![],
+        17,
+    );
+    let s = Session::from_bytes(&encode(&mp)).unwrap();
+    let x = Tensor::from_vec(vec![2], vec![1.0f32, -3.0]).unwrap();
+    let out = s.run(vec![("x".into(), x.into())]).unwrap();
+    assert_eq!(
+        out[0].1.tensor().unwrap().to_f64_vec().unwrap(),
+        vec![-2.0, 6.0]
+    );
+}
+
 /// `If(c)` choosing between `then_op(x)` and `else_op(x)` (float [2]), both bodies reading the
 /// outer `x`.
 fn if_model(then_op: &str, else_op: &str) -> Vec<u8> {
