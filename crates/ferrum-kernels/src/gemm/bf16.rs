@@ -338,6 +338,8 @@ unsafe fn write(buf: &[f32], rows: usize, cols: usize, i0: usize, j0: usize, d: 
             z: std::ptr::null(),
             act: d.act,
         }),
+        fetch: std::ptr::null(),
+        fetch_lines: 0,
     };
     #[cfg(target_arch = "x86_64")]
     if rows == T {

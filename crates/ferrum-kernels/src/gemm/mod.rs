@@ -1,7 +1,7 @@
 //! Blocked, packed f32 GEMM: `C = act(alpha * A * B + beta * C + bias)`, for the graph runtime's
 //! float32 MatMul, Gemm and Conv.
 //!
-//! The loop nest is the usual one (Goto / BLIS): the columns of B in blocks of [`NC`], the inner
+//! The loop nest is the usual one (Goto / BLIS): the columns of B in blocks of [`nc()`], the inner
 //! dimension in blocks of [`kc()`] (B's block packed into panels of `NR` columns), the rows of A in
 //! blocks of about [`MC`] (packed into panels of `MR` rows), and a register-tiled microkernel
 //! that keeps an `MR x NR` tile of C in registers over the whole `kc()` block and then writes it:
@@ -89,8 +89,15 @@ pub fn kc() -> usize {
 }
 /// Rows of A packed at once (about `MC x kc()` floats stay in L2); a multiple of every `MR`.
 pub const MC: usize = 120;
-/// Column block of B packed at once; a multiple of every `NR`.
-pub const NC: usize = 1024;
+/// Column block of B packed at once (when B is not packed ahead): 768 KiB of panels, a
+/// multiple of every `NR` (256 columns at `kc()` 768, 512 at 384), so that the block stays in
+/// L2 while every strip of A's rows runs along it. At 1024 columns (3 MB at depth 768) each
+/// strip read it again from L3; on a Xeon (2 MB L2), one thread, A packed ahead, fastest of
+/// 21, 197 x 3072 x 768 121 -> 150 GFLOP/s, 128 x 784 x 1152 (a 3x3 convolution's patches)
+/// 130 -> 140, shapes whose B fits either way unchanged.
+pub fn nc() -> usize {
+    ((768 << 10) / (kc() * 4)) / 32 * 32
+}
 
 /// Rows of the AVX-512 kernel's panels.
 const AVX512_MR: usize = 12;
@@ -300,6 +307,11 @@ pub(crate) struct Out {
     pub acc: bool,
     /// On the last K block, unless the epilogue is empty.
     pub epi: Option<TileEpi>,
+    /// Cache lines (64 bytes each) from `fetch` that the kernel asks to be brought into L2,
+    /// spread over its steps (the next B panel, when B comes from memory; `fetch_lines` 0:
+    /// none). A hint only: it changes no result.
+    pub fetch: *const f32,
+    pub fetch_lines: usize,
 }
 
 /// The epilogue for one tile: bias pointers at the tile's first row / column, the residual at
@@ -1024,8 +1036,9 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
     let rows = i1 - i0;
     // Row blocks of equal size (whole MR panels), at most MC + MR - 1 rows.
     let mcb = rows.div_ceil(rows.div_ceil(MC)).next_multiple_of(mr);
-    for jc in (j0..j1).step_by(NC) {
-        let nc = NC.min(j1 - jc);
+    let ncb = nc();
+    for jc in (j0..j1).step_by(ncb) {
+        let nc = ncb.min(j1 - jc);
         let kcb = kc();
         for pc in (0..p.k).step_by(kcb) {
             let kc = kcb.min(p.k - pc);
@@ -1054,7 +1067,7 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                 };
                 let tiles = mc.div_ceil(mr);
                 let lines = (kc * nr).div_ceil(16);
-                let tile = |jr: usize, ir: usize| {
+                let tile = |jr: usize, ir: usize, fetch: &[f32]| {
                     let cols = nr.min(nc - jr);
                     let j = jc + jr;
                     let bpanel = bp[jr * kc..][..kc * nr].as_ptr();
@@ -1097,6 +1110,8 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                         alpha: p.alpha,
                         acc,
                         epi,
+                        fetch: fetch.as_ptr(),
+                        fetch_lines: fetch.len().div_ceil(16),
                     };
                     // SAFETY: the panels were sliced to kc * MR and kc * NR floats (A read in
                     // place: its rws rows of kc steps lie inside A, checked at entry); the rws x
@@ -1114,11 +1129,16 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                         let next = (ahead && jr + nr < nc)
                             .then(|| &bp[(jr + nr) * kc..][..kc * nr.min(nc - jr - nr)]);
                         for ir in (0..mc).step_by(mr) {
-                            if let Some(next) = next {
+                            // This tile's share of the next panel, asked for within its steps
+                            // (a burst of prefetches before the tile stalls on the line fill
+                            // buffers as a miss would).
+                            let share = next.map_or(&[][..], |next| {
                                 let t = ir / mr;
-                                prefetch_l2(next, t * lines / tiles, (t + 1) * lines / tiles);
-                            }
-                            tile(jr, ir);
+                                let l0 = (t * lines / tiles * 16).min(next.len());
+                                let l1 = ((t + 1) * lines / tiles * 16).min(next.len());
+                                &next[l0..l1]
+                            });
+                            tile(jr, ir, share);
                         }
                     }
                 } else {
@@ -1127,9 +1147,22 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     // other order writes one tile into each of mc rows in turn: more streams
                     // than the hardware prefetcher follows, each store a miss when C is cold,
                     // as a fresh output is).
+                    // An A packed ahead (a convolution's filter) comes from memory: each strip's
+                    // tiles ask for a share of the next strip's panel.
+                    let next_a = |ir: usize| match ap {
+                        Ok(ap) if a_whole.is_some() && ir + mr < mc && prefetches_panels(nr) => {
+                            &ap[(ir + mr) * kc..][..kc * mr.min(mc - ir - mr)]
+                        }
+                        _ => &[],
+                    };
+                    let strip = nc.div_ceil(nr);
                     for ir in (0..mc).step_by(mr) {
-                        for jr in (0..nc).step_by(nr) {
-                            tile(jr, ir);
+                        let next = next_a(ir);
+                        let lines = next.len().div_ceil(16);
+                        for (t, jr) in (0..nc).step_by(nr).enumerate() {
+                            let l0 = (t * lines / strip * 16).min(next.len());
+                            let l1 = ((t + 1) * lines / strip * 16).min(next.len());
+                            tile(jr, ir, &next[l0..l1]);
                         }
                     }
                 }
@@ -1139,8 +1172,9 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
     SCRATCH.with(|s| *s.borrow_mut() = (sa, sb));
 }
 
-/// True when a product streaming a B packed ahead in panels `nr` wide asks for its next panel
-/// while the current one's row tiles run ([`prefetch_l2`]). On Intel cores it was measured to
+/// True when a product streaming an operand packed ahead (B in panels `nr` wide, or a
+/// convolution's filter as A) asks for its next panel while the current one's tiles run
+/// (`Out::fetch`). On Intel cores it was measured to
 /// pay (a Xeon with AMX, one thread, B from memory: 128 x 3072 x 768 114-120 -> 125-146
 /// GFLOP/s). On AMD's it pays for the AVX2 kernel's 16-wide panels only (Zen 4, one thread, B
 /// from memory, fastest of 15: 128 x 768 x 768 98 -> 101, 128 x 3072 x 768 97 -> 100 GFLOP/s),
@@ -1148,7 +1182,11 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
 /// even at most 16 lines before a tile (without -> with, two alternated rounds: 128 x 768 x 768
 /// 114 -> 104, 128 x 3072 x 768 109 -> 101, 197 x 768 x 3072 107-109 -> 102-108, a
 /// convolution's filter read as B for a short product, 512 x 49 x 2048, 102-103 -> 89; two
-/// threads 2-7% too). `FERRUM_GEMM_PREFETCH=0` or `1` overrides.
+/// threads 2-7% too). Those figures are of a burst of prefetches before each tile; asked for
+/// within the tile's steps, one line at a time, on a Xeon without AMX (2 MB L2; one thread,
+/// fastest of 21, operand from memory): B packed ahead 197 x 3072 x 768 131 -> 166 GFLOP/s,
+/// 197 x 768 x 3072 132 -> 163, a filter as A 2048 x 49 x 512 95 -> 127, 256 x 196 x 1024 138
+/// -> 149. Not yet measured on AMD in that form. `FERRUM_GEMM_PREFETCH=0` or `1` overrides.
 fn prefetches_panels(nr: usize) -> bool {
     static ON: OnceLock<Option<bool>> = OnceLock::new();
     let forced = *ON.get_or_init(|| match std::env::var("FERRUM_GEMM_PREFETCH").as_deref() {
@@ -1157,24 +1195,6 @@ fn prefetches_panels(nr: usize) -> bool {
         _ => None,
     });
     forced.unwrap_or(crate::cpu::vendor() != crate::cpu::Vendor::Amd || nr < 32)
-}
-
-/// Asks for the cache lines `l0..l1` (64 bytes each) of `v` to be brought into L2 (a hint:
-/// lines past the end are skipped; no effect on other architectures).
-#[inline]
-fn prefetch_l2(v: &[f32], l0: usize, l1: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for l in l0..l1.min(v.len().div_ceil(16)) {
-        // SAFETY: a prefetch of an address inside `v` (l * 16 < v.len()); prefetches never fault
-        // and change no memory.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                v.as_ptr().add(l * 16).cast(),
-            )
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (v, l0, l1);
 }
 
 /// How a product is split among tasks: a grid of `tm x tn` ranges of `per_m` rows and `per_n`

@@ -51,6 +51,42 @@ impl<const MR: usize> Micro for Avx512<MR> {
     }
 }
 
+/// The prefetches a tile makes for [`Out::fetch`]: its lines asked for one at a time, spread
+/// evenly over the tile's steps of K (a burst before the tile would hold the line fill buffers
+/// as misses do), at most one a step.
+struct Fetch {
+    ptr: *const f32,
+    lines: usize,
+    every: usize,
+    due: usize,
+    line: usize,
+}
+
+impl Fetch {
+    #[inline(always)]
+    fn new(out: &Out, kc: usize) -> Fetch {
+        Fetch {
+            ptr: out.fetch,
+            lines: out.fetch_lines,
+            every: kc.checked_div(out.fetch_lines).unwrap_or(0).max(1),
+            due: 0,
+            line: 0,
+        }
+    }
+
+    /// At step `p`: the next line, when one is due.
+    #[inline(always)]
+    fn at(&mut self, p: usize) {
+        if p >= self.due && self.line < self.lines {
+            // SAFETY: a prefetch of a line inside the slice `Out::fetch` describes; prefetches
+            // never fault and change no memory.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.ptr.add(self.line * 16).cast()) };
+            self.line += 1;
+            self.due += self.every;
+        }
+    }
+}
+
 /// The `R x 16*NV` tile of `a` (a panel of row stride `MR`, or with `IN_PLACE` A's rows
 /// `a.lda` apart: [`APanel`]) times `b`'s panel (row stride 32), written per `out` for its first
 /// `cols` columns. With `HALF`, the tile's last vector holds at most 8 columns, and its
@@ -79,7 +115,9 @@ unsafe fn tile_avx512<
 ) {
     let mut acc = [[_mm512_setzero_ps(); NV]; R];
     let rp = a.rows::<R>(R);
+    let mut fetch = Fetch::new(out, kc);
     for p in 0..kc {
+        fetch.at(p);
         // SAFETY: p < kc and R <= MR, so the loads stay inside the panels the caller vouched for
         // (A read in place: inside its R rows of kc steps).
         unsafe {
@@ -656,7 +694,9 @@ unsafe fn tile_avx2<const IN_PLACE: bool>(
     // dispatch slots from the 20 vector instructions of each step (measured ~20% of the rate).
     let whole = kc / 4 * 4;
     let mut p = 0;
+    let mut fetch = Fetch::new(out, kc);
     while p < whole {
+        fetch.at(p);
         step(&mut t, p);
         step(&mut t, p + 1);
         step(&mut t, p + 2);
