@@ -156,8 +156,8 @@ fn walk(m: &Model, g: &Graph, types: &mut [Option<DType>]) -> Result<()> {
     Ok(())
 }
 
-/// The formal parameter each of `count` actual values takes (the last formal, when variadic,
-/// takes the rest); `None` past the formals.
+/// The formal parameter that actual input or output `i` takes (a variadic last formal takes
+/// all the rest); `None` past the formals.
 fn formal(params: &[Param], i: usize) -> Option<&Param> {
     match params.get(i) {
         Some(p) => Some(p),
