@@ -1122,7 +1122,7 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                 if b_whole.is_some() {
                     // B packed ahead (a weight) comes from memory on its first use, panel after
                     // panel, each then reused from cache by every row tile: while one panel's
-                    // row tiles run, the next panel is fetched into L2, a share before each
+                    // row tiles run, the next panel is fetched into L2, a share within each
                     // tile (the hardware prefetcher sees no misses to follow within a panel).
                     let ahead = prefetches_panels(nr);
                     for jr in (0..nc).step_by(nr) {
@@ -1132,12 +1132,8 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                             // This tile's share of the next panel, asked for within its steps
                             // (a burst of prefetches before the tile stalls on the line fill
                             // buffers as a miss would).
-                            let share = next.map_or(&[][..], |next| {
-                                let t = ir / mr;
-                                let l0 = (t * lines / tiles * 16).min(next.len());
-                                let l1 = ((t + 1) * lines / tiles * 16).min(next.len());
-                                &next[l0..l1]
-                            });
+                            let share =
+                                next.map_or(&[][..], |next| share_of(next, lines, ir / mr, tiles));
                             tile(jr, ir, share);
                         }
                     }
@@ -1160,9 +1156,7 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                         let next = next_a(ir);
                         let lines = next.len().div_ceil(16);
                         for (t, jr) in (0..nc).step_by(nr).enumerate() {
-                            let l0 = (t * lines / strip * 16).min(next.len());
-                            let l1 = ((t + 1) * lines / strip * 16).min(next.len());
-                            tile(jr, ir, &next[l0..l1]);
+                            tile(jr, ir, share_of(next, lines, t, strip));
                         }
                     }
                 }
@@ -1170,6 +1164,14 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
         }
     }
     SCRATCH.with(|s| *s.borrow_mut() = (sa, sb));
+}
+
+/// Part `t` of `parts` of the first `lines` cache lines (16 floats each) of `next`: what one
+/// tile asks for of the next panel (clipped to `next`).
+fn share_of(next: &[f32], lines: usize, t: usize, parts: usize) -> &[f32] {
+    let l0 = (t * lines / parts * 16).min(next.len());
+    let l1 = ((t + 1) * lines / parts * 16).min(next.len());
+    &next[l0..l1]
 }
 
 /// True when a product streaming an operand packed ahead (B in panels `nr` wide, or a
