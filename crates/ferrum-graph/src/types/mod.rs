@@ -106,12 +106,11 @@ fn bit(t: DType) -> u32 {
     1u32 << t.onnx()
 }
 
-/// Checks every node's input types against its schema and infers the model's value types;
-/// returns the element type of every value that has a known one (by value id).
-pub fn check(m: &Model) -> Result<Vec<Option<DType>>> {
+/// Checks every node's input types against its schema, inferring the model's value types as
+/// it goes.
+pub fn check(m: &Model) -> Result<()> {
     let mut types: Vec<Option<DType>> = vec![None; m.values.len()];
-    walk(m, &m.graph, &mut types)?;
-    Ok(types)
+    walk(m, &m.graph, &mut types)
 }
 
 fn declared(m: &Model, v: ValueId) -> Option<DType> {
