@@ -3155,3 +3155,112 @@ fn repeated_computations_are_made_once() {
         ["Dropout", "Dropout", "Add"]
     );
 }
+
+/// A stem: Conv (3 input channels, bias) + Relu, then a MaxPool reading only its output, with
+/// fresh random geometry (ResNet's 7x7/2 and 3x3/2, pad 1 in the first case); `pool_out` the
+/// pool's output name, `extra` more outputs of the graph.
+fn stem(
+    r: &mut Rng64,
+    (h, w): (usize, usize),
+    m: usize,
+    (k, s, pad): (usize, usize, usize),
+    (pk, ps, pp, ceil): (usize, usize, usize, bool),
+    extra: &[&str],
+) -> ModelProto {
+    let c = 3;
+    let inits = vec![
+        init(
+            "w",
+            &[m as i64, c, k as i64, k as i64],
+            randv(r, m * 3 * k * k),
+        ),
+        init("b", &[m as i64], randv(r, m)),
+    ];
+    let (k, s, pad) = (k as i64, s as i64, pad as i64);
+    let (pk, ps, pp) = (pk as i64, ps as i64, pp as i64);
+    let nodes = vec![
+        node(
+            "Conv",
+            &["x", "w", "b"],
+            &["a"],
+            vec![
+                attr_ints("kernel_shape", &[k, k]),
+                attr_ints("strides", &[s, s]),
+                attr_ints("pads", &[pad, pad, pad, pad]),
+            ],
+        ),
+        node("Relu", &["a"], &["r"], vec![]),
+        node(
+            "MaxPool",
+            &["r"],
+            &["y"],
+            vec![
+                attr_ints("kernel_shape", &[pk, pk]),
+                attr_ints("strides", &[ps, ps]),
+                attr_ints("pads", &[pp, pp, pp, pp]),
+                attr_int("ceil_mode", ceil as i64),
+            ],
+        ),
+    ];
+    let mut outs = vec![f32_out("y")];
+    outs.extend(extra.iter().map(|&e| f32_out(e)));
+    model(
+        nodes,
+        vec![f32_in("x", &[1, c, h as i64, w as i64])],
+        outs,
+        inits,
+        17,
+    )
+}
+
+#[test]
+fn a_stem_convolution_and_its_max_pool_become_one_node_as_in_resnet() {
+    // Level 3 makes the convolution's rows as the pool needs them (`ConvMaxPool`, on CPUs with
+    // the direct kernel); outputs within 1e-5 of level 0's (the direct kernel sums in its own
+    // order), every element written. Not when the convolution's output is read elsewhere.
+    let mut r = rng();
+    let fused = ferrum_kernels::direct::worthwhile(3);
+    for case in 0..6 {
+        let (h, w) = if case == 0 {
+            (64, 56)
+        } else {
+            (r.gen_range(8..40), r.gen_range(8..40))
+        };
+        let m = if case == 0 { 64 } else { r.gen_range(1..70) };
+        let conv = if case == 0 {
+            (7, 2, 3)
+        } else {
+            let k = [3, 5, 7][r.gen_range(0..3)];
+            (k, r.gen_range(1..3), r.gen_range(0..k / 2 + 1))
+        };
+        let pool = if case == 0 {
+            (3, 2, 1, false)
+        } else {
+            let pk = r.gen_range(2..4);
+            (pk, r.gen_range(1..3), r.gen_range(0..pk), r.gen_bool(0.5))
+        };
+        let mp = stem(&mut r, (h, w), m, conv, pool, &[]);
+        let want: &[&str] = if fused {
+            &["com.ferrum.ConvMaxPool"]
+        } else {
+            &["com.ferrum.FusedConv", "MaxPool"]
+        };
+        let feeds = [("x", vec![1, 3, h, w], randv(&mut r, 3 * h * w))];
+        check(&mp, OptLevel::All, &feeds, want, 1e-5);
+        if fused {
+            let s = session(&mp, OptLevel::All);
+            let log = &s.optimization_report().fused;
+            assert!(log.iter().any(|l| l.ends_with("-> ConvMaxPool")), "{log:?}");
+        }
+    }
+    // The activation also a graph output: the pool's input must exist, nothing fuses.
+    let mp = stem(&mut r, (20, 20), 8, (3, 1, 1), (3, 2, 1, false), &["r"]);
+    let feeds = [("x", vec![1, 3, 20, 20], randv(&mut r, 1200))];
+    check(
+        &mp,
+        OptLevel::All,
+        &feeds,
+        &["com.ferrum.FusedConv", "MaxPool"],
+        1e-5,
+    );
+}

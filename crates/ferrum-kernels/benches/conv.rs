@@ -194,6 +194,43 @@ fn main() {
                     flops / best / 1e9
                 );
             }
+            // ResNet's stem: the 7x7 layer then its 3x3 stride-2 max pool (padding 1), the
+            // convolution's rows pooled as they are made, the output as planes.
+            if k == 7 {
+                let [oh, ow] = g.output;
+                let p = direct::MaxPool {
+                    kernel: [3, 3],
+                    stride: [2, 2],
+                    pad: [1, 1],
+                    output: [(oh - 1) / 2 + 1, (ow - 1) / 2 + 1],
+                };
+                let fin = Finish {
+                    act: Act::Relu,
+                    ..fin
+                };
+                let mut pooled = vec![MaybeUninit::new(0f32); cout * p.output[0] * p.output[1]];
+                let (med, best) = time(reps, || {
+                    direct::dense_max_pool_with_isa(
+                        gemm::isa(),
+                        threads,
+                        direct::Input::Nchw,
+                        &x,
+                        &w,
+                        cout,
+                        1,
+                        &g,
+                        &fin,
+                        &p,
+                        &mut pooled,
+                    )
+                });
+                println!(
+                    "| direct + max pool | 224x224x3 (planes) {k}x{k}/2 -> {cout}, 3x3/2 | {threads} | {:.3} | {:.3} | {:.1} |",
+                    med * 1e3,
+                    best * 1e3,
+                    flops / best / 1e9
+                );
+            }
         }
     }
 }

@@ -89,20 +89,7 @@ pub fn dense_with_isa(
         "direct: needs AVX-512 or AVX2 and FMA ({isa:?} asked for)"
     );
     let wlen = g.kernel[0] * g.kernel[1] * g.channels * cout;
-    let ([ih, iw], cin) = (g.input, g.channels);
-    // Element (iy, ix, ci) of an image at iy * row + ix * pixel + ci * channel.
-    let st = match input {
-        Input::Nhwc => Strides {
-            row: iw * cin,
-            pixel: cin,
-            channel: 1,
-        },
-        Input::Nchw => Strides {
-            row: iw,
-            pixel: 1,
-            channel: ih * iw,
-        },
-    };
+    let st = strides(input, g);
     for_each_row(
         "direct",
         threads,
@@ -114,20 +101,329 @@ pub fn dense_with_isa(
         fin,
         out,
         |img, oy, z, o| {
-            #[cfg(target_arch = "x86_64")]
             // SAFETY: the ISA is supported (asserted above); `img` is one image, `w` the
             // filter, `z` and `o` one output row, the bias `cout` values (lengths checked by
             // `for_each_row`).
-            unsafe {
-                match isa {
-                    Isa::Avx512 => x86::row(img, st, w, cout, g, oy, fin.bias, z, fin.act, o),
-                    _ => x86::avx2::row(img, st, w, cout, g, oy, fin.bias, z, fin.act, o),
-                }
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let _ = (img, oy, z, o, st);
+            unsafe { conv_row(isa, img, st, w, cout, g, oy, fin, z, o) }
         },
     );
+}
+
+/// Output row `oy` of one image (every pixel and output channel, channels-last) by the kernel
+/// family `isa`.
+///
+/// # Safety
+/// `isa` is [`Isa::Avx512`] or [`Isa::Avx2`] and this CPU runs it; `img` holds one image laid
+/// out as `st` says, `w` the whole filter, `fin`'s bias (when given) `cout` values, `z` (when
+/// given) and `o` `ow * cout`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn conv_row(
+    isa: Isa,
+    img: &[f32],
+    st: Strides,
+    w: &[f32],
+    cout: usize,
+    g: &Geometry,
+    oy: usize,
+    fin: &Finish,
+    z: Option<&[f32]>,
+    o: &mut [MaybeUninit<f32>],
+) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match isa {
+            Isa::Avx512 => x86::row(img, st, w, cout, g, oy, fin.bias, z, fin.act, o),
+            _ => x86::avx2::row(img, st, w, cout, g, oy, fin.bias, z, fin.act, o),
+        }
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (isa, img, st, w, cout, g, oy, fin, z, o);
+}
+
+/// Where the elements of an image laid out as `input` says lie.
+fn strides(input: Input, g: &Geometry) -> Strides {
+    let ([ih, iw], cin) = (g.input, g.channels);
+    match input {
+        Input::Nhwc => Strides {
+            row: iw * cin,
+            pixel: cin,
+            channel: 1,
+        },
+        Input::Nchw => Strides {
+            row: iw,
+            pixel: 1,
+            channel: ih * iw,
+        },
+    }
+}
+
+/// A 2-D max pool over a convolution's output (no dilation): window, stride, leading padding
+/// and output size, each as (rows, columns). Windows may reach past the convolution's output
+/// (padding, or a ceil-mode last window); what lies outside never wins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaxPool {
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub pad: [usize; 2],
+    pub output: [usize; 2],
+}
+
+/// [`dense_with_isa`] (its bias and activation; no residual) followed by the max pool `p` of
+/// its output, written as planes: `out` is `[n, cout, ph, pw]`, every element written. Each
+/// thread makes the convolution's rows as its pooled rows need them (a ring of `p.kernel[0]`
+/// rows, in cache) and pools them there, so the convolution's output never travels to memory
+/// and back (a network's stem: ResNet's 7x7 convolution to 64 x 112 x 112 then its 3x3 stride-2
+/// max pool). A pooled value is the first largest of its window in row-major order, or its
+/// first NaN (ONNX MaxPool's result on the convolution's output, bit for bit; see
+/// [`max_pool_ref`]); a window with nothing inside gives -inf.
+#[allow(clippy::too_many_arguments)]
+pub fn dense_max_pool_with_isa(
+    isa: Isa,
+    threads: usize,
+    input: Input,
+    x: &[f32],
+    w: &[f32],
+    cout: usize,
+    n: usize,
+    g: &Geometry,
+    fin: &Finish,
+    p: &MaxPool,
+    out: &mut [MaybeUninit<f32>],
+) {
+    assert!(
+        matches!(isa, Isa::Avx512 | Isa::Avx2) && gemm::isa_available(isa),
+        "direct: needs AVX-512 or AVX2 and FMA ({isa:?} asked for)"
+    );
+    let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
+    let [oh, ow] = g.output;
+    let ([pkh, pkw], [psh, psw], [pph, ppw], [ph, pw]) = (p.kernel, p.stride, p.pad, p.output);
+    assert!(
+        g.stride.iter().chain(&g.dilation).all(|&v| v > 0)
+            && kh > 0
+            && kw > 0
+            && pkh > 0
+            && pkw > 0
+            && psh > 0
+            && psw > 0,
+        "direct: zero stride, dilation or kernel in {g:?} or {p:?}"
+    );
+    assert!(
+        x.len() >= n * ih * iw * cin
+            && w.len() >= kh * kw * cin * cout
+            && out.len() >= n * cout * ph * pw,
+        "direct: buffers too short for {n} images of {g:?} -> {cout}, pooled by {p:?}"
+    );
+    assert!(
+        fin.residual.is_none(),
+        "direct: a pooled convolution takes no residual"
+    );
+    assert!(
+        fin.bias.is_none_or(|b| b.len() >= cout) && fin.act.is_vector(),
+        "direct: short bias or {:?} not a vector activation",
+        fin.act
+    );
+    let (rows, len, plane) = (n * ph, ow * cout, ph * pw);
+    if rows * pw * cout == 0 {
+        return;
+    }
+    let st = strides(input, g);
+    let isz = ih * iw * cin;
+    let base = OutPtr(out.as_mut_ptr());
+    // Pooled rows r0..r1 (of all images, image-major): the convolution's rows each needs,
+    // made into a ring once each, then pooled and turned into planes.
+    let run = |r0: usize, r1: usize| {
+        let mut ring = vec![0f32; pkh.min(oh.max(1)) * len];
+        let mut pooled = vec![0f32; pw * cout];
+        let slots = ring.len() / len;
+        // The next convolution row to make, per image.
+        let mut next = (usize::MAX, 0usize);
+        for r in r0..r1 {
+            let (b, py) = (r / ph, r % ph);
+            if next.0 != b {
+                next = (b, 0);
+            }
+            let top = (py * psh) as isize - pph as isize;
+            let lo = top.clamp(0, oh as isize) as usize;
+            let hi = (top + pkh as isize).clamp(0, oh as isize) as usize;
+            next.1 = next.1.max(lo);
+            let img = &x[b * isz..][..isz];
+            while next.1 < hi {
+                let slot = &mut ring[(next.1 % slots) * len..][..len];
+                // SAFETY: a float slice viewed as possibly-uninitialised floats (same layout;
+                // the kernel writes only floats). The ISA was asserted, `img` is one image,
+                // the bias checked, `slot` one output row.
+                unsafe {
+                    let slot = &mut *(slot as *mut [f32] as *mut [MaybeUninit<f32>]);
+                    conv_row(isa, img, st, w, cout, g, next.1, fin, None, slot);
+                }
+                next.1 += 1;
+            }
+            let rows_in: Vec<&[f32]> = (lo..hi)
+                .map(|cy| &ring[(cy % slots) * len..][..len])
+                .collect();
+            pool_row(isa, &rows_in, cout, ow, (pkw, psw, ppw), &mut pooled);
+            for c in 0..cout {
+                // SAFETY: pooled row (b, py) of channel c lies inside `out` (length checked
+                // above) and belongs to this task alone (tasks take disjoint pooled rows).
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        base.get().add((b * cout + c) * plane + py * pw),
+                        pw,
+                    )
+                };
+                for (px, d) in dst.iter_mut().enumerate() {
+                    d.write(pooled[px * cout + c]);
+                }
+            }
+        }
+    };
+    if threads <= 1 {
+        run(0, rows);
+    } else {
+        let per = rows.div_ceil(2 * threads).max(1);
+        pool::parallel_for(rows.div_ceil(per), |t| {
+            run(t * per, ((t + 1) * per).min(rows))
+        });
+    }
+}
+
+/// The start of an output that tasks write disjoint parts of.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut MaybeUninit<f32>);
+// SAFETY: each task writes only its own elements, and the output stays borrowed until every
+// task has finished.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn get(self) -> *mut MaybeUninit<f32> {
+        self.0
+    }
+}
+
+/// The max pool's combination: `v` replaces `best` when larger, or when NaN and `best` is not
+/// (so the first NaN, else the first largest value, in visiting order wins).
+#[inline(always)]
+fn pool_max(best: f32, v: f32) -> f32 {
+    if v > best || (v.is_nan() && !best.is_nan()) {
+        v
+    } else {
+        best
+    }
+}
+
+/// One pooled row (`pw * cout`, channels-last) from the convolution rows its windows cover
+/// (`rows`, top to bottom, each `ow * cout`): per pooled pixel, the window's columns `kw`
+/// wide at stride `sw` from `px * sw - pad`, visited row by row.
+#[inline(always)]
+fn pool_row_body(
+    rows: &[&[f32]],
+    cout: usize,
+    ow: usize,
+    (kw, sw, pad): (usize, usize, usize),
+    out: &mut [f32],
+) {
+    for (px, best) in out.chunks_exact_mut(cout).enumerate() {
+        best.fill(f32::NEG_INFINITY);
+        let left = (px * sw) as isize - pad as isize;
+        let c0 = left.clamp(0, ow as isize) as usize;
+        let c1 = (left + kw as isize).clamp(0, ow as isize) as usize;
+        for row in rows {
+            for cx in c0..c1 {
+                let v = &row[cx * cout..][..cout];
+                for (b, &v) in best.iter_mut().zip(v) {
+                    *b = pool_max(*b, v);
+                }
+            }
+        }
+    }
+}
+
+/// [`pool_row_body`] compiled for the kernel family `isa` (its vectors over channels).
+fn pool_row(
+    isa: Isa,
+    rows: &[&[f32]],
+    cout: usize,
+    ow: usize,
+    win: (usize, usize, usize),
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+        fn wide(
+            rows: &[&[f32]],
+            cout: usize,
+            ow: usize,
+            win: (usize, usize, usize),
+            out: &mut [f32],
+        ) {
+            pool_row_body(rows, cout, ow, win, out)
+        }
+        #[target_feature(enable = "avx2,fma")]
+        fn narrow(
+            rows: &[&[f32]],
+            cout: usize,
+            ow: usize,
+            win: (usize, usize, usize),
+            out: &mut [f32],
+        ) {
+            pool_row_body(rows, cout, ow, win, out)
+        }
+        // SAFETY: the caller checked that this CPU runs `isa`.
+        unsafe {
+            match isa {
+                Isa::Avx512 => wide(rows, cout, ow, win, out),
+                _ => narrow(rows, cout, ow, win, out),
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        pool_row_body(rows, cout, ow, win, out)
+    }
+}
+
+/// The reference max pool of channels-last convolution outputs (`[n, oh, ow, cout]`, as
+/// [`dense_with`] writes them) into planes (`[n, cout, ph, pw]`): each window's first NaN in
+/// row-major order, else its first largest value (-inf when nothing of it lies inside).
+pub fn max_pool_ref(
+    y: &[f32],
+    cout: usize,
+    n: usize,
+    [oh, ow]: [usize; 2],
+    p: &MaxPool,
+) -> Vec<f32> {
+    let [ph, pw] = p.output;
+    let mut out = vec![f32::NEG_INFINITY; n * cout * ph * pw];
+    for b in 0..n {
+        for c in 0..cout {
+            for py in 0..ph {
+                for px in 0..pw {
+                    // The window's first NaN, else its first largest value.
+                    let (mut best, mut nan) = (f32::NEG_INFINITY, false);
+                    for ky in 0..p.kernel[0] {
+                        for kx in 0..p.kernel[1] {
+                            let cy = (py * p.stride[0] + ky) as isize - p.pad[0] as isize;
+                            let cx = (px * p.stride[1] + kx) as isize - p.pad[1] as isize;
+                            if cy < 0 || cx < 0 || cy as usize >= oh || cx as usize >= ow {
+                                continue;
+                            }
+                            let v = y[((b * oh + cy as usize) * ow + cx as usize) * cout + c];
+                            if !nan && (v.is_nan() || v > best) {
+                                (best, nan) = (v, v.is_nan());
+                            }
+                        }
+                    }
+                    out[((b * cout + c) * ph + py) * pw + px] = best;
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Where an image's elements lie: element (iy, ix, ci) at `iy * row + ix * pixel + ci * channel`.
@@ -237,19 +533,28 @@ mod x86 {
                     // SAFETY: forwarded; pixels ox..ox + WIDE are inside [lo, hi), so every
                     // tap of theirs lies inside the input row.
                     unsafe {
-                        match (cout - mb).div_ceil(16) {
-                            1 => wide::<1, WIDE>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o),
-                            2 => wide::<2, WIDE>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o),
-                            3 => {
-                                wide::<3, HALF>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o);
-                                let ox = ox + HALF;
-                                wide::<3, HALF>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o);
-                            }
-                            _ => {
-                                wide::<4, HALF>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o);
-                                let ox = ox + HALF;
-                                wide::<4, HALF>(x, st, w, cout, g, oy, ox, mb, bias, z, act, o);
-                            }
+                        let left = cout - mb;
+                        macro_rules! run {
+                            ($v:literal, $q:expr) => {
+                                for h in (0..WIDE).step_by($q) {
+                                    let ox = ox + h;
+                                    if left >= 16 * $v {
+                                        wide::<$v, $q, true>(
+                                            x, st, w, cout, g, oy, ox, mb, bias, z, act, o,
+                                        )
+                                    } else {
+                                        wide::<$v, $q, false>(
+                                            x, st, w, cout, g, oy, ox, mb, bias, z, act, o,
+                                        )
+                                    }
+                                }
+                            };
+                        }
+                        match left.div_ceil(16) {
+                            1 => run!(1, WIDE),
+                            2 => run!(2, WIDE),
+                            3 => run!(3, HALF),
+                            _ => run!(4, HALF),
                         }
                     }
                     mb += 64;
@@ -287,7 +592,7 @@ mod x86 {
     /// the input).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn wide<const V: usize, const Q: usize>(
+    unsafe fn wide<const V: usize, const Q: usize, const FULL: bool>(
         x: &[f32],
         st: Strides,
         w: &[f32],
@@ -324,7 +629,13 @@ mod x86 {
                         let src = src.add(ci * st.channel);
                         let mut wv = [_mm512_setzero_ps(); V];
                         for (v, x) in wv.iter_mut().enumerate() {
-                            *x = _mm512_maskz_loadu_ps(m[v], wt.add(ci * cout + 16 * v));
+                            // Whole vectors load plainly (a masked load also takes a vector
+                            // port from the multiply-adds).
+                            *x = if FULL {
+                                _mm512_loadu_ps(wt.add(ci * cout + 16 * v))
+                            } else {
+                                _mm512_maskz_loadu_ps(m[v], wt.add(ci * cout + 16 * v))
+                            };
                         }
                         for (p, a) in acc.iter_mut().enumerate() {
                             let xv = _mm512_set1_ps(*src.add(p * step));
@@ -940,5 +1251,134 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The pooled convolution against the convolution's own output pooled by the reference,
+    /// on fresh random shapes (1-4 input channels, 1-90 output channels, kernels, strides and
+    /// paddings as above; pool windows 1-4 at strides 1-3, padded 0 to one less than the window,
+    /// floor or ceil sizes), bias and activations, some inputs NaN, 1-3 threads, each kernel
+    /// family: bit for bit (a pooled value is one of the convolution's values), every element
+    /// written (the output starts as a NaN the kernel cannot make).
+    #[test]
+    fn pooled_matches_the_convolution_then_the_reference_pool() {
+        let isas: Vec<Isa> = gemm::available_isas()
+            .into_iter()
+            .filter(|i| matches!(i, Isa::Avx512 | Isa::Avx2))
+            .collect();
+        if isas.is_empty() {
+            return;
+        }
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let unwritten = f32::from_bits(0x7fc0_dead);
+        let mut pooled_cases = 0;
+        for case in 0..60 {
+            let cin = rng.gen_range(1..=MAX_CIN);
+            let cout = rng.gen_range(1..91);
+            let k = [rng.gen_range(1..8), rng.gen_range(1..8)];
+            let s = [rng.gen_range(1..4), rng.gen_range(1..4)];
+            let pad = [rng.gen_range(0..4), rng.gen_range(0..4)];
+            let input = [rng.gen_range(1..24), rng.gen_range(1..[30, 90][case % 2])];
+            let Some(g) = Geometry::fitting(input, cin, k, s, [1, 1], pad, pad) else {
+                continue;
+            };
+            let [oh, ow] = g.output;
+            let pk = [rng.gen_range(1..5), rng.gen_range(1..5)];
+            let ps = [rng.gen_range(1..4), rng.gen_range(1..4)];
+            let pp = [rng.gen_range(0..pk[0]), rng.gen_range(0..pk[1])];
+            let ceil = rng.gen_bool(0.5);
+            let size = |i: usize, o: usize| -> Option<usize> {
+                let span = (o + 2 * pp[i]).checked_sub(pk[i])?;
+                let mut n = if ceil {
+                    span.div_ceil(ps[i]) + 1
+                } else {
+                    span / ps[i] + 1
+                };
+                if ceil && (n - 1) * ps[i] >= o + pp[i] {
+                    n -= 1;
+                }
+                Some(n)
+            };
+            let (Some(ph), Some(pw)) = (size(0, oh), size(1, ow)) else {
+                continue;
+            };
+            let p = MaxPool {
+                kernel: pk,
+                stride: ps,
+                pad: pp,
+                output: [ph, pw],
+            };
+            pooled_cases += 1;
+            let n = rng.gen_range(1..3);
+            let mut v = |len: usize| -> Vec<f32> {
+                (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+            };
+            let mut x = v(n * input[0] * input[1] * cin);
+            let w = v(k[0] * k[1] * cin * cout);
+            let bias = v(cout);
+            if case % 5 == 0 {
+                for _ in 0..3 {
+                    let i = rng.gen_range(0..x.len());
+                    x[i] = f32::NAN;
+                }
+            }
+            let act = match case % 4 {
+                0 => Act::Identity,
+                1 => Act::Relu,
+                2 => Act::Clip { lo: -0.5, hi: 0.7 },
+                _ => Act::LeakyRelu(0.1),
+            };
+            let fin = Finish {
+                bias: (case % 3 != 0).then_some(&bias[..]),
+                residual: None,
+                act,
+            };
+            // The image as planes too.
+            let (ih, iw) = (input[0], input[1]);
+            let mut planes = vec![0f32; x.len()];
+            for b in 0..n {
+                for q in 0..ih * iw {
+                    for ci in 0..cin {
+                        planes[(b * cin + ci) * ih * iw + q] = x[(b * ih * iw + q) * cin + ci];
+                    }
+                }
+            }
+            for (threads, &isa) in (1..4).flat_map(|t| isas.iter().map(move |i| (t, i))) {
+                let mut conv = vec![MaybeUninit::new(f32::NAN); n * oh * ow * cout];
+                dense_with_isa(
+                    isa,
+                    threads,
+                    Input::Nhwc,
+                    &x,
+                    &w,
+                    cout,
+                    n,
+                    &g,
+                    &fin,
+                    &mut conv,
+                );
+                // SAFETY: every element written by the kernel (its own test checks that).
+                let conv: Vec<f32> = conv.iter().map(|o| unsafe { o.assume_init() }).collect();
+                let want = max_pool_ref(&conv, cout, n, [oh, ow], &p);
+                for (input, xs) in [(Input::Nhwc, &x), (Input::Nchw, &planes)] {
+                    let mut out = vec![MaybeUninit::new(unwritten); want.len()];
+                    dense_max_pool_with_isa(
+                        isa, threads, input, xs, &w, cout, n, &g, &fin, &p, &mut out,
+                    );
+                    for (i, (o, e)) in out.iter().zip(&want).enumerate() {
+                        // SAFETY: initialised above, then overwritten by the kernel.
+                        let got = unsafe { o.assume_init() };
+                        assert!(
+                            got.to_bits() == e.to_bits() && got.to_bits() != unwritten.to_bits(),
+                            "seed {seed} case {case} {isa:?} {threads}t {input:?} {g:?} -> {cout}, {p:?}, n {n}, at {i}: {got} vs {e}"
+                        );
+                    }
+                }
+            }
+        }
+        assert!(
+            pooled_cases >= 20,
+            "seed {seed}: only {pooled_cases} cases ran"
+        );
     }
 }

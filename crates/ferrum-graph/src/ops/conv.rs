@@ -54,8 +54,14 @@ impl Window {
     /// The node's window attributes; an error for values beyond [`LIMIT`] or an `auto_pad` the
     /// kernels do not know.
     pub fn of(node: &Node) -> Result<Window> {
+        Window::named(node, "")
+    }
+
+    /// [`Window::of`] from the attributes named with `prefix` (`pool_strides`, ...: the max
+    /// pool of a `ConvMaxPool` node).
+    pub fn named(node: &Node, prefix: &str) -> Result<Window> {
         let read = |name: &str, min: i64| -> Result<Option<Vec<usize>>> {
-            let Some(v) = attr_ints(node, name) else {
+            let Some(v) = attr_ints(node, &format!("{prefix}{name}")) else {
                 return Ok(None);
             };
             let v: Vec<usize> = v.iter().map(|&x| x.max(min) as usize).collect();
@@ -64,7 +70,7 @@ impl Window {
             }
             Ok(Some(v))
         };
-        let auto = match attr_str(node, "auto_pad", "NOTSET").as_str() {
+        let auto = match attr_str(node, &format!("{prefix}auto_pad"), "NOTSET").as_str() {
             "NOTSET" | "" => AutoPad::Explicit,
             "VALID" => AutoPad::Valid,
             "SAME_UPPER" => AutoPad::SameUpper,

@@ -291,6 +291,10 @@ pub fn rules(op: &str) -> Option<Rules> {
             Rules::with(nhwc::window_rule, nhwc::conv_flops)
         }
         "NhwcMaxPool" => Rules::shape(nhwc::window_rule),
+        "ConvMaxPool" => Rules::with(
+            crate::ops::conv_pool::shape_rule,
+            crate::ops::conv_pool::flops,
+        ),
         "NhwcGlobalAveragePool" => Rules::with(
             |k| {
                 let &[b, _, _, c] = k.dims(0)? else {
@@ -319,6 +323,12 @@ pub fn kernel(op: &str) -> Option<Kernel> {
             one(crate::ops::conv::conv_fused(cx, Epi { z: cx.opt(3), act })?)
         },
         "NhwcConv" => |cx| one(crate::ops::nhwc::conv(cx, Act::from_node(cx)?)?),
+        "ConvMaxPool" => |cx| {
+            one(crate::ops::conv_pool::conv_max_pool(
+                cx,
+                Act::from_node(cx)?,
+            )?)
+        },
         "NhwcExpandDepthwise" => {
             |cx| one(crate::ops::nhwc::expand_depthwise(cx, Act::from_node(cx)?)?)
         }

@@ -14,6 +14,7 @@
 mod attention;
 mod control;
 pub(crate) mod conv;
+mod conv_pool;
 mod dsp;
 mod elementwise;
 mod fast;
@@ -366,15 +367,19 @@ fn parse(node: &Node) -> Result<Option<Arc<Parsed>>> {
     let op = node.op.as_str();
     let window = match op {
         "Conv" | "QLinearConv" | "MaxPool" | "AveragePool" => standard,
-        "FusedConv" | "NhwcConv" | "NhwcExpandDepthwise" | "NhwcQLinearConv" | "NhwcMaxPool" => {
-            ferrum
-        }
+        "FusedConv"
+        | "NhwcConv"
+        | "NhwcExpandDepthwise"
+        | "NhwcQLinearConv"
+        | "NhwcMaxPool"
+        | "ConvMaxPool" => ferrum,
         _ => false,
     };
     let act = ferrum
         && matches!(
             op,
             "FusedConv"
+                | "ConvMaxPool"
                 | "NhwcConv"
                 | "NhwcExpandDepthwise"
                 | "FusedGemm"

@@ -8,17 +8,18 @@
 //! | 0 `Disabled` | none: the graph runs as imported |
 //! | 1 `Basic` | constant folding, Identity/Dropout elimination, common-subexpression elimination, dead-code elimination, Conv+BatchNormalization and Conv+Add(constant) folded into the weights, a constant Mul or Div after a MatMul by a constant matrix (and its bias Add) folded into the weights and bias; then constant weights packed for the GEMM ([`PackedWeights`]; in bf16 for the tile unit with [`Precision::Bf16`]) |
 //! | 2 `Extended` | level 1, then LayerNormalization spelled out as ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul, Add (exports before opset 17) into one `LayerNormalization` (`norm`), the erf form of GELU into one node, multi-head attention (MatMul, scale, mask, Softmax, MatMul) into one `FusedAttention` node, a dynamically quantized MatMul's MatMulInteger + Cast + scale Mul (+ bias Add) into one MatMulIntegerToFloat, (before constant folding) a statically quantized model's QDQ groups into integer operators (Conv into QLinearConv, a residual Add into QLinearAdd, a Linear's Gemm into MatMulIntegerToFloat on the integer weights: `passes/qdq.rs`), and bias, residual Add and activation fused into the Conv, Gemm or MatMul (activation only: MatMulIntegerToFloat) that produces their input ([`crate::ops`]' `com.ferrum` ops) |
-//! | 3 `All` | level 2, then chains of depthwise and pointwise convolutions moved to channels-last (`NhwcConv` on `[N, H, W, C]` tensors, transposes at the region's edges; squeeze-and-excitation pools and gates inside the region; f32 sessions; a large 1x1 expansion and the depthwise convolution that reads it as one `NhwcExpandDepthwise`), and chains of 8-bit QLinearConvs and QLinearAdds likewise (`NhwcQLinearConv`; a dequantized max pool between them as `NhwcMaxPool` on the bytes); a GlobalAveragePool reading a channels-last tensor through a transpose (and a per-tensor DequantizeLinear) reads it in place (`NhwcGlobalAveragePool`) |
+//! | 3 `All` | level 2, then chains of depthwise and pointwise convolutions moved to channels-last (`NhwcConv` on `[N, H, W, C]` tensors, transposes at the region's edges; squeeze-and-excitation pools and gates inside the region; f32 sessions; a large 1x1 expansion and the depthwise convolution that reads it as one `NhwcExpandDepthwise`), and chains of 8-bit QLinearConvs and QLinearAdds likewise (`NhwcQLinearConv`; a dequantized max pool between them as `NhwcMaxPool` on the bytes); a GlobalAveragePool reading a channels-last tensor through a transpose (and a per-tensor DequantizeLinear) reads it in place (`NhwcGlobalAveragePool`); a stem's convolution over an image's few channels and the max pool that alone reads it as one `ConvMaxPool` (`conv_pool`) |
 //!
 //! Fused nodes live in the `com.ferrum` domain: `FusedConv` (Conv's inputs, then an optional
 //! residual `Z` added before the activation), `NhwcConv` (the same on channels-last tensors,
 //! filter `[kh, kw, C/group, M]`; see `layout`), `NhwcExpandDepthwise` (a 1x1 expansion's X, W, bias, then a depthwise filter, its bias and a residual; the expansion's activation in `expand_activation`), `NhwcQLinearConv` (QLinearConv's inputs on
-//! channels-last 8-bit tensors), `NhwcMaxPool` (MaxPool on channels-last bytes), `NhwcGlobalAveragePool` (GlobalAveragePool of a channels-last float32 tensor, output `[N, C, 1, 1]`), `FusedGemm`, `FusedMatMul` (A, B, an optional bias
+//! channels-last 8-bit tensors), `NhwcMaxPool` (MaxPool on channels-last bytes), `NhwcGlobalAveragePool` (GlobalAveragePool of a channels-last float32 tensor, output `[N, C, 1, 1]`), `ConvMaxPool` (a convolution's X, its filter `[kh, kw, C, M]` and bias, then a max pool: `pool_kernel_shape`, `pool_strides`, `pool_pads`, `pool_ceil_mode`), `FusedGemm`, `FusedMatMul` (A, B, an optional bias
 //! along the last axis, an optional residual `Z` of the output's shape added after it), `FusedAttention` (see `attention`) and `Gelu`, each with an `activation` attribute (and
 //! `activation_params`), and `MatMulIntegerToFloat` (A, B, a_scale, a_zero_point, b_scale,
 //! b_zero_point, bias: ONNX Runtime's op of that name, with the same optional activation). Subgraphs (If/Loop/Scan bodies) are left as they are.
 
 mod attention;
+mod conv_pool;
 mod fold;
 mod fuse;
 mod layout;
@@ -168,6 +169,12 @@ pub fn optimize(model: &mut Model, level: OptLevel, precision: Precision) -> Res
             "channels-last global pool",
             model,
             layout::channels_last_pool,
+        );
+        run(
+            &mut report,
+            "conv+maxpool fusion",
+            model,
+            conv_pool::conv_max_pool,
         );
         run(&mut report, "dead-code elimination", model, fold::dead_code);
     }
