@@ -232,10 +232,20 @@ pub fn dense_max_pool_with_isa(
     let base = OutPtr(out.as_mut_ptr());
     // Pooled rows r0..r1 (of all images, image-major): the convolution's rows each needs,
     // made into a ring once each, then pooled and turned into planes.
+    let hlen = pw * cout;
+    // Pooled rows r0..r1 (of all images, image-major): each convolution row one of them needs
+    // is made once, into `conv`, and pooled across its windows' columns into a ring of such
+    // rows (`hring`, `p.kernel[0]` of them); a pooled row is then the maximum down its
+    // window's rows of the ring, turned into planes as it is written. The maximum taken
+    // across the columns first and then down the rows is the row-major one: the combination
+    // (first largest, or first NaN, wins) is associative.
     let run = |r0: usize, r1: usize| {
-        let mut ring = vec![0f32; pkh.min(oh.max(1)) * len];
-        let mut pooled = vec![0f32; pw * cout];
-        let slots = ring.len() / len;
+        let slots = pkh.min(oh).max(1);
+        let mut conv = vec![0f32; len];
+        let mut hring = vec![0f32; slots * hlen];
+        // Whether each ring row holds a NaN.
+        let mut nans = vec![false; slots];
+        let mut pooled = vec![0f32; hlen];
         // The next convolution row to make, per image.
         let mut next = (usize::MAX, 0usize);
         for r in r0..r1 {
@@ -249,20 +259,28 @@ pub fn dense_max_pool_with_isa(
             next.1 = next.1.max(lo);
             let img = &x[b * isz..][..isz];
             while next.1 < hi {
-                let slot = &mut ring[(next.1 % slots) * len..][..len];
                 // SAFETY: a float slice viewed as possibly-uninitialised floats (same layout;
                 // the kernel writes only floats). The ISA was asserted, `img` is one image,
-                // the bias checked, `slot` one output row.
+                // the bias checked, `conv` one output row.
                 unsafe {
-                    let slot = &mut *(slot as *mut [f32] as *mut [MaybeUninit<f32>]);
-                    conv_row(isa, img, st, w, cout, g, next.1, fin, None, slot);
+                    let row =
+                        &mut *(conv.as_mut_slice() as *mut [f32] as *mut [MaybeUninit<f32>]);
+                    conv_row(isa, img, st, w, cout, g, next.1, fin, None, row);
                 }
+                let slot = next.1 % slots;
+                nans[slot] = pool_cols(
+                    isa,
+                    &conv,
+                    cout,
+                    ow,
+                    (pkw, psw, ppw),
+                    &mut hring[slot * hlen..][..hlen],
+                );
                 next.1 += 1;
             }
-            let rows_in: Vec<&[f32]> = (lo..hi)
-                .map(|cy| &ring[(cy % slots) * len..][..len])
-                .collect();
-            pool_row(isa, &rows_in, cout, ow, (pkw, psw, ppw), &mut pooled);
+            let nan = (lo..hi).any(|cy| nans[cy % slots]);
+            let rows_in: Vec<usize> = (lo..hi).map(|cy| cy % slots).collect();
+            pool_down(isa, &hring, hlen, &rows_in, nan, &mut pooled);
             for c in 0..cout {
                 // SAFETY: pooled row (b, py) of channel c lies inside `out` (length checked
                 // above) and belongs to this task alone (tasks take disjoint pooled rows).
@@ -272,8 +290,8 @@ pub fn dense_max_pool_with_isa(
                         pw,
                     )
                 };
-                for (px, d) in dst.iter_mut().enumerate() {
-                    d.write(pooled[px * cout + c]);
+                for (d, &v) in dst.iter_mut().zip(pooled[c..].iter().step_by(cout)) {
+                    d.write(v);
                 }
             }
         }
@@ -314,77 +332,163 @@ fn pool_max(best: f32, v: f32) -> f32 {
     }
 }
 
-/// One pooled row (`pw * cout`, channels-last) from the convolution rows its windows cover
-/// (`rows`, top to bottom, each `ow * cout`): per pooled pixel, the window's columns `kw`
-/// wide at stride `sw` from `px * sw - pad`, visited row by row.
+/// [`pool_max`] for values that are not NaN: one vector `maxps` (which keeps `best` on ties,
+/// as `pool_max` does).
 #[inline(always)]
-fn pool_row_body(
-    rows: &[&[f32]],
-    cout: usize,
-    ow: usize,
-    (kw, sw, pad): (usize, usize, usize),
+fn max_no_nan(best: f32, v: f32) -> f32 {
+    if v > best {
+        v
+    } else {
+        best
+    }
+}
+
+/// `out[i]` = the combination `comb` of `term(0)[i]`, `term(1)[i]`, ... in that order (`count`
+/// terms of at least `out.len()` values; -inf when there are none), up to three terms per pass
+/// so that `out` is written, not read back and written again, for windows of up to 3 (a
+/// vectorised read-modify-write of `out` becomes a masked store, which the next pass's load
+/// waits on).
+#[inline(always)]
+fn comb_terms<'a>(
     out: &mut [f32],
+    count: usize,
+    term: impl Fn(usize) -> &'a [f32],
+    comb: impl Fn(f32, f32) -> f32 + Copy,
 ) {
-    for (px, best) in out.chunks_exact_mut(cout).enumerate() {
-        best.fill(f32::NEG_INFINITY);
-        let left = (px * sw) as isize - pad as isize;
-        let c0 = left.clamp(0, ow as isize) as usize;
-        let c1 = (left + kw as isize).clamp(0, ow as isize) as usize;
-        for row in rows {
-            for cx in c0..c1 {
-                let v = &row[cx * cout..][..cout];
-                for (b, &v) in best.iter_mut().zip(v) {
-                    *b = pool_max(*b, v);
+    let n = out.len();
+    match count {
+        0 => out.fill(f32::NEG_INFINITY),
+        1 => out.copy_from_slice(&term(0)[..n]),
+        2 => {
+            let (a, b) = (&term(0)[..n], &term(1)[..n]);
+            for ((o, &a), &b) in out.iter_mut().zip(a).zip(b) {
+                *o = comb(a, b);
+            }
+        }
+        _ => {
+            let (a, b, c) = (&term(0)[..n], &term(1)[..n], &term(2)[..n]);
+            for (((o, &a), &b), &c) in out.iter_mut().zip(a).zip(b).zip(c) {
+                *o = comb(comb(a, b), c);
+            }
+            for t in 3..count {
+                for (o, &v) in out.iter_mut().zip(&term(t)[..n]) {
+                    *o = comb(*o, v);
                 }
             }
         }
     }
 }
 
-/// [`pool_row_body`] compiled for the kernel family `isa` (its vectors over channels).
-fn pool_row(
-    isa: Isa,
-    rows: &[&[f32]],
+/// `out[px]` (`cout` channels each) = the combination `comb` over the columns of `row` (`ow`
+/// pixels of `cout` channels) that window `px` covers: `kw` wide at stride `sw` from `px * sw
+/// - pad`, left to right (-inf when none lies inside).
+#[inline(always)]
+fn cols_body(
+    row: &[f32],
+    cout: usize,
+    ow: usize,
+    (kw, sw, pad): (usize, usize, usize),
+    out: &mut [f32],
+    comb: impl Fn(f32, f32) -> f32 + Copy,
+) {
+    for (px, best) in out.chunks_exact_mut(cout).enumerate() {
+        let left = (px * sw) as isize - pad as isize;
+        let c0 = left.clamp(0, ow as isize) as usize;
+        let c1 = (left + kw as isize).clamp(0, ow as isize) as usize;
+        comb_terms(best, c1 - c0, |j| &row[(c0 + j) * cout..], comb);
+    }
+}
+
+/// `out` = the combination `comb` of the ring rows `rows` (indices into `ring`, `len` floats
+/// each) element by element, in order (-inf when there are none).
+#[inline(always)]
+fn down_body(
+    ring: &[f32],
+    len: usize,
+    rows: &[usize],
+    out: &mut [f32],
+    comb: impl Fn(f32, f32) -> f32 + Copy,
+) {
+    comb_terms(out, rows.len(), |j| &ring[rows[j] * len..][..len], comb);
+}
+
+/// Defines `$name(isa, args..)`: `$body` (an `#[inline(always)]` function of the args)
+/// compiled for the kernel family `isa` (its vectors), which the caller checked this CPU runs.
+macro_rules! on_isa {
+    ($(#[$doc:meta])* fn $name:ident$(<$lt:lifetime>)?($($a:ident: $t:ty),*) -> $r:ty = $body:ident) => {
+        $(#[$doc])*
+        fn $name$(<$lt>)?(isa: Isa, $($a: $t),*) -> $r {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                fn wide$(<$lt>)?($($a: $t),*) -> $r {
+                    $body($($a),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                fn narrow$(<$lt>)?($($a: $t),*) -> $r {
+                    $body($($a),*)
+                }
+                // SAFETY: the caller checked that this CPU runs `isa`.
+                unsafe {
+                    match isa {
+                        Isa::Avx512 => wide($($a),*),
+                        _ => narrow($($a),*),
+                    }
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                let _ = isa;
+                $body($($a),*)
+            }
+        }
+    };
+}
+
+/// [`cols_body`] with the max pool's combination; returns whether `row` holds a NaN (without
+/// one, the combination is one `maxps`).
+#[inline(always)]
+fn cols_pooled(
+    row: &[f32],
     cout: usize,
     ow: usize,
     win: (usize, usize, usize),
     out: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-        fn wide(
-            rows: &[&[f32]],
-            cout: usize,
-            ow: usize,
-            win: (usize, usize, usize),
-            out: &mut [f32],
-        ) {
-            pool_row_body(rows, cout, ow, win, out)
-        }
-        #[target_feature(enable = "avx2,fma")]
-        fn narrow(
-            rows: &[&[f32]],
-            cout: usize,
-            ow: usize,
-            win: (usize, usize, usize),
-            out: &mut [f32],
-        ) {
-            pool_row_body(rows, cout, ow, win, out)
-        }
-        // SAFETY: the caller checked that this CPU runs `isa`.
-        unsafe {
-            match isa {
-                Isa::Avx512 => wide(rows, cout, ow, win, out),
-                _ => narrow(rows, cout, ow, win, out),
-            }
-        }
+) -> bool {
+    let nan = row.iter().fold(false, |a, v| a | v.is_nan());
+    if nan {
+        cols_body(row, cout, ow, win, out, pool_max);
+    } else {
+        cols_body(row, cout, ow, win, out, max_no_nan);
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = isa;
-        pool_row_body(rows, cout, ow, win, out)
+    nan
+}
+
+/// [`down_body`] of the ring rows `rows` (indices into `ring`, `len` floats each) with the max
+/// pool's combination (`nan`: some row holds a NaN).
+#[inline(always)]
+fn down_pooled(ring: &[f32], len: usize, rows: &[usize], nan: bool, out: &mut [f32]) {
+    if nan {
+        down_body(ring, len, rows, out, pool_max);
+    } else {
+        down_body(ring, len, rows, out, max_no_nan);
     }
+}
+
+on_isa! {
+    /// [`cols_pooled`] for the kernel family `isa`.
+    fn pool_cols(
+        row: &[f32],
+        cout: usize,
+        ow: usize,
+        win: (usize, usize, usize),
+        out: &mut [f32]
+    ) -> bool = cols_pooled
+}
+
+on_isa! {
+    /// [`down_pooled`] for the kernel family `isa`.
+    fn pool_down(ring: &[f32], len: usize, rows: &[usize], nan: bool, out: &mut [f32]) -> () = down_pooled
 }
 
 /// The reference max pool of channels-last convolution outputs (`[n, oh, ow, cout]`, as
