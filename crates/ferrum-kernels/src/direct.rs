@@ -879,19 +879,22 @@ mod x86 {
                 }
                 for kx in 0..kw {
                     let tap = ky * kw + kx;
-                    for (p, a) in acc.iter_mut().enumerate().take(np) {
-                        let ix = ((ox + p) * g.stride[1] + kx * g.dilation[1]) as isize
-                            - g.pad[1] as isize;
-                        if ix < 0 || ix as usize >= iw {
-                            continue;
-                        }
-                        let src = xp.add(iy as usize * st.row + ix as usize * st.pixel);
-                        for ci in 0..cin {
-                            let xv = _mm512_set1_ps(*src.add(ci * st.channel));
-                            let wr = wp.add((tap * cin + ci) * cout + mb);
+                    // Each weight vector loaded once for the block's pixels (each pixel still
+                    // sums its taps and channels in the interior kernel's order).
+                    for ci in 0..cin {
+                        let wr = wp.add((tap * cin + ci) * cout + mb);
+                        let wv: [__m512; V] =
+                            core::array::from_fn(|v| _mm512_maskz_loadu_ps(m[v], wr.add(16 * v)));
+                        for (p, a) in acc.iter_mut().enumerate().take(np) {
+                            let ix = ((ox + p) * g.stride[1] + kx * g.dilation[1]) as isize
+                                - g.pad[1] as isize;
+                            if ix < 0 || ix as usize >= iw {
+                                continue;
+                            }
+                            let at = iy as usize * st.row + ix as usize * st.pixel;
+                            let xv = _mm512_set1_ps(*xp.add(at + ci * st.channel));
                             for v in 0..V {
-                                let wv = _mm512_maskz_loadu_ps(m[v], wr.add(16 * v));
-                                a[v] = _mm512_fmadd_ps(wv, xv, a[v]);
+                                a[v] = _mm512_fmadd_ps(wv[v], xv, a[v]);
                             }
                         }
                     }
