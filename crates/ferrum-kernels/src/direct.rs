@@ -281,19 +281,19 @@ pub fn dense_max_pool_with_isa(
             let nan = (lo..hi).any(|cy| nans[cy % slots]);
             let rows_in: Vec<usize> = (lo..hi).map(|cy| cy % slots).collect();
             pool_down(isa, &hring, hlen, &rows_in, nan, &mut pooled);
-            for c in 0..cout {
-                // SAFETY: pooled row (b, py) of channel c lies inside `out` (length checked
-                // above) and belongs to this task alone (tasks take disjoint pooled rows).
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        base.get().add((b * cout + c) * plane + py * pw),
-                        pw,
-                    )
-                };
-                for (d, &v) in dst.iter_mut().zip(pooled[c..].iter().step_by(cout)) {
-                    d.write(v);
-                }
-            }
+            // SAFETY: pooled row (b, py) of each channel lies inside `out` (length checked
+            // above) and belongs to this task alone (tasks take disjoint pooled rows); `isa`
+            // was asserted.
+            unsafe {
+                to_planes(
+                    isa,
+                    &pooled,
+                    cout,
+                    pw,
+                    base.get().add(b * cout * plane + py * pw).cast::<f32>(),
+                    plane,
+                )
+            };
         }
     };
     if threads <= 1 {
@@ -303,6 +303,32 @@ pub fn dense_max_pool_with_isa(
         pool::parallel_for(rows.div_ceil(per), |t| {
             run(t * per, ((t + 1) * per).min(rows))
         });
+    }
+}
+
+/// `dst[c * plane + px] = src[px * cout + c]` for `px < pw`, `c < cout`: a pooled row
+/// (channels-last) written into its planes.
+///
+/// # Safety
+/// `src` holds `pw * cout` values, `dst + c * plane` addresses `pw` writable floats for every
+/// `c < cout`, and this CPU runs `isa`.
+unsafe fn to_planes(isa: Isa, src: &[f32], cout: usize, pw: usize, dst: *mut f32, plane: usize) {
+    let (mut p0, mut c0) = (0, 0);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: forwarded; whole 16 x 16 blocks inside both.
+        unsafe { x86::to_planes(src, cout, pw, dst, plane) };
+        (p0, c0) = (pw / 16 * 16, cout / 16 * 16);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    // What the blocks left: the last pixels of every channel, the last channels of the rest.
+    for c in 0..cout {
+        let from = if c < c0 { p0 } else { 0 };
+        for px in from..pw {
+            // SAFETY: c < cout and px < pw (the caller's contract).
+            unsafe { *dst.add(c * plane + px) = src[px * cout + c] };
+        }
     }
 }
 
@@ -901,6 +927,70 @@ mod x86 {
                 }
             }
             store(&acc, np, &m, act, op, ox, cout, mb);
+        }
+    }
+
+    /// [`super::to_planes`]'s whole 16 x 16 blocks (pixels `..pw / 16 * 16`, channels `..cout
+    /// / 16 * 16`): 16 pixels' vectors of 16 channels turned in registers into 16 channels'
+    /// vectors of 16 pixels (pairs of lanes, then of pairs, then 128-bit quarters twice).
+    ///
+    /// # Safety
+    /// As [`super::to_planes`], with AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn to_planes(
+        src: &[f32],
+        cout: usize,
+        pw: usize,
+        dst: *mut f32,
+        plane: usize,
+    ) {
+        assert!(src.len() >= pw * cout);
+        for p0 in (0..pw / 16 * 16).step_by(16) {
+            for c0 in (0..cout / 16 * 16).step_by(16) {
+                // SAFETY: pixels p0..p0 + 16 and channels c0..c0 + 16 lie inside `src`
+                // (asserted) and, for `dst`, inside what the caller vouched for.
+                unsafe {
+                    let r: [__m512; 16] = core::array::from_fn(|i| {
+                        _mm512_loadu_ps(src.as_ptr().add((p0 + i) * cout + c0))
+                    });
+                    // Per 128-bit quarter: t[2k] = r[2k].0 r[2k+1].0 r[2k].1 r[2k+1].1,
+                    // t[2k+1] the same of elements 2 and 3.
+                    let t: [__m512; 16] = core::array::from_fn(|i| {
+                        let (a, b) = (r[i & !1], r[i | 1]);
+                        if i % 2 == 0 {
+                            _mm512_unpacklo_ps(a, b)
+                        } else {
+                            _mm512_unpackhi_ps(a, b)
+                        }
+                    });
+                    // u[4k + j], quarter q: element j of quarter q (channel 4q + j) of
+                    // pixels 4k..4k + 4.
+                    let u: [__m512; 16] = core::array::from_fn(|i| {
+                        let (k, j) = (i / 4, i % 4);
+                        let (a, b) = (
+                            _mm512_castps_pd(t[4 * k + j / 2]),
+                            _mm512_castps_pd(t[4 * k + j / 2 + 2]),
+                        );
+                        _mm512_castpd_ps(if j % 2 == 0 {
+                            _mm512_unpacklo_pd(a, b)
+                        } else {
+                            _mm512_unpackhi_pd(a, b)
+                        })
+                    });
+                    for j in 0..4 {
+                        let (p, q, r2, s) = (u[j], u[4 + j], u[8 + j], u[12 + j]);
+                        let x0 = _mm512_shuffle_f32x4::<0x88>(p, q);
+                        let x1 = _mm512_shuffle_f32x4::<0xdd>(p, q);
+                        let y0 = _mm512_shuffle_f32x4::<0x88>(r2, s);
+                        let y1 = _mm512_shuffle_f32x4::<0xdd>(r2, s);
+                        let at = |quarter: usize| dst.add((c0 + 4 * quarter + j) * plane + p0);
+                        _mm512_storeu_ps(at(0), _mm512_shuffle_f32x4::<0x88>(x0, y0));
+                        _mm512_storeu_ps(at(1), _mm512_shuffle_f32x4::<0x88>(x1, y1));
+                        _mm512_storeu_ps(at(2), _mm512_shuffle_f32x4::<0xdd>(x0, y0));
+                        _mm512_storeu_ps(at(3), _mm512_shuffle_f32x4::<0xdd>(x1, y1));
+                    }
+                }
+            }
         }
     }
 
