@@ -350,7 +350,7 @@ impl OutPtr {
 /// The max pool's combination: `v` replaces `best` when larger, or when NaN and `best` is not
 /// (so the first NaN, else the first largest value, in visiting order wins).
 #[inline(always)]
-fn pool_max(best: f32, v: f32) -> f32 {
+pub fn pool_max(best: f32, v: f32) -> f32 {
     if v > best || (v.is_nan() && !best.is_nan()) {
         v
     } else {
@@ -361,7 +361,7 @@ fn pool_max(best: f32, v: f32) -> f32 {
 /// [`pool_max`] for values that are not NaN: one vector `maxps` (which keeps `best` on ties,
 /// as `pool_max` does).
 #[inline(always)]
-fn max_no_nan(best: f32, v: f32) -> f32 {
+pub fn max_no_nan(best: f32, v: f32) -> f32 {
     if v > best {
         v
     } else {

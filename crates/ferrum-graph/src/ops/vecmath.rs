@@ -893,27 +893,8 @@ multiversion! {
     }
 }
 
-/// The max-pool combination: `v` replaces `best` when larger, or when NaN and `best` is not
-/// (so the first NaN, else the first largest value, in visiting order wins).
-#[inline(always)]
-fn pool_max(best: f32, v: f32) -> f32 {
-    if v > best || (v.is_nan() && !best.is_nan()) {
-        v
-    } else {
-        best
-    }
-}
-
-/// [`pool_max`] for values that are not NaN, in one vector instruction (`maxps` keeps its
-/// second operand on ties, as `pool_max` keeps `best`: -0 and +0 alike).
-#[inline(always)]
-fn max_no_nan(best: f32, v: f32) -> f32 {
-    if v > best {
-        v
-    } else {
-        best
-    }
-}
+// The max pool's combinations, shared with the kernels' pooled convolution.
+use ferrum_kernels::direct::{max_no_nan, pool_max};
 
 /// `out[i]` = the pooling max of `terms(0)[i]`, `terms(1)[i]`, ... in that order (`count >= 1`
 /// terms of at least `out.len()` values), or of `out[i]` and then those with `keep`. The
