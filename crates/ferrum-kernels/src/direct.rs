@@ -12,6 +12,7 @@
 //! same order, so they give the same bits.
 
 use std::mem::MaybeUninit;
+use std::ops::Range;
 
 use crate::depthwise::{for_each_row, Finish, Geometry};
 use crate::gemm::{self, Isa};
@@ -84,10 +85,7 @@ pub fn dense_with_isa(
     fin: &Finish,
     out: &mut [MaybeUninit<f32>],
 ) {
-    assert!(
-        matches!(isa, Isa::Avx512 | Isa::Avx2) && gemm::isa_available(isa),
-        "direct: needs AVX-512 or AVX2 and FMA ({isa:?} asked for)"
-    );
+    assert_runs(isa);
     let wlen = g.kernel[0] * g.kernel[1] * g.channels * cout;
     let st = strides(input, g);
     for_each_row(
@@ -141,6 +139,15 @@ unsafe fn conv_row(
     let _ = (isa, img, st, w, cout, g, oy, fin, z, o);
 }
 
+/// Panics unless `isa` is a family the direct kernels have ([`Isa::Avx512`] or [`Isa::Avx2`])
+/// and this CPU runs it.
+fn assert_runs(isa: Isa) {
+    assert!(
+        matches!(isa, Isa::Avx512 | Isa::Avx2) && gemm::isa_available(isa),
+        "direct: needs AVX-512 or AVX2 and FMA ({isa:?} asked for)"
+    );
+}
+
 /// Where the elements of an image laid out as `input` says lie.
 fn strides(input: Input, g: &Geometry) -> Strides {
     let ([ih, iw], cin) = (g.input, g.channels);
@@ -191,10 +198,7 @@ pub fn dense_max_pool_with_isa(
     p: &MaxPool,
     out: &mut [MaybeUninit<f32>],
 ) {
-    assert!(
-        matches!(isa, Isa::Avx512 | Isa::Avx2) && gemm::isa_available(isa),
-        "direct: needs AVX-512 or AVX2 and FMA ({isa:?} asked for)"
-    );
+    assert_runs(isa);
     let ([ih, iw], cin, [kh, kw]) = (g.input, g.channels, g.kernel);
     let [oh, ow] = g.output;
     let ([pkh, pkw], [psh, psw], [pph, ppw], [ph, pw]) = (p.kernel, p.stride, p.pad, p.output);
@@ -279,8 +283,7 @@ pub fn dense_max_pool_with_isa(
                 next.1 += 1;
             }
             let nan = (lo..hi).any(|cy| nans[cy % slots]);
-            let rows_in: Vec<usize> = (lo..hi).map(|cy| cy % slots).collect();
-            pool_down(isa, &hring, hlen, &rows_in, nan, &mut pooled);
+            pool_down(isa, &hring, hlen, (lo..hi, slots), nan, &mut pooled);
             // SAFETY: pooled row (b, py) of each channel lies inside `out` (length checked
             // above) and belongs to this task alone (tasks take disjoint pooled rows); `isa`
             // was asserted.
@@ -425,17 +428,18 @@ fn cols_body(
     }
 }
 
-/// `out` = the combination `comb` of the ring rows `rows` (indices into `ring`, `len` floats
-/// each) element by element, in order (-inf when there are none).
+/// `out` = the combination `comb` of convolution rows `rows` (row `r` in slot `r % slots` of
+/// `ring`, `len` floats each) element by element, in order (-inf when there are none).
 #[inline(always)]
 fn down_body(
     ring: &[f32],
     len: usize,
-    rows: &[usize],
+    (rows, slots): (Range<usize>, usize),
     out: &mut [f32],
     comb: impl Fn(f32, f32) -> f32 + Copy,
 ) {
-    comb_terms(out, rows.len(), |j| &ring[rows[j] * len..][..len], comb);
+    let at = |j: usize| &ring[(rows.start + j) % slots * len..][..len];
+    comb_terms(out, rows.len(), at, comb);
 }
 
 /// Defines `$name(isa, args..)`: `$body` (an `#[inline(always)]` function of the args)
@@ -490,10 +494,9 @@ fn cols_pooled(
     nan
 }
 
-/// [`down_body`] of the ring rows `rows` (indices into `ring`, `len` floats each) with the max
-/// pool's combination (`nan`: some row holds a NaN).
+/// [`down_body`] with the max pool's combination (`nan`: some row holds a NaN).
 #[inline(always)]
-fn down_pooled(ring: &[f32], len: usize, rows: &[usize], nan: bool, out: &mut [f32]) {
+fn down_pooled(ring: &[f32], len: usize, rows: (Range<usize>, usize), nan: bool, out: &mut [f32]) {
     if nan {
         down_body(ring, len, rows, out, pool_max);
     } else {
@@ -514,7 +517,13 @@ on_isa! {
 
 on_isa! {
     /// [`down_pooled`] for the kernel family `isa`.
-    fn pool_down(ring: &[f32], len: usize, rows: &[usize], nan: bool, out: &mut [f32]) -> () = down_pooled
+    fn pool_down(
+        ring: &[f32],
+        len: usize,
+        rows: (Range<usize>, usize),
+        nan: bool,
+        out: &mut [f32]
+    ) -> () = down_pooled
 }
 
 /// The reference max pool of channels-last convolution outputs (`[n, oh, ow, cout]`, as
@@ -1305,6 +1314,27 @@ mod tests {
     use crate::gemm::Act;
     use rand::{Rng, SeedableRng};
 
+    /// The kernel families of this module that this CPU runs.
+    fn families() -> Vec<Isa> {
+        gemm::available_isas()
+            .into_iter()
+            .filter(|i| matches!(i, Isa::Avx512 | Isa::Avx2))
+            .collect()
+    }
+
+    /// `n` channels-last images (`[n, ih, iw, cin]`) as planes (`[n, cin, ih, iw]`).
+    fn as_planes(x: &[f32], n: usize, [ih, iw]: [usize; 2], cin: usize) -> Vec<f32> {
+        let mut planes = vec![0f32; x.len()];
+        for b in 0..n {
+            for q in 0..ih * iw {
+                for ci in 0..cin {
+                    planes[(b * cin + ci) * ih * iw + q] = x[(b * ih * iw + q) * cin + ci];
+                }
+            }
+        }
+        planes
+    }
+
     /// Against the f64 reference on fresh random shapes: 1-4 input channels, 1-90 output
     /// channels (below, at and past whole vectors and the 64-channel blocks), kernels 1-7,
     /// strides 1-3, dilations 1-2, paddings 0-3, batches 1-2, bias / residual / each vector
@@ -1314,10 +1344,7 @@ mod tests {
     /// same bits, and images read as planes the same bits as channels-last.
     #[test]
     fn matches_the_f64_reference() {
-        let isas: Vec<Isa> = gemm::available_isas()
-            .into_iter()
-            .filter(|i| matches!(i, Isa::Avx512 | Isa::Avx2))
-            .collect();
+        let isas = families();
         if isas.is_empty() {
             return;
         }
@@ -1416,15 +1443,7 @@ mod tests {
                     ),
                 }
                 // The same images as planes, read where they lie: the same bits.
-                let (ih, iw) = (input[0], input[1]);
-                let mut planes = vec![0f32; x.len()];
-                for b in 0..n {
-                    for p in 0..ih * iw {
-                        for ci in 0..cin {
-                            planes[(b * cin + ci) * ih * iw + p] = x[(b * ih * iw + p) * cin + ci];
-                        }
-                    }
-                }
+                let planes = as_planes(&x, n, input, cin);
                 let mut from_planes = vec![MaybeUninit::new(f32::NAN); want.len()];
                 dense_with_isa(
                     isa,
@@ -1458,10 +1477,7 @@ mod tests {
     /// written (the output starts as a NaN the kernel cannot make).
     #[test]
     fn pooled_matches_the_convolution_then_the_reference_pool() {
-        let isas: Vec<Isa> = gemm::available_isas()
-            .into_iter()
-            .filter(|i| matches!(i, Isa::Avx512 | Isa::Avx2))
-            .collect();
+        let isas = families();
         if isas.is_empty() {
             return;
         }
@@ -1531,15 +1547,7 @@ mod tests {
                 act,
             };
             // The image as planes too.
-            let (ih, iw) = (input[0], input[1]);
-            let mut planes = vec![0f32; x.len()];
-            for b in 0..n {
-                for q in 0..ih * iw {
-                    for ci in 0..cin {
-                        planes[(b * cin + ci) * ih * iw + q] = x[(b * ih * iw + q) * cin + ci];
-                    }
-                }
-            }
+            let planes = as_planes(&x, n, input, cin);
             for (threads, &isa) in (1..4).flat_map(|t| isas.iter().map(move |i| (t, i))) {
                 let mut conv = vec![MaybeUninit::new(f32::NAN); n * oh * ow * cout];
                 dense_with_isa(
