@@ -1124,7 +1124,7 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     // panel, each then reused from cache by every row tile: while one panel's
                     // row tiles run, the next panel is fetched into L2, a share within each
                     // tile (the hardware prefetcher sees no misses to follow within a panel).
-                    let ahead = prefetches_panels(nr);
+                    let ahead = prefetches_panels();
                     for jr in (0..nc).step_by(nr) {
                         let next = (ahead && jr + nr < nc)
                             .then(|| &bp[(jr + nr) * kc..][..kc * nr.min(nc - jr - nr)]);
@@ -1146,7 +1146,7 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     // An A packed ahead (a convolution's filter) comes from memory: each strip's
                     // tiles ask for a share of the next strip's panel.
                     let next_a = |ir: usize| match ap {
-                        Ok(ap) if a_whole.is_some() && ir + mr < mc && prefetches_panels(nr) => {
+                        Ok(ap) if a_whole.is_some() && ir + mr < mc && prefetches_panels() => {
                             &ap[(ir + mr) * kc..][..kc * mr.min(mc - ir - mr)]
                         }
                         _ => &[],
@@ -1176,27 +1176,20 @@ fn share_of(next: &[f32], lines: usize, t: usize, parts: usize) -> &[f32] {
 
 /// True when a product streaming an operand packed ahead (B in panels `nr` wide, or a
 /// convolution's filter as A) asks for its next panel while the current one's tiles run
-/// (`Out::fetch`). On Intel cores it was measured to
-/// pay (a Xeon with AMX, one thread, B from memory: 128 x 3072 x 768 114-120 -> 125-146
-/// GFLOP/s). On AMD's it pays for the AVX2 kernel's 16-wide panels only (Zen 4, one thread, B
-/// from memory, fastest of 15: 128 x 768 x 768 98 -> 101, 128 x 3072 x 768 97 -> 100 GFLOP/s),
-/// and costs the AVX-512 kernel's 32-wide ones more than the hardware prefetcher leaves to gain,
-/// even at most 16 lines before a tile (without -> with, two alternated rounds: 128 x 768 x 768
-/// 114 -> 104, 128 x 3072 x 768 109 -> 101, 197 x 768 x 3072 107-109 -> 102-108, a
-/// convolution's filter read as B for a short product, 512 x 49 x 2048, 102-103 -> 89; two
-/// threads 2-7% too). Those figures are of a burst of prefetches before each tile; asked for
-/// within the tile's steps, one line at a time, on a Xeon without AMX (2 MB L2; one thread,
-/// fastest of 21, operand from memory): B packed ahead 197 x 3072 x 768 131 -> 166 GFLOP/s,
-/// 197 x 768 x 3072 132 -> 163, a filter as A 2048 x 49 x 512 95 -> 127, 256 x 196 x 1024 138
-/// -> 149. Not yet measured on AMD in that form. `FERRUM_GEMM_PREFETCH=0` or `1` overrides.
-fn prefetches_panels(nr: usize) -> bool {
-    static ON: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = *ON.get_or_init(|| match std::env::var("FERRUM_GEMM_PREFETCH").as_deref() {
-        Ok("0") => Some(false),
-        Ok("1") => Some(true),
-        _ => None,
-    });
-    forced.unwrap_or(crate::cpu::vendor() != crate::cpu::Vendor::Amd || nr < 32)
+/// (`Out::fetch`), one line at a time within the tile's steps. Measured to pay on a Xeon with
+/// AMX (one thread, B from memory: 128 x 3072 x 768 114-120 -> 125-146 GFLOP/s), on a Xeon
+/// without AMX (2 MB L2; one thread, fastest of 21, operand from memory: B packed ahead 197 x
+/// 3072 x 768 131 -> 166 GFLOP/s, 197 x 768 x 3072 132 -> 163, a filter as A 2048 x 49 x 512 95
+/// -> 127, 256 x 196 x 1024 138 -> 149) and on an AMD Zen 5 (1 MB L2; one thread, fastest of 9:
+/// a filter as A 256 x 196 x 1024 212 -> 232, 2048 x 49 x 512 193 -> 217, 197 x 768 x 3072 218
+/// -> 236; whole networks, one thread, alternated runs: ResNet-50 35.3-38.0 -> 31.5-32.7 ms,
+/// BERT-base 100.6-103.4 -> 93.7-95.3, ViT-B/16 159-163 -> 153-156; two threads 3-7% too).
+/// On a Zen 4 an earlier form (a burst of prefetches before each tile, which holds the line
+/// fill buffers as misses do) cost the AVX-512 kernel's 32-wide panels 5-13%; the form above
+/// was not measured there. `FERRUM_GEMM_PREFETCH=0` turns it off.
+fn prefetches_panels() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRUM_GEMM_PREFETCH").as_deref() != Ok("0"))
 }
 
 /// How a product is split among tasks: a grid of `tm x tn` ranges of `per_m` rows and `per_n`
