@@ -125,6 +125,18 @@ fn reads_a_in_place(isa: Isa, n: usize, k: usize) -> bool {
         && !*OFF.get_or_init(|| std::env::var_os("FERRUM_GEMM_PACK_A").is_some())
 }
 
+/// True when the AVX-512 kernel reads B's rows in place as its panels ([`Side::Lanes`]; `x` is
+/// `B^T`) rather than packing them (`FERRUM_GEMM_PACK_B=1`: never): when each step's lanes are
+/// contiguous (a row-major B: a 1x1 convolution's channels-first input) and rows are not a
+/// multiple of 2 KiB apart (a panel's rows would then share a few sets of L1 and L2).
+fn reads_b_in_place(isa: Isa, x: Mat) -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    isa == Isa::Avx512
+        && x.rs == 1
+        && !(4 * x.cs).is_multiple_of(2048)
+        && !*OFF.get_or_init(|| std::env::var_os("FERRUM_GEMM_PACK_B").is_some())
+}
+
 /// Multiply-adds below which a product is not worth another thread.
 const MIN_TASK_MACS: usize = 1 << 19;
 
@@ -431,18 +443,27 @@ impl APanel {
 }
 
 /// A register-tiled kernel: a `rows x cols` tile (at most `MR x NR`) from an A panel (`kc x MR`,
-/// row index fastest, or A's rows in place: [`APanel`]) and a B panel (`kc x NR`, column index
-/// fastest).
+/// row index fastest, or A's rows in place: [`APanel`]) and a B panel (`kc` steps of `NR`
+/// columns, `ldb` apart: `NR` when packed, B's row stride when B's rows are read in place).
 trait Micro {
     const MR: usize;
     const NR: usize;
     /// Computes the tile and writes it per `out`.
     ///
     /// # Safety
-    /// `a` addresses `kc` steps of the tile's rows ([`APanel`]), `b` holds `kc * NR` floats,
-    /// `rows <= MR`, `cols <= NR`, `out` addresses a `rows x cols` tile (bias pointers: `rows`
-    /// and `cols` values), and the CPU has the kernel's features.
-    unsafe fn tile(kc: usize, a: APanel, b: *const f32, rows: usize, cols: usize, out: &Out);
+    /// `a` addresses `kc` steps of the tile's rows ([`APanel`]), `b` addresses `kc` steps of
+    /// `NR` floats each, `ldb` apart, `rows <= MR`, `cols <= NR`, `out` addresses a `rows x
+    /// cols` tile (bias pointers: `rows` and `cols` values), and the CPU has the kernel's
+    /// features.
+    unsafe fn tile(
+        kc: usize,
+        a: APanel,
+        b: *const f32,
+        ldb: usize,
+        rows: usize,
+        cols: usize,
+        out: &Out,
+    );
 }
 
 /// The portable kernel (4 x 8), plain Rust: a separate multiply and add (`mul_add` would be a
@@ -452,12 +473,20 @@ struct Scalar;
 impl Micro for Scalar {
     const MR: usize = 4;
     const NR: usize = 8;
-    unsafe fn tile(kc: usize, a: APanel, b: *const f32, rows: usize, cols: usize, out: &Out) {
-        // SAFETY: the caller guarantees the panel size (kc * NR).
-        let b = unsafe { std::slice::from_raw_parts(b, kc * 8) };
+    unsafe fn tile(
+        kc: usize,
+        a: APanel,
+        b: *const f32,
+        ldb: usize,
+        rows: usize,
+        cols: usize,
+        out: &Out,
+    ) {
         let rp = a.rows::<4>(rows);
         let mut t = [0f32; 32];
-        for (p, bp) in b.chunks_exact(8).enumerate() {
+        for p in 0..kc {
+            // SAFETY: the caller guarantees kc steps of NR floats, ldb apart.
+            let bp = unsafe { std::slice::from_raw_parts(b.add(p * ldb), 8) };
             for r in 0..4 {
                 // SAFETY: p < kc; a packed panel holds kc * MR floats, a row read in place kc
                 // (rows past `rows` repeat the last).
@@ -957,13 +986,17 @@ enum Side<'a> {
     /// panels wide would use each packed A value once or twice, so packing it costs as much as
     /// the product ([`IN_PLACE_MAX_N`]).
     InPlace(Mat<'a>),
+    /// B's rows read in place as the kernels' panels (`X = B^T` with `rs == 1`: each step's
+    /// lanes contiguous, steps `cs` apart; [`reads_b_in_place`]); only the right edge's panel,
+    /// narrower than the kernel, is packed.
+    Lanes(Mat<'a>),
 }
 
 impl<'a> Side<'a> {
     /// The whole-packed data in width `w`, if it is.
     fn whole(self, rows: usize, w: usize) -> Option<(&'a [f32], usize)> {
         match self {
-            Side::Raw(_) | Side::InPlace(_) => None,
+            Side::Raw(_) | Side::InPlace(_) | Side::Lanes(_) => None,
             Side::Whole(d, pad) => Some((d, pad)),
             Side::Pre(p) => Some((p.get(w), rows.next_multiple_of(w))),
         }
@@ -1044,12 +1077,23 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
             let kc = kcb.min(p.k - pc);
             let last = pc + kc == p.k;
             let acc = p.acc || pc > 0;
-            let bp: &[f32] = match (b_whole, p.b) {
-                (Some((d, pad)), _) => &d[pc * pad + jc * kc..],
+            // B's panels: packed (`ldb` = nr), or B's rows in place (`lanes`: the block's
+            // whole panels; its narrower last panel is packed as panel 0 of the buffer).
+            let whole_panels = nc / nr * nr;
+            let (bp, lanes): (&[f32], Option<Mat>) = match (b_whole, p.b) {
+                (Some((d, pad)), _) => (&d[pc * pad + jc * kc..], None),
                 (None, Side::Raw(x)) => {
                     let buf = at_least(&mut sb, nc.next_multiple_of(nr) * kc);
                     x.offset(jc, pc).pack(nc, kc, nr, buf);
-                    buf
+                    (buf, None)
+                }
+                (None, Side::Lanes(x)) => {
+                    let x = x.offset(jc, pc);
+                    let buf = at_least(&mut sb, nr * kc);
+                    if whole_panels < nc {
+                        pack(x.offset(whole_panels, 0), nc - whole_panels, kc, nr, buf);
+                    }
+                    (buf, Some(x))
                 }
                 (None, _) => unreachable!(),
             };
@@ -1070,7 +1114,15 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                 let tile = |jr: usize, ir: usize, fetch: &[f32]| {
                     let cols = nr.min(nc - jr);
                     let j = jc + jr;
-                    let bpanel = bp[jr * kc..][..kc * nr].as_ptr();
+                    let (bpanel, ldb) = match lanes {
+                        // B's rows in place: kc steps of nr lanes, x.cs apart (inside B:
+                        // the slice's bounds).
+                        Some(x) if jr < whole_panels => {
+                            (x.data[jr..][..(kc - 1) * x.cs + nr].as_ptr(), x.cs)
+                        }
+                        Some(_) => (bp[..kc * nr].as_ptr(), nr),
+                        None => (bp[jr * kc..][..kc * nr].as_ptr(), nr),
+                    };
                     let rws = mr.min(mc - ir);
                     let i = ic + ir;
                     let apanel = match ap {
@@ -1113,11 +1165,11 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                         fetch: fetch.as_ptr(),
                         fetch_lines: fetch.len().div_ceil(16),
                     };
-                    // SAFETY: the panels were sliced to kc * MR and kc * NR floats (A read in
-                    // place: its rws rows of kc steps lie inside A, checked at entry); the rws x
+                    // SAFETY: the panels were sliced to kc * MR and kc steps of NR floats (A read
+                    // in place: its rws rows of kc steps lie inside A, checked at entry); the rws x
                     // cols tile lies inside this task's range of C, and the bias slices were
                     // checked to cover every row and column; the ISA was checked by the caller.
-                    unsafe { K::tile(kc, apanel, bpanel, rws, cols, &out) };
+                    unsafe { K::tile(kc, apanel, bpanel, ldb, rws, cols, &out) };
                 };
                 if b_whole.is_some() {
                     // B packed ahead (a weight) comes from memory on its first use, panel after
@@ -1654,6 +1706,11 @@ fn gemm_dst(
             col_bias: row_bias,
             ..p
         };
+    }
+    if let Side::Raw(Src::Mat(x)) = p.b {
+        if reads_b_in_place(isa, x) {
+            p.b = Side::Lanes(x);
+        }
     }
     // SAFETY: C's extent was checked above and C is borrowed mutably until the call returns
     // (an uninitialised C is only written: `acc` is false); the bias slices cover the rows and

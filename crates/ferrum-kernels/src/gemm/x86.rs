@@ -20,14 +20,22 @@ impl<const MR: usize> Micro for Avx512<MR> {
     const MR: usize = MR;
     const NR: usize = 32;
     #[inline]
-    unsafe fn tile(kc: usize, a: APanel, b: *const f32, rows: usize, cols: usize, out: &Out) {
+    unsafe fn tile(
+        kc: usize,
+        a: APanel,
+        b: *const f32,
+        ldb: usize,
+        rows: usize,
+        cols: usize,
+        out: &Out,
+    ) {
         macro_rules! by_rows {
             ($nv:literal, $ip:literal, $half:literal, $($r:literal)*) => {
                 match rows {
                     // SAFETY: forwarded from the caller (panel sizes, tile extent, AVX-512F);
                     // `rows <= MR` is checked by the match arm's bound.
                     $($r if $r <= MR => unsafe {
-                        tile_avx512::<MR, $r, $nv, $ip, $half>(kc, a, b, cols, out)
+                        tile_avx512::<MR, $r, $nv, $ip, $half>(kc, a, b, ldb, cols, out)
                     },)*
                     _ => unreachable!("gemm: {rows} rows in an AVX-512 tile of {MR}"),
                 }
@@ -88,7 +96,7 @@ impl Fetch {
 }
 
 /// The `R x 16*NV` tile of `a` (a panel of row stride `MR`, or with `IN_PLACE` A's rows
-/// `a.lda` apart: [`APanel`]) times `b`'s panel (row stride 32), written per `out` for its first
+/// `a.lda` apart: [`APanel`]) times `b`'s panel (row stride `ldb`), written per `out` for its first
 /// `cols` columns. With `HALF`, the tile's last vector holds at most 8 columns, and its
 /// products are 8-lane (256-bit) FMAs: on CPUs that split a 512-bit FMA into two 256-bit
 /// halves (AMD Zen 4) the dead half costs as much as a live one, so a 24-column edge (a
@@ -96,7 +104,7 @@ impl Fetch {
 /// 24. The upper lanes of such a vector are zero and never stored.
 ///
 /// # Safety
-/// `a` addresses `kc` steps of `R` rows (`kc * MR` floats packed), `b` holds `kc * 32`,
+/// `a` addresses `kc` steps of `R` rows (`kc * MR` floats packed), `b` `kc` steps of 32 floats `ldb` apart,
 /// `R <= MR`, `cols <= 16 * NV` (`cols <= 16 * NV - 8` with `HALF`), `out` addresses an
 /// `R x cols` tile (and its bias pointers `R` and `cols` values), and the CPU supports AVX-512F.
 #[target_feature(enable = "avx512f")]
@@ -110,6 +118,7 @@ unsafe fn tile_avx512<
     kc: usize,
     a: APanel,
     b: *const f32,
+    ldb: usize,
     cols: usize,
     out: &Out,
 ) {
@@ -121,7 +130,7 @@ unsafe fn tile_avx512<
         // SAFETY: p < kc and R <= MR, so the loads stay inside the panels the caller vouched for
         // (A read in place: inside its R rows of kc steps).
         unsafe {
-            let bp = b.add(p * 32);
+            let bp = b.add(p * ldb);
             let mut bv = [_mm512_setzero_ps(); NV];
             for (v, x) in bv.iter_mut().enumerate() {
                 *x = _mm512_loadu_ps(bp.add(16 * v));
@@ -642,13 +651,21 @@ impl Micro for Avx2 {
     const MR: usize = 6;
     const NR: usize = 16;
     #[inline]
-    unsafe fn tile(kc: usize, a: APanel, b: *const f32, rows: usize, cols: usize, out: &Out) {
+    unsafe fn tile(
+        kc: usize,
+        a: APanel,
+        b: *const f32,
+        ldb: usize,
+        rows: usize,
+        cols: usize,
+        out: &Out,
+    ) {
         // SAFETY: forwarded from the caller (panel sizes, tile extent, AVX2 and FMA present).
         unsafe {
             if a.lda == 0 {
-                tile_avx2::<false>(kc, a, b, rows, cols, out)
+                tile_avx2::<false>(kc, a, b, ldb, rows, cols, out)
             } else {
-                tile_avx2::<true>(kc, a, b, rows, cols, out)
+                tile_avx2::<true>(kc, a, b, ldb, rows, cols, out)
             }
         };
     }
@@ -659,13 +676,14 @@ impl Micro for Avx2 {
 /// tiles without an epilogue straight from registers, others through [`write_tile`].
 ///
 /// # Safety
-/// `a` addresses `kc` steps of `rows` rows (`kc * 6` floats packed), `b` holds `kc * 16`, `out`
+/// `a` addresses `kc` steps of `rows` rows (`kc * 6` floats packed), `b` `kc` steps of 16 floats `ldb` apart, `out`
 /// addresses a `rows x cols` tile (and its bias values), and the CPU supports AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn tile_avx2<const IN_PLACE: bool>(
     kc: usize,
     a: APanel,
     b: *const f32,
+    ldb: usize,
     rows: usize,
     cols: usize,
     out: &Out,
@@ -677,8 +695,8 @@ unsafe fn tile_avx2<const IN_PLACE: bool>(
     let step = |t: &mut [[__m256; 2]; 6], p: usize| {
         // SAFETY: p < kc, so the loads stay inside the panels the caller vouched for.
         unsafe {
-            let b0 = _mm256_loadu_ps(b.add(p * 16));
-            let b1 = _mm256_loadu_ps(b.add(p * 16 + 8));
+            let b0 = _mm256_loadu_ps(b.add(p * ldb));
+            let b1 = _mm256_loadu_ps(b.add(p * ldb + 8));
             for (r, row) in t.iter_mut().enumerate() {
                 let av = _mm256_set1_ps(if IN_PLACE {
                     *rp[r].add(p)
