@@ -308,6 +308,33 @@ pub fn vendor() -> Vendor {
     })
 }
 
+/// The CPU's family as CPUID leaf 1 reports it (the base family, plus the extended family when
+/// the base is 15: AMD Zen 3 and 4 are 25, Zen 5 is 26); 0 off x86.
+pub fn family() -> u32 {
+    static F: OnceLock<u32> = OnceLock::new();
+    *F.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // CPUID leaf 1 is present on every x86_64 CPU: the signature in EAX.
+            family_of(std::arch::x86_64::__cpuid(1).eax)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            0
+        }
+    })
+}
+
+/// The family in a CPUID leaf-1 signature (EAX).
+pub fn family_of(eax: u32) -> u32 {
+    let base = (eax >> 8) & 0xf;
+    if base == 0xf {
+        base + ((eax >> 20) & 0xff)
+    } else {
+        base
+    }
+}
+
 /// The vendor a CPUID vendor string names.
 pub fn vendor_of(id: &[u8; 12]) -> Vendor {
     match id {
@@ -369,6 +396,10 @@ mod tests {
         assert_eq!(vendor_of(b"AuthenticAMD"), Vendor::Amd);
         assert_eq!(vendor_of(b"HygonGenuine"), Vendor::Amd);
         assert_eq!(vendor_of(b"VIA VIA VIA "), Vendor::Other);
+        // Signatures: Zen 4 (EPYC 9004), Zen 5 (EPYC 9005), a Sapphire Rapids Xeon.
+        assert_eq!(family_of(0x00A1_0F11), 25);
+        assert_eq!(family_of(0x00B0_0F21), 26);
+        assert_eq!(family_of(0x0008_06F8), 6);
         #[cfg(target_arch = "x86_64")]
         {
             let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();

@@ -1176,7 +1176,7 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     // panel, each then reused from cache by every row tile: while one panel's
                     // row tiles run, the next panel is fetched into L2, a share within each
                     // tile (the hardware prefetcher sees no misses to follow within a panel).
-                    let ahead = prefetches_panels();
+                    let ahead = prefetches_panels(nr);
                     for jr in (0..nc).step_by(nr) {
                         let next = (ahead && jr + nr < nc)
                             .then(|| &bp[(jr + nr) * kc..][..kc * nr.min(nc - jr - nr)]);
@@ -1198,7 +1198,7 @@ unsafe fn run_block<K: Micro>(p: &Prob, i0: usize, i1: usize, j0: usize, j1: usi
                     // An A packed ahead (a convolution's filter) comes from memory: each strip's
                     // tiles ask for a share of the next strip's panel.
                     let next_a = |ir: usize| match ap {
-                        Ok(ap) if a_whole.is_some() && ir + mr < mc && prefetches_panels() => {
+                        Ok(ap) if a_whole.is_some() && ir + mr < mc && prefetches_panels(nr) => {
                             &ap[(ir + mr) * kc..][..kc * mr.min(mc - ir - mr)]
                         }
                         _ => &[],
@@ -1237,11 +1237,19 @@ fn share_of(next: &[f32], lines: usize, t: usize, parts: usize) -> &[f32] {
 /// -> 236; whole networks, one thread, alternated runs: ResNet-50 35.3-38.0 -> 31.5-32.7 ms,
 /// BERT-base 100.6-103.4 -> 93.7-95.3, ViT-B/16 159-163 -> 153-156; two threads 3-7% too).
 /// On a Zen 4 an earlier form (a burst of prefetches before each tile, which holds the line
-/// fill buffers as misses do) cost the AVX-512 kernel's 32-wide panels 5-13%; the form above
-/// was not measured there. `FERRUM_GEMM_PREFETCH=0` turns it off.
-fn prefetches_panels() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FERRUM_GEMM_PREFETCH").as_deref() != Ok("0"))
+/// fill buffers as misses do) cost the AVX-512 kernel's 32-wide panels 5-13% (BERT-base 7%);
+/// the form above was not measured there, so AMD's family 25 (Zen 3 and 4) keeps it off for
+/// those panels (its AVX2 kernel's 16-wide ones gained). `FERRUM_GEMM_PREFETCH=0` or `1`
+/// overrides.
+fn prefetches_panels(nr: usize) -> bool {
+    static ON: OnceLock<Option<bool>> = OnceLock::new();
+    let forced = *ON.get_or_init(|| match std::env::var("FERRUM_GEMM_PREFETCH").as_deref() {
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        _ => None,
+    });
+    let zen4 = crate::cpu::vendor() == crate::cpu::Vendor::Amd && crate::cpu::family() <= 25;
+    forced.unwrap_or(!zen4 || nr < 32)
 }
 
 /// How a product is split among tasks: a grid of `tm x tn` ranges of `per_m` rows and `per_n`
