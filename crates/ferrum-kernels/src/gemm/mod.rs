@@ -129,9 +129,9 @@ fn reads_a_in_place(isa: Isa, n: usize, k: usize) -> bool {
 /// `B^T`) rather than packing them (`FERRUM_GEMM_PACK_B=1`: never): when each step's lanes are
 /// contiguous (a row-major B: a 1x1 convolution's channels-first input) and rows are not a
 /// multiple of 2 KiB apart (a panel's rows would then share a few sets of L1 and L2). On an AMD
-/// Zen 5 (`cargo bench --bench gemm -- 1 2 --shape ... --bf16`, filter packed, bias + residual
-/// + Relu, from memory, fastest of 15, packed against in place): 64 x 3136 x 256 0.680 -> 0.603
-/// ms at one thread, 256 x 196 x 1024 0.491 -> 0.450, at two threads 0.293 -> 0.261 (nothing
+/// Zen 5 (`cargo bench --bench gemm -- 1 2 --shape ... --bf16`, filter packed, with bias,
+/// residual and Relu, from memory, fastest of 15, packed against in place): 64 x 3136 x 256
+/// 0.680 -> 0.603 ms at one thread, 256 x 196 x 1024 0.491 -> 0.450, at two threads 0.293 -> 0.261 (nothing
 /// left to pack for both threads before they start), 1024 x 196 x 256 0.271 -> 0.241; ResNet-50's
 /// nodes at one thread ~1 ms in all. Running a block's panels one by one down its row strips
 /// instead (as for a B packed ahead) was no faster.
